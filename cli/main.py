@@ -1,0 +1,163 @@
+"""The `llamatune` command: parses options and calls one library function per command.
+
+Nothing heavy is imported at module level (numpy, numba, gguf load inside the
+commands), so `llamatune --help` answers at once. A `LlamatuneError` becomes one
+line on stderr and exit code 1; Ctrl-C exits 130.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(
+    name="llamatune",
+    help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def friendly_errors(fn):
+    """Turn user errors into one clear line and a non-zero exit, never a traceback."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from llamatune.errors import LlamatuneError
+        try:
+            return fn(*args, **kwargs)
+        except LlamatuneError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise typer.Exit(1)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            raise typer.Exit(130)
+        except MemoryError:
+            print("error: out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
+            raise typer.Exit(1)
+    return wrapper
+
+
+def read_text(path: Path) -> str:
+    """The file's exact text (nothing stripped), or a clear error."""
+    from llamatune.errors import LlamatuneError
+    if not path.exists():
+        raise LlamatuneError(f"{path}: file not found")
+    if path.is_dir():
+        raise LlamatuneError(f"{path}: is a directory, expected a text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlamatuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
+    """--lora-scaled takes 'FILE:SCALE' (llama.cpp spelling) or 'FILE SCALE'."""
+    from llamatune.errors import LlamatuneError
+    out = []
+    for v in values:
+        path, sep, scale = v.rpartition(":")
+        try:
+            out.append((path, float(scale)))
+        except ValueError:
+            raise LlamatuneError(f"--lora-scaled '{v}': expected FILE:SCALE, e.g. adapter.gguf:0.5") from None
+    return out
+
+
+def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str]):
+    from llamatune.model import Model
+    from llamatune.infer import Runner
+    model = Model(model_path)
+    adapters = None
+    if lora or lora_scaled:
+        from llamatune.adapter import load_runtime_adapters
+        adapters = load_runtime_adapters(model, [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled))
+    return Runner(model, adapters)
+
+
+LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
+LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
+
+
+@app.command()
+@friendly_errors
+def tokenize(
+    model: Path = typer.Option(..., "-m", "--model", help="GGUF model or vocab-only GGUF."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Text to tokenize."),
+    file: Optional[Path] = typer.Option(None, "-f", "--file", help="Tokenize this file's exact text."),
+    ids: bool = typer.Option(False, "--ids", help="Print only the ids, as one list: [1, 15043, 3186]."),
+    no_bos: bool = typer.Option(False, "--no-bos", help="Add no special tokens (BOS/EOS)."),
+):
+    """Tokenize text with the model's own vocabulary, like llama-tokenize."""
+    from llamatune.errors import LlamatuneError
+    from llamatune.gguf_io import GGUFFile
+    from llamatune.tokenizer import Tokenizer
+    if (prompt is None) == (file is None):
+        raise LlamatuneError("give exactly one of -p/--prompt and -f/--file")
+    text = prompt if prompt is not None else read_text(file)
+    tok = Tokenizer.from_gguf(GGUFFile(model))
+    result = tok.encode(text, add_special=not no_bos)
+    if ids:
+        print("[" + ", ".join(str(t) for t in result) + "]")
+    else:
+        for t in result:
+            print(f"{t:6d} -> '{tok.token_to_piece(t)}'")
+
+
+@app.command()
+@friendly_errors
+def perplexity(
+    model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
+    file: Path = typer.Option(..., "-f", "--file", help="Text file to score."),
+    ctx: int = typer.Option(512, "-c", "--ctx", help="Window size in tokens."),
+    batch: int = typer.Option(2048, "-b", "--batch", help="Tokens per forward pass (whole windows are batched)."),
+    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
+    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+):
+    """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
+    from llamatune.console import out
+    from llamatune.perplexity import perplexity as run_perplexity
+    from llamatune.progress import progress_bar
+    text = read_text(file)
+    runner = make_runner(model, lora, lora_scaled)
+    with progress_bar("perplexity") as bar:
+        res = run_perplexity(runner, text, ctx, batch, source=str(file),
+                             on_window=lambda d, n, p: bar(d, n, f"PPL {p:.4f}"))
+    out.print(f"{res.n_tokens} tokens, {res.n_windows} windows of {ctx}, {res.n_scored} scored")
+    out.print("".join(f"[{i + 1}]{p:.4f}," for i, p in enumerate(res.chunk_ppls)))
+    out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
+
+
+@app.command()
+@friendly_errors
+def generate(
+    model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
+    prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
+    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
+    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
+    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+):
+    """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
+    from llamatune.generate import generate as run_generate, stream_text
+    runner = make_runner(model, lora, lora_scaled)
+    sys.stdout.write(prompt)
+    ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)
+    stream_text(runner, prompt, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    sys.stdout.write("\n")
+
+
+def main():  # pragma: no cover - console-script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,1 @@
+"""Numba CPU kernels (and their numpy references) for llamatune."""

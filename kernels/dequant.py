@@ -1,0 +1,437 @@
+"""Numba CPU dequantization of GGUF tensor data to float32.
+
+Mirrors ``gguf.quants.dequantize`` (gguf-py ``quants.py``: ``dequantize_blocks``
+of each quant class, plus the F32/F16 views) bit for bit, which in turn follows
+llama.cpp's ``dequantize_row_*`` in ``ggml-quants.c``. Every float operation is
+done in float32 in the same order as gguf-py, e.g. for the K-quants the
+per-sub-block products ``d * sc`` and ``dmin * m`` are rounded to f32 first, then
+``y = (d*sc) * q - (dmin*m)``.
+
+gguf-py vs ggml-quants.c: the operation order is the same for every type here
+(ggml: ``x*d`` for Q8_0, ``x*d + m`` for Q4_1/Q5_1, ``d1*q - m1`` for the
+K-quants, ``d*sc*q`` = ``(d*sc)*q`` for Q6_K). The one way ggml can differ is
+when its C compiler contracts ``a*b + c`` into an FMA (GCC's default
+``-ffp-contract=fast`` on FMA-capable builds); numpy and these kernels never
+fuse (no ``fastmath``), so the oracle here is gguf-py.
+
+Layout: kernels are plain loops compiled lazily (``cache=True``, no eager
+signatures, nothing compiled at import) and never allocate; the Python
+wrappers check arguments and the caller owns the output buffer. Each type has
+one kernel ``_deq_<type>(data, rows, gather, out)``: a ``prange`` loop over
+output rows (source row ``rows[i]`` when gathering, else ``i``) around a plain
+loop over the row's blocks. (One kernel per type rather than a generic driver
+closing over a row function: numba's on-disk cache misses closures over
+dispatchers in every new process.)
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize as _gguf_dequantize
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+QK_K = 256  # super-block size of the K-quants
+
+__all__ = ["NUMBA_TYPES", "dequantize_into", "dequantize_rows_into", "dequantize"]
+
+
+# ---------------------------------------------------------------- bit helpers
+@intrinsic
+def _bits_to_f32(typingctx, bits):
+    """Reinterpret the low 32 bits of an integer as a float32 (no conversion)."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        u32 = context.cast(builder, args[0], sig.args[0], types.uint32)
+        return builder.bitcast(u32, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@njit(cache=True, inline="always")
+def _u16(src, o):
+    """Little-endian uint16 at byte offset o, as int64."""
+    return np.int64(src[o]) | (np.int64(src[o + 1]) << 8)
+
+
+@njit(cache=True, inline="always")
+def _i8(b):
+    """uint8 byte -> signed int8 value, as int64."""
+    v = np.int64(b)
+    return v - ((v & 0x80) << 1)
+
+
+@njit(cache=True, inline="always")
+def _half_bits_to_f32(h):
+    """Exact IEEE half -> float32 from the 16 bits (same bits as numpy's cast:
+    subnormals normalised, inf kept, NaN payload kept unquieted)."""
+    sign = (h & 0x8000) << 16
+    exp = (h >> 10) & 0x1F
+    mant = h & 0x3FF
+    if exp == 0x1F:  # inf / nan
+        bits = sign | 0x7F800000 | (mant << 13)
+    elif exp != 0:  # normal: rebias 15 -> 127
+        bits = sign | ((exp + 112) << 23) | (mant << 13)
+    elif mant == 0:  # +-0
+        bits = sign
+    else:  # subnormal half = mant * 2^-24: normalise into a normal float32
+        e = 113
+        while (mant & 0x400) == 0:
+            mant <<= 1
+            e -= 1
+        bits = sign | (e << 23) | ((mant & 0x3FF) << 13)
+    return _bits_to_f32(bits)
+
+
+@njit(cache=True, inline="always")
+def _f16(src, o):
+    """float16 stored at byte offset o of src, as float32."""
+    return _half_bits_to_f32(_u16(src, o))
+
+
+@njit(cache=True, inline="always")
+def _src_row(rows, gather, i):
+    """Source row of output row i: rows[i] when gathering, else i."""
+    return rows[i] if gather else np.int64(i)
+
+
+# ------------------------------------------------------- plain float types
+@njit(cache=True, parallel=True)
+def _deq_f32(data, rows, gather, out):
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for j in range(dst.shape[0]):
+            o = 4 * j
+            bits = _u16(src, o) | (_u16(src, o + 2) << 16)
+            dst[j] = _bits_to_f32(bits)  # bit copy, NaN payloads kept
+
+
+@njit(cache=True, parallel=True)
+def _deq_f16(data, rows, gather, out):
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for j in range(dst.shape[0]):
+            dst[j] = _f16(src, 2 * j)
+
+
+@njit(cache=True, parallel=True)
+def _deq_bf16(data, rows, gather, out):
+    # gguf-py: (int16 -> int32 << 16).view(float32) == bits << 16
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for j in range(dst.shape[0]):
+            dst[j] = _bits_to_f32(_u16(src, 2 * j) << 16)
+
+
+# -------------------------------------------------- 32-value legacy blocks
+@njit(cache=True, parallel=True)
+def _deq_q8_0(data, rows, gather, out):
+    # block_q8_0 (34 B): d(f16) qs[32](int8);  y = q * d
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // 32):
+            o = 34 * b
+            d = _f16(src, o)
+            for j in range(32):
+                dst[32 * b + j] = np.float32(_i8(src[o + 2 + j])) * d
+
+
+@njit(cache=True, parallel=True)
+def _deq_q4_0(data, rows, gather, out):
+    # block_q4_0 (18 B): d(f16) qs[16];  y[j] = d*((qs[j]&15)-8), y[j+16] = d*((qs[j]>>4)-8)
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // 32):
+            o = 18 * b
+            d = _f16(src, o)
+            y = 32 * b
+            for j in range(16):
+                q = np.int64(src[o + 2 + j])
+                dst[y + j] = d * np.float32((q & 0xF) - 8)
+                dst[y + j + 16] = d * np.float32((q >> 4) - 8)
+
+
+@njit(cache=True, parallel=True)
+def _deq_q4_1(data, rows, gather, out):
+    # block_q4_1 (20 B): d(f16) m(f16) qs[16];  y = (d*q) + m
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // 32):
+            o = 20 * b
+            d = _f16(src, o)
+            m = _f16(src, o + 2)
+            y = 32 * b
+            for j in range(16):
+                q = np.int64(src[o + 4 + j])
+                dst[y + j] = d * np.float32(q & 0xF) + m
+                dst[y + j + 16] = d * np.float32(q >> 4) + m
+
+
+@njit(cache=True, parallel=True)
+def _deq_q5_0(data, rows, gather, out):
+    # block_q5_0 (22 B): d(f16) qh[4](u32 LE, bit j = 5th bit of value j) qs[16];
+    # y = d*(q-16)
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // 32):
+            o = 22 * b
+            d = _f16(src, o)
+            qh = _u16(src, o + 2) | (_u16(src, o + 4) << 16)
+            y = 32 * b
+            for j in range(16):
+                q = np.int64(src[o + 6 + j])
+                q0 = (q & 0xF) | (((qh >> j) & 1) << 4)
+                q1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                dst[y + j] = d * np.float32(q0 - 16)
+                dst[y + j + 16] = d * np.float32(q1 - 16)
+
+
+@njit(cache=True, parallel=True)
+def _deq_q5_1(data, rows, gather, out):
+    # block_q5_1 (24 B): d(f16) m(f16) qh[4] qs[16];  y = (d*q) + m
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // 32):
+            o = 24 * b
+            d = _f16(src, o)
+            m = _f16(src, o + 2)
+            qh = _u16(src, o + 4) | (_u16(src, o + 6) << 16)
+            y = 32 * b
+            for j in range(16):
+                q = np.int64(src[o + 8 + j])
+                q0 = (q & 0xF) | (((qh >> j) & 1) << 4)
+                q1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
+                dst[y + j] = d * np.float32(q0) + m
+                dst[y + j + 16] = d * np.float32(q1) + m
+
+
+# ---------------------------------------------------- 256-value K-quants
+@njit(cache=True, parallel=True)
+def _deq_q2_k(data, rows, gather, out):
+    # block_q2_K (84 B): scales[16] (lo nibble: scale, hi: min) qs[64] d(f16) dmin(f16).
+    # Value i: h=i>>7, j=(i>>5)&3, l=i&31 -> q = (qs[32h+l] >> 2j) & 3, sub-block i>>4.
+    # y = (d*sc)*q - (dmin*m)
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // QK_K):
+            o = 84 * b
+            d = _f16(src, o + 80)
+            dmin = _f16(src, o + 82)
+            for sb in range(16):
+                s = np.int64(src[o + sb])
+                dl = d * np.float32(s & 0xF)
+                ml = dmin * np.float32(s >> 4)
+                qs = o + 16 + 32 * (sb >> 3) + 16 * (sb & 1)
+                shift = 2 * ((sb >> 1) & 3)
+                y = QK_K * b + 16 * sb
+                for k in range(16):
+                    q = (np.int64(src[qs + k]) >> shift) & 3
+                    dst[y + k] = dl * np.float32(q) - ml
+
+
+@njit(cache=True, parallel=True)
+def _deq_q3_k(data, rows, gather, out):
+    # block_q3_K (110 B): hmask[32] qs[64] scales[12] d(f16).
+    # 16 6-bit scales: low 4 bits from scales[sb] (sb<8, lo nibble) / scales[sb-8] (hi
+    # nibble), high 2 bits = (scales[8 + sb%4] >> 2*(sb//4)) & 3; scale - 32.
+    # Value i: 2 low bits like Q2_K, 3rd bit = (hmask[i&31] >> (i>>5)) & 1, subtract 4
+    # when that bit is 0.  y = (d*sc) * q
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // QK_K):
+            o = 110 * b
+            d = _f16(src, o + 108)
+            sc = o + 96
+            for sb in range(16):
+                lo = np.int64(src[sc + (sb & 7)])
+                lo = (lo & 0xF) if sb < 8 else (lo >> 4)
+                hi = (np.int64(src[sc + 8 + (sb & 3)]) >> (2 * (sb >> 2))) & 3
+                dl = d * np.float32((lo | (hi << 4)) - 32)
+                l0 = 16 * (sb & 1)
+                qs = o + 32 + 32 * (sb >> 3) + l0
+                shift = 2 * ((sb >> 1) & 3)
+                hbit = sb >> 1  # == i >> 5 for the values of this sub-block
+                y = QK_K * b + 16 * sb
+                for k in range(16):
+                    q = (np.int64(src[qs + k]) >> shift) & 3
+                    h = (np.int64(src[o + l0 + k]) >> hbit) & 1
+                    dst[y + k] = dl * np.float32(q - 4 * (1 - h))
+
+
+@njit(cache=True, inline="always")
+def _scale_min_k4(src, sc, j):
+    """6-bit (scale, min) pair j of the 12-byte K4/K5 scales at byte offset sc:
+    bytes 0-3 = scale j (j<4) + 2 high bits of j+4, bytes 4-7 = same for mins,
+    bytes 8-11 = low 4 bits of scale (lo nibble) and min (hi nibble) j+4."""
+    if j < 4:
+        s = np.int64(src[sc + j]) & 0x3F
+        m = np.int64(src[sc + 4 + j]) & 0x3F
+    else:
+        md = np.int64(src[sc + 4 + j])
+        s = (md & 0xF) | ((np.int64(src[sc + j - 4]) >> 2) & 0x30)
+        m = (md >> 4) | ((np.int64(src[sc + j]) >> 2) & 0x30)
+    return s, m
+
+
+@njit(cache=True, parallel=True)
+def _deq_q4_k(data, rows, gather, out):
+    # block_q4_K (144 B): d(f16) dmin(f16) scales[12] qs[128].
+    # Sub-block sb (32 values): q = (qs[32*(sb//2) + l] >> 4*(sb%2)) & 15.
+    # y = (d*sc)*q - (dmin*m)
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // QK_K):
+            o = 144 * b
+            d = _f16(src, o)
+            dmin = _f16(src, o + 2)
+            for sb in range(8):
+                s, m = _scale_min_k4(src, o + 4, sb)
+                dl = d * np.float32(s)
+                ml = dmin * np.float32(m)
+                qs = o + 16 + 32 * (sb >> 1)
+                shift = 4 * (sb & 1)
+                y = QK_K * b + 32 * sb
+                for l in range(32):
+                    q = (np.int64(src[qs + l]) >> shift) & 0xF
+                    dst[y + l] = dl * np.float32(q) - ml
+
+
+@njit(cache=True, parallel=True)
+def _deq_q5_k(data, rows, gather, out):
+    # block_q5_K (176 B): d(f16) dmin(f16) scales[12] qh[32] qs[128].
+    # Like Q4_K plus 5th bit (qh[l] >> sb) & 1.  y = (d*sc)*q - (dmin*m)
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // QK_K):
+            o = 176 * b
+            d = _f16(src, o)
+            dmin = _f16(src, o + 2)
+            for sb in range(8):
+                s, m = _scale_min_k4(src, o + 4, sb)
+                dl = d * np.float32(s)
+                ml = dmin * np.float32(m)
+                qs = o + 48 + 32 * (sb >> 1)
+                shift = 4 * (sb & 1)
+                y = QK_K * b + 32 * sb
+                for l in range(32):
+                    q = (np.int64(src[qs + l]) >> shift) & 0xF
+                    q |= ((np.int64(src[o + 16 + l]) >> sb) & 1) << 4
+                    dst[y + l] = dl * np.float32(q) - ml
+
+
+@njit(cache=True, parallel=True)
+def _deq_q6_k(data, rows, gather, out):
+    # block_q6_K (210 B): ql[128] qh[64] scales[16](int8) d(f16).
+    # Value i: h=i>>7, r=i&127 -> low 4 bits (ql[64h + (r&63)] >> 4*(r>>6)) & 15,
+    # high 2 bits (qh[32h + (r&31)] >> 2*(r>>5)) & 3; q - 32.  y = (d*sc) * q
+    for i in prange(out.shape[0]):
+        src, dst = data[_src_row(rows, gather, i)], out[i]
+        for b in range(dst.shape[0] // QK_K):
+            o = 210 * b
+            d = _f16(src, o + 208)
+            for sb in range(16):
+                dl = d * np.float32(_i8(src[o + 192 + sb]))
+                r0 = 16 * (sb & 7)  # r of the first value of the sub-block
+                h = sb >> 3
+                ql = o + 64 * h + (r0 & 63)
+                qh = o + 128 + 32 * h + (r0 & 31)
+                lshift = 4 * (r0 >> 6)
+                hshift = 2 * (r0 >> 5)
+                y = QK_K * b + 16 * sb
+                for k in range(16):
+                    q = (np.int64(src[ql + k]) >> lshift) & 0xF
+                    q |= ((np.int64(src[qh + k]) >> hshift) & 3) << 4
+                    dst[y + k] = dl * np.float32(q - 32)
+
+
+# ------------------------------------------------------------ dispatch
+_KERNELS = {int(t): k for t, k in {
+    T.F32: _deq_f32, T.F16: _deq_f16, T.BF16: _deq_bf16,
+    T.Q8_0: _deq_q8_0, T.Q4_0: _deq_q4_0, T.Q4_1: _deq_q4_1,
+    T.Q5_0: _deq_q5_0, T.Q5_1: _deq_q5_1,
+    T.Q2_K: _deq_q2_k, T.Q3_K: _deq_q3_k, T.Q4_K: _deq_q4_k,
+    T.Q5_K: _deq_q5_k, T.Q6_K: _deq_q6_k,
+}.items()}
+
+NUMBA_TYPES: frozenset[int] = frozenset(_KERNELS)
+"""GGML type ids (``gguf.GGMLQuantizationType`` values) with a numba kernel."""
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+# ------------------------------------------------------------ Python API
+def _type_name(qtype: int) -> str:
+    try:
+        return T(qtype).name
+    except ValueError:
+        raise ValueError(f"unknown GGML tensor type id {qtype!r}") from None
+
+
+def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int):
+    """Validate arguments; return the kernel for qtype."""
+    name = _type_name(qtype)
+    kernel = _KERNELS.get(int(qtype))
+    if kernel is None:
+        raise ValueError(f"no numba dequantization kernel for GGML type {name}")
+    if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
+            and data.flags.c_contiguous):
+        raise ValueError("data must be a C-contiguous 2-D uint8 array (n_rows, row_bytes)")
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 2
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("out must be a writeable C-contiguous 2-D float32 array")
+    block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
+    n_cols = out.shape[1]
+    if n_cols % block_size != 0:
+        raise ValueError(f"{name}: n_cols {n_cols} is not a multiple of block size {block_size}")
+    if data.shape[1] != n_cols // block_size * type_size:
+        raise ValueError(f"{name}: row of {n_cols} values takes "
+                         f"{n_cols // block_size * type_size} bytes, data rows have {data.shape[1]}")
+    if out.shape[0] != n_rows:
+        raise ValueError(f"out has {out.shape[0]} rows, expected {n_rows}")
+    return kernel
+
+
+def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
+    """Dequantize all rows: out[i] = dequant(data[i]).
+
+    data: raw bytes as a C-contiguous uint8 array of shape (n_rows, row_bytes)
+    (callers pass tensor bytes viewed as uint8); out: float32 C-contiguous
+    (n_rows, n_cols). Parallel over rows (numba prange)."""
+    data = np.asarray(data)  # memmap subclass -> plain ndarray view
+    kernel = _check(data, qtype, out, data.shape[0] if data.ndim == 2 else -1)
+    kernel(data, _NO_ROWS, False, out)
+
+
+def dequantize_rows_into(data: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray) -> None:
+    """Gather + dequantize: out[i] = dequant(data[rows[i]]); rows int64 1-D,
+    each in [0, n_rows). Used for embedding lookup."""
+    data = np.asarray(data)
+    if not (isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim == 1):
+        raise ValueError("rows must be a 1-D int64 array")
+    kernel = _check(data, qtype, out, rows.shape[0])
+    if rows.size and (rows.min() < 0 or rows.max() >= data.shape[0]):
+        raise IndexError(f"row index out of range [0, {data.shape[0]})")
+    kernel(data, rows, True, out)
+
+
+def dequantize(data, qtype: int, n_cols: int) -> np.ndarray:
+    """Convenience: dequantize tensor data (any dtype/shape holding whole rows of
+    n_cols values) to a new float32 array of shape (n_rows, n_cols).
+    Types not in NUMBA_TYPES fall back to gguf.quants.dequantize."""
+    name = _type_name(qtype)
+    block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
+    if n_cols <= 0 or n_cols % block_size != 0:
+        raise ValueError(f"{name}: n_cols {n_cols} is not a positive multiple of block size {block_size}")
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(-1, n_cols // block_size * type_size)
+    if int(qtype) not in NUMBA_TYPES:
+        try:
+            res = _gguf_dequantize(raw, T(qtype))
+        except NotImplementedError:
+            raise ValueError(f"dequantization of GGML type {name} is not supported") from None
+        return np.ascontiguousarray(res, dtype=np.float32).reshape(-1, n_cols)
+    out = np.empty((raw.shape[0], n_cols), dtype=np.float32)
+    dequantize_into(raw, qtype, out)
+    return out

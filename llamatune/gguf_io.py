@@ -1,0 +1,261 @@
+"""The one layer that touches GGUF file bytes.
+
+Reading goes through `gguf.GGUFReader` (memory-mapped: tensor data stays on disk
+until a kernel reads it); writing goes through `gguf.GGUFWriter`, streamed tensor
+by tensor and always atomic (temporary file, flush, fsync, rename).
+
+Shapes: GGUF stores dimensions innermost-first (ggml `ne`); everything outside this
+module uses numpy order (rows, cols). The reversal happens here and nowhere else.
+A weight `W` of a linear layer `y = x W^T` is `(n_out, n_in)` in numpy order, i.e.
+ggml ne `[n_in, n_out]`.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, NamedTuple
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QType
+from gguf import GGUFValueType as VType
+
+from .errors import LlamatuneError
+
+
+class GGUFError(LlamatuneError):
+    """A GGUF file that cannot be used; the message names the file."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One tensor of a GGUF file; `data` is a memory-mapped view, never a copy."""
+    name: str
+    qtype: QType
+    shape: tuple[int, ...]   # numpy order: (..., n_rows, n_cols); n_cols is ggml ne[0]
+    data: np.ndarray         # as gguf-py exposes it: typed for F32/F16, uint8 bytes otherwise
+
+    @property
+    def n_cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def n_rows(self) -> int:
+        return int(np.prod(self.shape[:-1], dtype=np.int64)) if len(self.shape) > 1 else 1
+
+    def raw_rows(self) -> np.ndarray:
+        """The bytes as a uint8 (n_rows, row_bytes) view: the input of every dequant kernel."""
+        return self.data.reshape(-1).view(np.uint8).reshape(self.n_rows, -1)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+class KV(NamedTuple):
+    """One metadata key/value with its GGUF types, so it can be copied exactly."""
+    key: str
+    value: Any
+    vtype: VType
+    sub_type: VType | None = None
+
+
+class _CheckedReader(gguf.GGUFReader):
+    """GGUFReader that checks each tensor's type and extent before mapping it,
+    so a bad file is reported with the tensor's name instead of a numpy error."""
+
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        file_size = len(self.data)
+        for field in fields:
+            _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                qtype = QType(int(raw_dtype[0]))
+            except ValueError:
+                raise _TensorProblem(f"tensor '{name}' has unknown ggml type id {int(raw_dtype[0])}") from None
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            n_elems = int(np.prod(dims, dtype=np.int64))
+            if int(dims[0]) % block:
+                raise _TensorProblem(f"tensor '{name}' has {int(dims[0])} columns, not a multiple of the "
+                                     f"{qtype.name} block size {block}")
+            end = int(start_offs) + int(offset[0]) + n_elems // block * type_size
+            if end > file_size:
+                raise _TensorProblem(f"tensor '{name}' data ends at byte {end} but the file has only "
+                                     f"{file_size} bytes (truncated file?)")
+        super()._build_tensors(start_offs, fields)
+
+
+class _TensorProblem(Exception):
+    pass
+
+
+class GGUFFile:
+    """A GGUF file opened memory-mapped: metadata as Python values, tensors by name."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise GGUFError(f"{self.path}: file not found")
+        if self.path.is_dir():
+            raise GGUFError(f"{self.path}: is a directory, expected a .gguf file")
+        size = self.path.stat().st_size
+        if size == 0:
+            raise GGUFError(f"{self.path}: file is empty, expected a GGUF file")
+        with open(self.path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise GGUFError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        try:
+            reader = _CheckedReader(self.path, "r")
+        except _TensorProblem as e:
+            raise GGUFError(f"{self.path}: {e}") from None
+        except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:
+            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({e})") from None
+        self._reader = reader
+        self.kvs: dict[str, KV] = {}
+        for name, field in reader.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            vtype = field.types[0] if field.types else None
+            sub = field.types[-1] if vtype == VType.ARRAY and len(field.types) > 1 else None
+            try:
+                value = field.contents()
+            except (ValueError, UnicodeDecodeError) as e:
+                raise GGUFError(f"{self.path}: metadata key '{name}' cannot be read ({e})") from None
+            self.kvs[name] = KV(name, value, vtype, sub)
+        self.tensors: dict[str, Tensor] = {}
+        for t in reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            self.tensors[t.name] = Tensor(t.name, QType(t.tensor_type), shape, t.data)
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return {k: kv.value for k, kv in self.kvs.items()}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        kv = self.kvs.get(key)
+        return default if kv is None else kv.value
+
+    def require(self, key: str) -> Any:
+        kv = self.kvs.get(key)
+        if kv is None:
+            raise GGUFError(f"{self.path}: missing required metadata key '{key}'")
+        return kv.value
+
+    @property
+    def arch(self) -> str:
+        return self.require("general.architecture")
+
+    def tensor(self, name: str) -> Tensor:
+        t = self.tensors.get(name)
+        if t is None:
+            raise GGUFError(f"{self.path}: missing tensor '{name}'")
+        return t
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+
+# --------------------------------------------------------------------------- writing
+
+@dataclass
+class TensorOut:
+    """A tensor to write. `make()` returns its data when the writer streams it:
+    float32/float16 arrays in numpy order, or uint8 (n_rows, row_bytes) for
+    quantized types. Producing data lazily keeps big merges out of memory."""
+    name: str
+    shape: tuple[int, ...]          # numpy order
+    qtype: QType
+    make: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        block, type_size = gguf.GGML_QUANT_SIZES[self.qtype]
+        return int(np.prod(self.shape, dtype=np.int64)) // block * type_size
+
+
+def tensor_out(name: str, array: np.ndarray, qtype: QType | None = None) -> TensorOut:
+    """A TensorOut for an in-memory array (F32/F16 inferred from dtype)."""
+    if qtype is None:
+        qtype = {np.dtype(np.float32): QType.F32, np.dtype(np.float16): QType.F16}[array.dtype]
+    if array.dtype == np.uint8:
+        shape = tuple(gguf.quant_shape_from_byte_shape(array.shape, qtype))
+    else:
+        shape = tuple(array.shape)
+    return TensorOut(name, shape, qtype, lambda: array)
+
+
+def kv(key: str, value: Any, vtype: VType | None = None, sub_type: VType | None = None) -> KV:
+    """A KV with its GGUF type inferred the way llama.cpp writes such keys."""
+    if vtype is None:
+        if isinstance(value, bool):
+            vtype = VType.BOOL
+        elif isinstance(value, (int, np.integer)):
+            vtype = VType.UINT32
+        elif isinstance(value, (float, np.floating)):
+            vtype = VType.FLOAT32
+        elif isinstance(value, str):
+            vtype = VType.STRING
+        elif isinstance(value, (list, tuple)):
+            vtype = VType.ARRAY
+        else:
+            raise TypeError(f"cannot infer GGUF type of {key}={value!r}")
+    if vtype == VType.ARRAY and sub_type is None:
+        first = value[0] if len(value) else ""
+        sub_type = kv("_", first).vtype
+    return KV(key, value, vtype, sub_type)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; on success fsync it and rename it over
+    `path`, on any failure delete it. Readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: Iterable[TensorOut]) -> None:
+    """Write a GGUF file atomically. `general.architecture` comes from `arch`; any
+    `general.architecture` in `kvs` is ignored. Tensors are streamed one by one."""
+    tensors = list(tensors)
+    with atomic_path(path) as tmp:
+        w = gguf.GGUFWriter(tmp, arch)
+        for item in kvs:
+            if item.key == "general.architecture":
+                continue
+            w.add_key_value(item.key, item.value, item.vtype, item.sub_type)
+        for t in tensors:
+            block, _ = gguf.GGML_QUANT_SIZES[t.qtype]
+            if t.shape[-1] % block:
+                raise GGUFError(f"{path}: tensor '{t.name}' has {t.shape[-1]} columns, not a multiple of "
+                                f"the {t.qtype.name} block size {block}")
+            # numpy-order element shape; add_tensor_info reverses it into ggml ne
+            w.add_tensor_info(t.name, t.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in tensors:
+            data = np.ascontiguousarray(t.make())
+            if data.nbytes != t.nbytes:
+                raise ValueError(f"tensor '{t.name}': {data.nbytes} bytes produced, {t.nbytes} expected")
+            w.write_tensor_data(data)
+        w.close()

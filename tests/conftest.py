@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny synthetic models written with the project's own writer,
+and the paths of the reference files in ../shared (tests using them skip when absent)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+MODELS = SHARED / "models"
+VOCAB = SHARED / "vocab"
+DATA = SHARED / "data"
+
+TEXT = (
+    "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+    "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n\n"
+    "First Citizen:\nFirst, you know Caius Marcius is chief enemy to the people.\n\n"
+    "All:\nWe know't, we know't.\n\nFirst Citizen:\nLet us kill him, and we'll have corn at our own price.\n"
+) * 4
+
+
+def need(path: Path) -> Path:
+    """Skip the test when a reference file from ../shared is missing."""
+    if not path.exists():
+        pytest.skip(f"reference file {path} not present (../shared is not checked out beside the repo)")
+    return path
+
+
+def tiny_config(arch: str = "llama", **over):
+    from llamatune.config import ModelConfig
+    base = dict(arch=arch, n_vocab=400, n_ctx_train=64, n_embd=64, n_layer=2, n_ff=96, n_head=4,
+                n_head_kv=2, head_dim=16, n_rot=16, norm_eps=1e-5)
+    base.update(over)
+    return ModelConfig(**base)
+
+
+@pytest.fixture(scope="session")
+def tiny_vocab():
+    from llamatune.modelfile import train_spm_vocab
+    return train_spm_vocab(TEXT, 400)
+
+
+def write_tiny_model(path: Path, vocab, outtype=None, seed: int = 0, arch: str = "llama", tied=False, **over) -> Path:
+    from gguf import GGMLQuantizationType as QType
+    from llamatune.modelfile import random_weights, write_model
+    cfg = tiny_config(arch, **over)
+    w = random_weights(cfg, seed=seed, std=0.08, tied=tied)
+    write_model(path, cfg, w, vocab, outtype or QType.F32)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tiny_vocab) -> Path:
+    """A 2-layer GQA llama (F32) with a trained 400-token SentencePiece vocabulary."""
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-f32.gguf", tiny_vocab)
