@@ -155,6 +155,16 @@ def generate(
     sys.stdout.write("\n")
 
 
+@app.command()
+@friendly_errors
+def quickstart(
+    workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),
+):
+    """Run the whole tool on built-in data: no downloads, a few minutes on a laptop CPU."""
+    from llamatune.quickstart import run
+    run(workdir)
+
+
 def main():  # pragma: no cover - console-script entry
     app()
 

@@ -1,0 +1,365 @@
+"""Training forward and backward of a llama model, written out by hand.
+
+One micro-batch step runs the forward pass layer by layer, keeping what backward
+needs; the output head computes logits, loss and the logits' gradient chunk by
+chunk (the (N, V) logits never exist in full); then backward runs the layers in
+reverse and accumulates parameter gradients (+=) into the flat `ParamBuffer`.
+
+The same graph trains two kinds of model:
+  - `FrozenBase`: LoRA finetuning. Base weights stay quantized and memory-mapped;
+    each is dequantized into a scratch buffer right before its matmul, in forward
+    and again in backward. Adapters are applied in factored form (see lora.py).
+  - `DenseWeights`: train-from-scratch. Every weight is an f32 parameter.
+
+Gradient checkpointing (`checkpointing=True`) keeps the outputs of matmuls and
+attention (the expensive parts) and recomputes the cheap elementwise ops (RMSNorm,
+SwiGLU) in backward; off, their outputs are stored too. Gradients are identical.
+
+Per layer, with xn = RMSNorm(x):
+    q, k, v = rope(xn Wq^T), rope(xn Wk^T), xn Wv^T
+    x_mid   = x + attn(q, k, v) Wo^T
+    g, u    = n2 Wg^T, n2 Wu^T           n2 = RMSNorm(x_mid)
+    x_out   = x_mid + (silu(g) * u) Wd^T
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .kernels import attention, cross_entropy, rmsnorm, rope, swiglu
+from .lora import LoraTarget
+from .model import Model
+from .params import ParamBuffer
+
+HEAD_CHUNK_BYTES = 32 << 20   # logits computed this many bytes at a time
+
+
+class FrozenBase:
+    """Base weights read from a GGUF model; never trained (LoRA finetuning)."""
+    trainable = False
+
+    def __init__(self, model: Model):
+        self.model = model
+        w = model.weights
+        self.tensors = dict(w.all_matrices())
+        self.vectors = {"output_norm.weight": w.output_norm}
+        for i, layer in enumerate(w.layers):
+            self.vectors[f"blk.{i}.attn_norm.weight"] = layer.attn_norm
+            self.vectors[f"blk.{i}.ffn_norm.weight"] = layer.ffn_norm
+            for k, b in layer.biases.items():
+                self.vectors[f"blk.{i}.{k}.bias"] = b
+        self.rope_freqs = w.rope_freqs
+
+    def matrix(self, name: str) -> np.ndarray:
+        """(n_out, n_in) f32, valid until the next call."""
+        return self.model.dequantizer.get(self.tensors[name])
+
+    def vector(self, name: str) -> np.ndarray | None:
+        return self.vectors.get(name)
+
+    def embed(self, ids: np.ndarray, out: np.ndarray) -> None:
+        self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, out)
+
+
+class DenseWeights:
+    """Every weight is an f32 parameter in the ParamBuffer (train-from-scratch)."""
+    trainable = True
+    rope_freqs = None
+
+    def __init__(self, params: ParamBuffer, tied: bool = False):
+        self.params = params
+        self.tied = tied
+
+    def _name(self, name: str) -> str:
+        return "token_embd.weight" if self.tied and name == "output.weight" else name
+
+    def matrix(self, name: str) -> np.ndarray:
+        return self.params[self._name(name)]
+
+    def vector(self, name: str) -> np.ndarray | None:
+        return self.params[name] if name in self.params else None
+
+    def embed(self, ids: np.ndarray, out: np.ndarray) -> None:
+        np.take(self.params["token_embd.weight"], ids, axis=0, out=out)
+
+    def grad(self, name: str) -> np.ndarray:
+        return self.params.grad_of(self._name(name))
+
+
+@dataclass
+class LayerActs:
+    """What one layer keeps between forward and backward (N = B*T rows)."""
+    x: np.ndarray        # (N, C)   layer input (residual stream)
+    rstd1: np.ndarray    # (N,)
+    q: np.ndarray        # (N, NH*HS) after rope
+    k: np.ndarray        # (N, NKV*HS) after rope
+    v: np.ndarray        # (N, NKV*HS)
+    att: np.ndarray      # (N, NH*HS) attention output
+    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
+    x_mid: np.ndarray    # (N, C)   residual after attention
+    rstd2: np.ndarray    # (N,)
+    g: np.ndarray        # (N, F)
+    u: np.ndarray        # (N, F)
+    xn1: np.ndarray | None = None   # (N, C) only without checkpointing
+    xn2: np.ndarray | None = None   # (N, C)
+    h: np.ndarray | None = None     # (N, F)
+
+
+class Graph:
+    """Buffers for one (B, T) shape and the step that uses them."""
+
+    def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
+                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0):
+        self.cfg, self.base, self.params = cfg, base, params
+        self.lora = {t.weight: t for t in targets}
+        self.B, self.T, self.N = B, T, B * T
+        self.checkpointing = checkpointing
+        self.dropout = lora_dropout
+        N, C, F = self.N, cfg.n_embd, cfg.n_ff
+        Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
+        f32 = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        self.layers = []
+        for _ in range(cfg.n_layer):
+            a = LayerActs(f32(N, C), f32(N), f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq),
+                          f32(B, cfg.n_head, T), f32(N, C), f32(N), f32(N, F), f32(N, F))
+            if not checkpointing:
+                a.xn1, a.xn2, a.h = f32(N, C), f32(N, C), f32(N, F)
+            self.layers.append(a)
+        self.x_final = f32(N, C)                                   # output of the last layer
+        self.rstd_f = f32(N)
+        self.xa = {t.weight: f32(N, t.rank) for t in targets       # x A^T of each adapter
+                   if t.kind not in ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")}
+        # scratch, reused by every layer
+        self.xn, self.h = f32(N, C), f32(N, F)
+        self.dx, self.dx2, self.dxn = f32(N, C), f32(N, C), f32(N, C)
+        self.dg, self.du, self.dh = f32(N, F), f32(N, F), f32(N, F)
+        self.dq, self.dk, self.dv, self.datt = f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq)
+        self.tmp = np.zeros(N * max(C, F, Cq), np.float32)
+        self.dnorm = f32(C)
+        self.chunk = max(1, min(N, HEAD_CHUNK_BYTES // (4 * cfg.n_vocab)))
+        self.logits = f32(self.chunk, cfg.n_vocab)
+        self.losses = f32(N)
+        self.cos, self.sin = f32(T, cfg.n_rot // 2), f32(T, cfg.n_rot // 2)
+        rope.rope_cache(self.cos, self.sin, np.arange(T, dtype=np.int64), cfg.n_rot,
+                        cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
+        self.tokens = np.zeros(N, np.int64)
+        self.step_key = (0,)
+
+    # ------------------------------------------------------------------ sizes
+    def activation_bytes(self) -> int:
+        arrays = [v for a in self.layers for v in vars(a).values() if v is not None]
+        arrays += list(self.xa.values()) + [self.x_final, self.xn, self.h, self.dx, self.dx2, self.dxn, self.dg,
+                                            self.du, self.dh, self.dq, self.dk, self.dv, self.datt, self.tmp,
+                                            self.logits, self.losses]
+        return int(sum(a.nbytes for a in arrays))
+
+    # ------------------------------------------------------------------ building blocks
+    def _scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.tmp[: rows * cols].reshape(rows, cols)
+
+    def _dropout_mask(self, name: str, shape) -> np.ndarray | None:
+        """Inverted-dropout mask for an adapter input; regenerated identically in backward."""
+        if self.dropout <= 0:
+            return None
+        key = [zlib.crc32(name.encode()), *self.step_key]
+        keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
+        return keep.astype(np.float32) / np.float32(1.0 - self.dropout)
+
+    def _norm_weight(self, name: str) -> np.ndarray:
+        """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
+        w = self.base.vector(name)
+        t = self.lora.get(name)
+        if t is None:
+            return w
+        return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
+
+    def _norm_grad(self, name: str, dw: np.ndarray) -> None:
+        """Route a norm weight's gradient to its parameter or its adapter."""
+        if self.base.trainable:
+            self.params.grad_of(name)[...] += dw
+        t = self.lora.get(name)
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            self.params.grad_of(t.a)[...] += t.scale * np.outer(B[0], dw)
+            self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
+
+    def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
+        """y (N, n_out) = x W^T (+ bias) + s (drop(x) A^T) B^T."""
+        np.matmul(x, self.base.matrix(name).T, out=y)
+        bias = self.base.vector(name.replace(".weight", ".bias"))
+        if bias is not None:
+            y += bias
+        t = self.lora.get(name)
+        if t is not None:
+            mask = self._dropout_mask(name, x.shape)
+            xa = self.xa[name]
+            np.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
+            y += (t.scale * xa) @ self.params[t.b].T
+        return y
+
+    def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
+                        accumulate: bool) -> None:
+        """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
+        W = self.base.matrix(name)
+        if dx is not None:
+            if accumulate:
+                tmp = self._scratch(*dx.shape)
+                np.matmul(dy, W, out=tmp)
+                dx += tmp
+            else:
+                np.matmul(dy, W, out=dx)
+        if self.base.trainable:
+            self.base.grad(name)[...] += dy.T @ x
+        t = self.lora.get(name)
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            mask = self._dropout_mask(name, x.shape)
+            xd = x if mask is None else x * mask
+            self.params.grad_of(t.b)[...] += t.scale * (dy.T @ self.xa[name])
+            dxa = t.scale * (dy @ B)                                   # (N, r)
+            self.params.grad_of(t.a)[...] += dxa.T @ xd
+            if dx is not None:
+                dxd = dxa @ A
+                dx += dxd if mask is None else dxd * mask
+
+    # ------------------------------------------------------------------ forward
+    def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
+        self.base.embed(tokens, x)
+        t = self.lora.get("token_embd.weight")
+        if t is not None:
+            x += (t.scale * self.params[t.a][tokens]) @ self.params[t.b].T
+
+    def _layer_forward(self, i: int, x_out: np.ndarray) -> None:
+        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
+        B, T = self.B, self.T
+        xn = self.xn if a.xn1 is None else a.xn1
+        rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
+        self.linear(a.q, xn, p + "attn_q.weight")
+        self.linear(a.k, xn, p + "attn_k.weight")
+        self.linear(a.v, xn, p + "attn_v.weight")
+        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
+        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
+                                    a.v.reshape(k4.shape), 0)
+        self.linear(a.x_mid, a.att, p + "attn_output.weight")
+        a.x_mid += a.x
+        xn = self.xn if a.xn2 is None else a.xn2
+        rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
+        self.linear(a.g, xn, p + "ffn_gate.weight")
+        self.linear(a.u, xn, p + "ffn_up.weight")
+        h = self.h if a.h is None else a.h
+        swiglu.swiglu_forward(h, a.g, a.u)
+        self.linear(x_out, h, p + "ffn_down.weight")
+        x_out += a.x_mid
+
+    def _head(self, targets: np.ndarray, weights: np.ndarray) -> float:
+        """Output norm, logits, loss and the gradient back to the last layer's output
+        (left in self.dx), chunk by chunk. Returns sum(weights * loss)."""
+        cfg = self.cfg
+        wn = self._norm_weight("output_norm.weight")
+        xn = self.xn
+        rmsnorm.rmsnorm_forward(xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
+        W = self.base.matrix("output.weight")
+        t = self.lora.get("output.weight")
+        dW = self.base.grad("output.weight") if self.base.trainable else None
+        dxn = self.dxn
+        for lo in range(0, self.N, self.chunk):
+            hi = min(self.N, lo + self.chunk)
+            x, logits = xn[lo:hi], self.logits[: hi - lo]
+            np.matmul(x, W.T, out=logits)
+            if t is not None:
+                xa = x @ self.params[t.a].T
+                logits += (t.scale * xa) @ self.params[t.b].T
+            cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
+            cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
+            np.matmul(logits, W, out=dxn[lo:hi])
+            if dW is not None:
+                dW += logits.T @ x
+            if t is not None:
+                A, B = self.params[t.a], self.params[t.b]
+                self.params.grad_of(t.b)[...] += t.scale * (logits.T @ xa)
+                dxa = t.scale * (logits @ B)
+                self.params.grad_of(t.a)[...] += dxa.T @ x
+                dxn[lo:hi] += dxa @ A
+        self.dnorm.fill(0.0)
+        rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
+        self._norm_grad("output_norm.weight", self.dnorm)
+        return float(np.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
+
+    # ------------------------------------------------------------------ backward
+    def _layer_backward(self, i: int) -> None:
+        """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input)."""
+        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
+        B, T = self.B, self.T
+        dx_out = self.dx
+        # ---- feed-forward
+        if a.h is None:
+            swiglu.swiglu_forward(self.h, a.g, a.u)
+        h = self.h if a.h is None else a.h
+        self.linear_backward(self.dh, dx_out, h, p + "ffn_down.weight", accumulate=False)
+        swiglu.swiglu_backward(self.dg, self.du, self.dh, a.g, a.u)
+        wn2 = self._norm_weight(p + "ffn_norm.weight")
+        if a.xn2 is None:
+            rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
+        xn2 = self.xn if a.xn2 is None else a.xn2
+        self.linear_backward(self.dxn, self.dg, xn2, p + "ffn_gate.weight", accumulate=False)
+        self.linear_backward(self.dxn, self.du, xn2, p + "ffn_up.weight", accumulate=True)
+        self.dnorm.fill(0.0)
+        rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
+        self._norm_grad(p + "ffn_norm.weight", self.dnorm)
+        dx_mid = dx_out
+        dx_mid += self.dx2                                   # residual: dL/d(x_mid)
+        # ---- attention
+        self.linear_backward(self.datt, dx_mid, a.att, p + "attn_output.weight", accumulate=False)
+        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
+        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
+        attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
+                                     q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse)
+        rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        wn1 = self._norm_weight(p + "attn_norm.weight")
+        if a.xn1 is None:
+            rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
+        xn1 = self.xn if a.xn1 is None else a.xn1
+        self.linear_backward(self.dxn, self.dq, xn1, p + "attn_q.weight", accumulate=False)
+        self.linear_backward(self.dxn, self.dk, xn1, p + "attn_k.weight", accumulate=True)
+        self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
+        self.dnorm.fill(0.0)
+        rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
+        self._norm_grad(p + "attn_norm.weight", self.dnorm)
+        self.dx += self.dx2                                   # residual: dL/d(layer input)
+
+    def _embed_backward(self, tokens: np.ndarray) -> None:
+        dx = self.dx
+        if self.base.trainable:
+            np.add.at(self.params.grad_of("token_embd.weight"), tokens, dx)
+        t = self.lora.get("token_embd.weight")
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
+            np.add.at(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
+
+    # ------------------------------------------------------------------ the step
+    def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,)) -> float:
+        """Forward + backward of one micro-batch. inputs, targets (B, T) int (target -1:
+        ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
+        whole accumulated batch). Gradients are added to params.grad. Returns sum(w*loss)."""
+        self.step_key = tuple(int(k) for k in key)
+        tokens = np.ascontiguousarray(inputs, np.int64).reshape(-1)
+        tg = np.ascontiguousarray(targets, np.int64).reshape(-1)
+        w = np.ascontiguousarray(weights, np.float32).reshape(-1)
+        self._embed(tokens, self.layers[0].x)
+        for i in range(self.cfg.n_layer):
+            x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final
+            self._layer_forward(i, x_out)
+        loss = self._head(tg, w)
+        for i in reversed(range(self.cfg.n_layer)):
+            self._layer_backward(i)
+        self._embed_backward(tokens)
+        return loss

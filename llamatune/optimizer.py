@@ -1,0 +1,71 @@
+"""Learning-rate schedule and the optimizer step over the flat ParamBuffer.
+
+Schedule (llama.cpp common/train.cpp learning_schedule): linear warmup from 0 to 1
+over `warmup` steps, then cosine decay from 1 to `cos_decay_min` over
+`cos_decay_steps` (with restarts, each `cos_decay_restart` times longer). The
+learning rate is `min_alpha + sched * (alpha - min_alpha)`.
+
+Step: optional global-norm clipping of the gradient, then AdamW (decoupled weight
+decay, bias-corrected moments) or SGD, per tensor; weight decay applies only to
+tensors with at least `adam_decay_min_ndim` dimensions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .kernels import optim
+from .options import TrainOptions
+from .params import ParamBuffer
+
+
+def cosine_decay(step: int, decay_steps: int, minimum: float) -> float:
+    step = min(step, decay_steps)
+    return minimum + (1.0 - minimum) * 0.5 * (1.0 + math.cos(math.pi * step / decay_steps))
+
+
+def cosine_decay_restart(step: int, decay_steps: int, minimum: float, mult: float) -> float:
+    while step > decay_steps:
+        step -= decay_steps
+        decay_steps = int(math.ceil(decay_steps * mult))
+    return cosine_decay(step, decay_steps, minimum)
+
+
+def schedule(step: int, o: TrainOptions) -> float:
+    """Multiplier in [0, 1] for optimizer step `step` (0-based)."""
+    if step < o.warmup:
+        return (step + 1) / o.warmup
+    if o.cos_decay_steps <= 0:
+        return 1.0
+    s = step - o.warmup
+    if o.enable_restart:
+        return cosine_decay_restart(s, o.cos_decay_steps, o.cos_decay_min, o.cos_decay_restart)
+    return cosine_decay(s, o.cos_decay_steps, o.cos_decay_min)
+
+
+def learning_rate(step: int, o: TrainOptions) -> float:
+    return o.adam_min_alpha + schedule(step, o) * (o.adam_alpha - o.adam_min_alpha)
+
+
+def clip_gradients(params: ParamBuffer, max_norm: float) -> float:
+    """Scale the whole gradient so its global L2 norm is at most max_norm; returns the norm before."""
+    norm = math.sqrt(optim.global_norm_sq(params.grad))
+    if max_norm > 0 and norm > max_norm:
+        optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
+    return norm
+
+
+def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
+    """Apply one update for optimizer step `step` (0-based). Returns (lr, grad_norm)."""
+    lr = learning_rate(step, o)
+    gnorm = clip_gradients(params, o.adam_gclip)
+    for spec, lo, hi in params.slices():
+        wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0
+        p, g = params.data[lo:hi], params.grad[lo:hi]
+        if o.optimizer == "sgd":
+            optim.sgd_update(p, g, lr, wd)
+        else:
+            optim.adamw_update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2,
+                               o.adam_eps, wd, step + 1)
+    return lr, gnorm

@@ -1,0 +1,215 @@
+"""Training options: the one source of defaults.
+
+Each option is a dataclass field whose metadata carries its help text and help
+group; the CLI, the TOML presets (`--config FILE`) and the checkpoints are all
+built from these fields. Precedence: command line > preset file > default here.
+Option names keep the historical llama.cpp `finetune` / `train-text-from-scratch`
+spellings (`--lora-r`, `--adam-iter`, `--sample-start`, ...).
+"""
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import LlamatuneError
+
+
+def opt(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (), frozen: bool = False):
+    """A field with CLI metadata. `frozen` options must not change when resuming."""
+    return field(default=default, metadata={"help": help, "group": group, "flags": flags, "frozen": frozen})
+
+
+G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
+    "Input and output", "Training data", "LoRA", "Optimizer", "Schedule", "Memory and speed",
+    "Checkpoints", "New model")
+
+
+@dataclass
+class TrainOptions:
+    """Options shared by `finetune` and `train-from-scratch`."""
+    train_data: Optional[Path] = opt(None, "Training text (UTF-8).", G_IO)
+    # ---- data
+    ctx: int = opt(128, "Context length of each training sample, in tokens.", G_DATA, flags=("-c",), frozen=True)
+    batch: int = opt(8, "Samples per micro-batch.", G_DATA, flags=("-b",), frozen=True)
+    sample_start: str = opt("", "Text that starts each sample (e.g. '<s>'); empty: every token position starts one.", G_DATA, frozen=True)
+    include_sample_start: bool = opt(False, "Keep the sample-start text inside the samples.", G_DATA, frozen=True)
+    escape: bool = opt(False, "Process escapes (\\n, \\t, \\\\, ...) in --sample-start.", G_DATA, frozen=True)
+    overlapping_samples: bool = opt(False, "Let samples run on past the next sample start.", G_DATA, frozen=True)
+    fill_with_next_samples: bool = opt(False, "Fill the rest of a short sample's context with the next samples.", G_DATA, frozen=True)
+    separate_with_eos: bool = opt(False, "Put EOS between samples (with --fill-with-next-samples) and teach the model to end samples.", G_DATA, frozen=True)
+    separate_with_bos: bool = opt(True, "Put BOS between samples (with --fill-with-next-samples).", G_DATA, frozen=True)
+    sample_random_offsets: bool = opt(False, "Start each sample at a random offset after each reshuffle.", G_DATA, frozen=True)
+    force_reshuffle: bool = opt(False, "On resume, reshuffle even if the data is unchanged.", G_DATA)
+    seed: int = opt(1, "Random seed (initialization, shuffling, dropout).", G_DATA, frozen=True)
+    # ---- optimizer
+    optimizer: str = opt("adamw", "adamw or sgd.", G_OPT, frozen=True)
+    adam_iter: int = opt(256, "Number of optimizer steps (iterations) to run in total.", G_OPT)
+    epochs: int = opt(-1, "Stop after this many epochs over the data (-1: no limit).", G_OPT)
+    adam_alpha: float = opt(1e-3, "Learning rate.", G_OPT)
+    adam_min_alpha: float = opt(0.0, "Learning rate floor, warmup included.", G_OPT)
+    adam_beta1: float = opt(0.9, "AdamW beta1.", G_OPT)
+    adam_beta2: float = opt(0.999, "AdamW beta2.", G_OPT)
+    adam_eps: float = opt(1e-8, "AdamW epsilon.", G_OPT)
+    adam_decay: float = opt(0.1, "Decoupled weight decay (AdamW and SGD).", G_OPT)
+    adam_decay_min_ndim: int = opt(2, "Apply weight decay only to tensors with at least this many dimensions.", G_OPT)
+    adam_gclip: float = opt(1.0, "Clip the global gradient norm to this value (0: off).", G_OPT)
+    grad_acc: int = opt(1, "Gradient accumulation: micro-batches per optimizer step.", G_OPT, frozen=True)
+    # ---- schedule
+    warmup: int = opt(100, "Linear warmup steps.", G_SCHED)
+    cos_decay_steps: int = opt(1000, "Cosine decay steps after warmup.", G_SCHED)
+    cos_decay_min: float = opt(0.1, "Cosine decay floor, as a fraction of the learning rate.", G_SCHED)
+    enable_restart: bool = opt(False, "Restart the cosine decay when it ends.", G_SCHED)
+    cos_decay_restart: float = opt(1.1, "Each restart's length is the previous one times this.", G_SCHED)
+    # ---- memory and speed
+    use_checkpointing: bool = opt(True, "Gradient checkpointing: keep only matmul outputs, recompute norms, rope and SwiGLU in backward.", G_MEM)
+    threads: int = opt(0, "CPU threads for kernels (0: all cores).", G_MEM, flags=("-t",))
+    device: str = opt("cpu", "cpu, cuda or auto.", G_MEM)
+    # ---- checkpoints
+    checkpoint_in: Optional[Path] = opt(None, "Resume from this checkpoint if it exists (a missing file starts fresh).", G_CKPT)
+    checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
+    fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
+    save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+
+
+@dataclass
+class FinetuneOptions(TrainOptions):
+    """`llamatune finetune`: LoRA on a frozen (quantized) base model."""
+    model_base: Optional[Path] = opt(None, "Base model GGUF (any supported quant type; never modified).", G_IO)
+    lora_out: Path = opt(Path("adapter-ITERATION.gguf"), "LoRA adapter output (llama.cpp --lora format).", G_IO)
+    lora_r: int = opt(4, "Default LoRA rank for every adapted tensor.", G_LORA, frozen=True)
+    lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA, frozen=True)
+    lora_dropout: float = opt(0.0, "Dropout probability on the adapter input (as PEFT).", G_LORA, frozen=True)
+    rank_wq: Optional[int] = opt(None, "Rank for attn_q (default --lora-r; 0: no adapter).", G_LORA, frozen=True)
+    rank_wk: Optional[int] = opt(None, "Rank for attn_k.", G_LORA, frozen=True)
+    rank_wv: Optional[int] = opt(None, "Rank for attn_v.", G_LORA, frozen=True)
+    rank_wo: Optional[int] = opt(None, "Rank for attn_output.", G_LORA, frozen=True)
+    rank_ffn_gate: Optional[int] = opt(None, "Rank for ffn_gate.", G_LORA, frozen=True)
+    rank_ffn_up: Optional[int] = opt(None, "Rank for ffn_up.", G_LORA, frozen=True)
+    rank_ffn_down: Optional[int] = opt(None, "Rank for ffn_down.", G_LORA, frozen=True)
+    rank_tok_embd: int = opt(0, "Rank for token_embd (0: none).", G_LORA, frozen=True)
+    rank_out: int = opt(0, "Rank for the output head (0: none).", G_LORA, frozen=True)
+    rank_att_norm: int = opt(0, "Rank for attn_norm (llama.cpp ignores norm adapters at run time; export-lora merges them).", G_LORA, frozen=True)
+    rank_ffn_norm: int = opt(0, "Rank for ffn_norm (see --rank-att-norm).", G_LORA, frozen=True)
+    rank_out_norm: int = opt(0, "Rank for output_norm (see --rank-att-norm).", G_LORA, frozen=True)
+
+    def ranks(self) -> dict[str, int]:
+        """Adapter rank per tensor kind (llama.cpp names)."""
+        r = self.lora_r
+        pick = lambda v: r if v is None else v  # noqa: E731
+        return {"attn_q": pick(self.rank_wq), "attn_k": pick(self.rank_wk), "attn_v": pick(self.rank_wv),
+                "attn_output": pick(self.rank_wo), "ffn_gate": pick(self.rank_ffn_gate),
+                "ffn_up": pick(self.rank_ffn_up), "ffn_down": pick(self.rank_ffn_down),
+                "token_embd": self.rank_tok_embd, "output": self.rank_out, "attn_norm": self.rank_att_norm,
+                "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm}
+
+
+@dataclass
+class ScratchOptions(TrainOptions):
+    """`llamatune train-from-scratch`: a new llama model, all parameters trained."""
+    vocab_model: Optional[Path] = opt(None, "Copy the vocabulary from this GGUF (vocab-only or full model).", G_IO)
+    vocab_size: int = opt(4096, "Without --vocab-model: train a SentencePiece vocabulary of this size on the data.", G_MODEL, frozen=True)
+    model_out: Path = opt(Path("model-ITERATION.gguf"), "Model output GGUF.", G_IO)
+    outtype: str = opt("f32", "Model output type: f32, f16 or q8_0.", G_IO)
+    embd: int = opt(256, "Embedding size.", G_MODEL, frozen=True)
+    head: int = opt(8, "Attention heads.", G_MODEL, frozen=True)
+    head_kv: Optional[int] = opt(None, "KV heads for GQA (default: --head).", G_MODEL, frozen=True)
+    layer: int = opt(4, "Layers.", G_MODEL, frozen=True)
+    ff: Optional[int] = opt(None, "Feed-forward size (default: llama's rule from --embd).", G_MODEL, frozen=True)
+    norm_rms_eps: float = opt(1e-5, "RMSNorm epsilon.", G_MODEL, frozen=True)
+    rope_freq_base: float = opt(10000.0, "RoPE frequency base.", G_MODEL, frozen=True)
+
+
+def option_fields(cls) -> list[dataclasses.Field]:
+    return list(fields(cls))
+
+
+def cli_flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
+    """Check and convert a preset value to the field's type."""
+    t = str(f.type)
+    try:
+        if "bool" in t:
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if "Path" in t:
+            return None if value is None else Path(value)
+        if "int" in t:
+            if isinstance(value, bool) or int(value) != value:
+                raise TypeError
+            return int(value)
+        if "float" in t:
+            return float(value)
+        if "str" in t:
+            if not isinstance(value, str):
+                raise TypeError
+            return value
+    except (TypeError, ValueError):
+        raise LlamatuneError(f"{source}: '{f.name}' = {value!r} is not a valid {t.replace('Optional[', '').rstrip(']')}") from None
+    return value
+
+
+def load_preset(path: Path, cls) -> dict[str, Any]:
+    """Read a TOML preset: keys are option names (dashes or underscores); unknown keys are errors."""
+    if not path.exists():
+        raise LlamatuneError(f"{path}: preset file not found")
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LlamatuneError(f"{path}: not valid TOML ({e})") from None
+    by_name = {f.name: f for f in fields(cls)}
+    flat: dict[str, Any] = {}
+    for key, value in raw.items():     # allow [sections] for readability; they are flattened
+        items = value.items() if isinstance(value, dict) else [(key, value)]
+        for k, v in items:
+            flat[k.replace("-", "_")] = v
+    unknown = sorted(k for k in flat if k not in by_name)
+    if unknown:
+        raise LlamatuneError(f"{path}: unknown option(s) {', '.join(unknown)}")
+    return {k: _coerce(by_name[k], v, str(path)) for k, v in flat.items()}
+
+
+def build_options(cls, cli_values: dict[str, Any], preset: Path | None = None):
+    """CLI values (None = not given) over preset values over dataclass defaults."""
+    values = load_preset(preset, cls) if preset is not None else {}
+    values.update({k: v for k, v in cli_values.items() if v is not None})
+    opts = cls(**values)
+    validate(opts)
+    return opts
+
+
+def validate(o: TrainOptions) -> None:
+    def bad(msg):
+        raise LlamatuneError(msg)
+    if o.ctx < 2:
+        bad(f"--ctx {o.ctx}: must be at least 2")
+    if o.batch < 1:
+        bad(f"--batch {o.batch}: must be at least 1")
+    if o.grad_acc < 1:
+        bad(f"--grad-acc {o.grad_acc}: must be at least 1")
+    if o.adam_iter < 1:
+        bad(f"--adam-iter {o.adam_iter}: must be at least 1")
+    if o.optimizer not in ("adamw", "sgd"):
+        bad(f"--optimizer {o.optimizer!r}: choose adamw or sgd")
+    if o.device not in ("cpu", "cuda", "auto"):
+        bad(f"--device {o.device!r}: choose cpu, cuda or auto")
+    if not o.adam_alpha > 0:
+        bad(f"--adam-alpha {o.adam_alpha}: must be positive")
+    if o.save_every < 0:
+        bad(f"--save-every {o.save_every}: must be 0 or more")
+    if isinstance(o, FinetuneOptions):
+        if o.lora_r < 1:
+            bad(f"--lora-r {o.lora_r}: must be at least 1")
+        if not 0 <= o.lora_dropout < 1:
+            bad(f"--lora-dropout {o.lora_dropout}: must be in [0, 1)")
+        negative = [k for k, r in o.ranks().items() if r < 0]
+        if negative:
+            bad(f"negative LoRA rank for {', '.join(negative)}")
+        if not any(o.ranks().values()):
+            bad("every LoRA rank is 0: nothing to train")

@@ -1,0 +1,69 @@
+"""All trainable parameters in one flat f32 buffer, llm.c style.
+
+`ParamBuffer` owns four flat arrays of the same length: the parameters, their
+gradients and the two AdamW moments. Each named tensor is a view into them, so
+the optimizer runs over contiguous memory and a checkpoint is four arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                 # e.g. "blk.0.attn_q.weight.lora_a" or "blk.0.attn_q.weight"
+    shape: tuple[int, ...]    # numpy order
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class ParamBuffer:
+    def __init__(self, specs: list[ParamSpec]):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate parameter names")
+        self.specs = list(specs)
+        self.by_name = {s.name: s for s in self.specs}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        off = 0
+        for s in self.specs:
+            self.offsets[s.name] = (off, off + s.size)
+            off += s.size
+        self.size = off
+        self.data = np.zeros(off, np.float32)     # (P,) parameters
+        self.grad = np.zeros(off, np.float32)     # (P,) gradients, accumulated by backward
+        self.m = np.zeros(off, np.float32)        # (P,) AdamW first moments
+        self.v = np.zeros(off, np.float32)        # (P,) AdamW second moments
+
+    def _view(self, flat: np.ndarray, name: str) -> np.ndarray:
+        lo, hi = self.offsets[name]
+        return flat[lo:hi].reshape(self.spec(name).shape)
+
+    def spec(self, name: str) -> ParamSpec:
+        return self.by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.offsets
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._view(self.data, name)
+
+    def grad_of(self, name: str) -> np.ndarray:
+        return self._view(self.grad, name)
+
+    def slices(self):
+        """(spec, lo, hi) for every tensor, in buffer order."""
+        for s in self.specs:
+            lo, hi = self.offsets[s.name]
+            yield s, lo, hi
+
+    def zero_grad(self) -> None:
+        self.grad.fill(0.0)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.data.nbytes
