@@ -165,6 +165,28 @@ def quickstart(
     run(workdir)
 
 
+def _finetune(opts) -> None:
+    from llamatune.console import out
+    from llamatune.finetune import finetune as run_finetune
+    res = run_finetune(opts)
+    if res.losses:
+        out.print(f"finetune: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
+                  f"loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
+    for p in res.files:
+        out.print(f"  wrote {p}")
+
+
+def _register_training_commands() -> None:
+    from llamatune.options import FinetuneOptions
+    from .options_cli import add_options_command
+    add_options_command(app, "finetune", FinetuneOptions, _finetune,
+                        "Train a LoRA adapter on a frozen GGUF base model (quantized bases stay quantized).",
+                        friendly_errors)
+
+
+_register_training_commands()
+
+
 def main():  # pragma: no cover - console-script entry
     app()
 

@@ -61,7 +61,11 @@ class FrozenBase:
         return self.vectors.get(name)
 
     def embed(self, ids: np.ndarray, out: np.ndarray) -> None:
-        self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, out)
+        if out.dtype == np.float32:
+            self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, out)
+        else:                                    # float64 gradient tests
+            rows = np.empty(out.shape, np.float32)
+            out[...] = self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, rows)
 
 
 class DenseWeights:
@@ -112,7 +116,7 @@ class Graph:
     """Buffers for one (B, T) shape and the step that uses them."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
-                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0):
+                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0, dtype=np.float32):
         self.cfg, self.base, self.params = cfg, base, params
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
@@ -120,7 +124,7 @@ class Graph:
         self.dropout = lora_dropout
         N, C, F = self.N, cfg.n_embd, cfg.n_ff
         Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
-        f32 = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+        f32 = lambda *s: np.zeros(s, dtype)  # noqa: E731  (float64 only in gradient tests)
         self.layers = []
         for _ in range(cfg.n_layer):
             a = LayerActs(f32(N, C), f32(N), f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq),
@@ -137,14 +141,15 @@ class Graph:
         self.dx, self.dx2, self.dxn = f32(N, C), f32(N, C), f32(N, C)
         self.dg, self.du, self.dh = f32(N, F), f32(N, F), f32(N, F)
         self.dq, self.dk, self.dv, self.datt = f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq)
-        self.tmp = np.zeros(N * max(C, F, Cq), np.float32)
+        self.tmp = np.zeros(N * max(C, F, Cq), dtype)
         self.dnorm = f32(C)
         self.chunk = max(1, min(N, HEAD_CHUNK_BYTES // (4 * cfg.n_vocab)))
         self.logits = f32(self.chunk, cfg.n_vocab)
         self.losses = f32(N)
-        self.cos, self.sin = f32(T, cfg.n_rot // 2), f32(T, cfg.n_rot // 2)
-        rope.rope_cache(self.cos, self.sin, np.arange(T, dtype=np.int64), cfg.n_rot,
+        cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
+        rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
                         cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
+        self.cos, self.sin = cos.astype(dtype), sin.astype(dtype)
         self.tokens = np.zeros(N, np.int64)
         self.step_key = (0,)
 
@@ -166,11 +171,11 @@ class Graph:
             return None
         key = [zlib.crc32(name.encode()), *self.step_key]
         keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
-        return keep.astype(np.float32) / np.float32(1.0 - self.dropout)
+        return keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout)
 
     def _norm_weight(self, name: str) -> np.ndarray:
         """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
-        w = self.base.vector(name)
+        w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
         t = self.lora.get(name)
         if t is None:
             return w
@@ -353,7 +358,7 @@ class Graph:
         self.step_key = tuple(int(k) for k in key)
         tokens = np.ascontiguousarray(inputs, np.int64).reshape(-1)
         tg = np.ascontiguousarray(targets, np.int64).reshape(-1)
-        w = np.ascontiguousarray(weights, np.float32).reshape(-1)
+        w = np.ascontiguousarray(weights, self.tmp.dtype).reshape(-1)
         self._embed(tokens, self.layers[0].x)
         for i in range(self.cfg.n_layer):
             x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final

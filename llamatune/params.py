@@ -22,7 +22,7 @@ class ParamSpec:
 
 
 class ParamBuffer:
-    def __init__(self, specs: list[ParamSpec]):
+    def __init__(self, specs: list[ParamSpec], dtype=np.float32):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("duplicate parameter names")
@@ -34,10 +34,11 @@ class ParamBuffer:
             self.offsets[s.name] = (off, off + s.size)
             off += s.size
         self.size = off
-        self.data = np.zeros(off, np.float32)     # (P,) parameters
-        self.grad = np.zeros(off, np.float32)     # (P,) gradients, accumulated by backward
-        self.m = np.zeros(off, np.float32)        # (P,) AdamW first moments
-        self.v = np.zeros(off, np.float32)        # (P,) AdamW second moments
+        # float64 only for finite-difference tests; training is float32
+        self.data = np.zeros(off, dtype)          # (P,) parameters
+        self.grad = np.zeros(off, dtype)          # (P,) gradients, accumulated by backward
+        self.m = np.zeros(off, dtype)             # (P,) AdamW first moments
+        self.v = np.zeros(off, dtype)             # (P,) AdamW second moments
 
     def _view(self, flat: np.ndarray, name: str) -> np.ndarray:
         lo, hi = self.offsets[name]

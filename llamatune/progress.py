@@ -21,3 +21,34 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
             progress.update(task, completed=done, total=total, status=status)
 
         yield update
+
+
+class _TrainDisplay:
+    """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it."""
+
+    def __init__(self, progress: Progress | None, task):
+        self.progress, self.task = progress, task
+
+    def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
+        if self.progress is None:
+            return
+        status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
+                  f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
+        self.progress.update(self.task, completed=state.iteration, status=status)
+
+    def line(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text, markup=False, highlight=False)
+
+
+@contextlib.contextmanager
+def train_progress(total: int, start: int, quiet: bool = False) -> Iterator[_TrainDisplay]:
+    """Training display: iteration bar with loss, its moving average, lr, tokens/s, elapsed and ETA."""
+    if quiet:
+        yield _TrainDisplay(None, None)
+        return
+    columns = (TextColumn("[bold]train[/bold]"), BarColumn(bar_width=24), MofNCompleteColumn(),
+               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    with Progress(*columns, console=err, transient=False) as progress:
+        task = progress.add_task("train", total=total, completed=start, status="")
+        yield _TrainDisplay(progress, task)

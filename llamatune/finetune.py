@@ -1,0 +1,72 @@
+"""`llamatune finetune`: LoRA adapters trained on a frozen, possibly quantized base.
+
+Sets up the job (base model memory-mapped and left as stored, adapter targets,
+data) and hands it to the shared training loop. Outputs: training checkpoints and
+an adapter in llama.cpp's `--lora` format, each also under the LATEST name.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import checkpoint as ckpt
+from .adapter import write_adapter
+from .console import notice
+from .data import load_samples
+from .errors import LlamatuneError
+from .gguf_io import kv
+from .graph import FrozenBase
+from .lora import init_lora, lora_specs, lora_targets, to_adapter
+from .model import Model
+from .options import FinetuneOptions
+from .params import ParamBuffer
+from .trainer import Job, TrainResult, run
+
+
+def read_training_text(path: Path | None) -> str:
+    if path is None:
+        raise LlamatuneError("--train-data is required")
+    path = Path(path)
+    if not path.exists():
+        raise LlamatuneError(f"{path}: training data file not found")
+    if path.is_dir():
+        raise LlamatuneError(f"{path}: is a directory, expected a text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlamatuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def build_job(o: FinetuneOptions) -> Job:
+    if o.model_base is None:
+        raise LlamatuneError("--model-base is required")
+    model = Model(o.model_base)
+    cfg = model.config
+    if o.ctx > cfg.n_ctx_train:
+        raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
+                             f"({model.path.name})")
+    text = read_training_text(o.train_data)
+    samples = load_samples(text, model.tokenizer, o, str(o.train_data))
+    tied = model.weights.output is model.weights.token_embd
+    alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
+    targets = lora_targets(cfg, o.ranks(), alpha, tied)
+    if any(t.kind.endswith("norm") for t in targets):
+        notice("norm adapters are trained and kept in the adapter file, but llama.cpp ignores them at run time; "
+               "`llamatune export-lora` merges them")
+    params = ParamBuffer(lora_specs(targets))
+
+    def write_outputs(tag: str) -> list[Path]:
+        path = ckpt.iteration_path(o.lora_out, tag)
+        write_adapter(path, to_adapter(params, targets, cfg.arch, alpha),
+                      extra=[kv("adapter.lora.base_model", model.path.name)])
+        return [path]
+
+    ranks = o.ranks()
+    model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
+    return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model), params, targets, samples, model.tokenizer,
+               lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
+               ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
+               scratch_bytes=model.dequantizer.nbytes)
+
+
+def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
+    return run(build_job(o), quiet=quiet)

@@ -1,0 +1,173 @@
+"""The training loop shared by `finetune` and `train-from-scratch`.
+
+A `Job` says what is trained (the graph's weight provider, the flat parameters,
+the LoRA targets) and how outputs are written; `run` does the rest identically
+for both: resume or initialize, memory estimate, micro-batches with gradient
+accumulation, optimizer steps, progress, periodic and final checkpoints.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import checkpoint as ckpt
+from .config import ModelConfig
+from .console import err, notice
+from .data import Batcher, Samples, describe
+from .errors import LlamatuneError
+from .gguf_io import KV
+from .graph import Graph
+from .lora import LoraTarget
+from .optimizer import optimizer_step
+from .options import TrainOptions
+from .params import ParamBuffer
+
+
+@dataclass
+class Job:
+    kind: str                                   # ckpt.KIND_LORA or ckpt.KIND_FULL
+    opts: TrainOptions
+    cfg: ModelConfig
+    base: object                                # graph.FrozenBase or graph.DenseWeights
+    params: ParamBuffer
+    targets: list[LoraTarget]
+    samples: Samples
+    tokenizer: object
+    init_params: Callable[[np.random.Generator], None]
+    write_outputs: Callable[[str], list[Path]]  # tag (iteration or LATEST) -> files written
+    model_kvs: list[KV] = field(default_factory=list)   # extra metadata kept in checkpoints
+    base_fingerprint: str = ""
+    mapped_bytes: int = 0                       # memory-mapped base model size
+    scratch_bytes: int = 0                      # dequantization scratch
+
+
+@dataclass
+class TrainResult:
+    state: ckpt.TrainState
+    losses: list[float]                         # mean loss per optimizer step, this run
+    files: list[Path]
+    seconds: float
+    tokens_per_second: float
+
+
+def available_memory() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def memory_estimate(job: Job, graph: Graph) -> int:
+    """Peak resident bytes the run will need (base model pages counted in full)."""
+    return job.params.nbytes + graph.activation_bytes() + job.scratch_bytes + job.mapped_bytes + 4 * len(job.samples.tokens)
+
+
+def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
+    o = job.opts
+    path = o.checkpoint_in
+    if path is not None and Path(path).exists():
+        c = ckpt.load(Path(path))
+        if c.kind != job.kind:
+            raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
+        if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
+            raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
+        ckpt.check_frozen_options(c, o)
+        c.load_into(job.params)
+        if c.state.data_state:
+            batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
+        notice(f"resuming from {path} at iteration {c.state.iteration}")
+        return c.state
+    if path is not None:
+        notice(f"{path} does not exist: starting a fresh run")
+    job.init_params(np.random.default_rng(o.seed))
+    return ckpt.TrainState()
+
+
+def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+    o = job.opts
+    state.data_state = batcher.state()
+    files = []
+    out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    files.append(out)
+    latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
+    if latest != out:
+        ckpt.copy_atomic(out, latest)
+        files.append(latest)
+    files += job.write_outputs(str(state.iteration))
+    if o.fn_latest:
+        files += job.write_outputs(o.fn_latest)
+    return files
+
+
+def run(job: Job, quiet: bool = False) -> TrainResult:
+    o = job.opts
+    if o.threads > 0:
+        import numba
+        numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
+    batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    state = resume_or_init(job, batcher)
+    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, o.use_checkpointing,
+                  getattr(o, "lora_dropout", 0.0))
+    need = memory_estimate(job, graph)
+    have = available_memory()
+    if not quiet:
+        err.print(f"data: {describe(job.samples)}")
+        err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {gib(need)} "
+                  f"(activations {gib(graph.activation_bytes())}, parameters+optimizer {gib(job.params.nbytes)}, "
+                  f"base model {gib(job.mapped_bytes)} mapped)" + (f", available {gib(have)}" if have else ""))
+    if have is not None and need > have:
+        raise LlamatuneError(f"training needs about {gib(need)} but only {gib(have)} is available: lower --batch "
+                             f"or --ctx, or keep --use-checkpointing on")
+    if state.iteration >= o.adam_iter:
+        notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
+        return TrainResult(state, [], [], 0.0, 0.0)
+
+    losses: list[float] = []
+    files: list[Path] = []
+    tokens_per_step = o.batch * o.ctx * o.grad_acc
+    t0 = time.perf_counter()
+    from .progress import train_progress
+    with train_progress(o.adam_iter, state.iteration, quiet) as show:
+        while state.iteration < o.adam_iter:
+            step = state.iteration
+            job.params.zero_grad()
+            batches = [batcher.next_batch() for _ in range(o.grad_acc)]
+            n_targets = sum(b.n_targets for b in batches)
+            if n_targets == 0:
+                raise LlamatuneError("a training step has no loss targets (samples too short?)")
+            loss = 0.0
+            for micro, b in enumerate(batches):
+                w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
+                loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro))
+            if not math.isfinite(loss):
+                raise LlamatuneError(f"loss became {loss} at iteration {step + 1}: lower --adam-alpha")
+            lr, gnorm = optimizer_step(job.params, step, o)
+            state.iteration += 1
+            state.sample_count = batcher.sample_count
+            state.token_count = batcher.token_count
+            state.epoch = batcher.epoch
+            state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+            losses.append(loss)
+            elapsed = time.perf_counter() - t0
+            show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
+            done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+            if (o.save_every and state.iteration % o.save_every == 0) or done:
+                files = save_all(job, state, batcher)
+                show.line(f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2]))
+            if done:
+                break
+    seconds = time.perf_counter() - t0
+    return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9))

@@ -1,0 +1,133 @@
+"""The training graph as a whole: gradients proven by finite differences in float64,
+checkpointing changes nothing, step 0 equals the base model, and gradient
+accumulation equals one big batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fdcheck import fd_check
+from llamatune.graph import DenseWeights, FrozenBase, Graph
+from llamatune.infer import Runner
+from llamatune.kernels import cross_entropy
+from llamatune.lora import init_lora, lora_specs, lora_targets
+from llamatune.model import Model
+from llamatune.modelfile import random_weights, tensor_names
+from llamatune.params import ParamBuffer, ParamSpec
+
+from conftest import tiny_config, write_tiny_model
+
+ALL_RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                            "token_embd", "output", "attn_norm", "ffn_norm", "output_norm")}
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory, tiny_vocab):
+    # small enough for element-wise finite differences: C 32, 2 layers, GQA 4/2
+    return Model(write_tiny_model(tmp_path_factory.mktemp("g") / "m.gguf", tiny_vocab, n_embd=32, n_ff=48,
+                                  head_dim=8, n_rot=8))
+
+
+def batch(cfg, B, T, seed=0, pad=True):
+    rng = np.random.default_rng(seed)
+    inputs = rng.integers(0, cfg.n_vocab, (B, T))
+    targets = rng.integers(0, cfg.n_vocab, (B, T))
+    if pad:
+        targets[0, -2:] = -1                   # padding is never a target
+    weights = (targets >= 0) / max(1, int((targets >= 0).sum()))
+    return inputs, targets, weights
+
+
+def lora_setup(model, ranks, dtype, seed=0):
+    targets = lora_targets(model.config, ranks, alpha=3.0, tied=False)
+    params = ParamBuffer(lora_specs(targets), dtype)
+    init_lora(params, targets, np.random.default_rng(seed))
+    # make B nonzero too, so every path carries gradient
+    params.data[...] += np.random.default_rng(seed + 1).normal(0, 0.05, params.size).astype(dtype)
+    return targets, params
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_lora_gradient_matches_finite_differences(small_model, checkpointing, dropout):
+    cfg = small_model.config
+    targets, params = lora_setup(small_model, ALL_RANKS, np.float64)
+    g = Graph(cfg, FrozenBase(small_model), params, targets, 2, 5, checkpointing, dropout, dtype=np.float64)
+    inputs, tg, w = batch(cfg, 2, 5)
+
+    def loss(p):
+        params.zero_grad()
+        return g.step(inputs, tg, w, key=(7,))
+
+    loss(params.data)
+    analytic = params.grad.copy()
+    # float64 throughout; tolerance covers f32-stored base weights (exact in f64) and eps^2 truncation
+    err = fd_check(loss, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=300)
+    assert err < 1e-5
+
+
+def test_dense_gradient_matches_finite_differences(tiny_vocab):
+    cfg = tiny_config(n_embd=16, n_ff=24, head_dim=4, n_rot=4, n_vocab=400)
+    shapes = tensor_names(cfg)
+    params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()], np.float64)
+    for n, a in random_weights(cfg, seed=3, std=0.2).items():
+        params[n][...] = a
+    for n in shapes:                                         # norms away from 1 to test their grads
+        if n.endswith("norm.weight"):
+            params[n][...] += np.random.default_rng(1).normal(0, 0.1, shapes[n])
+    g = Graph(cfg, DenseWeights(params), params, [], 2, 4, True, dtype=np.float64)
+    inputs, tg, w = batch(cfg, 2, 4, seed=5)
+
+    def loss(p):
+        params.zero_grad()
+        return g.step(inputs, tg, w)
+
+    loss(params.data)
+    analytic = params.grad.copy()
+    err = fd_check(loss, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=400)
+    assert err < 1e-5
+
+
+def test_checkpointing_gives_identical_gradients(small_model):
+    cfg = small_model.config
+    grads = []
+    for ckpt in (True, False):
+        targets, params = lora_setup(small_model, ALL_RANKS, np.float32)
+        g = Graph(cfg, FrozenBase(small_model), params, targets, 2, 8, ckpt)
+        inputs, tg, w = batch(cfg, 2, 8)
+        g.step(inputs, tg, w)
+        grads.append(params.grad.copy())
+    np.testing.assert_array_equal(grads[0], grads[1])
+
+
+def test_step_zero_equals_base_model(small_model):
+    """With PEFT init (B = 0 / embedding A = 0) the graph's loss is the base model's,
+    computed independently by the inference forward."""
+    cfg = small_model.config
+    targets = lora_targets(cfg, ALL_RANKS, alpha=8.0, tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    B, T = 2, 8
+    g = Graph(cfg, FrozenBase(small_model), params, targets, B, T)
+    inputs, tg, w = batch(cfg, B, T, pad=False)
+    loss = g.step(inputs, tg, w)
+    logits = Runner(small_model).forward(inputs).reshape(B * T, -1)
+    ref = np.empty(B * T, np.float32)
+    cross_entropy.cross_entropy_forward(ref, np.ascontiguousarray(logits), tg.reshape(-1))
+    np.testing.assert_allclose(g.losses, ref, rtol=2e-5, atol=2e-5)
+    assert loss == pytest.approx(float(ref.mean()), rel=1e-5)
+
+
+def test_gradient_accumulation_equals_one_big_batch(small_model):
+    cfg = small_model.config
+    inputs, tg, _ = batch(cfg, 4, 8, seed=9)
+    n = int((tg >= 0).sum())
+    w = (tg >= 0).astype(np.float32) / n
+    targets, big = lora_setup(small_model, ALL_RANKS, np.float32)
+    Graph(cfg, FrozenBase(small_model), big, targets, 4, 8).step(inputs, tg, w)
+    _, acc = lora_setup(small_model, ALL_RANKS, np.float32)
+    g2 = Graph(cfg, FrozenBase(small_model), acc, targets, 2, 8)
+    for half in (slice(0, 2), slice(2, 4)):           # two micro-batches, weights normalised by the total
+        g2.step(inputs[half], tg[half], w[half])
+    # same sum, different summation order: equal to float32 rounding
+    np.testing.assert_allclose(acc.grad, big.grad, rtol=1e-4, atol=1e-7)
