@@ -165,22 +165,33 @@ def quickstart(
     run(workdir)
 
 
-def _finetune(opts) -> None:
+def _report(name: str, res) -> None:
     from llamatune.console import out
-    from llamatune.finetune import finetune as run_finetune
-    res = run_finetune(opts)
     if res.losses:
-        out.print(f"finetune: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
+        out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
                   f"loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
     for p in res.files:
         out.print(f"  wrote {p}")
 
 
+def _finetune(opts) -> None:
+    from llamatune.finetune import finetune
+    _report("finetune", finetune(opts))
+
+
+def _train_from_scratch(opts) -> None:
+    from llamatune.scratch import train_from_scratch
+    _report("train-from-scratch", train_from_scratch(opts))
+
+
 def _register_training_commands() -> None:
-    from llamatune.options import FinetuneOptions
+    from llamatune.options import FinetuneOptions, ScratchOptions
     from .options_cli import add_options_command
     add_options_command(app, "finetune", FinetuneOptions, _finetune,
                         "Train a LoRA adapter on a frozen GGUF base model (quantized bases stay quantized).",
+                        friendly_errors)
+    add_options_command(app, "train-from-scratch", ScratchOptions, _train_from_scratch,
+                        "Train a new llama model from scratch; writes a GGUF llama.cpp can run.",
                         friendly_errors)
 
 
