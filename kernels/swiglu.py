@@ -1,0 +1,80 @@
+"""SwiGLU gate of the llama feed-forward block, forward and backward (numba + numpy refs).
+
+    out = silu(g) * u,   silu(x) = x / (1 + exp(-x)) = x * sigmoid(x)
+
+with g = x @ W_gate and u = x @ W_up. Mirrors llama.cpp's `ggml_swiglu_split`
+(ggml-cpu `ggml_vec_swiglu_f32`, scalar path `ggml_silu_f32(x) * g` with
+`ggml_silu_f32(x) = x/(1.0f+expf(-x))`); ggml's SIMD path uses its own expf
+approximation, so agreement with llama.cpp is to rounding, not bit for bit.
+
+Backward (both overwritten):
+    dg = dout * u * s * (1 + g * (1 - s)),   s = sigmoid(g)
+    du = dout * silu(g)
+"""
+
+import numpy as np
+from numba import njit, prange
+
+# A float32 one keeps float32 maths in float32 and promotes exactly under float64.
+_ONE = np.float32(1.0)
+
+
+@njit(cache=True, parallel=True)
+def _swiglu_forward_kernel(out, g, u):
+    # out, g, u (N, F)
+    N, F = g.shape
+    for n in prange(N):
+        for f in range(F):
+            x = g[n, f]
+            out[n, f] = x / (_ONE + np.exp(-x)) * u[n, f]
+
+
+@njit(cache=True, parallel=True)
+def _swiglu_backward_kernel(dg, du, dout, g, u):
+    # dg, du (N, F) =, dout, g, u (N, F); each element is read before it is written
+    N, F = g.shape
+    for n in prange(N):
+        for f in range(F):
+            x = g[n, f]
+            s = _ONE / (_ONE + np.exp(-x))  # sigmoid(g)
+            d = dout[n, f]
+            dg[n, f] = d * u[n, f] * s * (_ONE + x * (_ONE - s))
+            du[n, f] = d * x * s
+
+
+def _check_all(**arrays):
+    g = arrays["g"]
+    if not isinstance(g, np.ndarray) or g.ndim != 2 or g.dtype not in (np.float32, np.float64):
+        raise ValueError("swiglu: g must be a 2-D float32 or float64 array (N, F)")
+    for name, a in arrays.items():
+        if not (isinstance(a, np.ndarray) and a.dtype == g.dtype and a.shape == g.shape
+                and a.flags.c_contiguous):
+            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise ValueError(f"swiglu: {name} must be a C-contiguous {g.dtype} array of "
+                             f"shape {g.shape}, got {got}")
+
+
+def swiglu_forward(out, g, u):
+    """out (N, F) = silu(g) * u; g, u (N, F)."""
+    _check_all(out=out, g=g, u=u)
+    _swiglu_forward_kernel(out, g, u)
+
+
+def swiglu_backward(dg, du, dout, g, u):
+    """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F)."""
+    _check_all(dg=dg, du=du, dout=dout, g=g, u=u)
+    _swiglu_backward_kernel(dg, du, dout, g, u)
+
+
+# ----------------------------------------------------------------------------
+# numpy references: same arguments and contract as the kernels, no checks
+
+
+def swiglu_forward_ref(out, g, u):
+    out[:] = g / (1 + np.exp(-g)) * u
+
+
+def swiglu_backward_ref(dg, du, dout, g, u):
+    s = 1 / (1 + np.exp(-g))
+    dg[:] = dout * u * s * (1 + g * (1 - s))
+    du[:] = dout * g * s
