@@ -105,7 +105,7 @@ def tokenize(
         print("[" + ", ".join(str(t) for t in result) + "]")
     else:
         for t in result:
-            print(f"{t:6d} -> '{tok.token_to_piece(t)}'")
+            print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
 @app.command()

@@ -39,12 +39,12 @@ def read_training_text(path: Path | None) -> str:
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
+    text = read_training_text(o.train_data)
     model = Model(o.model_base)
     cfg = model.config
     if o.ctx > cfg.n_ctx_train:
         raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
                              f"({model.path.name})")
-    text = read_training_text(o.train_data)
     samples = load_samples(text, model.tokenizer, o, str(o.train_data))
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)

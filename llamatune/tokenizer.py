@@ -374,13 +374,14 @@ class Tokenizer:
         return out
 
     # ---- decoding ----
-    def token_to_bytes(self, id: int) -> bytes:
-        """llama.cpp's token_to_piece(special=false) as raw bytes (byte tokens may be partial UTF-8)."""
+    def token_to_bytes(self, id: int, special: bool = False) -> bytes:
+        """llama.cpp's token_to_piece as raw bytes (byte tokens may be partial UTF-8);
+        with `special`, control tokens render as their text (e.g. '<s>'), as llama-tokenize shows them."""
         if not 0 <= id < self.n_vocab:
             raise LlamatuneError(f"{self._path}: token id {id} is out of range (vocabulary has {self.n_vocab})")
         text, ttype = self._texts[id], self._types[id]
         if id in self._control or ttype == _UNKNOWN:
-            return b""
+            return text.encode("utf-8") if special else b""
         if ttype == _USER_DEFINED:
             return text.encode("utf-8")
         if ttype == _NORMAL and self._spm:
@@ -395,11 +396,11 @@ class Tokenizer:
             return bytes([int(text[3:5], 16)])
         return b""   # unused / undefined tokens render as nothing
 
-    def token_to_piece(self, id: int) -> str:
+    def token_to_piece(self, id: int, special: bool = False) -> str:
         """One token's text for streaming output.  A byte-fallback token holding part of a
         multi-byte character gives U+FFFD here; stream `token_to_bytes` through an
         incremental UTF-8 decoder to avoid that."""
-        return self.token_to_bytes(id).decode("utf-8", errors="replace")
+        return self.token_to_bytes(id, special).decode("utf-8", errors="replace")
 
     def decode(self, ids: list[int]) -> str:
         """llama_detokenize(ids, remove_special=false, unparse_special=false): control tokens
