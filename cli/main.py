@@ -155,6 +155,26 @@ def generate(
     sys.stdout.write("\n")
 
 
+@app.command("export-lora")
+@friendly_errors
+def export_lora(
+    model_base: Path = typer.Option(..., "-m", "--model-base", help="Base model GGUF."),
+    lora: List[Path] = typer.Option([], "--lora", help="Adapter to merge with scale 1; repeatable."),
+    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help="Adapter with a user scale, FILE:SCALE; repeatable."),
+    output: Path = typer.Option(..., "-o", "--output", help="Merged model GGUF to write."),
+    outtype: str = typer.Option("same", "--outtype", help="same (keep each tensor's type, quantized ones "
+                                "re-quantized), or f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k..q6_k."),
+):
+    """Merge LoRA adapters into a base model: W' = W + sum s*(alpha/r)*B@A, quant types kept."""
+    from llamatune.console import out
+    from llamatune.export import export_lora as run_export
+    specs = [(Path(p), 1.0) for p in lora] + [(Path(p), s) for p, s in parse_scaled(lora_scaled)]
+    report = run_export(model_base, specs, output, outtype)
+    types = sorted(set(report.merged.values()))
+    out.print(f"merged {report.n_merged} tensors ({', '.join(types) or 'none'}), copied {report.n_copied} unchanged"
+              + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
+
+
 @app.command()
 @friendly_errors
 def quickstart(

@@ -273,6 +273,9 @@ def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: I
         for item in kvs:
             if item.key == "general.architecture":
                 continue
+            if item.key == "general.alignment":        # must also change where the writer pads
+                w.add_custom_alignment(int(item.value))
+                continue
             w.add_key_value(item.key, item.value, item.vtype, item.sub_type)
         for t in tensors:
             block, _ = gguf.GGML_QUANT_SIZES[t.qtype]

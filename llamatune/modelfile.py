@@ -70,16 +70,23 @@ def random_weights(cfg: ModelConfig, seed: int = 0, std: float = 0.02, tied: boo
     return out
 
 
+def fit_type(n_cols: int, qtype: QType) -> QType:
+    """`qtype` if rows of `n_cols` fit its blocks, else llama-quantize's kind of
+    fallback: Q8_0 for quantized types (32-wide blocks), F16 otherwise."""
+    if n_cols % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    return QType.Q8_0 if n_cols % 32 == 0 and qtype not in (QType.F32, QType.F16, QType.BF16) else QType.F16
+
+
 def encode_tensor(name: str, data: np.ndarray, qtype: QType) -> TensorOut:
     """A TensorOut that converts f32 `data` to `qtype` when written. 1-D tensors
     (norms, biases) always stay F32, as llama.cpp keeps them."""
     if data.ndim == 1:
         qtype = QType.F32
-    block = gguf.GGML_QUANT_SIZES[qtype][0]
-    if data.shape[-1] % block:
-        fallback = QType.Q8_0 if data.shape[-1] % 32 == 0 and qtype not in (QType.F32, QType.F16, QType.BF16) else QType.F16
-        notice(f"{name}: {data.shape[-1]} columns do not fit {qtype.name} blocks of {block}; writing {fallback.name}")
-        qtype = fallback
+    fitted = fit_type(data.shape[-1], qtype)
+    if fitted != qtype:
+        notice(f"{name}: {data.shape[-1]} columns do not fit {qtype.name} blocks; writing {fitted.name}")
+        qtype = fitted
 
     def make() -> np.ndarray:
         if qtype == QType.F32:
