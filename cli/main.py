@@ -175,6 +175,22 @@ def export_lora(
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
 
 
+@app.command("convert-checkpoint")
+@friendly_errors
+def convert_checkpoint(
+    input: Path = typer.Argument(..., help="Checkpoint, adapter, PEFT directory, 2023 checkpoint or ggla .bin."),
+    output: Path = typer.Option(..., "-o", "--output", help="File or directory to write."),
+    to: Optional[str] = typer.Option(None, "--to", help="gguf-adapter, peft, checkpoint or model "
+                                     "(default: the usual target for the input's kind)."),
+    model_base: Optional[Path] = typer.Option(None, "--model-base", help="Base model GGUF, for names, shapes "
+                                              "and head counts the input lacks."),
+):
+    """Convert between llamatune checkpoints, GGUF adapters, PEFT adapters and llama.cpp's 2023 formats."""
+    from llamatune.console import out
+    from llamatune.convert import convert
+    out.print(convert(input, output, to, model_base))
+
+
 @app.command()
 @friendly_errors
 def quickstart(

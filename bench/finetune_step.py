@@ -1,0 +1,137 @@
+"""Benchmark: LoRA training steps (tokens/s, peak RSS, share of the sgemm rate).
+
+Model shape (issue #3): embd 512, 8 layers, 8 heads, 4 KV heads, ffn 1536, vocab
+32000, random weights written with llamatune's own writer in Q8_0 and Q4_K.
+Training: ctx 256, batch 8, rank 8 on q,k,v,o,gate,up,down, AdamW, with and
+without gradient checkpointing. Each configuration runs in a fresh process so
+its peak RSS is its own.
+
+    python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--workdir /tmp/llamatune-bench]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHAPE = dict(arch="llama", n_vocab=32000, n_ctx_train=256, n_embd=512, n_layer=8, n_ff=1536, n_head=8,
+             n_head_kv=4, head_dim=64, n_rot=64, norm_eps=1e-5)
+B, T, R = 8, 256, 8
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def dummy_vocab(n: int):
+    from gguf import GGUFValueType as V
+    from llamatune.gguf_io import KV, kv
+    tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, n)]
+    return [kv("tokenizer.ggml.model", "llama"), KV("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
+            KV("tokenizer.ggml.scores", [0.0] * n, V.ARRAY, V.FLOAT32),
+            KV("tokenizer.ggml.token_type", [2, 3, 3] + [1] * (n - 3), V.ARRAY, V.INT32),
+            kv("tokenizer.ggml.bos_token_id", 1), kv("tokenizer.ggml.eos_token_id", 2)]
+
+
+def build(path: Path, qtype: str) -> None:
+    from llamatune.config import ModelConfig
+    from llamatune.modelfile import parse_outtype, random_weights, write_model
+    if path.exists():
+        return
+    cfg = ModelConfig(**SHAPE)
+    write_model(path, cfg, random_weights(cfg, seed=0), dummy_vocab(cfg.n_vocab), parse_outtype(qtype))
+
+
+def step_flops(cfg) -> float:
+    """Matmul FLOPs of one training step: forward, backward dx (frozen weights), LoRA, causal attention."""
+    N = B * T
+    mats = {"attn_q": (cfg.n_embd_q, cfg.n_embd), "attn_k": (cfg.n_embd_kv, cfg.n_embd),
+            "attn_v": (cfg.n_embd_kv, cfg.n_embd), "attn_output": (cfg.n_embd, cfg.n_embd_q),
+            "ffn_gate": (cfg.n_ff, cfg.n_embd), "ffn_up": (cfg.n_ff, cfg.n_embd), "ffn_down": (cfg.n_embd, cfg.n_ff)}
+    per_layer = sum(2 * N * o * i * 2 + 2 * N * R * (o + i) * 3 for o, i in mats.values())
+    attn = 2 * 2 * B * cfg.n_head * T * T * cfg.head_dim / 2          # QK^T and PV, causal half
+    per_layer += attn * (1 + 2.5)                                      # backward: recompute + 4 products
+    head = 2 * N * cfg.n_embd * cfg.n_vocab * 2
+    return cfg.n_layer * per_layer + head
+
+
+def sgemm_gflops() -> float:
+    import numpy as np
+    a = np.random.rand(B * T, 512).astype(np.float32)
+    w = np.random.rand(1536, 512).astype(np.float32)
+    out = np.empty((B * T, 1536), np.float32)
+    np.matmul(a, w.T, out=out)
+    t = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        np.matmul(a, w.T, out=out)
+    return 2 * a.shape[0] * 512 * 1536 * n / (time.perf_counter() - t) / 1e9
+
+
+def run_one(path: Path, checkpointing: bool, steps: int) -> dict:
+    """One configuration in this process: returns tokens/s, RSS, shares."""
+    import numpy as np
+    from llamatune.graph import FrozenBase, Graph
+    from llamatune.lora import init_lora, lora_specs, lora_targets
+    from llamatune.model import Model
+    from llamatune.optimizer import optimizer_step
+    from llamatune.options import FinetuneOptions
+    from llamatune.params import ParamBuffer
+    model = Model(path)
+    cfg = model.config
+    ranks = {k: R for k in TARGETS}
+    targets = lora_targets(cfg, ranks, float(R), tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, checkpointing)
+    rng = np.random.default_rng(1)
+    opts = FinetuneOptions(warmup=1)
+    inputs = rng.integers(0, cfg.n_vocab, (B, T))
+    targets_ids = rng.integers(0, cfg.n_vocab, (B, T))
+    w = np.full((B, T), 1.0 / (B * T), np.float32)
+    times = []
+    for i in range(steps + 1):                      # first step warms up (numba compile/cache load)
+        t = time.perf_counter()
+        params.zero_grad()
+        loss = graph.step(inputs, targets_ids, w, (0, i, 0))
+        optimizer_step(params, i, opts)
+        times.append(time.perf_counter() - t)
+    step_s = float(np.median(times[1:]))
+    gf = sgemm_gflops()
+    flops = step_flops(cfg)
+    return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "activations_mb": graph.activation_bytes() / 2**20, "step_gflop": flops / 1e9,
+            "achieved_gflops": flops / step_s / 1e9, "sgemm_gflops": gf, "share_of_sgemm": flops / step_s / 1e9 / gf,
+            "loss": loss}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--types", default="q8_0,q4_k")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-bench"))
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "CHECKPOINTING"), help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(run_one(Path(a.one[0]), a.one[1] == "1", a.steps)))
+        return
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {T}, batch {B}; model {SHAPE}; {os.cpu_count()} CPUs")
+    print(f"{'type':6} {'ckpt':5} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
+          f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6}")
+    for qtype in a.types.split(","):
+        path = a.workdir / f"bench-512x8.{qtype}.gguf"
+        build(path, qtype)
+        for ck in (True, False):
+            out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), "1" if ck else "0"],
+                                 capture_output=True, text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            print(f"{qtype:6} {'on' if ck else 'off':5} {r['tokens_per_s']:8.0f} {r['step_s']:7.2f} "
+                  f"{r['peak_rss_mb']:12.0f} {r['activations_mb']:8.0f} {r['achieved_gflops']:8.1f} "
+                  f"{r['sgemm_gflops']:7.1f} {r['share_of_sgemm']:6.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
