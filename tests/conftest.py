@@ -21,6 +21,13 @@ TEXT = (
 ) * 4
 
 
+def pytest_configure(config):
+    # CUDA kernel tests run in numba's simulator when no GPU is present; this must be
+    # decided before anything imports numba.cuda.
+    from conftest_cuda import enable_simulator_if_no_gpu
+    enable_simulator_if_no_gpu()
+
+
 def need(path: Path) -> Path:
     """Skip the test when a reference file from ../shared is missing."""
     if not path.exists():

@@ -1,0 +1,58 @@
+"""CUDA kernels (numba.cuda) for every op of the CPU path: dequantization,
+rmsnorm, rope, swiglu, attention, cross-entropy and the optimizer updates.
+
+One module per op family, named as its CPU twin in ``llamatune.kernels``:
+``dequant``, ``rmsnorm``, ``rope``, ``swiglu``, ``attention``, ``cross_entropy``,
+``optim``. Each takes float32 device arrays (numba DeviceNDArray, CuPy arrays or
+anything exporting ``__cuda_array_interface__``; numpy host arrays are refused),
+never allocates, and is checked against the numpy references of its CPU twin.
+
+Importing this package imports nothing from numba.cuda and compiles nothing;
+the submodules are loaded on first attribute access (``llamatune.kernels.cuda.rmsnorm``),
+and they import numba.cuda. Kernels compile on their first launch.
+
+On a machine without a GPU the kernels run under numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``, which must be set before numba.cuda is first
+imported). That needs no CUDA toolkit or driver, only numba.cuda itself: the
+``numba-cuda`` package (numba's own built-in numba.cuda is deprecated in its
+favour, though numba 0.68's still runs these kernels in the simulator).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+_MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "attention", "cross_entropy", "optim")
+
+__all__ = [*_MODULES, "is_available", "simulator_enabled"]
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def is_available() -> bool:
+    """True when numba.cuda imports and has a GPU (or the simulator) to run on.
+    Imports numba.cuda (so decide NUMBA_ENABLE_CUDASIM before calling this)."""
+    try:
+        from numba import cuda
+    except Exception:  # numba-cuda missing or broken CUDA bindings
+        return False
+    try:
+        return bool(cuda.is_available())
+    except Exception:
+        return False
+
+
+def simulator_enabled() -> bool:
+    """True when numba.cuda runs (or, not imported yet, will run) as the CUDA simulator."""
+    if "numba.cuda" not in sys.modules:
+        return os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0")
+    try:
+        from numba.cuda.core import config
+    except ImportError:
+        from numba.core import config
+    return bool(config.ENABLE_CUDASIM)

@@ -1,0 +1,160 @@
+"""Shared pieces of the CUDA kernels: the numba.cuda import, the simulator switch,
+bit-exact float helpers, block reductions and the device-array argument checks.
+
+Imported only by the kernel modules of this package (never at import time of
+``llamatune.kernels.cuda``), so numba.cuda is imported when the CUDA backend
+first asks for a kernel module.
+
+Simulator vs device. Under ``NUMBA_ENABLE_CUDASIM=1`` every CUDA thread runs the
+kernel's Python code with numpy scalars, so a few helpers need two versions:
+
+* ``fmul(a, b)``: a float32 product that the compiler may never fuse with a
+  following add into an FMA. NVVM contracts ``a*b + c`` into ``fma`` by default
+  (``-fmad=true``; numba-cuda passes no ``fma`` option unless ``fastmath``),
+  which would break bit-exactness of e.g. ``d*q + m``. ``__nv_fmul_rn`` lowers to
+  ``mul.rn.f32``, which ptxas never contracts. In the simulator it is the plain
+  numpy float32 product (one rounding).
+* ``bits_to_f32(bits)``: reinterpret the low 32 bits of an integer as float32
+  (``__nv_int_as_float`` on the device, ``numpy.uint32.view`` in the simulator).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda, float32, float64
+
+
+def _simulated() -> bool:
+    try:  # numba-cuda keeps its own config module
+        from numba.cuda.core import config
+    except ImportError:  # the built-in numba.cuda of older numba releases
+        from numba.core import config
+    return bool(config.ENABLE_CUDASIM)
+
+
+SIM = _simulated()
+"""True when numba.cuda is the simulator (kernels run as Python threads)."""
+
+MAX_THREADS = 256
+"""Largest thread block of the row kernels (the size of their shared reduction buffers)."""
+
+if SIM:
+    @cuda.jit(device=True)
+    def fmul(a, b):
+        return np.float32(a) * np.float32(b)
+
+    @cuda.jit(device=True)
+    def bits_to_f32(bits):
+        return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def fmul(a, b):
+        return libdevice.fmul_rn(a, b)
+
+    @cuda.jit(device=True)
+    def bits_to_f32(bits):
+        return libdevice.int_as_float(np.int32(bits & 0xFFFFFFFF))
+
+
+@cuda.jit(device=True)
+def block_sum(buf, tid, val):
+    """Sum of val over the thread block (blockDim.x a power of two, <= buf size).
+    Deterministic tree order; every thread gets the result. buf: shared scratch."""
+    buf[tid] = val
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if tid < s:
+            buf[tid] += buf[tid + s]
+        cuda.syncthreads()
+        s //= 2
+    res = buf[0]
+    cuda.syncthreads()  # buf may be reused right after
+    return res
+
+
+@cuda.jit(device=True)
+def block_max(buf, tid, val):
+    """Max of val over the thread block (as block_sum)."""
+    buf[tid] = val
+    cuda.syncthreads()
+    s = cuda.blockDim.x // 2
+    while s > 0:
+        if tid < s:
+            buf[tid] = max(buf[tid], buf[tid + s])
+        cuda.syncthreads()
+        s //= 2
+    res = buf[0]
+    cuda.syncthreads()
+    return res
+
+
+def row_threads(n: int) -> int:
+    """Threads per block for a kernel that reduces rows of n values: the next power
+    of two >= n, clamped to [32, MAX_THREADS] (a whole warp at least)."""
+    t = 32
+    while t < n and t < MAX_THREADS:
+        t *= 2
+    return t
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --------------------------------------------------------------- argument checks
+def _contiguous(a) -> bool:
+    if hasattr(a, "is_c_contiguous"):  # numba DeviceNDArray / simulator FakeCUDAArray
+        return bool(a.is_c_contiguous())
+    flags = getattr(a, "flags", None)  # CuPy
+    if flags is not None:
+        return bool(flags.c_contiguous)
+    strides = a.__cuda_array_interface__.get("strides")
+    if strides is None:
+        return True
+    expect, acc = [], np.dtype(a.dtype).itemsize
+    for n in reversed(a.shape):
+        expect.append(acc)
+        acc *= n
+    return tuple(reversed(expect)) == tuple(strides) or 0 in a.shape
+
+
+def is_device_array(a) -> bool:
+    """A CUDA device array (numba DeviceNDArray, CuPy, anything exporting
+    __cuda_array_interface__, or the simulator's fake device array); numpy
+    host arrays are refused (numba would copy them to the device and back at
+    every launch)."""
+    if isinstance(a, np.ndarray):
+        return False
+    if hasattr(a, "__cuda_array_interface__"):
+        return True
+    return SIM and type(a).__name__ == "FakeCUDAArray"
+
+
+def describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"a numpy host array {a.dtype} {a.shape}"
+    if is_device_array(a):
+        return f"{np.dtype(a.dtype)} {tuple(a.shape)}"
+    return type(a).__name__
+
+
+def check(op: str, name: str, a, shape, dtype, contiguous: bool = True) -> None:
+    """Raise ValueError unless a is a device array of this shape and dtype (and
+    C-contiguous when asked)."""
+    ok = (is_device_array(a) and np.dtype(a.dtype) == np.dtype(dtype)
+          and tuple(a.shape) == tuple(shape) and (not contiguous or _contiguous(a)))
+    if not ok:
+        need = "C-contiguous " if contiguous else ""
+        raise ValueError(f"{op}: {name} must be a {need}{np.dtype(dtype)} device array of "
+                         f"shape {tuple(shape)}, got {describe(a)}")
+
+
+def check_ndim(op: str, name: str, a, ndim: int, dtype) -> tuple:
+    """Check a's kind, rank and dtype; return its shape."""
+    if not (is_device_array(a) and len(a.shape) == ndim and np.dtype(a.dtype) == np.dtype(dtype)):
+        raise ValueError(f"{op}: {name} must be a {ndim}-D {np.dtype(dtype)} device array, "
+                         f"got {describe(a)}")
+    return tuple(a.shape)
+

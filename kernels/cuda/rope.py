@@ -1,0 +1,79 @@
+"""Rotary position embedding on the GPU, forward and backward (float32; CPU twin and
+numpy references: ``llamatune.kernels.rope``).
+
+ROPE_NORM (mode 0) rotates adjacent pairs (x[2i], x[2i+1]); ROPE_NEOX (mode 2)
+rotates (x[i], x[i + n_rot/2]); dimensions >= n_rot pass through. The backward is
+the rotation by -theta. cos/sin (T, n_rot//2) tables are the CPU's
+``rope.rope_cache`` output copied to the device (computed once on the host, so
+both backends rotate by the very same float32 angles).
+
+One thread per (b, t, h, j) with j < D - n_rot/2: j < n_rot/2 rotates pair j
+(reading both values before writing them, so out may be x), the others copy a
+pass-through dimension (a no-op when in place).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import cdiv, check, check_ndim, cuda
+
+ROPE_NORM = 0
+ROPE_NEOX = 2
+_THREADS = 128
+
+__all__ = ["ROPE_NORM", "ROPE_NEOX", "rope_forward", "rope_backward"]
+
+
+@cuda.jit
+def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
+    # out, x (B, T, H, D), may alias; cos, sin (T, n_rot//2)
+    B, T, H, D = x.shape
+    half = n_rot // 2
+    W = D - half  # threads per head row
+    idx = cuda.grid(1)
+    if idx >= B * T * H * W:
+        return
+    j = idx % W
+    row = idx // W
+    h = row % H
+    bt = row // H
+    t = bt % T
+    b = bt // T
+    if j < half:
+        c = cos[t, j]
+        s = -sin[t, j] if inverse else sin[t, j]
+        i0 = j if neox else 2 * j
+        i1 = j + half if neox else 2 * j + 1
+        x0 = x[b, t, h, i0]
+        x1 = x[b, t, h, i1]
+        out[b, t, h, i0] = x0 * c - x1 * s
+        out[b, t, h, i1] = x0 * s + x1 * c
+    else:
+        d = n_rot + (j - half)
+        out[b, t, h, d] = x[b, t, h, d]
+
+
+def _launch(out_name, out, x_name, x, cos, sin, n_rot, mode, inverse):
+    B, T, H, D = check_ndim("rope", x_name, x, 4, np.float32)
+    if n_rot <= 0 or n_rot % 2 or n_rot > D:
+        raise ValueError(f"rope: n_rot must be even, > 0 and <= head size {D}, got {n_rot}")
+    if mode not in (ROPE_NORM, ROPE_NEOX):
+        raise ValueError(f"rope: mode must be ROPE_NORM (0) or ROPE_NEOX (2), got {mode}")
+    check("rope", x_name, x, (B, T, H, D), np.float32)
+    check("rope", out_name, out, (B, T, H, D), np.float32)
+    check("rope", "cos", cos, (T, n_rot // 2), np.float32)
+    check("rope", "sin", sin, (T, n_rot // 2), np.float32)
+    n = B * T * H * (D - n_rot // 2)
+    if n:
+        _rope_kernel[cdiv(n, _THREADS), _THREADS](out, x, cos, sin, np.int64(n_rot),
+                                                  mode == ROPE_NEOX, inverse)
+
+
+def rope_forward(out, x, cos, sin, n_rot, mode) -> None:
+    """out (B, T, H, D) = R(theta) x (out may be x); cos, sin (T, n_rot//2)."""
+    _launch("out", out, "x", x, cos, sin, n_rot, mode, False)
+
+
+def rope_backward(dx, dout, cos, sin, n_rot, mode) -> None:
+    """dx (B, T, H, D) = R(-theta) dout (overwritten; dx may be dout)."""
+    _launch("dx", dx, "dout", dout, cos, sin, n_rot, mode, True)

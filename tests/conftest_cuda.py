@@ -1,0 +1,117 @@
+"""Helpers for the CUDA kernel tests: find out, without importing numba.cuda,
+whether a usable NVIDIA GPU is present, and switch numba to its CUDA simulator
+when it is not (NUMBA_ENABLE_CUDASIM must be set before numba.cuda is first
+imported)."""
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+import sys
+
+
+def gpu_present() -> bool:
+    """True when the CUDA driver loads and reports at least one device.
+
+    Uses the driver API through ctypes (cuInit + cuDeviceGetCount), so nothing of
+    numba.cuda is imported; CUDA_VISIBLE_DEVICES is honoured by the driver."""
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll", "libcuda.dylib"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return False
+    try:
+        if lib.cuInit(0) != 0:
+            return False
+        count = ctypes.c_int(0)
+        return lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+    except (AttributeError, OSError):
+        return False
+
+
+def enable_simulator_if_no_gpu() -> str:
+    """Set NUMBA_ENABLE_CUDASIM=1 unless a GPU is present or the variable is set.
+
+    Returns what happened ("set", "kept" or "gpu"); "too late" when numba.cuda
+    was already imported in real-GPU mode (the simulator can then not be
+    enabled in this process)."""
+    if "NUMBA_ENABLE_CUDASIM" in os.environ:
+        return "kept"
+    if gpu_present():
+        return "gpu"
+    if "numba.cuda" in sys.modules:
+        return "too late"
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    cfg = sys.modules.get("numba.core.config")
+    if cfg is not None and importlib.util.find_spec("numba_cuda") is None:
+        # numba imported already and no numba-cuda: numba's deprecated built-in
+        # numba.cuda reads numba's own (already loaded) config
+        cfg.reload_config()
+    return "set"
+
+
+def compile_all_ptx(cc=(8, 0)) -> dict:
+    """Compile every CUDA kernel of llamatune.kernels.cuda to PTX for compute
+    capability cc, through the real (not simulated) numba-cuda pipeline, without
+    needing a GPU: only NVVM + libdevice and NVRTC (the CUDA toolkit, or the
+    nvidia-cuda-nvcc-cu12 / nvidia-cuda-nvrtc-cu12 wheels behind CUDA_HOME).
+
+    Returns {kernel name: PTX text}. Must run in a process where numba.cuda is
+    imported with the simulator off (the tests call it in a subprocess)."""
+    from gguf import GGMLQuantizationType as T
+    from numba import types as t
+    from numba.cuda import compile_ptx
+    import numba.cuda.dispatcher as dispatcher
+
+    class _Dev:  # device functions ask the current device for its compute capability
+        compute_capability = cc
+
+    dispatcher.get_current_device = lambda: _Dev()
+
+    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, optim, rmsnorm,
+                                        rope, swiglu)
+    assert not _common.SIM, "compile_all_ptx needs numba.cuda without the simulator"
+    f32, f64, i64, u8, b1 = t.float32, t.float64, t.int64, t.uint8, t.boolean
+
+    def A(dt, nd, layout="C"):
+        return t.Array(dt, nd, layout)
+
+    jobs = []
+    for q in sorted(dequant.CUDA_TYPES):
+        plain, gather = dequant._kernels(q)
+        jobs.append((f"dequant {T(q).name}", plain, (A(u8, 2), A(f32, 2))))
+        jobs.append((f"dequant gather {T(q).name}", gather, (A(u8, 2), A(i64, 1), A(f32, 2))))
+    jobs += [
+        ("rmsnorm forward", rmsnorm._rmsnorm_forward_kernel,
+         (A(f32, 2), A(f32, 1), A(f32, 2), A(f32, 1), f32)),
+        ("rmsnorm dx", rmsnorm._rmsnorm_dx_kernel,
+         (A(f32, 2), A(f32, 2), A(f32, 2), A(f32, 1), A(f32, 1))),
+        ("rmsnorm dw", rmsnorm._rmsnorm_dw_kernel, (A(f32, 1), A(f32, 2), A(f32, 2), A(f32, 1))),
+        ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 2), A(f32, 2), i64, b1, b1)),
+        ("swiglu forward", swiglu._swiglu_forward_kernel, (A(f32, 2),) * 3),
+        ("swiglu backward", swiglu._swiglu_backward_kernel, (A(f32, 2),) * 5),
+        ("cross_entropy forward", cross_entropy._ce_forward_kernel,
+         (A(f32, 1), A(f32, 2), A(i64, 1))),
+        ("cross_entropy backward", cross_entropy._ce_backward_kernel,
+         (A(f32, 2), A(f32, 2), A(i64, 1), A(f32, 1))),
+        ("adamw", optim._adamw_kernel, (A(f32, 1),) * 4 + (f64,) * 7),
+        ("sgd", optim._sgd_kernel, (A(f32, 1),) * 2 + (f64,) * 2),
+        ("norm partial", optim._norm_partial_kernel, (A(f64, 1), A(f32, 1))),
+        ("norm final", optim._norm_final_kernel, (A(f64, 1), i64, b1)),
+        ("scale", optim._scale_kernel, (A(f32, 1), f32)),
+        ("clip", optim._clip_kernel, (A(f32, 1), A(f64, 1), f64)),
+    ]
+    for HS in (64, 128, 256):
+        (br, bc), (br2, bc2) = attention.tiles(HS)
+        jobs += [
+            (f"attention forward HS={HS}", attention._forward_kernel(HS, br, bc),
+             (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), i64, f32)),
+            (f"attention dq HS={HS}", attention._dq_kernel(HS, br, bc),
+             (A(f32, 4),) * 6 + (A(f32, 3), f32)),
+            (f"attention dkdv HS={HS}", attention._dkdv_kernel(HS, br2, bc2),
+             (A(f32, 4),) * 7 + (A(f32, 3), f32)),
+        ]
+    return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

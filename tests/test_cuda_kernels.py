@@ -1,0 +1,445 @@
+"""The CUDA kernels (llamatune.kernels.cuda) against the numpy references of their
+CPU twins, on whole tensors; dequantization bit for bit against the CPU kernels
+and gguf.
+
+Runs on a GPU when one is present, else under numba's CUDA simulator: when no
+GPU is found (without importing numba.cuda) and NUMBA_ENABLE_CUDASIM is unset,
+the module sets it before numba.cuda is imported. The simulator runs every
+CUDA thread as Python code, so the shapes here are tiny (but chosen so that the
+tile loops, strided row loops and partial blocks all run).
+"""
+import math
+
+import numpy as np
+import pytest
+from conftest_cuda import enable_simulator_if_no_gpu
+
+_SIM_STATE = enable_simulator_if_no_gpu()
+
+try:
+    from numba import cuda
+except ImportError as e:  # numba-cuda missing, or its CUDA bindings
+    pytest.skip(f"numba.cuda is not importable ({e}); install llamatune[cuda] or numba-cuda",
+                allow_module_level=True)
+if not cuda.is_available():
+    pytest.skip(f"no CUDA GPU and the CUDA simulator is not enabled (setup: {_SIM_STATE}); "
+                "run with NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
+
+import gguf  # noqa: E402
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
+
+from llamatune.kernels import attention, cross_entropy, dequant, optim, rmsnorm, rope, swiglu  # noqa: E402
+from llamatune.kernels import cuda as kc  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+F32 = np.float32
+TOL32 = dict(rtol=1e-5, atol=1e-6)  # GPU kernel vs numpy reference, float32
+TOL_ATT = dict(rtol=1e-5, atol=2e-6)  # attention: different summation orders
+
+
+def randn(rng, *shape):
+    return rng.standard_normal(shape).astype(F32)
+
+
+def dev(a):
+    return cuda.to_device(np.ascontiguousarray(a))
+
+
+def nan_dev(shape, dtype=F32):
+    return cuda.to_device(np.full(shape, np.nan, dtype))
+
+
+def host(d):
+    return d.copy_to_host()
+
+
+# ---------------------------------------------------------------------- setup
+def test_package_imports_nothing_from_numba_cuda_until_used():
+    import subprocess
+    import sys
+    code = ("import sys, llamatune.kernels.cuda as c; "
+            "print(any(m == 'numba.cuda' or m.startswith('numba.cuda.') for m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
+
+
+def test_simulator_or_gpu():
+    from conftest_cuda import gpu_present
+    assert kc.is_available()
+    if not gpu_present():
+        assert kc.simulator_enabled()
+
+
+# -------------------------------------------------------------------- dequant
+SCALE_OFFSETS = {  # byte offsets of the f16 scale fields of one block
+    T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
+    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+}
+FLOAT_TYPES = [T.F32, T.F16, T.BF16]
+ALL_TYPES = FLOAT_TYPES + list(SCALE_OFFSETS)
+
+
+def random_tensor(qtype, n_rows, n_cols, seed=0):
+    """Random bytes (n_rows, row_bytes); the f16 scale fields finite, with zeros and
+    subnormals among them."""
+    rng = np.random.default_rng(seed + int(qtype))
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = n_cols // block_size
+    data = rng.integers(0, 256, size=(n_rows, n_blocks, type_size), dtype=np.uint8)
+    for off in SCALE_OFFSETS.get(qtype, []):
+        scales = (rng.standard_normal((n_rows, n_blocks)) * 0.05).astype(np.float16)
+        flat = scales.reshape(-1)
+        flat[:4] = np.array([0.0, -0.0, 6e-8, -3e-6], dtype=np.float16)[:flat.size]
+        data[:, :, off:off + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
+    return data.reshape(n_rows, n_blocks * type_size)
+
+
+def assert_bit_equal(actual, expected):
+    np.testing.assert_array_equal(actual.view(np.uint32), expected.view(np.uint32))
+
+
+def small_cols(qtype):
+    # K-quants: 2 super-blocks per row; legacy blocks and floats: 96 values
+    # (a partial thread block)
+    return 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 96
+
+
+def test_cuda_types_match_cpu():
+    assert kc.dequant.CUDA_TYPES == dequant.NUMBA_TYPES
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_bit_exact(qtype):
+    n_rows, n_cols = 2, small_cols(qtype)
+    data = random_tensor(qtype, n_rows, n_cols)
+    out = nan_dev((n_rows, n_cols))
+    kc.dequant.dequantize_into(dev(data), int(qtype), out)
+    got = host(out)
+    assert_bit_equal(got, dequant.dequantize(data, qtype, n_cols))
+    want = np.asarray(gguf.quants.dequantize(data, qtype), np.float32).reshape(n_rows, n_cols)
+    assert_bit_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0], ids=lambda t: t.name)
+def test_dequantize_rows_gather(qtype):
+    n_cols = small_cols(qtype)
+    data = random_tensor(qtype, 4, n_cols, seed=1)
+    rows = np.array([3, 0, 3], np.int64)
+    out = nan_dev((3, n_cols))
+    kc.dequant.dequantize_rows_into(dev(data), qtype, dev(rows), out)
+    assert_bit_equal(host(out), dequant.dequantize(data, qtype, n_cols)[rows])
+
+
+def test_f16_special_bit_patterns():
+    """Zeros, subnormals (smallest, largest), normals at the edges, infs and NaN
+    payloads decode like numpy's float16 -> float32 cast."""
+    special = [0x0000, 0x8000, 0x0001, 0x8001, 0x0002, 0x0155, 0x02AA, 0x03FF, 0x83FF,
+               0x0400, 0x8400, 0x3C00, 0x3BFF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01,
+               0x7DFF, 0x7E00, 0x7FFF, 0xFC01, 0xFE00, 0xFFFF]
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([special, rng.integers(0, 65536, 64 - len(special))]).astype(np.uint16)
+    data = bits.view(np.uint8).reshape(1, 128)
+    out = nan_dev((1, 64))
+    kc.dequant.dequantize_into(dev(data), T.F16, out)
+    assert_bit_equal(host(out), bits.view(np.float16).astype(np.float32).reshape(1, 64))
+
+
+def test_dequant_argument_checks():
+    data = random_tensor(T.Q8_0, 2, 64)
+    with pytest.raises(ValueError, match="device array"):
+        kc.dequant.dequantize_into(data, T.Q8_0, nan_dev((2, 64)))  # host data
+    with pytest.raises(ValueError, match="bytes"):
+        kc.dequant.dequantize_into(dev(data), T.Q4_0, nan_dev((2, 64)))
+    with pytest.raises(ValueError, match="rows"):
+        kc.dequant.dequantize_into(dev(data), T.Q8_0, nan_dev((3, 64)))
+    with pytest.raises(ValueError, match="no CUDA"):
+        kc.dequant.dequantize_into(dev(data), T.IQ4_NL, nan_dev((2, 64)))
+
+
+# -------------------------------------------------------------------- rmsnorm
+@pytest.mark.parametrize("N,C", [(3, 40), (2, 300)])  # 300 > 256 threads: strided rows
+def test_rmsnorm(N, C):
+    rng = np.random.default_rng(1)
+    x, w, dout = randn(rng, N, C), randn(rng, C), randn(rng, N, C)
+    out_ref, rstd_ref = np.zeros((N, C), F32), np.zeros(N, F32)
+    rmsnorm.rmsnorm_forward_ref(out_ref, rstd_ref, x, w, 1e-5)
+    out, rstd = nan_dev((N, C)), nan_dev(N)
+    kc.rmsnorm.rmsnorm_forward(out, rstd, dev(x), dev(w), 1e-5)
+    np.testing.assert_allclose(host(out), out_ref, **TOL32)
+    np.testing.assert_allclose(host(rstd), rstd_ref, **TOL32)
+
+    dw0 = randn(rng, C)  # dw accumulates
+    dx_ref, dw_ref = np.zeros((N, C), F32), dw0.copy()
+    rmsnorm.rmsnorm_backward_ref(dx_ref, dw_ref, dout, x, w, rstd_ref)
+    dx, dw = nan_dev((N, C)), dev(dw0)
+    kc.rmsnorm.rmsnorm_backward(dx, dw, dev(dout), dev(x), dev(w), dev(rstd_ref))
+    np.testing.assert_allclose(host(dx), dx_ref, **TOL32)
+    np.testing.assert_allclose(host(dw), dw_ref, **TOL32)
+
+    xd = dev(x)  # forward in place
+    kc.rmsnorm.rmsnorm_forward(xd, rstd, xd, dev(w), 1e-5)
+    np.testing.assert_array_equal(host(xd), host(out))
+
+
+def test_rmsnorm_argument_checks():
+    x = dev(np.zeros((2, 4), F32))
+    with pytest.raises(ValueError, match="w must be"):
+        kc.rmsnorm.rmsnorm_forward(nan_dev((2, 4)), nan_dev(2), x, dev(np.zeros(5, F32)), 1e-5)
+    with pytest.raises(ValueError, match="eps"):
+        kc.rmsnorm.rmsnorm_forward(nan_dev((2, 4)), nan_dev(2), x, dev(np.zeros(4, F32)), 0.0)
+    with pytest.raises(ValueError, match="float32"):
+        kc.rmsnorm.rmsnorm_forward(nan_dev((2, 4)), nan_dev(2), dev(np.zeros((2, 4))),
+                                   dev(np.zeros(4, F32)), 1e-5)
+
+
+# ----------------------------------------------------------------------- rope
+@pytest.mark.parametrize("mode", [rope.ROPE_NORM, rope.ROPE_NEOX], ids=["norm", "neox"])
+@pytest.mark.parametrize("D,n_rot", [(8, 8), (10, 6)])  # n_rot < D: pass-through dims
+def test_rope(mode, D, n_rot):
+    rng = np.random.default_rng(3)
+    B, T, H = 1, 3, 2
+    x = randn(rng, B, T, H, D)
+    cos, sin = np.zeros((T, n_rot // 2), F32), np.zeros((T, n_rot // 2), F32)
+    rope.rope_cache(cos, sin, np.array([0, 7, 4000], np.int64), n_rot, 10000.0, 1.0, None)
+    want = np.zeros_like(x)
+    rope.rope_forward_ref(want, x, cos, sin, n_rot, mode)
+    out, cd, sd = nan_dev(x.shape), dev(cos), dev(sin)
+    kc.rope.rope_forward(out, dev(x), cd, sd, n_rot, mode)
+    got = host(out)
+    np.testing.assert_allclose(got, want, **TOL32)
+    np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
+    dx_want = np.zeros_like(x)
+    rope.rope_backward_ref(dx_want, got, cos, sin, n_rot, mode)
+    dx = nan_dev(x.shape)
+    kc.rope.rope_backward(dx, out, cd, sd, n_rot, mode)
+    np.testing.assert_allclose(host(dx), dx_want, **TOL32)
+    y = dev(x)  # in place, forward then backward
+    kc.rope.rope_forward(y, y, cd, sd, n_rot, mode)
+    np.testing.assert_array_equal(host(y), got)
+    kc.rope.rope_backward(y, y, cd, sd, n_rot, mode)
+    np.testing.assert_array_equal(host(y), host(dx))
+
+
+def test_rope_argument_checks():
+    x = dev(np.zeros((1, 2, 1, 6), F32))
+    cs = dev(np.zeros((2, 2), F32))
+    with pytest.raises(ValueError, match="n_rot"):
+        kc.rope.rope_forward(x, x, cs, cs, 5, rope.ROPE_NORM)
+    with pytest.raises(ValueError, match="mode"):
+        kc.rope.rope_forward(x, x, cs, cs, 4, 1)
+    with pytest.raises(ValueError, match="cos"):
+        kc.rope.rope_forward(x, x, cs, cs, 6, rope.ROPE_NORM)
+
+
+# --------------------------------------------------------------------- swiglu
+def test_swiglu():
+    rng = np.random.default_rng(4)
+    N, F = 3, 21
+    g, u, dout = 4 * randn(rng, N, F), randn(rng, N, F), randn(rng, N, F)
+    want = np.zeros((N, F), F32)
+    swiglu.swiglu_forward_ref(want, g, u)
+    out = nan_dev((N, F))
+    kc.swiglu.swiglu_forward(out, dev(g), dev(u))
+    np.testing.assert_allclose(host(out), want, **TOL32)
+    dg_ref, du_ref = np.zeros((N, F), F32), np.zeros((N, F), F32)
+    swiglu.swiglu_backward_ref(dg_ref, du_ref, dout, g, u)
+    dg, du = nan_dev((N, F)), nan_dev((N, F))
+    kc.swiglu.swiglu_backward(dg, du, dev(dout), dev(g), dev(u))
+    np.testing.assert_allclose(host(dg), dg_ref, **TOL32)
+    np.testing.assert_allclose(host(du), du_ref, **TOL32)
+    gd, ud = dev(g), dev(u)  # in place: dg over g, du over u
+    kc.swiglu.swiglu_backward(gd, ud, dev(dout), gd, ud)
+    np.testing.assert_array_equal(host(gd), host(dg))
+    np.testing.assert_array_equal(host(ud), host(du))
+
+
+# -------------------------------------------------------------- cross-entropy
+def test_cross_entropy():
+    rng = np.random.default_rng(10)
+    N, V = 5, 300  # V > 256 threads: strided rows
+    logits = 3 * randn(rng, N, V)
+    targets = np.array([0, 299, -1, 4, 17], np.int64)
+    weights = np.array([0.5, 1.0, 1.0, 0.0, 0.25], F32)  # weight 0 on row 3
+    want = np.zeros(N, F32)
+    cross_entropy.cross_entropy_forward_ref(want, logits, targets)
+    losses = nan_dev(N)
+    ld, td = dev(logits), dev(targets)
+    kc.cross_entropy.cross_entropy_forward(losses, ld, td)
+    got = host(losses)
+    np.testing.assert_allclose(got, want, **TOL32)
+    assert got[2] == 0
+    dl_ref = np.zeros_like(logits)
+    cross_entropy.cross_entropy_backward_ref(dl_ref, logits, targets, weights)
+    dl = nan_dev((N, V))
+    kc.cross_entropy.cross_entropy_backward(dl, ld, td, dev(weights))
+    g = host(dl)
+    np.testing.assert_allclose(g, dl_ref, **TOL32)
+    assert not g[[2, 3]].any()
+    kc.cross_entropy.cross_entropy_backward(ld, ld, td, dev(weights))  # in place
+    np.testing.assert_array_equal(host(ld), g)
+
+
+# ------------------------------------------------------------------ optimizer
+def test_adamw_two_steps():
+    rng = np.random.default_rng(12)
+    n = 300  # two blocks, the second partial
+    p, m, v = randn(rng, n), 0.1 * randn(rng, n), np.abs(randn(rng, n))
+    pr, mr, vr = p.copy(), m.copy(), v.copy()
+    pd, md, vd = dev(p), dev(m), dev(v)
+    for t in (1, 2):
+        g = randn(rng, n)
+        optim.adamw_update_ref(pr, g, mr, vr, 1e-2, 0.9, 0.999, 1e-8, 0.1, t)
+        kc.optim.adamw_update(pd, dev(g), md, vd, 1e-2, 0.9, 0.999, 1e-8, 0.1, t)
+    np.testing.assert_allclose(host(pd), pr, **TOL32)
+    np.testing.assert_allclose(host(md), mr, **TOL32)
+    np.testing.assert_allclose(host(vd), vr, **TOL32)
+    with pytest.raises(ValueError, match="step t"):
+        kc.optim.adamw_update(pd, pd, md, vd, 1e-2, 0.9, 0.999, 1e-8, 0.1, 0)
+
+
+def test_sgd_norm_scale_clip():
+    rng = np.random.default_rng(13)
+    n = 700
+    p, g = randn(rng, n), randn(rng, n)
+    pr = p.copy()
+    optim.sgd_update_ref(pr, g, 0.05, 0.01)
+    pd, gd = dev(p), dev(g)
+    kc.optim.sgd_update(pd, gd, 0.05, 0.01)
+    np.testing.assert_allclose(host(pd), pr, **TOL32)
+
+    buf = dev(np.full(kc.optim.NORM_BUF, np.nan))
+    kc.optim.global_norm_sq(buf, gd)
+    want = optim.global_norm_sq_ref(g)
+    np.testing.assert_allclose(host(buf)[0], want, rtol=1e-12)
+    kc.optim.global_norm_sq(buf, dev(g[:5]), accumulate=True)  # a second segment
+    np.testing.assert_allclose(host(buf)[0], want + optim.global_norm_sq_ref(g[:5]), rtol=1e-12)
+    kc.optim.global_norm_sq(buf, dev(np.zeros(0, F32)))
+    assert host(buf)[0] == 0.0
+
+    gs = g.copy()
+    optim.scale_inplace_ref(gs, 0.3)
+    kc.optim.scale_inplace(gd, 0.3)
+    np.testing.assert_array_equal(host(gd), gs)
+
+    # clip: the CPU trainer's rule, g *= float32(max_norm / (norm + 1e-6)) if norm > max_norm
+    gd = dev(g)
+    kc.optim.global_norm_sq(buf, gd)
+    norm = math.sqrt(host(buf)[0])
+    kc.optim.clip_inplace(gd, buf, 2 * norm)  # below the limit: untouched
+    np.testing.assert_array_equal(host(gd), g)
+    kc.optim.clip_inplace(gd, buf, norm / 4)
+    np.testing.assert_array_equal(host(gd), g * np.float32(norm / 4 / (norm + 1e-6)))
+
+
+# ------------------------------------------------------------------ attention
+def qkv(rng, B, T, NH, NKV, HS, n_past=0):
+    S = n_past + T
+    q = randn(rng, B, T, NH, HS)
+    k_cache = randn(rng, B, S + 3, NKV, HS)  # a longer cache, sliced on the device
+    v_cache = randn(rng, B, S + 3, NKV, HS)
+    return q, k_cache, v_cache, S
+
+
+# tiles: None = the defaults (one tile covers T); 2x2 and 2x3: several query and
+# key tiles, diagonal tiles, partial tiles and (n_past > 0) fully visible tiles
+ATT_TILES = [(None, None), (2, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
+@pytest.mark.parametrize("n_past", [0, 3])
+def test_attention_forward(n_past, tiles):
+    rng = np.random.default_rng(5)
+    B, T, NH, NKV, HS = 1, 5, 2, 1, 4
+    q, kc_, vc_, S = qkv(rng, B, T, NH, NKV, HS, n_past)
+    k, v = kc_[:, :S], vc_[:, :S]
+    out_ref, lse_ref = np.zeros_like(q), np.zeros((B, NH, T), F32)
+    attention.attention_forward_ref(out_ref, lse_ref, q, k, v, n_past)
+    out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
+    kd, vd = dev(kc_)[:, :S], dev(vc_)[:, :S]  # non-contiguous slices of a cache
+    kc.attention.attention_forward(out, lse, dev(q), kd, vd, n_past, block_q=tiles[0],
+                                   block_k=tiles[1], threads=32)
+    np.testing.assert_allclose(host(out), out_ref, **TOL_ATT)
+    np.testing.assert_allclose(host(lse), lse_ref, **TOL_ATT)
+
+
+@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
+@pytest.mark.parametrize("B,T,NH,NKV,HS", [(1, 5, 2, 1, 4), (1, 4, 4, 2, 3)])  # MQA, GQA
+def test_attention_backward(B, T, NH, NKV, HS, tiles):
+    rng = np.random.default_rng(6)
+    q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
+    k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
+    dout = randn(rng, B, T, NH, HS)
+    out, lse = np.zeros_like(q), np.zeros((B, NH, T), F32)
+    attention.attention_forward_ref(out, lse, q, k, v, 0)
+    dq_ref, dk_ref, dv_ref = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    attention.attention_backward_ref(dq_ref, dk_ref, dv_ref, dout, q, k, v, out, lse)
+    dq, dk, dv = nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)
+    kc.attention.attention_backward(dq, dk, dv, dev(dout), dev(q), dev(k), dev(v), dev(out),
+                                    dev(lse), block_q=tiles[0], block_k=tiles[1], threads=32)
+    np.testing.assert_allclose(host(dq), dq_ref, **TOL_ATT)
+    np.testing.assert_allclose(host(dk), dk_ref, **TOL_ATT)
+    np.testing.assert_allclose(host(dv), dv_ref, **TOL_ATT)
+
+
+def test_attention_tiles_fit_shared_memory():
+    for HS in (64, 80, 128, 256):
+        (br, bc), (br2, bc2) = kc.attention.tiles(HS)
+        assert kc.attention._smem_rows(HS, br, bc) <= 48 * 1024
+        assert kc.attention._smem_keys(HS, br2, bc2) <= 48 * 1024
+    assert kc.attention.tiles(128) == ((16, 16), (8, 16))
+
+
+def test_attention_argument_checks():
+    q = dev(np.zeros((1, 2, 3, 4), F32))
+    k = dev(np.zeros((1, 2, 2, 4), F32))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        kc.attention.attention_forward(nan_dev((1, 2, 3, 4)), nan_dev((1, 3, 2)), q, k, k, 0)
+    with pytest.raises(ValueError, match="n_past"):
+        kc.attention.attention_forward(nan_dev((1, 2, 3, 4)), nan_dev((1, 3, 2)), q, k, k, -1)
+
+
+# ------------------------------------------------- the real (non-simulated) compiler
+_PTX_SCRIPT = """
+import re, sys
+from conftest_cuda import compile_all_ptx
+try:
+    ptx = compile_all_ptx()
+except Exception as e:
+    missing = ("DynamicLibNotFoundError", "NvvmSupportError", "NvrtcSupportError",
+               "CudaSupportError")
+    if type(e).__name__ not in missing:  # a real compile error: fail
+        raise
+    print("NO-TOOLKIT", type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+    sys.exit(0)
+for name, text in ptx.items():
+    print(name, "|", len(re.findall(r"\\bfma\\.rn\\.f32", text)), "|",
+          len(re.findall(r"\\bmul\\.rn\\.f32", text)))
+"""
+
+
+def test_kernels_compile_to_ptx_without_fma_in_dequant():
+    """Every kernel goes through numba-cuda's real pipeline (typing, lowering, NVVM)
+    to PTX, which the simulator never exercises; the dequant kernels contain no
+    fma.rn.f32 (fmul = __nv_fmul_rn keeps NVVM from contracting d*q + m). Needs
+    NVVM + NVRTC (CUDA toolkit, or the nvidia-cuda-nvcc/nvrtc wheels via
+    CUDA_HOME), not a GPU; skipped without them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                      env.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    if res.stdout.startswith("NO-TOOLKIT"):
+        pytest.skip(f"no CUDA compiler libraries to build PTX with: {res.stdout.strip()}")
+    rows = [line.split(" | ") for line in res.stdout.strip().splitlines()]
+    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 14 + 9
+    for name, n_fma, n_mul in rows:
+        if name.startswith("dequant"):
+            assert n_fma == "0", name
+            if "Q" in name:
+                assert int(n_mul) >= 1, name
