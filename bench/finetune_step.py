@@ -72,6 +72,7 @@ def sgemm_gflops() -> float:
 
 def run_one(path: Path, checkpointing: bool, steps: int) -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
+    import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
     from llamatune.graph import FrozenBase, Graph
     from llamatune.lora import init_lora, lora_specs, lora_targets

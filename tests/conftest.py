@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import llamatune  # noqa: F401  (first: its threading policy must precede numpy's OpenBLAS)
 import numpy as np
 import pytest
 
