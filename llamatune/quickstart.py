@@ -1,57 +1,81 @@
-"""The no-download demo: build a tiny llama GGUF from the embedded text and run it.
+"""The no-download tour: every command of llamatune on built-in data.
 
 Everything comes from the package itself: a public-domain Shakespeare sample
-(`llamatune/assets/shakespeare-sample.txt`), a SentencePiece vocabulary trained on
-it, and a small llama model written with the project's own writer, quantized to
-Q8_0. The demo then does what a user does with a real model.
+(`llamatune/assets/shakespeare-sample.txt`). The tour
+  1. trains a small llama from scratch on the first part of it (a SentencePiece
+     vocabulary trained on the text, the model written as Q8_0 GGUF),
+  2. finetunes a LoRA adapter on the quantized model with the last part, printing
+     the loss as it falls,
+  3. generates text with the adapter applied at run time,
+  4. merges the adapter into a Q8_0 model with export-lora, and
+  5. compares perplexities on the finetuning text: base, base + adapter, merged.
 """
 from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
 
-from gguf import GGMLQuantizationType as QType
-
-from .config import ModelConfig
 from .console import out
-from .modelfile import random_weights, train_spm_vocab, write_model
 
 
 def sample_text() -> str:
     return resources.files("llamatune").joinpath("assets/shakespeare-sample.txt").read_text(encoding="utf-8")
 
 
-# A small model that trains in minutes on a laptop CPU.
-QUICKSTART_CONFIG = ModelConfig(arch="llama", n_vocab=2048, n_ctx_train=256, n_embd=128, n_layer=4, n_ff=384,
-                                n_head=4, n_head_kv=2, head_dim=32, n_rot=32, norm_eps=1e-5)
-
-
-def build_base_model(path: Path, seed: int = 0) -> Path:
-    """Write the quickstart base model (random weights, trained vocabulary, Q8_0)."""
-    vocab = train_spm_vocab(sample_text(), QUICKSTART_CONFIG.n_vocab, "embedded sample")
-    write_model(path, QUICKSTART_CONFIG, random_weights(QUICKSTART_CONFIG, seed=seed), vocab, QType.Q8_0,
-                name="llamatune quickstart base")
-    return path
-
-
 def run(workdir: Path) -> None:
+    import sys
+
+    from .adapter import load_runtime_adapters
+    from .export import export_lora
+    from .finetune import finetune
+    from .generate import generate, stream_text
     from .infer import Runner
     from .model import Model
+    from .options import FinetuneOptions, ScratchOptions
     from .perplexity import perplexity
-    from .generate import generate, stream_text
+    from .scratch import train_from_scratch
 
     workdir.mkdir(parents=True, exist_ok=True)
-    base = build_base_model(workdir / "quickstart-base.Q8_0.gguf")
-    out.print(f"[bold]1.[/bold] wrote {base} (llama, {QUICKSTART_CONFIG.n_layer} layers, "
-              f"embd {QUICKSTART_CONFIG.n_embd}, vocab {QUICKSTART_CONFIG.n_vocab}, Q8_0)")
-    runner = Runner(Model(base))
     text = sample_text()
-    res = perplexity(runner, text[-16000:], 128, 512, source="embedded sample")
-    out.print(f"[bold]2.[/bold] perplexity of the untrained model on the sample: {res.ppl:.2f} "
-              f"(a uniform guess over the vocabulary would be {QUICKSTART_CONFIG.n_vocab})")
-    out.print("[bold]3.[/bold] generating from it:")
-    prompt = "KING OF FRANCE."
-    import sys
+    cut = int(len(text) * 0.75)
+    cut = text.rindex("\n\n", 0, cut) + 2
+    (workdir / "base-text.txt").write_text(text[:cut], encoding="utf-8")
+    (workdir / "finetune-text.txt").write_text(text[cut:], encoding="utf-8")
+
+    out.print("[bold]1. train-from-scratch[/bold]: a 4-layer llama on the first 75 % of the sample")
+    base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048, embd=128, head=4, head_kv=2,
+                               layer=4, ctx=128, batch=8, adam_iter=150, warmup=10, cos_decay_steps=150,
+                               adam_alpha=3e-3, save_every=0, outtype="q8_0",
+                               checkpoint_out=workdir / "scratch-chk-ITERATION.gguf",
+                               model_out=workdir / "base-ITERATION.Q8_0.gguf")
+    train_from_scratch(base_opts)
+    base = workdir / "base-LATEST.Q8_0.gguf"
+
+    out.print(f"\n[bold]2. finetune[/bold]: LoRA r=8 on the quantized {base.name}, last 25 % of the sample")
+    ft = finetune(FinetuneOptions(model_base=base, train_data=workdir / "finetune-text.txt", ctx=128, batch=8,
+                                  lora_r=8, adam_iter=60, warmup=5, cos_decay_steps=60, adam_alpha=3e-3,
+                                  save_every=20, checkpoint_out=workdir / "chk-ITERATION.gguf",
+                                  lora_out=workdir / "adapter-ITERATION.gguf"))
+    adapter = workdir / "adapter-LATEST.gguf"
+    out.print(f"   loss {ft.losses[0]:.3f} -> {ft.losses[-1]:.3f} in {len(ft.losses)} steps "
+              f"({ft.tokens_per_second:,.0f} tokens/s)")
+
+    model = Model(base)
+    tuned = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
+    prompt = "HELENA."
+    out.print(f"\n[bold]3. generate[/bold] with the adapter (llamatune generate -m {base.name} --lora {adapter.name}):")
     sys.stdout.write(prompt)
-    stream_text(runner, prompt, generate(runner, prompt, 24, temp=0.8, seed=0), sys.stdout.write)
+    stream_text(tuned, prompt, generate(tuned, prompt, 40, temp=0.7, seed=1), sys.stdout.write)
     sys.stdout.write("\n")
+
+    merged = workdir / "merged.Q8_0.gguf"
+    report = export_lora(base, [(adapter, 1.0)], merged)
+    out.print(f"\n[bold]4. export-lora[/bold]: merged {report.n_merged} tensors, kept as "
+              f"{', '.join(sorted(set(report.merged.values())))} -> {merged.name}")
+
+    out.print("\n[bold]5. perplexity[/bold] on the finetuning text (c=64):")
+    eval_text = text[cut:]
+    for label, runner in (("base", Runner(model)), ("base + adapter", tuned), ("merged", Runner(Model(merged)))):
+        res = perplexity(runner, eval_text, 64, 512, source="finetune text")
+        out.print(f"   {label:15} PPL = {res.ppl:8.3f} +/- {res.ppl_err:.3f}")
+    out.print(f"\nFiles are in {workdir}/. Try: llamatune generate -m {base} --lora {adapter} -p 'HELENA.'")
