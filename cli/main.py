@@ -68,19 +68,22 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
     return out
 
 
-def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str]):
+def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu"):
+    from llamatune.backend import get_backend
     from llamatune.model import Model
     from llamatune.infer import Runner
+    backend = get_backend(device)
     model = Model(model_path)
     adapters = None
     if lora or lora_scaled:
         from llamatune.adapter import load_runtime_adapters
         adapters = load_runtime_adapters(model, [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled))
-    return Runner(model, adapters)
+    return Runner(model, adapters, backend)
 
 
 LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
 LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
+DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
 
 
 @app.command()
@@ -117,13 +120,14 @@ def perplexity(
     batch: int = typer.Option(2048, "-b", "--batch", help="Tokens per forward pass (whole windows are batched)."),
     lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
     lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
 ):
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
     from llamatune.perplexity import perplexity as run_perplexity
     from llamatune.progress import progress_bar
     text = read_text(file)
-    runner = make_runner(model, lora, lora_scaled)
+    runner = make_runner(model, lora, lora_scaled, device)
     with progress_bar("perplexity") as bar:
         res = run_perplexity(runner, text, ctx, batch, source=str(file),
                              on_window=lambda d, n, p: bar(d, n, f"PPL {p:.4f}"))
@@ -145,10 +149,11 @@ def generate(
     ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
     lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
     lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
     from llamatune.generate import generate as run_generate, stream_text
-    runner = make_runner(model, lora, lora_scaled)
+    runner = make_runner(model, lora, lora_scaled, device)
     sys.stdout.write(prompt)
     ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)
     stream_text(runner, prompt, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))

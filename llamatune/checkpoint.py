@@ -76,9 +76,10 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
-    tensors = [tensor_out(s.name, params[s.name]) for s in params.specs]
-    tensors += [tensor_out("optimizer.adam.first_moments", params.m),
-                tensor_out("optimizer.adam.second_moments", params.v)]
+    values = params.host_views(params.data)
+    tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
+    tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
+                tensor_out("optimizer.adam.second_moments", params.host(params.v))]
     write_gguf(path, arch, kvs, tensors)
 
 

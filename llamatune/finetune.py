@@ -14,7 +14,8 @@ from .console import notice
 from .data import load_samples
 from .errors import LlamatuneError
 from .gguf_io import kv
-from .graph import FrozenBase
+from .backend import get_backend
+from .weights import FrozenBase
 from .lora import init_lora, lora_specs, lora_targets, to_adapter
 from .model import Model
 from .options import FinetuneOptions
@@ -63,10 +64,11 @@ def build_job(o: FinetuneOptions) -> Job:
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
-    return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model), params, targets, samples, model.tokenizer,
+    backend = get_backend(o.device)
+    return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes)
+               scratch_bytes=model.dequantizer.nbytes, backend=backend)
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

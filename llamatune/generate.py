@@ -44,9 +44,9 @@ def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top
     if len(ids) >= n_ctx:
         raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
     n_predict = min(n_predict, n_ctx - len(ids))
-    cache = KVCache.empty(model, 1, len(ids) + n_predict)
+    cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend)
     rng = np.random.default_rng(seed)
-    logits = runner.forward(np.asarray([ids]), cache)[0, -1]
+    logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])
     for _ in range(n_predict):
         nxt = sample(logits, rng, temp, top_k, top_p)
         if stop_at_eos and nxt == tok.eos_id:
@@ -54,7 +54,7 @@ def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top
         yield nxt
         if cache.n_past >= cache.n_ctx:
             return
-        logits = runner.forward(np.asarray([[nxt]]), cache)[0, -1]
+        logits = runner.backend.to_host(runner.forward(np.asarray([[nxt]]), cache)[0, -1])
 
 
 def stream_text(runner: Runner, prompt: str, token_ids: Iterator[int], write: Callable[[str], None]) -> list[int]:

@@ -5,11 +5,12 @@ needs; the output head computes logits, loss and the logits' gradient chunk by
 chunk (the (N, V) logits never exist in full); then backward runs the layers in
 reverse and accumulates parameter gradients (+=) into the flat `ParamBuffer`.
 
-The same graph trains two kinds of model:
-  - `FrozenBase`: LoRA finetuning. Base weights stay quantized and memory-mapped;
-    each is dequantized into a scratch buffer right before its matmul, in forward
-    and again in backward. Adapters are applied in factored form (see lora.py).
-  - `DenseWeights`: train-from-scratch. Every weight is an f32 parameter.
+The same graph trains two kinds of model (weights.py): `FrozenBase` (LoRA
+finetuning: base weights stay quantized, each dequantized right before its
+matmul, in forward and again in backward; adapters in factored form, lora.py) and
+`DenseWeights` (train-from-scratch: every weight an f32 parameter). Arrays and
+kernels come from a backend (backend.py): numpy + numba on the CPU, CuPy +
+numba-cuda on a GPU; the code below is the same for both.
 
 Gradient checkpointing (`checkpointing=True`) keeps the outputs of matmuls and
 attention (the expensive parts) and recomputes the cheap elementwise ops (RMSNorm,
@@ -28,69 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backend import Backend, cpu
 from .config import ModelConfig
-from .kernels import attention, cross_entropy, rmsnorm, rope, swiglu
+from .kernels import rope as host_rope
 from .lora import LoraTarget
-from .model import Model
 from .params import ParamBuffer
+from .weights import DenseWeights, FrozenBase  # noqa: F401  (re-exported: the graph's weight providers)
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed this many bytes at a time
-
-
-class FrozenBase:
-    """Base weights read from a GGUF model; never trained (LoRA finetuning)."""
-    trainable = False
-
-    def __init__(self, model: Model):
-        self.model = model
-        w = model.weights
-        self.tensors = dict(w.all_matrices())
-        self.vectors = {"output_norm.weight": w.output_norm}
-        for i, layer in enumerate(w.layers):
-            self.vectors[f"blk.{i}.attn_norm.weight"] = layer.attn_norm
-            self.vectors[f"blk.{i}.ffn_norm.weight"] = layer.ffn_norm
-            for k, b in layer.biases.items():
-                self.vectors[f"blk.{i}.{k}.bias"] = b
-        self.rope_freqs = w.rope_freqs
-
-    def matrix(self, name: str) -> np.ndarray:
-        """(n_out, n_in) f32, valid until the next call."""
-        return self.model.dequantizer.get(self.tensors[name])
-
-    def vector(self, name: str) -> np.ndarray | None:
-        return self.vectors.get(name)
-
-    def embed(self, ids: np.ndarray, out: np.ndarray) -> None:
-        if out.dtype == np.float32:
-            self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, out)
-        else:                                    # float64 gradient tests
-            rows = np.empty(out.shape, np.float32)
-            out[...] = self.model.dequantizer.rows(self.tensors["token_embd.weight"], ids, rows)
-
-
-class DenseWeights:
-    """Every weight is an f32 parameter in the ParamBuffer (train-from-scratch)."""
-    trainable = True
-    rope_freqs = None
-
-    def __init__(self, params: ParamBuffer, tied: bool = False):
-        self.params = params
-        self.tied = tied
-
-    def _name(self, name: str) -> str:
-        return "token_embd.weight" if self.tied and name == "output.weight" else name
-
-    def matrix(self, name: str) -> np.ndarray:
-        return self.params[self._name(name)]
-
-    def vector(self, name: str) -> np.ndarray | None:
-        return self.params[name] if name in self.params else None
-
-    def embed(self, ids: np.ndarray, out: np.ndarray) -> None:
-        np.take(self.params["token_embd.weight"], ids, axis=0, out=out)
-
-    def grad(self, name: str) -> np.ndarray:
-        return self.params.grad_of(self._name(name))
 
 
 @dataclass
@@ -116,15 +62,19 @@ class Graph:
     """Buffers for one (B, T) shape and the step that uses them."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
-                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0, dtype=np.float32):
+                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0, dtype=np.float32,
+                 backend: Backend | None = None):
         self.cfg, self.base, self.params = cfg, base, params
+        self.backend = backend or cpu()
+        self.xp, self.ops = self.backend.xp, self.backend.ops
+        xp = self.xp
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
         self.checkpointing = checkpointing
         self.dropout = lora_dropout
         N, C, F = self.N, cfg.n_embd, cfg.n_ff
         Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
-        f32 = lambda *s: np.zeros(s, dtype)  # noqa: E731  (float64 only in gradient tests)
+        f32 = lambda *s: xp.zeros(s, dtype)  # noqa: E731  (float64 only in gradient tests)
         self.layers = []
         for _ in range(cfg.n_layer):
             a = LayerActs(f32(N, C), f32(N), f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq),
@@ -141,16 +91,15 @@ class Graph:
         self.dx, self.dx2, self.dxn = f32(N, C), f32(N, C), f32(N, C)
         self.dg, self.du, self.dh = f32(N, F), f32(N, F), f32(N, F)
         self.dq, self.dk, self.dv, self.datt = f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq)
-        self.tmp = np.zeros(N * max(C, F, Cq), dtype)
+        self.tmp = xp.zeros(N * max(C, F, Cq), dtype)
         self.dnorm = f32(C)
         self.chunk = max(1, min(N, HEAD_CHUNK_BYTES // (4 * cfg.n_vocab)))
         self.logits = f32(self.chunk, cfg.n_vocab)
         self.losses = f32(N)
         cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
-        rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
-                        cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
-        self.cos, self.sin = cos.astype(dtype), sin.astype(dtype)
-        self.tokens = np.zeros(N, np.int64)
+        host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
+                             cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
+        self.cos, self.sin = self.backend.to_device(cos.astype(dtype)), self.backend.to_device(sin.astype(dtype))
         self.step_key = (0,)
 
     # ------------------------------------------------------------------ sizes
@@ -171,7 +120,7 @@ class Graph:
             return None
         key = [zlib.crc32(name.encode()), *self.step_key]
         keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
-        return keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout)
+        return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
 
     def _norm_weight(self, name: str) -> np.ndarray:
         """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
@@ -188,12 +137,12 @@ class Graph:
         t = self.lora.get(name)
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]
-            self.params.grad_of(t.a)[...] += t.scale * np.outer(B[0], dw)
+            self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
             self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
 
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + s (drop(x) A^T) B^T."""
-        np.matmul(x, self.base.matrix(name).T, out=y)
+        self.xp.matmul(x, self.base.matrix(name).T, out=y)
         bias = self.base.vector(name.replace(".weight", ".bias"))
         if bias is not None:
             y += bias
@@ -201,7 +150,7 @@ class Graph:
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
             xa = self.xa[name]
-            np.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
+            self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
             y += (t.scale * xa) @ self.params[t.b].T
         return y
 
@@ -212,10 +161,10 @@ class Graph:
         if dx is not None:
             if accumulate:
                 tmp = self._scratch(*dx.shape)
-                np.matmul(dy, W, out=tmp)
+                self.xp.matmul(dy, W, out=tmp)
                 dx += tmp
             else:
-                np.matmul(dy, W, out=dx)
+                self.xp.matmul(dy, W, out=dx)
         if self.base.trainable:
             self.base.grad(name)[...] += dy.T @ x
         t = self.lora.get(name)
@@ -241,24 +190,24 @@ class Graph:
         cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
         B, T = self.B, self.T
         xn = self.xn if a.xn1 is None else a.xn1
-        rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
+        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
         self.linear(a.q, xn, p + "attn_q.weight")
         self.linear(a.k, xn, p + "attn_k.weight")
         self.linear(a.v, xn, p + "attn_v.weight")
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
-        rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
-        attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
+        self.ops.rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
                                     a.v.reshape(k4.shape), 0)
         self.linear(a.x_mid, a.att, p + "attn_output.weight")
         a.x_mid += a.x
         xn = self.xn if a.xn2 is None else a.xn2
-        rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
+        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
         self.linear(a.g, xn, p + "ffn_gate.weight")
         self.linear(a.u, xn, p + "ffn_up.weight")
         h = self.h if a.h is None else a.h
-        swiglu.swiglu_forward(h, a.g, a.u)
+        self.ops.swiglu.swiglu_forward(h, a.g, a.u)
         self.linear(x_out, h, p + "ffn_down.weight")
         x_out += a.x_mid
 
@@ -268,7 +217,7 @@ class Graph:
         cfg = self.cfg
         wn = self._norm_weight("output_norm.weight")
         xn = self.xn
-        rmsnorm.rmsnorm_forward(xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
+        self.ops.rmsnorm.rmsnorm_forward(xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
         W = self.base.matrix("output.weight")
         t = self.lora.get("output.weight")
         dW = self.base.grad("output.weight") if self.base.trainable else None
@@ -276,13 +225,13 @@ class Graph:
         for lo in range(0, self.N, self.chunk):
             hi = min(self.N, lo + self.chunk)
             x, logits = xn[lo:hi], self.logits[: hi - lo]
-            np.matmul(x, W.T, out=logits)
+            self.xp.matmul(x, W.T, out=logits)
             if t is not None:
                 xa = x @ self.params[t.a].T
                 logits += (t.scale * xa) @ self.params[t.b].T
-            cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
-            cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
-            np.matmul(logits, W, out=dxn[lo:hi])
+            self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
+            self.ops.cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
+            self.xp.matmul(logits, W, out=dxn[lo:hi])
             if dW is not None:
                 dW += logits.T @ x
             if t is not None:
@@ -292,9 +241,9 @@ class Graph:
                 self.params.grad_of(t.a)[...] += dxa.T @ x
                 dxn[lo:hi] += dxa @ A
         self.dnorm.fill(0.0)
-        rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
         self._norm_grad("output_norm.weight", self.dnorm)
-        return float(np.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
+        return float(self.xp.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
 
     # ------------------------------------------------------------------ backward
     def _layer_backward(self, i: int) -> None:
@@ -304,18 +253,18 @@ class Graph:
         dx_out = self.dx
         # ---- feed-forward
         if a.h is None:
-            swiglu.swiglu_forward(self.h, a.g, a.u)
+            self.ops.swiglu.swiglu_forward(self.h, a.g, a.u)
         h = self.h if a.h is None else a.h
         self.linear_backward(self.dh, dx_out, h, p + "ffn_down.weight", accumulate=False)
-        swiglu.swiglu_backward(self.dg, self.du, self.dh, a.g, a.u)
+        self.ops.swiglu.swiglu_backward(self.dg, self.du, self.dh, a.g, a.u)
         wn2 = self._norm_weight(p + "ffn_norm.weight")
         if a.xn2 is None:
-            rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
+            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
         self.linear_backward(self.dxn, self.dg, xn2, p + "ffn_gate.weight", accumulate=False)
         self.linear_backward(self.dxn, self.du, xn2, p + "ffn_up.weight", accumulate=True)
         self.dnorm.fill(0.0)
-        rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
         self._norm_grad(p + "ffn_norm.weight", self.dnorm)
         dx_mid = dx_out
         dx_mid += self.dx2                                   # residual: dL/d(x_mid)
@@ -324,31 +273,31 @@ class Graph:
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
-        attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
+        self.ops.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
                                      q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse)
-        rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
-        rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
         wn1 = self._norm_weight(p + "attn_norm.weight")
         if a.xn1 is None:
-            rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
+            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
         self.linear_backward(self.dxn, self.dq, xn1, p + "attn_q.weight", accumulate=False)
         self.linear_backward(self.dxn, self.dk, xn1, p + "attn_k.weight", accumulate=True)
         self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
         self.dnorm.fill(0.0)
-        rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
         self._norm_grad(p + "attn_norm.weight", self.dnorm)
         self.dx += self.dx2                                   # residual: dL/d(layer input)
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
         if self.base.trainable:
-            np.add.at(self.params.grad_of("token_embd.weight"), tokens, dx)
+            self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
         t = self.lora.get("token_embd.weight")
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]
             self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
-            np.add.at(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
+            self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
 
     # ------------------------------------------------------------------ the step
     def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,)) -> float:
@@ -356,9 +305,10 @@ class Graph:
         ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
         whole accumulated batch). Gradients are added to params.grad. Returns sum(w*loss)."""
         self.step_key = tuple(int(k) for k in key)
-        tokens = np.ascontiguousarray(inputs, np.int64).reshape(-1)
-        tg = np.ascontiguousarray(targets, np.int64).reshape(-1)
-        w = np.ascontiguousarray(weights, self.tmp.dtype).reshape(-1)
+        to_device = self.backend.to_device
+        tokens = to_device(np.asarray(inputs, np.int64).reshape(-1))
+        tg = to_device(np.asarray(targets, np.int64).reshape(-1))
+        w = to_device(np.asarray(weights, self.tmp.dtype).reshape(-1))
         self._embed(tokens, self.layers[0].x)
         for i in range(self.cfg.n_layer):
             x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final

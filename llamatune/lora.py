@@ -90,6 +90,7 @@ def init_lora(params: ParamBuffer, targets: list[LoraTarget], rng: np.random.Gen
 def to_adapter(params: ParamBuffer, targets: list[LoraTarget], arch: str, alpha: float) -> LoraAdapter:
     """The trained adapter, ready for `write_adapter` (llama.cpp --lora format)."""
     adapter = LoraAdapter(arch, alpha)
+    values = params.host_views(params.data)
     for t in targets:
-        adapter.pairs[t.weight] = (params[t.a].copy(), params[t.b].copy())
+        adapter.pairs[t.weight] = (values[t.a].copy(), values[t.b].copy())
     return adapter

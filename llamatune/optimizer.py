@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from .kernels import optim
+from .backend import cpu
 from .options import TrainOptions
 from .params import ParamBuffer
 
@@ -50,15 +50,17 @@ def learning_rate(step: int, o: TrainOptions) -> float:
 
 def clip_gradients(params: ParamBuffer, max_norm: float) -> float:
     """Scale the whole gradient so its global L2 norm is at most max_norm; returns the norm before."""
-    norm = math.sqrt(optim.global_norm_sq(params.grad))
+    backend = getattr(params, "backend", None) or cpu()
+    norm = math.sqrt(backend.global_norm_sq(params.grad))
     if max_norm > 0 and norm > max_norm:
-        optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
+        backend.ops.optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
     return norm
 
 
 def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
     """Apply one update for optimizer step `step` (0-based). Returns (lr, grad_norm)."""
     lr = learning_rate(step, o)
+    optim = (getattr(params, "backend", None) or cpu()).ops.optim
     gnorm = clip_gradients(params, o.adam_gclip)
     for spec, lo, hi in params.slices():
         wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0

@@ -65,6 +65,23 @@ class ParamBuffer:
     def zero_grad(self) -> None:
         self.grad.fill(0.0)
 
+    def to_device(self, backend) -> None:
+        """Move the four flat arrays to the backend's device (initialize and load
+        checkpoints on the host first; the optimizer then runs where they are)."""
+        self.backend = backend
+        for attr in ("data", "grad", "m", "v"):
+            setattr(self, attr, backend.to_device(getattr(self, attr)))
+
+    def host(self, flat) -> np.ndarray:
+        """A host (numpy) copy or view of one of the flat arrays."""
+        backend = getattr(self, "backend", None)
+        return flat if backend is None else backend.to_host(flat)
+
+    def host_views(self, flat) -> dict[str, np.ndarray]:
+        """Named host views of a flat array's host copy (for writing files)."""
+        h = self.host(flat)
+        return {s.name: h[lo:hi].reshape(s.shape) for s, lo, hi in self.slices()}
+
     @property
     def nbytes(self) -> int:
         return 4 * self.data.nbytes

@@ -18,7 +18,6 @@ import numpy as np
 
 from .errors import LlamatuneError
 from .infer import Runner
-from .kernels import cross_entropy
 
 
 @dataclass
@@ -66,13 +65,14 @@ def perplexity(runner: Runner, text: str, n_ctx: int, n_batch: int, source: str 
     chunk_ppls: list[float] = []
     for start in range(0, n_windows, per_batch):
         batch = windows[start:start + per_batch]
-        logits = runner.forward(batch)                                   # (B, n_ctx, V)
-        scored = np.ascontiguousarray(logits[:, first:n_ctx - 1]).reshape(-1, logits.shape[-1])
+        logits = runner.forward(batch)                                   # (B, n_ctx, V) on the device
+        xp = runner.xp
+        scored = xp.ascontiguousarray(logits[:, first:n_ctx - 1]).reshape(-1, logits.shape[-1])
         # targets: the original tokens (not the BOS replacement; it is never a target here)
-        targets = np.ascontiguousarray(batch[:, first + 1:]).reshape(-1)
-        losses = np.empty(len(targets), np.float32)
-        cross_entropy.cross_entropy_forward(losses, scored, targets)
-        per_window = losses.reshape(len(batch), -1).astype(np.float64)
+        targets = runner.backend.to_device(np.ascontiguousarray(batch[:, first + 1:]).reshape(-1))
+        losses = xp.empty(len(targets), np.float32)
+        runner.ops.cross_entropy.cross_entropy_forward(losses, scored, targets)
+        per_window = runner.backend.to_host(losses).reshape(len(batch), -1).astype(np.float64)
         for row in per_window:
             nll += float(row.sum())
             nll2 += float((row * row).sum())

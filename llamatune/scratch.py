@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import checkpoint as ckpt
+from .backend import get_backend
 from .config import ModelConfig
 from .console import notice
 from .data import load_samples
 from .errors import LlamatuneError
 from .finetune import read_training_text
 from .gguf_io import GGUFFile, kv
-from .graph import DenseWeights
+from .weights import DenseWeights
 from .model import Model
 from .modelfile import parse_outtype, random_weights, tensor_names, train_spm_vocab, vocab_kvs, write_model
 from .options import ScratchOptions
@@ -90,12 +91,12 @@ def build_job(o: ScratchOptions) -> Job:
 
     def write_outputs(tag: str) -> list[Path]:
         path = ckpt.iteration_path(o.model_out, tag)
-        write_model(path, cfg, {n: params[n] for n in shapes}, vocab, outtype, name="llamatune scratch model")
+        write_model(path, cfg, params.host_views(params.data), vocab, outtype, name="llamatune scratch model")
         return [path]
 
     model_kvs = [kv(k, v) for k, v in cfg.metadata().items()] + list(vocab)
     return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params), params, [], samples, tok, init, write_outputs,
-               model_kvs)
+               model_kvs, backend=get_backend(o.device))
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:

@@ -21,6 +21,7 @@ from .console import err, notice
 from .data import Batcher, Samples, describe
 from .errors import LlamatuneError
 from .gguf_io import KV
+from .backend import cpu
 from .graph import Graph
 from .lora import LoraTarget
 from .optimizer import optimizer_step
@@ -44,6 +45,7 @@ class Job:
     base_fingerprint: str = ""
     mapped_bytes: int = 0                       # memory-mapped base model size
     scratch_bytes: int = 0                      # dequantization scratch
+    backend: object = None                      # backend.Backend (None: cpu)
 
 
 @dataclass
@@ -118,9 +120,12 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         import numba
         numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
     batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
-    state = resume_or_init(job, batcher)
+    state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
+    backend = job.backend or cpu()
+    if backend.name != "cpu":
+        job.params.to_device(backend)              # then live where the graph runs
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, o.use_checkpointing,
-                  getattr(o, "lora_dropout", 0.0))
+                  getattr(o, "lora_dropout", 0.0), backend=backend)
     need = memory_estimate(job, graph)
     have = available_memory()
     if not quiet:

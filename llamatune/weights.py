@@ -1,0 +1,106 @@
+"""Where the graph and the runner get their weights, on the backend's device.
+
+  - `FrozenBase`: a GGUF model's weights, never trained (LoRA finetuning and
+    inference). They stay in their stored (quantized) form; each matrix is
+    dequantized into one reused f32 scratch buffer right before its matmul. On
+    CUDA the quantized bytes are uploaded once and dequantized on the GPU.
+  - `DenseWeights`: every weight is an f32 parameter of the ParamBuffer
+    (train-from-scratch).
+Both hand out (n_out, n_in) matrices, norm/bias vectors and embedding rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from .backend import Backend, cpu
+from .model import Model
+from .params import ParamBuffer
+
+
+class FrozenBase:
+    trainable = False
+
+    def __init__(self, model: Model, backend: Backend | None = None):
+        self.model = model
+        self.backend = backend or cpu()
+        w = model.weights
+        self.tensors = dict(w.all_matrices())
+        vectors = {"output_norm.weight": w.output_norm}
+        for i, layer in enumerate(w.layers):
+            vectors[f"blk.{i}.attn_norm.weight"] = layer.attn_norm
+            vectors[f"blk.{i}.ffn_norm.weight"] = layer.ffn_norm
+            for k, b in layer.biases.items():
+                vectors[f"blk.{i}.{k}.bias"] = b
+        self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}
+        self.rope_freqs = w.rope_freqs            # host array: rope caches are built on the host
+        self._raw: dict[str, object] = {}         # cuda: tensor name -> device copy of the stored bytes
+        self._scratch = None
+
+    def _device_raw(self, name: str):
+        raw = self._raw.get(name)
+        if raw is None:
+            t = self.tensors[name]
+            host = np.asarray(t.data).reshape(t.n_rows, t.n_cols) if t.qtype == QType.F32 else t.raw_rows()
+            raw = self._raw[name] = self.backend.to_device(host)
+        return raw
+
+    def matrix(self, name: str):
+        """(n_out, n_in) f32 on the device, valid until the next call."""
+        t = self.tensors[name]
+        if self.backend.name == "cpu":
+            return self.model.dequantizer.get(t)
+        if t.qtype == QType.F32:
+            return self._device_raw(name)
+        if self._scratch is None:
+            self._scratch = self.backend.xp.empty(self.model.dequantizer.size, np.float32)
+        out = self._scratch[: t.n_rows * t.n_cols].reshape(t.n_rows, t.n_cols)
+        if t.qtype in self.backend.ops.dequant.CUDA_TYPES:
+            self.backend.ops.dequant.dequantize_into(self._device_raw(name), t.qtype, out)
+        else:   # types without a CUDA kernel: dequantize on the host, upload
+            out[...] = self.backend.to_device(self.model.dequantizer.get(t))
+        return out
+
+    def vector(self, name: str):
+        return self.vectors.get(name)
+
+    def embed(self, ids, out) -> None:
+        """out[i] = token_embd[ids[i]] (ids on the device), dequantizing only those rows."""
+        t = self.tensors["token_embd.weight"]
+        if self.backend.name == "cpu":
+            if out.dtype == np.float32:
+                self.model.dequantizer.rows(t, ids, out)
+            else:                                 # float64 gradient tests
+                out[...] = self.model.dequantizer.rows(t, ids, np.empty(out.shape, np.float32))
+        elif t.qtype == QType.F32:
+            out[...] = self._device_raw("token_embd.weight")[ids]
+        elif t.qtype in self.backend.ops.dequant.CUDA_TYPES:
+            self.backend.ops.dequant.dequantize_rows_into(self._device_raw("token_embd.weight"), t.qtype, ids, out)
+        else:
+            host = self.model.dequantizer.rows(t, self.backend.to_host(ids), np.empty(out.shape, np.float32))
+            out[...] = self.backend.to_device(host)
+
+
+class DenseWeights:
+    """Every weight is a parameter (train-from-scratch); arrays live wherever params do."""
+    trainable = True
+    rope_freqs = None
+
+    def __init__(self, params: ParamBuffer, tied: bool = False):
+        self.params = params
+        self.tied = tied
+
+    def _name(self, name: str) -> str:
+        return "token_embd.weight" if self.tied and name == "output.weight" else name
+
+    def matrix(self, name: str):
+        return self.params[self._name(name)]
+
+    def vector(self, name: str):
+        return self.params[name] if name in self.params else None
+
+    def embed(self, ids, out) -> None:
+        out[...] = self.params["token_embd.weight"][ids]
+
+    def grad(self, name: str):
+        return self.params.grad_of(self._name(name))
