@@ -209,8 +209,10 @@ def quickstart(
 def _report(name: str, res) -> None:
     from llamatune.console import out
     if res.losses:
+        k = max(1, min(10, len(res.losses) // 5))       # single steps are noisy: average k at each end
+        first, last = sum(res.losses[:k]) / k, sum(res.losses[-k:]) / k
         out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
-                  f"loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
+                  f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
     for p in res.files:
         out.print(f"  wrote {p}")
 
