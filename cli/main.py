@@ -43,16 +43,8 @@ def friendly_errors(fn):
 
 
 def read_text(path: Path) -> str:
-    """The file's exact text (nothing stripped), or a clear error."""
-    from llamatune.errors import LlamatuneError
-    if not path.exists():
-        raise LlamatuneError(f"{path}: file not found")
-    if path.is_dir():
-        raise LlamatuneError(f"{path}: is a directory, expected a text file")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlamatuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    from llamatune.data import read_text as read
+    return read(path)
 
 
 def parse_scaled(values: List[str]) -> list[tuple[str, float]]:

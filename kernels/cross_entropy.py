@@ -15,6 +15,8 @@ and may run in place on the logits buffer (dlogits is logits).
 import numpy as np
 from numba import njit, prange
 
+from ._checks import check_array
+
 
 @njit(cache=True, parallel=True)
 def _ce_forward_kernel(losses, logits, targets):
@@ -62,11 +64,7 @@ def _ce_backward_kernel(dlogits, logits, targets, weights):
 
 
 def _check(name, a, shape, dtype):
-    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == shape
-            and a.flags.c_contiguous):
-        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-        raise ValueError(f"cross_entropy: {name} must be a C-contiguous {np.dtype(dtype)} "
-                         f"array of shape {shape}, got {got}")
+    check_array("cross_entropy", name, a, shape, dtype)
 
 
 def _check_logits_targets(logits, targets):

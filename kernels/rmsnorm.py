@@ -15,6 +15,8 @@ Kernels are dtype-generic (float32 in production, float64 in finite-difference t
 import numpy as np
 from numba import njit, prange
 
+from ._checks import check_array
+
 # Columns per dw task: each task owns a disjoint slice of dw, so there is no race.
 _DW_BLOCK = 64
 
@@ -68,11 +70,7 @@ def _rmsnorm_dw_kernel(dw, dout, x, rstd):
 
 
 def _check(name, a, shape, dtype):
-    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == shape
-            and a.flags.c_contiguous):
-        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-        raise ValueError(f"rmsnorm: {name} must be a C-contiguous {np.dtype(dtype)} "
-                         f"array of shape {shape}, got {got}")
+    check_array("rmsnorm", name, a, shape, dtype)
 
 
 def _check_x(x):

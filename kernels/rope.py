@@ -18,6 +18,8 @@ Both rotations work in place (out may be x, dx may be dout).
 import numpy as np
 from numba import njit, prange
 
+from ._checks import check_array
+
 ROPE_NORM = 0
 ROPE_NEOX = 2
 
@@ -61,11 +63,7 @@ def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
 
 
 def _check(name, a, shape, dtype):
-    if not (isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == shape
-            and a.flags.c_contiguous):
-        got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-        raise ValueError(f"rope: {name} must be a C-contiguous {np.dtype(dtype)} "
-                         f"array of shape {shape}, got {got}")
+    check_array("rope", name, a, shape, dtype)
 
 
 def _check_n_rot(n_rot, D=None):

@@ -282,3 +282,17 @@ class Batcher:
             raise LlamatuneError(f"training state: missing or invalid field ({e})") from None
         self.next_sample = 0
         self._shuffle()
+
+
+def read_text(path, what: str = "text") -> str:
+    """A file's exact text (nothing stripped), or one clear error naming the file."""
+    from pathlib import Path
+    path = Path(path)
+    if not path.exists():
+        raise LlamatuneError(f"{path}: {what} file not found")
+    if path.is_dir():
+        raise LlamatuneError(f"{path}: is a directory, expected a text file")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LlamatuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None

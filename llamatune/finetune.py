@@ -11,7 +11,7 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from .adapter import write_adapter
 from .console import notice
-from .data import load_samples
+from .data import load_samples, read_text
 from .errors import LlamatuneError
 from .gguf_io import kv
 from .backend import get_backend
@@ -26,15 +26,7 @@ from .trainer import Job, TrainResult, run
 def read_training_text(path: Path | None) -> str:
     if path is None:
         raise LlamatuneError("--train-data is required")
-    path = Path(path)
-    if not path.exists():
-        raise LlamatuneError(f"{path}: training data file not found")
-    if path.is_dir():
-        raise LlamatuneError(f"{path}: is a directory, expected a text file")
-    try:
-        return path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LlamatuneError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return read_text(path, "training data")
 
 
 def build_job(o: FinetuneOptions) -> Job:

@@ -169,15 +169,19 @@ class Graph:
             self.base.grad(name)[...] += dy.T @ x
         t = self.lora.get(name)
         if t is not None:
-            A, B = self.params[t.a], self.params[t.b]
             mask = self._dropout_mask(name, x.shape)
-            xd = x if mask is None else x * mask
-            self.params.grad_of(t.b)[...] += t.scale * (dy.T @ self.xa[name])
-            dxa = t.scale * (dy @ B)                                   # (N, r)
-            self.params.grad_of(t.a)[...] += dxa.T @ xd
-            if dx is not None:
-                dxd = dxa @ A
-                dx += dxd if mask is None else dxd * mask
+            self._lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], dx, mask)
+
+    def _lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
+        """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
+        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask)."""
+        A, B = self.params[t.a], self.params[t.b]
+        self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
+        dxa = t.scale * (dy @ B)                                       # (N, r)
+        self.params.grad_of(t.a)[...] += dxa.T @ xd
+        if dx is not None:
+            dxd = dxa @ A
+            dx += dxd if mask is None else dxd * mask
 
     # ------------------------------------------------------------------ forward
     def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
@@ -235,11 +239,7 @@ class Graph:
             if dW is not None:
                 dW += logits.T @ x
             if t is not None:
-                A, B = self.params[t.a], self.params[t.b]
-                self.params.grad_of(t.b)[...] += t.scale * (logits.T @ xa)
-                dxa = t.scale * (logits @ B)
-                self.params.grad_of(t.a)[...] += dxa.T @ x
-                dxn[lo:hi] += dxa @ A
+                self._lora_backward(t, logits, x, xa, dxn[lo:hi])
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
         self._norm_grad("output_norm.weight", self.dnorm)

@@ -81,7 +81,7 @@ def test_generate_runs(tiny_model):
 
 @pytest.mark.parametrize("args,match", [
     (["perplexity", "-m", "{tmp}/missing.gguf", "-f", "{text}"], "missing.gguf: file not found"),
-    (["perplexity", "-m", "{model}", "-f", "{tmp}/nope.txt"], "nope.txt: file not found"),
+    (["perplexity", "-m", "{model}", "-f", "{tmp}/nope.txt"], "nope.txt: text file not found"),
     (["perplexity", "-m", "{model}", "-f", "{empty}"], "text is empty"),
     (["perplexity", "-m", "{model}", "-f", "{text}", "-c", "4096"], "larger than the model's context length 64"),
     (["perplexity", "-m", "{notgguf}", "-f", "{text}"], "not a GGUF file"),
