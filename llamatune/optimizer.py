@@ -57,13 +57,25 @@ def clip_gradients(params: ParamBuffer, max_norm: float) -> float:
     return norm
 
 
+def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int, float]]:
+    """(lo, hi, weight decay) runs of consecutive tensors that share a weight decay,
+    so the update is one kernel call per run (one in all for LoRA: every A and B is 2-D)."""
+    runs: list[tuple[int, int, float]] = []
+    for spec, lo, hi in params.slices():
+        wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0
+        if runs and runs[-1][2] == wd and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi, wd)
+        else:
+            runs.append((lo, hi, wd))
+    return runs
+
+
 def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
     """Apply one update for optimizer step `step` (0-based). Returns (lr, grad_norm)."""
     lr = learning_rate(step, o)
     optim = (getattr(params, "backend", None) or cpu()).ops.optim
     gnorm = clip_gradients(params, o.adam_gclip)
-    for spec, lo, hi in params.slices():
-        wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0
+    for lo, hi, wd in decay_segments(params, o):
         p, g = params.data[lo:hi], params.grad[lo:hi]
         if o.optimizer == "sgd":
             optim.sgd_update(p, g, lr, wd)
