@@ -72,27 +72,8 @@ def test_simulator_or_gpu():
 
 
 # -------------------------------------------------------------------- dequant
-SCALE_OFFSETS = {  # byte offsets of the f16 scale fields of one block
-    T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
-    T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
-}
-FLOAT_TYPES = [T.F32, T.F16, T.BF16]
-ALL_TYPES = FLOAT_TYPES + list(SCALE_OFFSETS)
-
-
-def random_tensor(qtype, n_rows, n_cols, seed=0):
-    """Random bytes (n_rows, row_bytes); the f16 scale fields finite, with zeros and
-    subnormals among them."""
-    rng = np.random.default_rng(seed + int(qtype))
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    n_blocks = n_cols // block_size
-    data = rng.integers(0, 256, size=(n_rows, n_blocks, type_size), dtype=np.uint8)
-    for off in SCALE_OFFSETS.get(qtype, []):
-        scales = (rng.standard_normal((n_rows, n_blocks)) * 0.05).astype(np.float16)
-        flat = scales.reshape(-1)
-        flat[:4] = np.array([0.0, -0.0, 6e-8, -3e-6], dtype=np.float16)[:flat.size]
-        data[:, :, off:off + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
-    return data.reshape(n_rows, n_blocks * type_size)
+# the same random quantized blocks as the CPU dequant tests
+from test_dequant import ALL_TYPES, FLOAT_TYPES, SCALE_OFFSETS, random_tensor  # noqa: E402,F401
 
 
 def assert_bit_equal(actual, expected):
