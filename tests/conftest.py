@@ -22,6 +22,21 @@ TEXT = (
 ) * 4
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the long end-to-end tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only with --slow, so the default suite stays fast."""
+    if config.getoption("--slow"):
+        return
+    skip = pytest.mark.skip(reason="slow end-to-end test: run with --slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_configure(config):
     # CUDA kernel tests run in numba's simulator when no GPU is present; this must be
     # decided before anything imports numba.cuda.
