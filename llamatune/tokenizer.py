@@ -45,6 +45,9 @@ _CONTROL_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endo
     <|fim_middle|> <fim-middle> <fim_middle> <｜fim▁end｜> <MID> ▁<MID> <|code_middle|> <|middle|>
     <|fim_pad|> <fim-pad> <fim_pad> <PAD> [PAD] <|fim_repo|> <|repo_name|> <fim-repo> <REPO>
     <reponame> <|file_sep|>""".split())
+# Texts llama.cpp's load() adds to special_eog_ids (when the token is a control token)
+_EOG_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <|eom_id|>
+    <EOT> _<EOT> <｜end▁of▁sentence｜> <end_of_utterance> <|return|> <|call|> <turn|>""".split())
 _GPT_OSS_USER_DEFINED = frozenset(["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"])
 
 # ---- BPE pre-tokenizer regexes (llm_tokenizer_bpe constructor) ----
@@ -221,6 +224,8 @@ class Tokenizer:
                 bos = None
         self.bos_id = self._special_id(f, "bos", bos)
         self.eos_id = self._special_id(f, "eos", eos)
+        self.unk_id = self._special_id(f, "unknown", None)
+        self.pad_id = self._special_id(f, "padding", None)
         self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos))
         self.add_eos = bool(f.get("tokenizer.ggml.add_eos_token", self.add_eos))
         for flag, tid, name in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
@@ -241,6 +246,12 @@ class Tokenizer:
             self._rstrip -= {ids[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in ids}
         elif "modern-bert" in name:
             self._lstrip = {ids[t] for t in ["[MASK]"] if t in ids}
+
+        # end-of-generation tokens (llama.cpp's special_eog_ids): EOS, EOT/EOM, and the
+        # auto-detected end-of-turn texts; generation stops at any of them
+        self.eog_ids = {i for i in (self.eos_id, self._special_id(f, "eot", None), self._special_id(f, "eom", None))
+                        if i is not None}
+        self.eog_ids |= {ids[t] for t in _EOG_TEXTS & ids.keys()} & self._control
 
         if self._spm:
             self._build_spm(scores)
@@ -339,10 +350,23 @@ class Tokenizer:
         add_special adds BOS/EOS per `add_bos`/`add_eos`; parse_special also turns the
         texts of control tokens (e.g. "<|eot_id|>") into their ids.
         """
+        return self.encode_parts([(text, parse_special)], add_special)
+
+    def encode_parts(self, parts: list[tuple[str, bool]], add_special: bool = False) -> list[int]:
+        """Token ids of the concatenated texts, where each part says whether special-token
+        texts inside it become their ids (template text) or stay plain text (message content).
+        Only the special-token split is per part: the text between special tokens is
+        tokenized as one piece across part boundaries, exactly as `encode` of the whole."""
+        frags: list[str | int] = []
+        for text, parse_special in parts:
+            for fr in self._partition(text, parse_special) if text else []:
+                if isinstance(fr, str) and frags and isinstance(frags[-1], str):
+                    frags[-1] += fr
+                else:
+                    frags.append(fr)
         out: list[int] = []
         if add_special and self.add_bos:
             out.append(self.bos_id)
-        frags = self._partition(text, parse_special) if text else []
         prev_special = True  # SPM: a fragment at the start or after a special token gets " "
         for fr in frags:
             if isinstance(fr, int):
@@ -358,6 +382,42 @@ class Tokenizer:
         if add_special and self.add_eos:
             out.append(self.eos_id)
         return out
+
+    def has_special_text(self, text: str) -> bool:
+        """Whether `text` holds the text of a control token (it would change under parse_special)."""
+        return any(isinstance(fr, int) for fr in self._partition(text, True)) and \
+            self._partition(text, True) != self._partition(text, False)
+
+    def token_text(self, id: int) -> str:
+        """The vocabulary entry's text as stored (e.g. '<|im_end|>', '▁Hello', 'Ġworld')."""
+        return self._texts[id]
+
+    def is_control(self, id: int) -> bool:
+        """Control/unknown tokens: split out of text only with parse_special, skipped when decoding."""
+        return id in self._control or self._types[id] == _UNKNOWN
+
+    def token_offsets(self, ids: list[int], text: str) -> list[int]:
+        """Byte offset in `text` (UTF-8) where each token of `encode_parts`/`encode(text,
+        add_special=False)` starts. Tokens give back their exact bytes except for the SPM
+        dummy-prefix space (absent from the text) and whitespace eaten by rstrip/lstrip tokens."""
+        raw, at, starts = text.encode("utf-8"), 0, []
+        for i in ids:
+            piece = self.token_to_bytes(i, special=True)
+            while True:
+                if raw.startswith(piece, at):
+                    starts.append(at)
+                    at += len(piece)
+                    break
+                if piece.startswith(b" ") and raw.startswith(piece[1:], at):   # dummy prefix
+                    starts.append(at)
+                    at += len(piece) - 1
+                    break
+                if at < len(raw) and raw[at:at + 1] in b" \t\n\v\f\r":      # stripped whitespace
+                    at += 1
+                    continue
+                raise LlamatuneError(f"{self._path}: token {i} ({self._texts[i]!r}) does not match the text "
+                                     f"at byte {at}")
+        return starts
 
     def _byte_fallback(self, text: str, ids: list[int]) -> list[int]:
         """Replace sentencepiece's unknown pieces (runs of characters that are no token)
