@@ -219,9 +219,9 @@ def _parts(text: str, messages: list[dict], tok) -> list[tuple[str, bool]]:
     return parts
 
 
-def load_template(tokenizer, gguf_file, override: str | None) -> ChatTemplate | None:
+def load_template(tokenizer, override: str | None, source: str = "the model") -> ChatTemplate | None:
     """The template to use: --chat-template (a built-in name or a file), else the model's
-    `tokenizer.chat_template`, else None."""
+    `tokenizer.chat_template` (kept by Tokenizer.from_gguf), else None."""
     if override:
         if override in BUILTIN:
             return ChatTemplate(BUILTIN[override], tokenizer, f"built-in chat template {override!r}")
@@ -233,7 +233,7 @@ def load_template(tokenizer, gguf_file, override: str | None) -> ChatTemplate | 
             return ChatTemplate(path.read_text(encoding="utf-8"), tokenizer, str(path))
         except UnicodeDecodeError:
             raise LlamatuneError(f"{path}: chat template is not UTF-8 text") from None
-    source = gguf_file.get("tokenizer.chat_template") if gguf_file is not None else None
-    if isinstance(source, str) and source.strip():
-        return ChatTemplate(source, tokenizer, f"{gguf_file.path.name}: tokenizer.chat_template")
+    source_text = getattr(tokenizer, "chat_template", None)
+    if source_text:
+        return ChatTemplate(source_text, tokenizer, f"{source}: tokenizer.chat_template")
     return None

@@ -35,13 +35,22 @@ _HEX = b"0123456789abcdefABCDEF"
 
 
 class Samples:
-    """All sample tokens concatenated; sample i is tokens[begins[i] : begins[i] + sizes[i]]."""
+    """All sample tokens concatenated; sample i is tokens[begins[i] : begins[i] + sizes[i]].
 
-    def __init__(self, tokens, begins, sizes):
+    `mask` (int8, aligned with tokens) marks loss targets: 1 where the token is predicted
+    from the tokens before it in its sample, 0 where it is context only. None: raw text,
+    every token is a target and samples are windows the batcher prefixes with BOS. With a
+    mask, each sample is a whole sequence (a conversation, a row) fed as it is."""
+
+    def __init__(self, tokens, begins, sizes, mask=None):
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
         self.begins = np.ascontiguousarray(begins, dtype=np.int64).reshape(-1)
         self.sizes = np.ascontiguousarray(sizes, dtype=np.int64).reshape(-1)
-        self.hash = _hash(self.tokens, self.begins, self.sizes)
+        self.mask = None if mask is None else np.ascontiguousarray(mask, dtype=np.int8).reshape(-1)
+        if self.mask is not None and len(self.mask) != len(self.tokens):
+            raise ValueError(f"mask has {len(self.mask)} entries for {len(self.tokens)} tokens")
+        extra = () if self.mask is None else (self.mask,)
+        self.hash = _hash(self.tokens, self.begins, self.sizes, *extra)
 
     def __len__(self) -> int:
         return len(self.begins)
@@ -156,6 +165,8 @@ class Batch:
     targets: np.ndarray   # int64 (B, T): next token; -1 where nothing is to be learned
     n_targets: int        # number of targets >= 0
     epoch_done: bool      # the shuffled order ran out (an epoch ended) while filling this batch
+    positions: np.ndarray | None = None   # int64 (B, T): rope position, restarting at 0 per packed sample
+    segments: np.ndarray | None = None    # int32 (B, T): sample id within the row; padding has its own
 
 
 class Batcher:
@@ -175,6 +186,8 @@ class Batcher:
     def _set_samples(self, samples: Samples) -> None:
         if len(samples) == 0 or samples.sizes.min() < 1:
             raise LlamatuneError("training data: every sample needs at least one token")
+        if samples.mask is not None and samples.sizes.min() < 2:
+            raise LlamatuneError("training data: every conversation or row needs at least two tokens")
         self.samples = samples
 
     def _shuffle(self) -> None:
@@ -227,8 +240,36 @@ class Batcher:
             idx, off = self._take()[0], 0      # train.cpp: following samples start at offset 0
         return np.concatenate(parts).astype(np.int64)
 
+    def _sequence_row(self, k: int, inputs, targets, positions, segments) -> None:
+        """Row k from whole sequences (samples with a mask): one sample, or with --pack as many
+        as fit in order; a sample of n tokens fills n - 1 positions (inputs tokens[:-1],
+        targets tokens[1:] where masked in). The rest is padding (input EOS, no target)."""
+        T, pack, s = inputs.shape[1], positions is not None, self.samples
+        filled, seg = 0, 0
+        while filled < T:
+            j = int(self.order[self.next_sample])          # peek: a sample that does not fit waits
+            n = int(s.sizes[j]) - 1
+            if filled and n > T - filled:
+                break
+            idx, _ = self._take()
+            b, L = int(s.begins[idx]), min(n, T - filled)
+            tok = np.clip(s.tokens[b:b + L + 1], 0, self.n_vocab - 1)
+            inputs[k, filled:filled + L] = tok[:L]
+            targets[k, filled:filled + L] = np.where(s.mask[b + 1:b + L + 1] > 0, tok[1:], -1)
+            if pack:
+                positions[k, filled:filled + L] = np.arange(L)
+                segments[k, filled:filled + L] = seg
+            filled, seg = filled + L, seg + 1
+            if not pack:
+                break
+        if pack and filled < T:
+            positions[k, filled:] = np.arange(T - filled)
+            segments[k, filled:] = seg
+
     def next_batch(self) -> Batch:
         B, T = self.opts.batch, self.opts.ctx
+        if self.samples.mask is not None:
+            return self._sequence_batch(B, T)
         targets = np.full((B, T), -1, dtype=np.int64)
         self._crossed = False
         for k in range(B):
@@ -240,6 +281,19 @@ class Batcher:
         n_targets = int((targets >= 0).sum())
         self.token_count += n_targets
         return Batch(inputs, targets, n_targets, self._crossed)
+
+    def _sequence_batch(self, B: int, T: int) -> Batch:
+        inputs = np.full((B, T), self.eos, dtype=np.int64)
+        targets = np.full((B, T), -1, dtype=np.int64)
+        pack = getattr(self.opts, "pack", False)
+        positions = np.zeros((B, T), np.int64) if pack else None
+        segments = np.zeros((B, T), np.int32) if pack else None
+        self._crossed = False
+        for k in range(B):
+            self._sequence_row(k, inputs, targets, positions, segments)
+        n_targets = int((targets >= 0).sum())
+        self.token_count += n_targets
+        return Batch(inputs, targets, n_targets, self._crossed, positions, segments)
 
     # ---- resume
     def _order_hash(self) -> int:

@@ -11,7 +11,8 @@ from pathlib import Path
 from . import checkpoint as ckpt
 from .adapter import write_adapter
 from .console import notice
-from .data import load_samples, read_text
+from .data import read_text
+from .datasets import load_dataset
 from .errors import LlamatuneError
 from .gguf_io import kv
 from .backend import get_backend
@@ -32,13 +33,13 @@ def read_training_text(path: Path | None) -> str:
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
-    text = read_training_text(o.train_data)
+    read_training_text(o.train_data)          # a missing or unreadable file fails before the model loads
     model = Model(o.model_base)
     cfg = model.config
     if o.ctx > cfg.n_ctx_train:
         raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
                              f"({model.path.name})")
-    samples = load_samples(text, model.tokenizer, o, str(o.train_data))
+    samples = load_dataset(o.train_data, model.tokenizer, o)
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
     targets = lora_targets(cfg, o.ranks(), alpha, tied)

@@ -72,6 +72,15 @@ class TrainOptions:
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
     fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
     save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+    # ---- conversations and instruction data (JSONL / JSON rows)
+    data_format: str = opt("auto", "text (raw text), chat (conversations), completion (prompt/completion, "
+                           "instruction/output or text rows) or auto (detected from the content).", G_DATA)
+    chat_template: str = opt("", "Chat template: a Jinja file or a built-in name (chatml, llama3, gemma, phi3, "
+                             "mistral); default: the model's own tokenizer.chat_template.", G_DATA)
+    train_on_prompt: bool = opt(False, "Train on every token of a conversation, not only the assistant answers.", G_DATA)
+    skip_bad_rows: bool = opt(False, "Skip malformed data rows (and count them) instead of stopping at the first.", G_DATA)
+    drop_long: bool = opt(False, "Drop conversations longer than --ctx instead of truncating them.", G_DATA)
+    pack: bool = opt(False, "Pack several conversations into each context window (attention stays within each).", G_DATA)
 
 
 @dataclass
@@ -201,6 +210,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if not o.adam_alpha > 0:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
+    if o.data_format not in ("auto", "text", "chat", "completion"):
+        bad(f"--data-format {o.data_format!r}: choose auto, text, chat or completion")
     if o.save_every < 0:
         bad(f"--save-every {o.save_every}: must be 0 or more")
     if isinstance(o, FinetuneOptions):

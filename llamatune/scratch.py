@@ -18,7 +18,7 @@ from . import checkpoint as ckpt
 from .backend import get_backend
 from .config import ModelConfig
 from .console import notice
-from .data import load_samples
+from .datasets import load_dataset
 from .errors import LlamatuneError
 from .finetune import read_training_text
 from .gguf_io import GGUFFile, kv
@@ -72,7 +72,7 @@ def build_job(o: ScratchOptions) -> Job:
                       n_ff=o.ff or llama_ff(o.embd), n_head=o.head, n_head_kv=n_head_kv,
                       head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
                       rope_freq_base=o.rope_freq_base)
-    samples = load_samples(text, tok, o, str(o.train_data))
+    samples = load_dataset(o.train_data, tok, o)
     shapes = tensor_names(cfg)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
     outtype = parse_outtype(o.outtype)

@@ -224,6 +224,8 @@ class Tokenizer:
                 bos = None
         self.bos_id = self._special_id(f, "bos", bos)
         self.eos_id = self._special_id(f, "eos", eos)
+        template = f.get("tokenizer.chat_template")
+        self.chat_template = template if isinstance(template, str) and template.strip() else None
         self.unk_id = self._special_id(f, "unknown", None)
         self.pad_id = self._special_id(f, "padding", None)
         self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos))
