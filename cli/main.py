@@ -198,6 +198,53 @@ def quickstart(
     run(workdir)
 
 
+@app.command("preview-data")
+@friendly_errors
+def preview_data(
+    model_base: Path = typer.Option(..., "-m", "--model-base", help="Model GGUF whose tokenizer and chat template are used."),
+    train_data: Path = typer.Option(..., "--train-data", help="Data file (raw text, JSONL or JSON rows)."),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context length (default: finetune's)."),
+    n: int = typer.Option(3, "-n", help="Number of samples to show."),
+    as_json: bool = typer.Option(False, "--json", help='One JSON object per line: {"tokens": [...], "targets": [0|1...]}.'),
+    data_format: Optional[str] = typer.Option(None, "--data-format", help="text, chat, completion or auto."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja file or built-in name."),
+    train_on_prompt: Optional[bool] = typer.Option(None, "--train-on-prompt", help="Targets on every token."),
+    drop_long: Optional[bool] = typer.Option(None, "--drop-long", help="Drop samples longer than --ctx."),
+    skip_bad_rows: Optional[bool] = typer.Option(None, "--skip-bad-rows", help="Skip malformed rows."),
+):
+    """Show the first samples as the trainer sees them, trained tokens highlighted."""
+    from llamatune.datasets import show_preview
+    from llamatune.options import FinetuneOptions, build_options
+    given = dict(model_base=model_base, train_data=train_data, ctx=ctx, data_format=data_format,
+                 chat_template=chat_template, train_on_prompt=train_on_prompt, drop_long=drop_long,
+                 skip_bad_rows=skip_bad_rows)
+    show_preview(build_options(FinetuneOptions, given), n, as_json)
+
+
+@app.command()
+@friendly_errors
+def chat(
+    model: Path = typer.Option(..., "-m", "--model", help="GGUF model with a chat template (or use --chat-template)."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Answer this one message and exit."),
+    system: Optional[str] = typer.Option(None, "-s", "--system", help="System message."),
+    chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja file or built-in name "
+                                                "(chatml, llama3, gemma, phi3, mistral)."),
+    n_predict: int = typer.Option(256, "-n", "--n-predict", help="Most tokens per answer."),
+    temp: float = typer.Option(0.7, "--temp", help="Temperature; 0 = greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
+    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
+    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+):
+    """Chat with a model through its chat template: one turn with -p, else an interactive loop."""
+    from llamatune.chat import Sampling, run_chat
+    runner = make_runner(model, lora, lora_scaled, device)
+    run_chat(runner, chat_template, prompt, system, Sampling(n_predict, temp, top_k, top_p, seed, ctx))
+
+
 def _report(name: str, res) -> None:
     from llamatune.console import out
     if res.losses:

@@ -273,3 +273,27 @@ def preview(samples: Samples, bos_id: int, n: int) -> list[tuple[np.ndarray, np.
             out.append((tokens.astype(np.int64), samples.mask[b:b + s].astype(np.int8)))
     return out
 
+
+
+def show_preview(opts, n: int, as_json: bool) -> None:
+    """`llamatune preview-data`: the first n samples of --train-data as the trainer sees them,
+    as JSON lines {"tokens", "targets"} or as decoded text with the trained parts highlighted."""
+    from rich.text import Text
+
+    from .console import out
+    from .gguf_io import GGUFFile
+    from .tokenizer import Tokenizer
+    if opts.model_base is None:
+        raise LlamatuneError("--model-base is required")
+    tok = Tokenizer.from_gguf(GGUFFile(opts.model_base))
+    samples = load_dataset(opts.train_data, tok, opts)
+    for k, (tokens, targets) in enumerate(preview(samples, tok.bos_id, n)):
+        if as_json:
+            print(json.dumps({"tokens": tokens.tolist(), "targets": targets.tolist()}))
+            continue
+        text = Text()
+        for t, m in zip(tokens.tolist(), targets.tolist()):
+            piece = tok.token_to_piece(t, special=True)
+            text.append(piece, style="bold green" if m else ("dim" if tok.is_control(t) else ""))
+        out.rule(f"sample {k + 1}: {len(tokens)} tokens, {int(targets.sum())} trained", style="dim")
+        out.print(text)

@@ -35,11 +35,18 @@ def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top
              top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
              stop_at_eos: bool = True) -> Iterator[int]:
     """Yield generated token ids (the prompt is not echoed)."""
-    model = runner.model
-    tok = model.tokenizer
-    ids = tok.encode(prompt, add_special=True)
+    ids = runner.model.tokenizer.encode(prompt, add_special=True)
     if not ids:
         raise LlamatuneError("prompt is empty (and the vocabulary adds no BOS token)")
+    stop = {runner.model.tokenizer.eos_id} if stop_at_eos else set()
+    return generate_ids(runner, ids, n_predict, temp, top_k, top_p, seed, n_ctx, stop)
+
+
+def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = 0.8, top_k: int = 40,
+                 top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
+                 stop: set[int] = frozenset()) -> Iterator[int]:
+    """Yield ids generated after the prompt ids, ending before any id in `stop`."""
+    model = runner.model
     n_ctx = n_ctx or model.config.n_ctx_train
     if len(ids) >= n_ctx:
         raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
@@ -49,7 +56,7 @@ def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top
     logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])
     for _ in range(n_predict):
         nxt = sample(logits, rng, temp, top_k, top_p)
-        if stop_at_eos and nxt == tok.eos_id:
+        if nxt in stop:
             return
         yield nxt
         if cache.n_past >= cache.n_ctx:
