@@ -19,7 +19,7 @@ text between the rendering of messages[:k] with the generation prompt and the
 rendering of messages[:k+1] (each compared with the whole conversation) is that
 turn; its targets run from the message content through the first control token
 after it (the end-of-turn token: <|im_end|>, <|eot_id|>, <end_of_turn>, ...).
-A token belongs to the span in which it starts.
+A token overlapping the answer counts as part of it (as HF's assistant masks).
 """
 from __future__ import annotations
 
@@ -171,18 +171,22 @@ class ChatTemplate:
             mask[1:] = 1
             return Encoded(np.asarray(ids, np.int32), mask, text)
         starts = np.asarray(tok.token_offsets(ids, text), np.int64)
+        ends = np.append(starts[1:], len(text.encode("utf-8")))
         raw = text.encode("utf-8")
         for k, m in enumerate(messages):
             if m["role"] != "assistant" or (trained is not None and k not in trained):
                 continue
             a = _common_prefix(raw, self.render(messages[:k], add_generation_prompt=True).encode("utf-8"))
             b = _common_prefix(raw, self.render(messages[:k + 1]).encode("utf-8"))
-            content = str(m["content"]).strip().encode("utf-8")
+            content = str(m["content"]).encode("utf-8")
             at = raw.find(content, a, b) if content else -1
+            if at < 0 and content.strip():       # templates may trim the content
+                content = content.strip()
+                at = raw.find(content, a, b)
             a = at if at >= 0 else a
-            for j in np.flatnonzero((starts >= a) & (starts < b)):
+            for j in np.flatnonzero((ends > a) & (starts < b)):       # tokens overlapping the turn
                 mask[j] = 1
-                if tok.is_control(ids[j]) and starts[j] >= a + len(content):   # end of turn
+                if tok.is_control(ids[j]) and starts[j] >= a + len(content):   # its end-of-turn token
                     break
         mask[0] = 0                       # the first token is predicted from nothing
         return Encoded(np.asarray(ids, np.int32), mask, text)

@@ -30,6 +30,19 @@ def read_training_text(path: Path | None) -> str:
     return read_text(path, "training data")
 
 
+def check_packing(o, samples) -> None:
+    """--pack needs whole-sequence samples and a graph with segment-aware attention."""
+    import inspect
+
+    from .graph import Graph
+    if not o.pack:
+        return
+    if samples.mask is None:
+        notice("--pack applies to conversations and rows; raw text already fills every window")
+    elif "segments" not in inspect.signature(Graph.step).parameters:
+        raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
+
+
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
@@ -40,6 +53,7 @@ def build_job(o: FinetuneOptions) -> Job:
         raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
                              f"({model.path.name})")
     samples = load_dataset(o.train_data, model.tokenizer, o)
+    check_packing(o, samples)
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
     targets = lora_targets(cfg, o.ranks(), alpha, tied)

@@ -20,7 +20,7 @@ from .config import ModelConfig
 from .console import notice
 from .datasets import load_dataset
 from .errors import LlamatuneError
-from .finetune import read_training_text
+from .finetune import check_packing, read_training_text
 from .gguf_io import GGUFFile, kv
 from .weights import DenseWeights
 from .model import Model
@@ -73,6 +73,7 @@ def build_job(o: ScratchOptions) -> Job:
                       head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
                       rope_freq_base=o.rope_freq_base)
     samples = load_dataset(o.train_data, tok, o)
+    check_packing(o, samples)
     shapes = tensor_names(cfg)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
     outtype = parse_outtype(o.outtype)

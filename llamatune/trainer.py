@@ -97,6 +97,11 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
     return ckpt.TrainState()
 
 
+def packing(b) -> dict:
+    """Graph.step's packed-row arguments (contract: positions, segments) when the batch has them."""
+    return {} if b.positions is None else {"positions": b.positions, "segments": b.segments}
+
+
 def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
     o = job.opts
     state.data_state = batcher.state()
@@ -156,7 +161,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             loss = 0.0
             for micro, b in enumerate(batches):
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-                loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro))
+                loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b))
             if not math.isfinite(loss):
                 raise LlamatuneError(f"loss became {loss} at iteration {step + 1}: lower --adam-alpha")
             lr, gnorm = optimizer_step(job.params, step, o)

@@ -78,3 +78,19 @@ def write_tiny_model(path: Path, vocab, outtype=None, seed: int = 0, arch: str =
 def tiny_model(tmp_path_factory, tiny_vocab) -> Path:
     """A 2-layer GQA llama (F32) with a trained 400-token SentencePiece vocabulary."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-f32.gguf", tiny_vocab)
+
+
+@pytest.fixture(scope="session")
+def qwen_vocab(tmp_path_factory) -> Path:
+    """Qwen2.5's vocabulary and chat template (a vocab-only GGUF kept xz-compressed in fixtures/)."""
+    import lzma
+    path = tmp_path_factory.mktemp("vocab") / "qwen2.5-vocab.gguf"
+    path.write_bytes(lzma.decompress((REPO / "tests" / "fixtures" / "qwen2.5-vocab.gguf.xz").read_bytes()))
+    return path
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_vocab):
+    from llamatune.gguf_io import GGUFFile
+    from llamatune.tokenizer import Tokenizer
+    return Tokenizer.from_gguf(GGUFFile(qwen_vocab))

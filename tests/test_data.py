@@ -314,3 +314,85 @@ def test_bad_state_and_empty_samples():
         b.load_state({**b.state(), "version": 99}, s)
     with pytest.raises(LlamatuneError, match="at least one token"):
         batcher(Samples(t("ab"), [0, 2], [2, 0]))
+
+
+# ---- whole sequences (conversations, rows): masks, padding, packing
+
+SEQS = [([10, 11, 12, 13], [0, 0, 1, 1]), ([20, 21, 22], [0, 1, 1]), ([30, 31, 32, 33, 34], [0, 0, 0, 1, 1]),
+        ([40, 41], [0, 1]), ([50, 51, 52, 53, 54, 55, 56], [0, 1, 0, 1, 0, 1, 1])]
+
+
+def seq_samples() -> Samples:
+    sizes = [len(t) for t, _ in SEQS]
+    return Samples(np.concatenate([t for t, _ in SEQS]), np.cumsum([0] + sizes[:-1]), sizes,
+                   np.concatenate([m for _, m in SEQS]))
+
+
+def test_mask_changes_the_hash_and_must_align():
+    s = seq_samples()
+    assert s.hash != Samples(s.tokens, s.begins, s.sizes).hash
+    with pytest.raises(ValueError, match="mask has 3 entries for 21 tokens"):
+        Samples(s.tokens, s.begins, s.sizes, [1, 1, 1])
+
+
+def test_sequences_one_per_row_padded():
+    o = opts(ctx=6, batch=5)
+    b = Batcher(seq_samples(), o, NV, BOS, EOS)
+    order = list(b.order)
+    batch = b.next_batch()
+    assert batch.positions is None and batch.segments is None and batch.epoch_done
+    for k, idx in enumerate(order):
+        tokens, mask = (np.array(a) for a in SEQS[idx])
+        n = min(len(tokens) - 1, 6)
+        want_in = np.full(6, EOS)
+        want_in[:n] = tokens[:n]
+        want_t = np.full(6, -1)
+        want_t[:n] = np.where(mask[1:n + 1] > 0, tokens[1:n + 1], -1)
+        assert_array_equal(batch.inputs[k], want_in)
+        assert_array_equal(batch.targets[k], want_t)
+    assert batch.n_targets == sum(int(np.sum(m[1:7])) for _, m in SEQS)
+
+
+def test_sequences_packed_with_positions_and_segments():
+    o = opts(ctx=8, batch=2, pack=True)
+    b = Batcher(seq_samples(), o, NV, BOS, EOS)
+    seen = []
+    for _ in range(3):
+        batch = b.next_batch()
+        for k in range(2):
+            seg, pos = batch.segments[k], batch.positions[k]
+            ids = list(dict.fromkeys(seg.tolist()))
+            assert ids == list(range(len(ids)))                       # 0, 1, 2, ... in order
+            for s_id in ids:
+                cols = np.flatnonzero(seg == s_id)
+                assert_array_equal(cols, np.arange(cols[0], cols[0] + len(cols)))   # contiguous
+                assert_array_equal(pos[cols], np.arange(len(cols)))                  # restarts at 0
+                ins, tg = batch.inputs[k, cols], batch.targets[k, cols]
+                match = [i for i, (t, m) in enumerate(SEQS) if len(t) - 1 == len(cols) and list(t[:-1]) == list(ins)]
+                if not match:                                         # padding: its own segment, no targets
+                    assert s_id == ids[-1] and (tg == -1).all() and (ins == EOS).all()
+                    continue
+                t, m = (np.array(a) for a in SEQS[match[0]])
+                assert_array_equal(tg, np.where(m[1:] > 0, t[1:], -1))
+                seen.append(match[0])
+    assert sorted(seen[:5]) == [0, 1, 2, 3, 4]                        # an epoch: each sample once
+
+
+def test_packed_state_resumes_exactly():
+    o = opts(ctx=8, batch=2, pack=True)
+    a = Batcher(seq_samples(), o, NV, BOS, EOS)
+    for _ in range(3):
+        a.next_batch()
+    state = json.loads(json.dumps(a.state()))
+    b = Batcher(seq_samples(), o, NV, BOS, EOS)
+    b.load_state(state, seq_samples())
+    for _ in range(4):
+        x, y = a.next_batch(), b.next_batch()
+        for f in ("inputs", "targets", "positions", "segments"):
+            assert_array_equal(getattr(x, f), getattr(y, f))
+    assert a.state() == b.state()
+
+
+def test_sequences_need_two_tokens():
+    with pytest.raises(LlamatuneError, match="every conversation or row needs at least two tokens"):
+        Batcher(Samples([5, 6, 7], [0, 2], [2, 1], [0, 1, 0]), opts(), NV, BOS, EOS)

@@ -115,6 +115,8 @@ def test_killed_run_leaves_a_loadable_latest(tmp_path, tiny_model):
 
 @pytest.mark.parametrize("preset,cls", [("finetune-default.toml", FinetuneOptions),
                                         ("finetune-chat-7b-q4.toml", FinetuneOptions),
+                                        ("finetune-chat.toml", FinetuneOptions),
+                                        ("finetune-chat-pack.toml", FinetuneOptions),
                                         ("scratch-small.toml", ScratchOptions)])
 def test_presets_load(preset, cls):
     opts = build_options(cls, {}, REPO / "configs" / preset)

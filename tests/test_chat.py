@@ -1,0 +1,70 @@
+"""`llamatune chat` and `preview-data`: library and command line."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from typer.testing import CliRunner
+
+from llamatune.chat import Chat, Sampling
+from llamatune.chat_template import load_template
+from llamatune.cli.main import app
+from llamatune.datasets import load_dataset, preview
+from llamatune.generate import generate_ids
+from llamatune.infer import Runner
+from llamatune.model import Model
+from llamatune.options import FinetuneOptions
+
+runner = CliRunner()
+CONV = {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."},
+                     {"role": "user", "content": "Bye?"}, {"role": "assistant", "content": "Bye."}]}
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_chat_turn_is_greedy_generation_after_the_generation_prompt(tiny_model):
+    model = Model(tiny_model)
+    template = load_template(model.tokenizer, "chatml")
+    chat = Chat(Runner(model), template, system="Be kind.", sampling=Sampling(n_predict=6, temp=0))
+    got = []
+    answer = chat.say("hello there", got.append)
+    prompt = template.prompt_tokens([{"role": "system", "content": "Be kind."},
+                                     {"role": "user", "content": "hello there"}])
+    ids = list(generate_ids(Runner(model), prompt, 6, temp=0, stop=model.tokenizer.eog_ids))
+    assert answer == model.tokenizer.decode(ids) == "".join(got) and len(ids) > 0
+    assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
+    assert chat.messages[-1]["content"] == answer
+    r = run("chat", "-m", tiny_model, "--chat-template", "chatml", "-s", "Be kind.", "-p", "hello there",
+            "-n", 6, "--temp", 0)
+    assert r.exit_code == 0 and r.output == answer + "\n"
+
+
+def test_chat_without_template_is_an_error(tiny_model):
+    r = run("chat", "-m", tiny_model, "-p", "hi")
+    assert r.exit_code == 1
+    assert r.output.startswith(f"error: {tiny_model.name}: the model has no chat template: pass --chat-template")
+
+
+def test_preview_data_json(qwen_vocab, qwen_tokenizer, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(CONV) + "\n" + json.dumps({"text": "one two"}) + "\n")
+    r = run("preview-data", "--model-base", qwen_vocab, "--train-data", data, "-n", 5, "--json", "--ctx", 64)
+    assert r.exit_code == 0
+    lines = [json.loads(x) for x in r.output.splitlines()]
+    want = preview(load_dataset(data, qwen_tokenizer, FinetuneOptions(ctx=64)), qwen_tokenizer.bos_id, 5)
+    assert len(lines) == 2
+    for got, (tokens, targets) in zip(lines, want):
+        assert got == {"tokens": tokens.tolist(), "targets": targets.tolist()}
+    assert np.sum(lines[0]["targets"]) == len(qwen_tokenizer.encode("Hello.Bye.")) + 2
+    r = run("preview-data", "--model-base", qwen_vocab, "--train-data", data, "-n", 1)
+    assert r.exit_code == 0 and "sample 1:" in r.output and "Hello." in r.output
+
+
+def test_preview_data_bad_row_is_one_line(qwen_vocab, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(CONV) + "\n{broken\n")
+    r = run("preview-data", "--model-base", qwen_vocab, "--train-data", data)
+    assert r.exit_code == 1 and r.output.startswith(f"error: {data}:2: not valid JSON")
+    assert "Traceback" not in r.output
