@@ -171,7 +171,7 @@ class ChatTemplate:
             mask[1:] = 1
             return Encoded(np.asarray(ids, np.int32), mask, text)
         starts = np.asarray(tok.token_offsets(ids, text), np.int64)
-        ends = np.append(starts[1:], len(text.encode("utf-8")))
+        ends = np.maximum(np.append(starts[1:], len(text.encode("utf-8"))), starts + 1)  # SPM "▁": 1 wide
         raw = text.encode("utf-8")
         for k, m in enumerate(messages):
             if m["role"] != "assistant" or (trained is not None and k not in trained):

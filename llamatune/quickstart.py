@@ -8,7 +8,10 @@ Everything comes from the package itself: a public-domain Shakespeare sample
      the loss as it falls,
   3. generates text with the adapter applied at run time,
   4. merges the adapter into a Q8_0 model with export-lora, and
-  5. compares perplexities on the finetuning text: base, base + adapter, merged.
+  5. compares perplexities on the finetuning text: base, base + adapter, merged, and
+  6. finetunes a chat adapter on a tiny built-in conversation set
+     (`llamatune/assets/chat-sample.jsonl`, answers in a Shakespearean voice) with the
+     built-in ChatML template and loss on the answers only, then asks it a question.
 """
 from __future__ import annotations
 
@@ -20,6 +23,45 @@ from .console import out
 
 def sample_text() -> str:
     return resources.files("llamatune").joinpath("assets/shakespeare-sample.txt").read_text(encoding="utf-8")
+
+
+def chat_sample() -> Path:
+    return Path(str(resources.files("llamatune").joinpath("assets/chat-sample.jsonl")))
+
+
+def chat_leg(workdir: Path, base: Path, ctx: int = 128) -> None:
+    """Step 6: conversations, template, answers-only loss, one chat turn."""
+    import sys
+
+    from .adapter import load_runtime_adapters
+    from .chat import Chat, Sampling
+    from .chat_template import load_template
+    from .datasets import load_dataset, preview
+    from .finetune import finetune
+    from .infer import Runner
+    from .model import Model
+    from .options import FinetuneOptions
+
+    opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
+                           lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
+                           save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
+                           lora_out=workdir / "chat-adapter-ITERATION.gguf")
+    model = Model(base)
+    tok = model.tokenizer
+    tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
+    trained = tok.decode([t for t, m in zip(tokens.tolist(), targets.tolist()) if m])
+    out.print(f"\n[bold]6. chat finetune[/bold] on {opts.train_data.name} (24 conversations, ChatML); "
+              f"trained part of the first: {trained!r}")
+    res = finetune(opts)
+    out.print(f"   loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} in {len(res.losses)} steps")
+    adapter = workdir / "chat-adapter-LATEST.gguf"
+    runner = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
+    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0))
+    question = "What is the weather like today?"
+    out.print(f"   llamatune chat -m {base.name} --lora {adapter.name} --chat-template chatml -p {question!r}")
+    sys.stdout.write("   ")
+    chat.say(question, sys.stdout.write)
+    sys.stdout.write("\n")
 
 
 def run(workdir: Path) -> None:
@@ -78,4 +120,5 @@ def run(workdir: Path) -> None:
     for label, runner in (("base", Runner(model)), ("base + adapter", tuned), ("merged", Runner(Model(merged)))):
         res = perplexity(runner, eval_text, 64, 512, source="finetune text")
         out.print(f"   {label:15} PPL = {res.ppl:8.3f} +/- {res.ppl_err:.3f}")
+    chat_leg(workdir, base)
     out.print(f"\nFiles are in {workdir}/. Try: llamatune generate -m {base} --lora {adapter} -p 'HELENA.'")

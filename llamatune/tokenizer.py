@@ -401,24 +401,24 @@ class Tokenizer:
     def token_offsets(self, ids: list[int], text: str) -> list[int]:
         """Byte offset in `text` (UTF-8) where each token of `encode_parts`/`encode(text,
         add_special=False)` starts. Tokens give back their exact bytes except for the SPM
-        dummy-prefix space (absent from the text) and whitespace eaten by rstrip/lstrip tokens."""
-        raw, at, starts = text.encode("utf-8"), 0, []
+        dummy-prefix space (absent from the text) and whitespace eaten by rstrip/lstrip tokens;
+        a dummy-prefix token starts where the text it prefixes starts."""
+        raw, at, starts, prev = text.encode("utf-8"), 0, [], None
         for i in ids:
             piece = self.token_to_bytes(i, special=True)
-            while True:
-                if raw.startswith(piece, at):
-                    starts.append(at)
-                    at += len(piece)
-                    break
-                if piece.startswith(b" ") and raw.startswith(piece[1:], at):   # dummy prefix
-                    starts.append(at)
-                    at += len(piece) - 1
-                    break
-                if at < len(raw) and raw[at:at + 1] in b" \t\n\v\f\r":      # stripped whitespace
+            if prev in self._rstrip or i in self._lstrip:      # whitespace the token ate
+                while at < len(raw) and raw[at:at + 1] in b" \t\n\v\f\r":
                     at += 1
-                    continue
+            if raw.startswith(piece, at):
+                starts.append(at)
+                at += len(piece)
+            elif piece.startswith(b" ") and raw.startswith(piece[1:], at):   # SPM dummy prefix
+                starts.append(at)
+                at += len(piece) - 1
+            else:
                 raise LlamatuneError(f"{self._path}: token {i} ({self._texts[i]!r}) does not match the text "
                                      f"at byte {at}")
+            prev = i
         return starts
 
     def _byte_fallback(self, text: str, ids: list[int]) -> list[int]:

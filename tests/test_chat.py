@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 from llamatune.chat import Chat, Sampling
@@ -27,17 +28,17 @@ def run(*args):
 def test_chat_turn_is_greedy_generation_after_the_generation_prompt(tiny_model):
     model = Model(tiny_model)
     template = load_template(model.tokenizer, "chatml")
-    chat = Chat(Runner(model), template, system="Be kind.", sampling=Sampling(n_predict=6, temp=0))
+    chat = Chat(Runner(model), template, system="Be kind.", sampling=Sampling(n_predict=6, temp=0, n_ctx=256))
     got = []
     answer = chat.say("hello there", got.append)
     prompt = template.prompt_tokens([{"role": "system", "content": "Be kind."},
                                      {"role": "user", "content": "hello there"}])
-    ids = list(generate_ids(Runner(model), prompt, 6, temp=0, stop=model.tokenizer.eog_ids))
+    ids = list(generate_ids(Runner(model), prompt, 6, temp=0, n_ctx=256, stop=model.tokenizer.eog_ids))
     assert answer == model.tokenizer.decode(ids) == "".join(got) and len(ids) > 0
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
     assert chat.messages[-1]["content"] == answer
     r = run("chat", "-m", tiny_model, "--chat-template", "chatml", "-s", "Be kind.", "-p", "hello there",
-            "-n", 6, "--temp", 0)
+            "-n", 6, "--temp", 0, "-c", 256)
     assert r.exit_code == 0 and r.output == answer + "\n"
 
 
@@ -57,7 +58,7 @@ def test_preview_data_json(qwen_vocab, qwen_tokenizer, tmp_path):
     assert len(lines) == 2
     for got, (tokens, targets) in zip(lines, want):
         assert got == {"tokens": tokens.tolist(), "targets": targets.tolist()}
-    assert np.sum(lines[0]["targets"]) == len(qwen_tokenizer.encode("Hello.Bye.")) + 2
+    assert np.sum(lines[0]["targets"]) == len(qwen_tokenizer.encode("Hello.")) + len(qwen_tokenizer.encode("Bye.")) + 2
     r = run("preview-data", "--model-base", qwen_vocab, "--train-data", data, "-n", 1)
     assert r.exit_code == 0 and "sample 1:" in r.output and "Hello." in r.output
 
@@ -68,3 +69,11 @@ def test_preview_data_bad_row_is_one_line(qwen_vocab, tmp_path):
     r = run("preview-data", "--model-base", qwen_vocab, "--train-data", data)
     assert r.exit_code == 1 and r.output.startswith(f"error: {data}:2: not valid JSON")
     assert "Traceback" not in r.output
+
+
+@pytest.mark.slow
+def test_quickstart_chat_leg(tiny_model, tmp_path, capsys):
+    from llamatune.quickstart import chat_leg
+    chat_leg(tmp_path, tiny_model, ctx=64)
+    assert (tmp_path / "chat-adapter-LATEST.gguf").exists()
+    assert "6. chat finetune" in capsys.readouterr().out
