@@ -161,3 +161,34 @@ def test_runtime_adapter_changes_generation_as_merge_does(tmp_path, tiny_model):
     merged = Runner(Model(tmp_path / "merged.gguf")).forward(tokens)
     assert np.abs(runtime - base).max() > 1e-3               # the adapter does something
     np.testing.assert_allclose(runtime, merged, rtol=1e-4, atol=1e-4)
+
+
+def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model):
+    """Conversations (answers-only targets, padded rows): 3 steps == 2 steps + resume + 1 step."""
+    from llamatune.quickstart import chat_sample
+    chat = dict(train_data=chat_sample(), chat_template="chatml", ctx=64, batch=3, rank_out=0, rank_att_norm=0)
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    res = finetune(options(one, tiny_model, adam_iter=3, **chat), quiet=True)
+    assert len(res.losses) == 3 and all(np.isfinite(res.losses))
+    finetune(options(two, tiny_model, adam_iter=2, **chat), quiet=True)
+    finetune(options(two, tiny_model, adam_iter=3, checkpoint_in=two / "chk-LATEST.gguf", **chat), quiet=True)
+    a, b = tensors(one / "chk-3.gguf"), tensors(two / "chk-3.gguf")
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    assert GGUFFile(one / "chk-3.gguf").get("llamatune.data_state") == GGUFFile(two / "chk-3.gguf").get("llamatune.data_state")
+
+
+def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
+    from llamatune import finetune as ft
+    from llamatune.data import Samples
+    from llamatune.graph import Graph
+    rows = Samples([1, 2, 3], [0], [3], [0, 1, 1])
+    monkeypatch.setattr(Graph, "step", lambda self, inputs, targets, weights, key=(0,): 0.0)
+    with pytest.raises(LlamatuneError, match="--pack: this build's attention cannot confine packed samples"):
+        ft.check_packing(FinetuneOptions(pack=True), rows)
+    got = []
+    monkeypatch.setattr(ft, "notice", got.append)
+    ft.check_packing(FinetuneOptions(pack=True), Samples([1, 2, 3], [0], [3]))
+    assert got == ["--pack applies to conversations and rows; raw text already fills every window"]
+    ft.check_packing(FinetuneOptions(pack=False), rows)
