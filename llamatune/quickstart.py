@@ -29,7 +29,7 @@ def chat_sample() -> Path:
     return Path(str(resources.files("llamatune").joinpath("assets/chat-sample.jsonl")))
 
 
-def chat_leg(workdir: Path, base: Path, ctx: int = 128) -> None:
+def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = None) -> None:
     """Step 6: conversations, template, answers-only loss, one chat turn."""
     import sys
 
@@ -56,7 +56,7 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128) -> None:
     out.print(f"   loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} in {len(res.losses)} steps")
     adapter = workdir / "chat-adapter-LATEST.gguf"
     runner = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
-    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0))
+    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, n_ctx=chat_ctx))
     question = "What is the weather like today?"
     out.print(f"   llamatune chat -m {base.name} --lora {adapter.name} --chat-template chatml -p {question!r}")
     sys.stdout.write("   ")

@@ -74,6 +74,6 @@ def test_preview_data_bad_row_is_one_line(qwen_vocab, tmp_path):
 @pytest.mark.slow
 def test_quickstart_chat_leg(tiny_model, tmp_path, capsys):
     from llamatune.quickstart import chat_leg
-    chat_leg(tmp_path, tiny_model, ctx=64)
+    chat_leg(tmp_path, tiny_model, ctx=64, chat_ctx=256)
     assert (tmp_path / "chat-adapter-LATEST.gguf").exists()
     assert "6. chat finetune" in capsys.readouterr().out
