@@ -76,6 +76,15 @@ def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], devi
 LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
 LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
+# options shared by the generating commands (generate, chat)
+TEMP = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy.")
+TOP_K = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all).")
+TOP_P = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off).")
+SEED = typer.Option(0, "--seed", help="Random seed.")
+CTX = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's).")
+LORA = typer.Option([], "--lora", help=LORA_HELP)
+LORA_SCALED = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP)
+DEVICE = typer.Option("cpu", "--device", help=DEVICE_HELP)
 
 
 @app.command()
@@ -134,14 +143,14 @@ def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
     n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate."),
-    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed."),
-    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
-    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
-    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    temp: float = TEMP,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    ctx: Optional[int] = CTX,
+    lora: List[Path] = LORA,
+    lora_scaled: List[str] = LORA_SCALED,
+    device: str = DEVICE,
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
     from llamatune.generate import generate as run_generate, stream_text
@@ -230,14 +239,14 @@ def chat(
     chat_template: Optional[str] = typer.Option(None, "--chat-template", help="Jinja file or built-in name "
                                                 "(chatml, llama3, gemma, phi3, mistral)."),
     n_predict: int = typer.Option(256, "-n", "--n-predict", help="Most tokens per answer."),
-    temp: float = typer.Option(0.7, "--temp", help="Temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed."),
-    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
-    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
-    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    temp: float = TEMP,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    seed: int = SEED,
+    ctx: Optional[int] = CTX,
+    lora: List[Path] = LORA,
+    lora_scaled: List[str] = LORA_SCALED,
+    device: str = DEVICE,
 ):
     """Chat with a model through its chat template: one turn with -p, else an interactive loop."""
     from llamatune.chat import Sampling, run_chat

@@ -18,7 +18,7 @@ from .infer import Runner
 @dataclass
 class Sampling:
     n_predict: int = 256
-    temp: float = 0.7
+    temp: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     seed: int = 0
