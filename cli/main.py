@@ -50,6 +50,7 @@ def read_text(path: Path) -> str:
 def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
     """--lora-scaled takes 'FILE:SCALE' (llama.cpp spelling) or 'FILE SCALE'."""
     from llamatune.errors import LlamatuneError
+    from llamatune.options import check_number
     out = []
     for v in values:
         path, sep, scale = v.rpartition(":")
@@ -57,6 +58,7 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
             out.append((path, float(scale)))
         except ValueError:
             raise LlamatuneError(f"--lora-scaled '{v}': expected FILE:SCALE, e.g. adapter.gguf:0.5") from None
+        check_number(f"--lora-scaled {path}: scale", out[-1][1])
     return out
 
 
@@ -117,7 +119,9 @@ def perplexity(
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
     from llamatune.perplexity import perplexity as run_perplexity
+    from llamatune.options import check_number
     from llamatune.progress import progress_bar
+    check_number("-b/--batch", batch, 1)
     text = read_text(file)
     runner = make_runner(model, lora, lora_scaled, device)
     with progress_bar("perplexity") as bar:
@@ -133,7 +137,7 @@ def perplexity(
 def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
-    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate."),
+    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate (-1: until EOS or the context is full)."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
@@ -144,7 +148,8 @@ def generate(
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
-    from llamatune.generate import generate as run_generate, stream_text
+    from llamatune.generate import check_sampling, generate as run_generate, stream_text
+    check_sampling(n_predict, temp, top_k, top_p, seed, ctx)
     runner = make_runner(model, lora, lora_scaled, device)
     sys.stdout.write(prompt)
     ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)

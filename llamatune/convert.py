@@ -42,6 +42,7 @@ from .convert_peft import Heads, peft_files, read_peft
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, atomic_path, kv
 from .modelfile import tensor_names, vocab_kvs, write_model
+from .outputs import Out, check_paths
 
 TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
@@ -293,8 +294,7 @@ def convert(input: Path, output: Path, to: str | None = None, model_base: Path |
         raise LlamatuneError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if to not in allowed:
         raise LlamatuneError(f"{src.path}: is {what}, which converts to {' or '.join(allowed)}, not {to}")
-    if output.resolve() == src.path.resolve():
-        raise LlamatuneError(f"{output}: the output would overwrite the input")
+    check_paths([("INPUT", src.path), ("--model-base", model_base)], [Out("--output", output, is_dir=to == "peft")])
     base = load_base(model_base)
     notes: list[str] = []
 

@@ -26,6 +26,7 @@ from .graph import Graph
 from .lora import LoraTarget
 from .optimizer import optimizer_step
 from .options import TrainOptions
+from .outputs import check_free_space
 from .params import ParamBuffer
 
 
@@ -46,6 +47,7 @@ class Job:
     mapped_bytes: int = 0                       # memory-mapped base model size
     scratch_bytes: int = 0                      # dequantization scratch
     backend: object = None                      # backend.Backend (None: cpu)
+    output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
 
 
 @dataclass
@@ -98,20 +100,34 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
 
 
 def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+    """Write the checkpoint and outputs of this iteration, then their LATEST copies, the
+    LATEST checkpoint last: a write that fails (disk full) leaves every LATEST file as the
+    previous save left it, and chk-LATEST never points past complete outputs."""
     o = job.opts
     state.data_state = batcher.state()
-    files = []
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
-    files.append(out)
+    files = [out] + job.write_outputs(str(state.iteration))
+    if o.fn_latest:
+        files += job.write_outputs(o.fn_latest)
     latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
     if latest != out:
         ckpt.copy_atomic(out, latest)
         files.append(latest)
-    files += job.write_outputs(str(state.iteration))
-    if o.fn_latest:
-        files += job.write_outputs(o.fn_latest)
     return files
+
+
+def save_sizes(job: Job) -> list[tuple[Path, int]]:
+    """(path, bytes) of each file the first save writes: the checkpoint holds the
+    parameters and both Adam moments (f32) plus metadata; outputs as the job says."""
+    o = job.opts
+    meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, 0), 3 * 4 * job.params.size + meta),
+             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), 3 * 4 * job.params.size + meta)]
+    if job.output_size is not None:
+        template, nbytes = job.output_size
+        sizes += [(ckpt.iteration_path(template, 0), nbytes), (ckpt.iteration_path(template, o.fn_latest), nbytes)]
+    return sizes
 
 
 def run(job: Job, quiet: bool = False) -> TrainResult:
@@ -136,6 +152,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if have is not None and need > have:
         raise LlamatuneError(f"training needs about {gib(need)} but only {gib(have)} is available: lower --batch "
                              f"or --ctx, or keep --use-checkpointing on")
+    check_free_space(save_sizes(job))
     if state.iteration >= o.adam_iter:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
