@@ -34,6 +34,9 @@ class _TrainDisplay:
             return
         status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
                   f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
+        skipped = (state.guard or {}).get("bad_total", 0)
+        if skipped:
+            status += f"  skipped {skipped}"
         self.progress.update(self.task, completed=state.iteration, status=status)
 
     def line(self, text: str) -> None:
