@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from .help import GroupedHelpCommand
+
 app = typer.Typer(
     name="llamatune",
     help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
@@ -80,7 +82,7 @@ LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def tokenize(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model or vocab-only GGUF."),
@@ -105,7 +107,7 @@ def tokenize(
             print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def perplexity(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
@@ -132,7 +134,7 @@ def perplexity(
     out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
@@ -157,7 +159,7 @@ def generate(
     sys.stdout.write("\n")
 
 
-@app.command("export-lora")
+@app.command("export-lora", cls=GroupedHelpCommand)
 @friendly_errors
 def export_lora(
     model_base: Path = typer.Option(..., "-m", "--model-base", help="Base model GGUF."),
@@ -177,7 +179,7 @@ def export_lora(
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
 
 
-@app.command("convert-checkpoint")
+@app.command("convert-checkpoint", cls=GroupedHelpCommand)
 @friendly_errors
 def convert_checkpoint(
     input: Path = typer.Argument(..., help="Checkpoint, adapter, PEFT directory, 2023 checkpoint or ggla .bin."),
@@ -193,7 +195,7 @@ def convert_checkpoint(
     out.print(convert(input, output, to, model_base))
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def quickstart(
     workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),
