@@ -68,12 +68,13 @@ def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], devi
     from llamatune.backend import get_backend
     from llamatune.model import Model
     from llamatune.infer import Runner
+    specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)
     model = Model(model_path)
     adapters = None
-    if lora or lora_scaled:
+    if specs:
         from llamatune.adapter import load_runtime_adapters
-        adapters = load_runtime_adapters(model, [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled))
+        adapters = load_runtime_adapters(model, specs)
     return Runner(model, adapters, backend)
 
 
