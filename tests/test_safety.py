@@ -129,6 +129,13 @@ def test_export_and_convert_refuse_their_inputs(work):
     assert digests(work) == before
 
 
+def test_quickstart_workdir_must_be_a_directory(work):
+    before = digests(work)
+    one_error(cli_here("quickstart", "--workdir", work / "train.txt"),
+              f"{work}/train.txt: exists and is not a directory (--workdir names a directory)")
+    assert digests(work) == before
+
+
 def test_resume_from_the_latest_checkpoint_output_is_allowed(tmp_path):
     check_paths([("--checkpoint-in", tmp_path / "chk-LATEST.gguf")],
                 [Out("--checkpoint-out", tmp_path / "chk-ITERATION.gguf", "LATEST"),
