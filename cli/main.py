@@ -140,7 +140,8 @@ def perplexity(
 def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
-    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate (-1: until EOS or the context is full)."),
+    n_predict: int = typer.Option(64, "-n", "--n-predict",
+                                  help="Tokens to generate (-1: until EOS or the context is full)."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),

@@ -266,14 +266,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
         if isinstance(e, OSError):
-            raise LlamatuneError(f"{path}: cannot write ({write_problem(e)}); "
-                                 "any earlier version of the file is left as it was") from None
+            raise write_error(path, e) from None
         raise
 
 
-def write_problem(e: OSError) -> str:
-    """An OSError in a few words: 'no space left on device', 'permission denied'..."""
-    return (e.strerror or str(e) or type(e).__name__).lower()
+def write_error(path: str | os.PathLike, e: OSError) -> LlamatuneError:
+    """The one line for a failed write: 'PATH: cannot write (no space left on device); ...'."""
+    problem = (e.strerror or str(e) or type(e).__name__).lower()
+    return LlamatuneError(f"{path}: cannot write ({problem}); any earlier version of it is left as it was")
 
 
 def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: Iterable[TensorOut]) -> None:

@@ -78,5 +78,6 @@ class Guard:
         self.bad_total += 1
         if self.bad_in_row >= self.max_bad:
             raise LlamatuneError(f"training diverged: {self.bad_in_row} bad steps in a row (--max-bad-steps "
-                                 f"{self.max_bad}), the last at iteration {iteration}: {problem}; checkpoints hold only "
-                                 "healthy states: resume from the LATEST one (if any) with a lower --adam-alpha")
+                                 f"{self.max_bad}), the last at iteration {iteration}: {problem}; checkpoints "
+                                 "hold only healthy states: resume from the LATEST one (if any) with a lower "
+                                 "--adam-alpha")

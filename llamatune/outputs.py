@@ -128,8 +128,8 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     """Inputs and outputs of `finetune` / `train-from-scratch` from their options."""
     latest = opts.fn_latest
     inputs = [("--train-data", opts.train_data), ("--checkpoint-in", opts.checkpoint_in),
-              ("--model-base", getattr(opts, "model_base", None)), ("--vocab-model", getattr(opts, "vocab_model", None)),
-              ("--config", preset)]
+              ("--model-base", getattr(opts, "model_base", None)),
+              ("--vocab-model", getattr(opts, "vocab_model", None)), ("--config", preset)]
     outputs = [Out("--checkpoint-out", Path(opts.checkpoint_out), latest)]
     for name in ("lora_out", "model_out"):
         if getattr(opts, name, None) is not None:

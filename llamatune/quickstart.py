@@ -26,11 +26,10 @@ def run(workdir: Path) -> None:
     import sys
 
     from .adapter import load_runtime_adapters
-    from .errors import LlamatuneError
     from .export import export_lora
     from .finetune import finetune
     from .generate import generate, stream_text
-    from .gguf_io import write_problem
+    from .gguf_io import write_error
     from .infer import Runner
     from .model import Model
     from .options import FinetuneOptions, ScratchOptions
@@ -47,7 +46,7 @@ def run(workdir: Path) -> None:
         (workdir / "base-text.txt").write_text(text[:cut], encoding="utf-8")
         (workdir / "finetune-text.txt").write_text(text[cut:], encoding="utf-8")
     except OSError as e:
-        raise LlamatuneError(f"{workdir}: cannot write the demo texts ({write_problem(e)})") from None
+        raise write_error(workdir, e) from None
 
     out.print("[bold]1. train-from-scratch[/bold]: a 4-layer llama on the first 75 % of the sample")
     base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048, embd=128, head=4, head_kv=2,

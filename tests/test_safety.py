@@ -88,8 +88,8 @@ def expand(args, work: Path) -> list[str]:
     (["--lora-out", "{model}"], "--lora-out {w}/base.gguf would overwrite the input --model-base {w}/base.gguf", True),
     (["--checkpoint-out", "{model}"], "--checkpoint-out {w}/base.gguf would overwrite the input --model-base", True),
     (["--lora-out", "{text}"], "--lora-out {w}/train.txt would overwrite the input --train-data", True),
-    (["--lora-out", "{w}/link.gguf"], "would overwrite the input --model-base", False),            # symlink to the base
-    (["--lora-out", "{w}/hard-ITERATION.gguf"], "would overwrite the input --model-base", False),  # hard link hard-LATEST
+    (["--lora-out", "{w}/link.gguf"], "would overwrite the input --model-base", False),          # a symlink
+    (["--lora-out", "{w}/hard-ITERATION.gguf"], "would overwrite the input --model-base", False),  # hard-LATEST
     (["--lora-out", "{w}/preset.toml", "--config", "{w}/preset.toml"], "would overwrite the input --config", False),
     (["--checkpoint-in", "{w}/out/a-LATEST.gguf", "--lora-out", "{w}/out/a-ITERATION.gguf"],
      "--lora-out {w}/out/a-ITERATION.gguf would overwrite the input --checkpoint-in", False),
@@ -232,7 +232,7 @@ def test_disk_full_with_a_failing_writer(work, monkeypatch):
                         save_every=1, lora_r=1, rank_wk=0, rank_wv=0, rank_wo=0, rank_ffn_gate=0, rank_ffn_up=0,
                         rank_ffn_down=0, checkpoint_out=work / "out/chk-ITERATION.gguf",
                         lora_out=work / "out/adapter-ITERATION.gguf")
-    with pytest.raises(LlamatuneError, match=r"^\S+: cannot write \(no space left on device\); any earlier version"):
+    with pytest.raises(LlamatuneError, match=r"^\S+/chk-2.gguf: cannot write \(no space left on device\); any earlier"):
         finetune(o, quiet=True)
     assert assert_latest_complete(work / "out", 1) == 1
 
@@ -258,7 +258,8 @@ def test_disk_full_with_a_failing_writer(work, monkeypatch):
     (["generate", "-m", "{model}", "-p", "x", "-n", "-2"], "-n/--n-predict -2: must be at least 0 (or -1)", False),
     (["generate", "-m", "{model}", "-p", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]", False),
     (["generate", "-m", "{model}", "-p", "x", "--top-k", "-1"], "--top-k -1: must be at least 0", False),
-    (["generate", "-m", "{model}", "-p", "x", "--lora-scaled", "{model}:nan"], "scale nan: must be a finite number", True),
+    (["generate", "-m", "{model}", "-p", "x", "--lora-scaled", "{model}:nan"], "scale nan: must be a finite number",
+     True),
     (["perplexity", "-m", "{model}", "-f", "{text}", "--lora-scaled", "{model}:inf"], "must be a finite number", False),
     (["perplexity", "-m", "{model}", "-f", "{text}", "-b", "0"], "-b/--batch 0: must be at least 1", False),
 ])
