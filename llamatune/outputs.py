@@ -53,7 +53,7 @@ class Out:
         folder = _resolve(self.concrete().parent)
         rx = self.pattern()
         try:
-            return [p for p in folder.iterdir() if rx.match(str(_resolve(p)))]
+            return [p for p in folder.iterdir() if rx.match(str(folder / p.name))]
         except OSError:                   # no such directory (yet): nothing to replace
             return []
 
@@ -77,7 +77,19 @@ def _clash(inp: Path, out: Out) -> bool:
     return ident is not None and any(_inode(p) == ident for p in out.existing())
 
 
-def _writable_dir(out: Out) -> str | None:
+def _not_writable(folder: Path) -> str | None:
+    """Why no file can be created in `folder` (None when one can): a real probe, so
+    permissions, read-only mounts and root's rights all count as they will when writing."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".llamatune-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"directory {folder} is not writable ({e.strerror})"
+    return None
+
+
+def _cannot_write(out: Out) -> str | None:
     """Why `out` cannot be written (None when it can)."""
     target = out.concrete()
     if not out.is_dir and target.is_dir():
@@ -93,13 +105,8 @@ def _writable_dir(out: Out) -> str | None:
         probe = probe.parent
     if not probe.is_dir():
         return f"{target}: cannot create directory {folder}: {probe} is not a directory"
-    try:                                  # a real probe: permissions, read-only mounts, root's rights
-        fd, name = tempfile.mkstemp(prefix=".llamatune-probe.", dir=probe)
-        os.close(fd)
-        os.unlink(name)
-    except OSError as e:
-        return f"{target}: directory {probe} is not writable ({e.strerror})"
-    return None
+    problem = _not_writable(probe) or (_not_writable(target) if out.is_dir and target.is_dir() else None)
+    return f"{target}: {problem}" if problem else None
 
 
 def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out],
@@ -119,7 +126,7 @@ def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out
             if _clash(b.concrete(), a) or _clash(a.concrete(), b):
                 raise LlamatuneError(f"{a.label} {a.path} and {b.label} {b.path} would overwrite each other")
     for out in outputs:
-        problem = _writable_dir(out)
+        problem = _cannot_write(out)
         if problem:
             raise LlamatuneError(problem)
 
