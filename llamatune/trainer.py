@@ -196,7 +196,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     tokens_per_step = o.batch * o.ctx * o.grad_acc
     t0 = time.perf_counter()
     from .progress import train_progress
-    with train_progress(o.adam_iter, state.iteration, quiet) as show:
+    # numpy's overflow warnings are left out: the guard reports non-finite steps itself
+    with train_progress(o.adam_iter, state.iteration, quiet) as show, np.errstate(over="ignore", invalid="ignore"):
         while state.iteration < o.adam_iter:
             step = state.iteration
             job.params.zero_grad()
