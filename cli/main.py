@@ -121,8 +121,8 @@ def perplexity(
 ):
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
-    from llamatune.perplexity import perplexity as run_perplexity
     from llamatune.options import check_number
+    from llamatune.perplexity import perplexity as run_perplexity
     from llamatune.progress import progress_bar
     check_number("-b/--batch", batch, 1)
     text = read_text(file)
