@@ -2,8 +2,10 @@
 
 A `Job` says what is trained (the graph's weight provider, the flat parameters,
 the LoRA targets) and how outputs are written; `run` does the rest identically
-for both: resume or initialize, memory estimate, micro-batches with gradient
-accumulation, optimizer steps, progress, periodic and final checkpoints.
+for both: resume or initialize, memory and disk-space estimates, micro-batches
+with gradient accumulation, the divergence guard between gradient norm and update
+(guard.py: bad steps are skipped), optimizer steps, progress, periodic and final
+checkpoints (written only from a state the guard has seen healthy).
 """
 from __future__ import annotations
 
