@@ -186,7 +186,7 @@ def test_preview_matches_samples(tmp_path, qwen_tokenizer):
     (tokens, targets), = preview(s, qwen_tokenizer.bos_id, 5)
     assert_array_equal(tokens, sample(s, 0)[0])
     assert_array_equal(targets, sample(s, 0)[1])
-    raw = load_samples("one two three", qwen_tokenizer, opts(ctx=8), "t")
+    raw = load_samples("one two three", qwen_tokenizer, opts(ctx=3), "t")
     (tokens, targets), = preview(raw, 7, 1)
     assert_array_equal(tokens, [7] + qwen_tokenizer.encode("one two three"))
     assert_array_equal(targets, [0, 1, 1, 1])
