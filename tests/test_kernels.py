@@ -243,6 +243,122 @@ def test_attention_fd(fns, B, T, NH, NKV, HS, monkeypatch):
     print("fd max rel err", err)
 
 
+def packed_segments(rng, B, T):
+    """(B, T) int32 sample ids of packed rows: random runs (some of one token), the
+    ids not in order, and in row 0 a padding run at the end with its own id."""
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, T), size=min(T - 1, 3), replace=False))
+        ids = rng.permutation(10)[: len(cuts) + 1] * (b + 1)
+        for n, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T])):
+            seg[b, lo:hi] = ids[n]
+    seg[0, -2:] = -1  # padding
+    return seg
+
+
+@pytest.mark.parametrize("qblock", [128, 2, 3])
+@pytest.mark.parametrize("B,T,NH,NKV,HS", [(2, 9, 4, 2, 8), (3, 7, 4, 1, 6), (2, 6, 2, 2, 4)])
+def test_attention_segments_match_ref(B, T, NH, NKV, HS, qblock, monkeypatch):
+    monkeypatch.setattr(attention, "_QBLOCK", qblock)
+    rng = np.random.default_rng(20)
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    seg, dout = packed_segments(rng, B, T), randn(rng, B, T, NH, HS)
+    out, lse = np.full_like(q, np.nan), np.full((B, NH, T), np.nan, F32)
+    out_ref, lse_ref = np.zeros_like(q), np.zeros((B, NH, T), F32)
+    attention.attention_forward(out, lse, q, k, v, 0, segments=seg)
+    attention.attention_forward_ref(out_ref, lse_ref, q, k, v, 0, segments=seg)
+    np.testing.assert_allclose(out, out_ref, **TOL32)
+    np.testing.assert_allclose(lse, lse_ref, **TOL32)
+    grads = [np.full_like(q, np.nan), np.full(k.shape, np.nan, F32), np.full(v.shape, np.nan, F32)]
+    want = [np.zeros_like(g) for g in grads]
+    attention.attention_backward(*grads, dout, q, k, v, out, lse, segments=seg)
+    attention.attention_backward_ref(*want, dout, q, k, v, out, lse, segments=seg)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, **TOL32)
+
+
+@pytest.mark.parametrize("qblock", [128, 3])
+def test_attention_packed_row_equals_samples_alone(qblock, monkeypatch):
+    """Each sample of a packed row gets exactly what it gets alone in a row of its
+    own (no reference involved): outputs, lse and all three gradients."""
+    monkeypatch.setattr(attention, "_QBLOCK", qblock)
+    rng = np.random.default_rng(21)
+    T, NH, NKV, HS = 11, 4, 2, 8
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, 1, T, NH, NKV, HS))
+    dout = randn(rng, 1, T, NH, HS)
+    seg = np.array([[3, 3, 3, 3, 0, 0, 0, 7, 7, 7, 7]], np.int32)
+    res = [np.zeros_like(q), np.zeros((1, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+           np.zeros_like(v)]
+    attention.attention_forward(*res[:2], q, k, v, 0, segments=seg)
+    attention.attention_backward(*res[2:], dout, q, k, v, *res[:2], segments=seg)
+    for lo, hi in ((0, 4), (4, 7), (7, 11)):
+        part = [np.ascontiguousarray(a[:, lo:hi]) for a in (q, k, v, dout)]
+        alone = [np.zeros_like(part[0]), np.zeros((1, NH, hi - lo), F32), np.zeros_like(part[0]),
+                 np.zeros_like(part[1]), np.zeros_like(part[2])]
+        attention.attention_forward(*alone[:2], *part[:3], 0)
+        attention.attention_backward(*alone[2:], part[3], *part[:3], *alone[:2])
+        for got, want in zip(res, alone):
+            rows = got[:, :, lo:hi] if got.ndim == 3 else got[:, lo:hi]
+            np.testing.assert_allclose(rows, want, **TOL32)
+
+
+def test_attention_one_segment_is_the_plain_causal_path():
+    rng = np.random.default_rng(22)
+    B, T, NH, NKV, HS = 2, 130, 4, 2, 8  # two query blocks
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    dout = randn(rng, B, T, NH, HS)
+    results = []
+    for seg in (None, np.full((B, T), 5, np.int32)):
+        r = [np.zeros_like(q), np.zeros((B, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+             np.zeros_like(v)]
+        attention.attention_forward(*r[:2], q, k, v, 0, segments=seg)
+        attention.attention_backward(*r[2:], dout, q, k, v, *r[:2], segments=seg)
+        results.append(r)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fns", impls(attention, "attention_forward", "attention_backward"))
+def test_attention_segments_fd(fns, monkeypatch):
+    monkeypatch.setattr(attention, "_QBLOCK", 3)
+    forward, backward = fns
+    rng = np.random.default_rng(23)
+    B, T, NH, NKV, HS = 2, 7, 4, 2, 3
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS, dtype=F64))
+    dout, seg = randn(rng, B, T, NH, HS, dtype=F64), packed_segments(rng, B, T)
+    out, lse = np.zeros_like(q), np.zeros((B, NH, T))
+
+    def loss(q, k, v):
+        forward(out, lse, q, k, v, 0, segments=seg)
+        return np.sum(out * dout)
+
+    loss(q, k, v)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    backward(dq, dk, dv, dout, q, k, v, out.copy(), lse.copy(), segments=seg)
+    err = fd_check(loss, {"q": q, "k": k, "v": v}, {"q": dq, "k": dk, "v": dv}, **FD_TOL)
+    print("fd max rel err", err)
+
+
+def test_float32_exp_of_the_softmax_kernels():
+    """The vectorized float32 exp is within 3 ulp of exp over the range the softmax
+    uses (s - max <= 0), and flushes below -87 to exp(-87) instead of 0."""
+    from numba import njit
+
+    @njit
+    def exp_all(x, out):
+        for i in range(x.size):
+            out[i] = attention._exp(x[i])
+
+    x = np.concatenate([-np.geomspace(1e-8, 87.0, 20000), [0.0, -1e-30]]).astype(F32)
+    got = np.empty_like(x)
+    exp_all(x, got)
+    want = np.exp(x.astype(F64))
+    ulp = np.abs(got - want) / np.spacing(want.astype(F32)).astype(F64)
+    assert ulp.max() <= 3
+    exp_all(np.array([-88.0, -1e4], F32), got[:2])
+    np.testing.assert_array_equal(got[:2], F32(np.exp(F32(-87.0))))
+
+
 # ---------------------------------------------------------------------------- swiglu
 
 @pytest.mark.parametrize("N,F", [(1, 1), (3, 7), (4, 33)])
@@ -404,6 +520,14 @@ def _attn_bwd(dk=(1, 2, 2, 4)):
                                                 _f32(*X), _f32(*X), _f32(*X), _f32(1, 2, 2))
 
 
+def _attn_seg(segments, T=2, n_past=0, backward=False):
+    X, KV = (1, T, 2, 4), (1, n_past + T, 2, 4)
+    if backward:
+        return lambda: attention.attention_backward(*[_f32(*X)] * 7, _f32(1, 2, T), segments=segments)
+    return lambda: attention.attention_forward(_f32(*X), _f32(1, 2, T), _f32(*X), _f32(*KV), _f32(*KV),
+                                               n_past, segments=segments)
+
+
 CE_T = np.zeros(2, np.int64)
 FLAT4 = [_f32(3)] * 4
 CHECKS = [
@@ -439,6 +563,11 @@ CHECKS = [
     (_attn_fwd(k=_f32(1, 3, 2, 4)), r"k must be a contiguous per batch element float32 array of shape \(1, 2, 2, 4\)"),
     (_attn_fwd(k=_f32(1, 2, 2, 8)[..., ::2]), "k must be a contiguous per batch element"),
     (_attn_bwd(dk=(1, 2, 1, 4)), "dk must be a C-contiguous"),
+    (_attn_seg(np.zeros((1, 2), np.int64)), r"segments must be an int32 array of shape \(1, 2\)"),
+    (_attn_seg(np.zeros((2, 1), np.int32)), r"segments must be an int32 array of shape \(1, 2\)"),
+    (_attn_seg(np.array([[1, 2, 1]], np.int32), T=3), "segments row 0: sample id 1 appears in two"),
+    (_attn_seg(np.zeros((1, 2), np.int32), n_past=1), "segments need n_past = 0"),
+    (_attn_seg(np.array([[1, 2, 1]], np.int32), T=3, backward=True), "appears in two separate runs"),
     (lambda: fd_check(lambda x: 0.0, {"x": _f32(2)}, {"x": _f32(2)}), "must be a C-contiguous float64"),
     (lambda: fd_check(lambda x: 0.0, {"x": np.zeros(2)}, {"x": np.zeros(3)}), r"has shape \(3,\), input has \(2,\)"),
     (lambda: fd_check(lambda x: 0.0, {"x": np.zeros(2)}, {"x": np.zeros(2)}, rtol=0), "rtol must be > 0"),
