@@ -90,7 +90,7 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("rmsnorm dx", rmsnorm._rmsnorm_dx_kernel,
          (A(f32, 2), A(f32, 2), A(f32, 2), A(f32, 1), A(f32, 1))),
         ("rmsnorm dw", rmsnorm._rmsnorm_dw_kernel, (A(f32, 1), A(f32, 2), A(f32, 2), A(f32, 1))),
-        ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 2), A(f32, 2), i64, b1, b1)),
+        ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 3), A(f32, 3), i64, b1, b1)),
         ("swiglu forward", swiglu._swiglu_forward_kernel, (A(f32, 2),) * 3),
         ("swiglu backward", swiglu._swiglu_backward_kernel, (A(f32, 2),) * 5),
         ("cross_entropy forward", cross_entropy._ce_forward_kernel,

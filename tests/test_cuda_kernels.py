@@ -202,6 +202,24 @@ def test_rope(mode, D, n_rot):
     np.testing.assert_array_equal(host(y), host(dx))
 
 
+@pytest.mark.parametrize("mode", [rope.ROPE_NORM, rope.ROPE_NEOX], ids=["norm", "neox"])
+def test_rope_per_token_positions(mode):
+    rng = np.random.default_rng(4)
+    B, T, H, D, n_rot = 2, 3, 2, 8, 6
+    x, dout = randn(rng, B, T, H, D), randn(rng, B, T, H, D)
+    cache_cos, cache_sin = np.zeros((5, n_rot // 2), F32), np.zeros((5, n_rot // 2), F32)
+    rope.rope_cache(cache_cos, cache_sin, np.arange(5, dtype=np.int64), n_rot, 1e4, 1.0, None)
+    cos, sin = rope.rope_tables(cache_cos, cache_sin, np.array([[0, 1, 0], [4, 0, 1]], np.int64))
+    want, dx_want = np.zeros_like(x), np.zeros_like(x)
+    rope.rope_forward_ref(want, x, cos, sin, n_rot, mode)
+    rope.rope_backward_ref(dx_want, dout, cos, sin, n_rot, mode)
+    out, dx, cd, sd = nan_dev(x.shape), nan_dev(x.shape), dev(cos), dev(sin)
+    kc.rope.rope_forward(out, dev(x), cd, sd, n_rot, mode)
+    kc.rope.rope_backward(dx, dev(dout), cd, sd, n_rot, mode)
+    np.testing.assert_allclose(host(out), want, **TOL32)
+    np.testing.assert_allclose(host(dx), dx_want, **TOL32)
+
+
 def test_rope_argument_checks():
     x = dev(np.zeros((1, 2, 1, 6), F32))
     cs = dev(np.zeros((2, 2), F32))
@@ -211,6 +229,8 @@ def test_rope_argument_checks():
         kc.rope.rope_forward(x, x, cs, cs, 4, 1)
     with pytest.raises(ValueError, match="cos"):
         kc.rope.rope_forward(x, x, cs, cs, 6, rope.ROPE_NORM)
+    with pytest.raises(ValueError, match=r"cos must be .* \(1, 2, 2\)"):
+        kc.rope.rope_forward(x, x, dev(np.zeros((2, 2, 2), F32)), cs, 4, rope.ROPE_NORM)
 
 
 # --------------------------------------------------------------------- swiglu

@@ -175,6 +175,58 @@ def test_rope_fd(fns, mode):
     print("fd max rel err", fd_check(loss, {"x": x}, {"x": dx}, **FD_TOL))
 
 
+@pytest.mark.parametrize("mode", [rope.ROPE_NORM, rope.ROPE_NEOX])
+def test_rope_per_token_positions(mode):
+    """Per-row tables (B, T, n_rot//2): gathered from a cache of 0..P-1 they equal
+    rope_cache of the positions themselves, and each row rotates exactly as it does
+    alone with its own (T, n_rot//2) table, forward and backward; whole tensors
+    against the reference too."""
+    rng = np.random.default_rng(24)
+    B, T, H, D, n_rot, P = 3, 6, 2, 10, 8, 9
+    positions = np.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [8, 0, 1, 2, 0, 1]], np.int64)
+    cache_cos, cache_sin = np.zeros((P, n_rot // 2), F32), np.zeros((P, n_rot // 2), F32)
+    rope.rope_cache(cache_cos, cache_sin, np.arange(P, dtype=np.int64), n_rot, 1e4, 1.0, None)
+    cos, sin = rope.rope_tables(cache_cos, cache_sin, positions)
+    assert cos.shape == (B, T, n_rot // 2) and cos.flags.c_contiguous
+    x, dout = randn(rng, B, T, H, D), randn(rng, B, T, H, D)
+    out, dx = np.full_like(x, np.nan), np.full_like(x, np.nan)
+    rope.rope_forward(out, x, cos, sin, n_rot, mode)
+    rope.rope_backward(dx, dout, cos, sin, n_rot, mode)
+    for b in range(B):
+        c, s = np.zeros((T, n_rot // 2), F32), np.zeros((T, n_rot // 2), F32)
+        rope.rope_cache(c, s, positions[b], n_rot, 1e4, 1.0, None)
+        np.testing.assert_array_equal(cos[b], c)
+        np.testing.assert_array_equal(sin[b], s)
+        row, drow = np.zeros_like(x[:1]), np.zeros_like(x[:1])
+        rope.rope_forward(row, x[b:b + 1], c, s, n_rot, mode)
+        rope.rope_backward(drow, dout[b:b + 1], c, s, n_rot, mode)
+        np.testing.assert_array_equal(out[b], row[0])
+        np.testing.assert_array_equal(dx[b], drow[0])
+    want, dx_want = np.zeros_like(x), np.zeros_like(x)
+    rope.rope_forward_ref(want, x, cos, sin, n_rot, mode)
+    rope.rope_backward_ref(dx_want, dout, cos, sin, n_rot, mode)
+    np.testing.assert_allclose(out, want, **TOL32)
+    np.testing.assert_allclose(dx, dx_want, **TOL32)
+
+
+@pytest.mark.parametrize("fns", impls(rope, "rope_forward", "rope_backward"))
+def test_rope_per_token_fd(fns):
+    forward, backward = fns
+    rng = np.random.default_rng(25)
+    B, T, H, D, n_rot = 2, 3, 2, 6, 4
+    x, dout = randn(rng, B, T, H, D, dtype=F64), randn(rng, B, T, H, D, dtype=F64)
+    cos, sin = (a.reshape(B, T, -1) for a in rope_tables(rng, B * T, n_rot, F64))
+    out = np.zeros_like(x)
+
+    def loss(x):
+        forward(out, x, cos, sin, n_rot, rope.ROPE_NEOX)
+        return np.sum(out * dout)
+
+    dx = np.zeros_like(x)
+    backward(dx, dout, cos, sin, n_rot, rope.ROPE_NEOX)
+    print("fd max rel err", fd_check(loss, {"x": x}, {"x": dx}, **FD_TOL))
+
+
 # ---------------------------------------------------------------------------- attention
 
 def qkv(rng, B, T, NH, NKV, HS, n_past=0, dtype=F32):
@@ -545,6 +597,9 @@ CHECKS = [
     (_rope(mode=1), "mode must be ROPE_NORM"),
     (_rope(cos=(2, 1), backward=True), r"cos must be .* \(2, 2\)"),
     (_rope(out=(1, 2, 1, 5), backward=True), r"dx must be .* \(1, 2, 1, 4\)"),
+    (_rope(cos=(2, 2, 2)), r"cos must be .* \(1, 2, 2\)"),
+    (lambda: rope.rope_tables(_f32(3, 2), _f32(3, 2), np.zeros(3, np.int64)), "positions must be a 2-D int64"),
+    (lambda: rope.rope_tables(_f32(3, 2), _f32(3, 2), np.array([[0, 3]])), r"positions must lie in \[0, 3\)"),
     (lambda: swiglu.swiglu_forward(_f32(2, 3), _f32(6), _f32(2, 3)), "g must be a 2-D"),
     (lambda: swiglu.swiglu_backward(_f32(2, 3), _f32(3, 2), _f32(2, 3), _f32(2, 3), _f32(2, 3)), "du must be"),
     (lambda: cross_entropy.cross_entropy_forward(_f32(2), _f32(2), CE_T), "logits must be a 2-D"),
