@@ -17,25 +17,31 @@ it), so query i sees exactly the keys [start_i, i], start_i the first token of i
 sample. A token always sees itself, so no softmax row is ever empty (no 0/0, no
 -inf lse). segments=None is the plain causal mask (start_i = 0).
 
-Layout of the computation. It was measured against the alternative, a numba prange
-over (b, h) calling np.dot on contiguous per-head copies: single-threaded CPU time
-at B=8, T=256, NH=8, NKV=4, HS=64 was fwd 20 vs 27 ms, bwd 45 vs 44 ms; the prange
-version nests multi-threaded BLAS inside numba threads (10x slower here with
-default OpenBLAS threading) and needs scipy for numba's np.dot. So:
-* the T x S products are batched `np.matmul` calls over (NKV, G, TQ, HS) views of
-  one batch element, G = NH // NKV query heads per kv head, so K and V are never
-  repeated; nothing is copied except the q/dout blocks in the dk/dv products;
+Layout of the computation. The work is split into items, one per (batch element,
+kv head): the G = NH // NKV query heads of a kv head share its K and V, so K and V
+are never repeated and the items write disjoint parts of every output. Within an
+item:
 * queries go in blocks of _QBLOCK rows; block [i0, i1) only meets keys
   [start_i0, n_past + i1), which skips most of the masked upper triangle (and, for
-  packed rows, the keys of earlier samples) and bounds the transient score buffers
-  to (NH, _QBLOCK, S) per block, allocated once per call;
+  packed rows, the keys of earlier samples) and bounds the score buffer to
+  (G, _QBLOCK, S), allocated once per worker and call;
+* the T x S products are batched `np.matmul` calls over (G, TQ, HS) views (no
+  copies, except the q/dout blocks of the dk/dv products);
 * the masked softmax (and its backward) is a numba kernel over rows that only
-  touches each row's visible keys [lo, hi) and writes 0 elsewhere. It is the
-  part that ran at a few GFLOP/s: the exponential is now a branch-free float32
-  polynomial (`_exp`, <= 3 ulp from libm's expf; float64 keeps np.exp) and the row
-  max an 8-way unrolled loop, both vectorized by LLVM (numba has no SVML here),
-  and the forward leaves P unnormalized: the 1/rowsum scaling is applied to the
-  (TQ, HS) output rows instead of the (TQ, S) probabilities.
+  touches each row's visible keys [lo, hi) and writes 0 elsewhere. The
+  exponential is a branch-free float32 polynomial (`_exp`, <= 3 ulp from libm's
+  expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
+  vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
+  ns per score instead of 0.45); the forward leaves P unnormalized and scales the
+  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities.
+Threading: the items are dealt to numba.get_num_threads() threads of one pool,
+each running single-threaded BLAS (threadpoolctl) and serial kernels, so one call
+has one fork-join. Before, every one of the many small matmuls ran multi-threaded
+OpenBLAS and every softmax a numba prange: under CPU contention each of those
+joins waited for a descheduled thread, and the attention of the bench shape
+(B=8, T=256, NH=8, NKV=4, HS=64, 2 threads, load average ~30 on 2 cores) ran at
+0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 now (bench/attention.py).
+Results do not depend on the thread count.
 
 The backward is flash-attention style: it recomputes P = exp(q.k*scale - lse) from
 the saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
@@ -44,9 +50,13 @@ the saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
 All gradients are overwritten.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic, overload
 
 _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms for 256
@@ -113,12 +123,12 @@ def _row_max(a, lo, hi):
     return m
 
 
-@njit(cache=True, parallel=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
-    # att (NH, TQ, S): raw scores q.k in; out exp(s*scale - max), 0 outside [lo[i], hi[i])
-    # rinv (NH, TQ) out: 1 / rowsum (the caller scales the P.v rows by it); lse (NH, TQ) out
+    # att (G, TQ, S): raw scores q.k in; out exp(s*scale - max), 0 outside [lo[i], hi[i])
+    # rinv (G, TQ) out: 1 / rowsum (the caller scales the P.v rows by it); lse (G, TQ) out
     NH, TQ, S = att.shape
-    for r in prange(NH * TQ):
+    for r in range(NH * TQ):
         h = r // TQ
         i = r % TQ
         row = att[h, i]
@@ -137,13 +147,13 @@ def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
         lse[h, i] = mx + np.log(tot)
 
 
-@njit(cache=True, parallel=True, fastmath=_FASTMATH)
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
-    # att (NH, TQ, S): raw scores q.k in, P out; dp (NH, TQ, S): dout.v in, dS*scale out
-    # lse (NH, TQ); out, dout (TQ, NH, HS): this block's rows; visible keys [lo[i], hi[i])
+    # att (G, TQ, S): raw scores q.k in, P out; dp (G, TQ, S): dout.v in, dS*scale out
+    # lse (G, TQ); out, dout (TQ, G, HS): this block's rows; visible keys [lo[i], hi[i])
     NH, TQ, S = att.shape
     HS = out.shape[2]
-    for r in prange(NH * TQ):
+    for r in range(NH * TQ):
         h = r // TQ
         i = r % TQ
         a, n = np.uint64(lo[i]), np.uint64(hi[i])
@@ -162,12 +172,6 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
         for j in range(n, np.uint64(S)):
             row[j] = 0.0
             drow[j] = 0.0
-
-
-def _heads(x, NKV):
-    # (TQ, NH, HS) rows of one batch element -> (NKV, G, TQ, HS) view (no copy)
-    TQ, NH, HS = x.shape
-    return x.reshape(TQ, NKV, NH // NKV, HS).transpose(1, 2, 0, 3)
 
 
 def _check(name, a, shape, dtype, rows_only=False):
@@ -226,16 +230,18 @@ def segment_starts(segments, shape) -> np.ndarray:
 
 
 def _blocks(T, n_past, starts):
-    """(i0, i1, j0, lo, hi) per query block: keys [j0, n_past + i1) are computed,
+    """[(i0, i1, j0, lo, hi)] per query block: keys [j0, n_past + i1) are computed,
     row i sees block-local keys [lo[i], hi[i])."""
+    blocks = []
     for i0 in range(0, T, _QBLOCK):
         i1 = min(i0 + _QBLOCK, T)
         hi = n_past + np.arange(i0, i1, dtype=np.int64) + 1
         if starts is None:
-            yield i0, i1, 0, np.zeros(i1 - i0, np.int64), hi
+            blocks.append((i0, i1, 0, np.zeros(i1 - i0, np.int64), hi))
         else:  # starts never decrease along a row: the block's first row has the lowest
             j0 = int(starts[i0])
-            yield i0, i1, j0, starts[i0:i1] - j0, hi - j0
+            blocks.append((i0, i1, j0, starts[i0:i1] - j0, hi - j0))
+    return blocks
 
 
 def _starts(segments, B, T, n_past):
@@ -244,6 +250,37 @@ def _starts(segments, B, T, n_past):
     if n_past:
         raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
     return segment_starts(segments, (B, T))
+
+
+_POOL = None
+_BLAS = None
+
+
+def _blas_one_thread():
+    """Context: BLAS at one thread (threadpoolctl; without it, a no-op)."""
+    global _BLAS
+    if _BLAS is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS = ThreadpoolController()
+        except ImportError:
+            _BLAS = False
+    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
+
+
+def _run_items(work, n_items):
+    """work(items) for the work items 0..n_items-1, dealt round-robin to
+    numba.get_num_threads() workers (threads of one pool), BLAS at one thread."""
+    global _POOL
+    nw = max(1, min(numba.get_num_threads(), n_items))
+    with _blas_one_thread():
+        if nw == 1:
+            work(range(n_items))
+            return
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "llamatune-attention")
+        for f in [_POOL.submit(work, range(w, n_items, nw)) for w in range(nw)]:
+            f.result()
 
 
 def attention_forward(out, lse, q, k, v, n_past, segments=None):
@@ -260,22 +297,27 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None):
     _check("out", out, q.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
     starts = _starts(segments, B, T, n_past)
+    blocks = [_blocks(T, n_past, starts[b]) for b in range(B)]
     scale = q.dtype.type(1.0 / np.sqrt(HS))
-    TQ = min(T, _QBLOCK)
-    scratch = np.empty(NH * TQ * (n_past + T), q.dtype)  # the score block, reused
-    rinv = np.empty((NH, TQ), q.dtype)
-    for b in range(B):
-        kT = k[b].transpose(1, 2, 0)[:, None]  # (NKV, 1, HS, S)
-        vb = v[b].transpose(1, 0, 2)[:, None]  # (NKV, 1, S, HS)
-        for i0, i1, j0, lo, hi in _blocks(T, n_past, starts[b]):
-            TQ, W = i1 - i0, n_past + i1 - j0
-            att = scratch[: NH * TQ * W].reshape(NKV, NH // NKV, TQ, W)
-            np.matmul(_heads(q[b, i0:i1], NKV), kT[..., j0:j0 + W], out=att)
-            _softmax_causal_kernel(att.reshape(NH, TQ, W), rinv[:, :TQ], lse[b, :, i0:i1],
-                                   scale, lo, hi)
-            ob = out[b, i0:i1]
-            np.matmul(att, vb[:, :, j0:j0 + W], out=_heads(ob, NKV))
-            ob *= rinv[:, :TQ].T[:, :, None]
+    G, QB = NH // NKV, min(T, _QBLOCK)
+
+    def work(items):
+        scratch = np.empty(G * QB * (n_past + T), q.dtype)  # the score block, reused
+        rinv = np.empty((G, QB), q.dtype)
+        for item in items:
+            b, kvh = divmod(item, NKV)
+            hs = slice(kvh * G, kvh * G + G)  # the query heads of kv head kvh
+            kT, vb = k[b, :, kvh].T, v[b, :, kvh]  # (HS, S), (S, HS) views
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, n_past + i1 - j0
+                att = scratch[: G * TQ * W].reshape(G, TQ, W)
+                np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
+                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], scale, lo, hi)
+                ob = out[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) view
+                np.matmul(att, vb[j0:j0 + W], out=ob)
+                ob *= rinv[:, :TQ, None]
+
+    _run_items(work, B * NKV)
 
 
 def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
@@ -293,32 +335,35 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
     _check("dv", dv, k.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
     starts = _starts(segments, B, T, 0)
+    blocks = [_blocks(T, 0, starts[b]) for b in range(B)]
     scale = q.dtype.type(1.0 / np.sqrt(HS))
-    TQ = min(T, _QBLOCK)
-    scratch = np.empty((2, NH * TQ * T), q.dtype)  # P and dS blocks, reused
+    G, QB = NH // NKV, min(T, _QBLOCK)
     dk[...] = 0.0  # the query blocks add their share below
     dv[...] = 0.0
-    for b in range(B):
-        kb = k[b].transpose(1, 0, 2)[:, None]  # (NKV, 1, T, HS)
-        vb = v[b].transpose(1, 0, 2)[:, None]
-        for i0, i1, j0, lo, hi in _blocks(T, 0, starts[b]):
-            TQ, W = i1 - i0, i1 - j0
-            qb = _heads(q[b, i0:i1], NKV)  # (NKV, G, TQ, HS)
-            dob = _heads(dout[b, i0:i1], NKV)
-            att = scratch[0, : NH * TQ * W].reshape(NKV, NH // NKV, TQ, W)
-            dp = scratch[1, : NH * TQ * W].reshape(att.shape)
-            np.matmul(qb, kb[:, :, j0:i1].swapaxes(-1, -2), out=att)
-            np.matmul(dob, vb[:, :, j0:i1].swapaxes(-1, -2), out=dp)
-            _softmax_causal_backward_kernel(att.reshape(NH, TQ, W), dp.reshape(NH, TQ, W),
-                                            lse[b, :, i0:i1], out[b, i0:i1], dout[b, i0:i1],
-                                            scale, lo, hi)
-            # dq rows of this block are complete: the block saw all their keys
-            np.matmul(dp, kb[:, :, j0:i1], out=_heads(dq[b, i0:i1], NKV))
-            # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
-            dS = dp.reshape(NKV, -1, W).swapaxes(-1, -2)  # (NKV, W, G*TQ)
-            P = att.reshape(NKV, -1, W).swapaxes(-1, -2)
-            dk[b, j0:i1] += np.matmul(dS, qb.reshape(NKV, -1, HS)).transpose(1, 0, 2)
-            dv[b, j0:i1] += np.matmul(P, dob.reshape(NKV, -1, HS)).transpose(1, 0, 2)
+
+    def work(items):
+        scratch = np.empty((2, G * QB * T), q.dtype)  # P and dS blocks, reused
+        for item in items:
+            b, kvh = divmod(item, NKV)
+            hs = slice(kvh * G, kvh * G + G)
+            kb, vb = k[b, :, kvh], v[b, :, kvh]  # (T, HS) views
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, i1 - j0
+                qb = q[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) views
+                dob = dout[b, i0:i1, hs].transpose(1, 0, 2)
+                att = scratch[0, : G * TQ * W].reshape(G, TQ, W)
+                dp = scratch[1, : G * TQ * W].reshape(G, TQ, W)
+                np.matmul(qb, kb[j0:i1].T, out=att)
+                np.matmul(dob, vb[j0:i1].T, out=dp)
+                _softmax_causal_backward_kernel(att, dp, lse[b, hs, i0:i1], out[b, i0:i1, hs],
+                                                dout[b, i0:i1, hs], scale, lo, hi)
+                # dq rows of this block are complete: the block saw all their keys
+                np.matmul(dp, kb[j0:i1], out=dq[b, i0:i1, hs].transpose(1, 0, 2))
+                # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
+                dk[b, j0:i1, kvh] += dp.reshape(G * TQ, W).T @ qb.reshape(G * TQ, HS)
+                dv[b, j0:i1, kvh] += att.reshape(G * TQ, W).T @ dob.reshape(G * TQ, HS)
+
+    _run_items(work, B * NKV)
 
 
 # ----------------------------------------------------------------------------

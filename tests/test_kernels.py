@@ -370,6 +370,29 @@ def test_attention_one_segment_is_the_plain_causal_path():
         np.testing.assert_array_equal(a, b)
 
 
+def test_attention_results_do_not_depend_on_threads():
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread only")
+    rng = np.random.default_rng(26)
+    B, T, NH, NKV, HS = 2, 140, 4, 2, 8
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    dout, seg = randn(rng, B, T, NH, HS), packed_segments(rng, B, T)
+    results, before = [], numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            r = [np.zeros_like(q), np.zeros((B, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+                 np.zeros_like(v)]
+            attention.attention_forward(*r[:2], q, k, v, 0, segments=seg)
+            attention.attention_backward(*r[2:], dout, q, k, v, *r[:2], segments=seg)
+            results.append(r)
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("fns", impls(attention, "attention_forward", "attention_backward"))
 def test_attention_segments_fd(fns, monkeypatch):
     monkeypatch.setattr(attention, "_QBLOCK", 3)
@@ -575,7 +598,7 @@ def _attn_bwd(dk=(1, 2, 2, 4)):
 def _attn_seg(segments, T=2, n_past=0, backward=False):
     X, KV = (1, T, 2, 4), (1, n_past + T, 2, 4)
     if backward:
-        return lambda: attention.attention_backward(*[_f32(*X)] * 7, _f32(1, 2, T), segments=segments)
+        return lambda: attention.attention_backward(*[_f32(*X)] * 8, _f32(1, 2, T), segments=segments)
     return lambda: attention.attention_forward(_f32(*X), _f32(1, 2, T), _f32(*X), _f32(*KV), _f32(*KV),
                                                n_past, segments=segments)
 
