@@ -139,36 +139,3 @@ def test_positions_beyond_the_row_and_bad_packing(tiny_vocab, tmp_path):
     with pytest.raises(ValueError, match="sample id 1 appears in two separate runs"):
         short.step(inputs[:, :4], targets[:, :4], w[:, :4], segments=np.array([[1, 2, 1, 1]]))
 
-
-@pytest.mark.cuda
-def test_packed_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
-    """The CUDA backend (numba's simulator without a GPU) trains packed rows as the
-    CPU does: per-token rope tables and segment ids reach its kernels."""
-    from llamatune.backend import cpu, get_backend
-    from llamatune.errors import LlamatuneError
-    try:
-        cuda = get_backend("cuda")
-    except LlamatuneError as e:
-        pytest.skip(f"no CUDA device or simulator: {e}")
-    model = Model(write_tiny_model(tmp_path / "micro.gguf", tiny_vocab, n_embd=16, n_ff=24, head_dim=4, n_rot=4,
-                                   n_layer=1))
-    cfg = model.config
-    ranks = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output")}
-    targets = lora_targets(cfg, ranks, 2.0, tied=False)
-    rng = np.random.default_rng(0)
-    inputs, labels = rng.integers(0, cfg.n_vocab, (1, 7)), rng.integers(0, cfg.n_vocab, (1, 7))
-    labels[0, -1] = -1
-    w = np.full((1, 7), 1 / 6, np.float32)
-    packing = dict(positions=np.array([[0, 1, 2, 0, 1, 2, 0]]), segments=np.array([[0, 0, 0, 1, 1, 1, -1]]))
-    results = []
-    for backend in (cpu(), cuda):
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(1))
-        params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
-        if backend is not cpu():
-            params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 7, backend=backend)
-        loss = g.step(inputs, labels, w, **packing)
-        results.append((loss, params.host(params.grad).copy()))
-    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
-    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)
