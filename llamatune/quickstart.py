@@ -30,7 +30,7 @@ def chat_sample() -> Path:
 
 
 def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = None) -> None:
-    """Step 6: conversations, template, answers-only loss, one chat turn."""
+    """Step 6: conversations, template, answers-only loss, packed rows, one chat turn."""
     import sys
 
     from .adapter import load_runtime_adapters
@@ -43,14 +43,14 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     from .options import FinetuneOptions
 
     opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
-                           lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
+                           pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
                            save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
                            lora_out=workdir / "chat-adapter-ITERATION.gguf")
     model = Model(base)
     tok = model.tokenizer
     tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
     trained = tok.decode([t for t, m in zip(tokens.tolist(), targets.tolist()) if m])
-    out.print(f"\n[bold]6. chat finetune[/bold] on {opts.train_data.name} (24 conversations, ChatML); "
+    out.print(f"\n[bold]6. chat finetune[/bold] on {opts.train_data.name} (24 conversations, ChatML, --pack); "
               f"trained part of the first: {trained!r}")
     res = finetune(opts)
     out.print(f"   loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} in {len(res.losses)} steps")

@@ -163,10 +163,12 @@ def test_runtime_adapter_changes_generation_as_merge_does(tmp_path, tiny_model):
     np.testing.assert_allclose(runtime, merged, rtol=1e-4, atol=1e-4)
 
 
-def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model):
-    """Conversations (answers-only targets, padded rows): 3 steps == 2 steps + resume + 1 step."""
+@pytest.mark.parametrize("pack", [False, True])
+def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
+    """Conversations (answers-only targets, padded or packed rows): 3 steps == 2 steps + resume + 1 step."""
     from llamatune.quickstart import chat_sample
-    chat = dict(train_data=chat_sample(), chat_template="chatml", ctx=64, batch=3, rank_out=0, rank_att_norm=0)
+    chat = dict(train_data=chat_sample(), chat_template="chatml", ctx=64, batch=3, rank_out=0, rank_att_norm=0,
+                pack=pack)
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir(), two.mkdir()
     res = finetune(options(one, tiny_model, adam_iter=3, **chat), quiet=True)
