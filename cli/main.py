@@ -216,7 +216,7 @@ def quickstart(
     run(workdir)
 
 
-@app.command("preview-data", cls=GroupedHelpCommand)
+@app.command("preview-data")
 @friendly_errors
 def preview_data(
     model_base: Path = typer.Option(..., "-m", "--model-base", help="Model GGUF whose tokenizer and chat template are used."),
@@ -239,7 +239,7 @@ def preview_data(
     show_preview(build_options(FinetuneOptions, given), n, as_json)
 
 
-@app.command(cls=GroupedHelpCommand)
+@app.command()
 @friendly_errors
 def chat(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model with a chat template (or use --chat-template)."),
