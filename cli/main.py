@@ -198,6 +198,23 @@ def quickstart(
     run(workdir)
 
 
+@app.command()
+@friendly_errors
+def plot(
+    metrics: Path = typer.Argument(..., help="Metrics log written by training (metrics.jsonl)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG to write (default: the metrics "
+                                          "file with .png in place of its extension)."),
+    smooth: float = typer.Option(0.9, "--smooth", help="Weight of the moving average drawn over the training "
+                                 "loss, in [0, 1) (0: no smoothing)."),
+    log_y: bool = typer.Option(False, "--log-y", help="Logarithmic loss axis."),
+    title: Optional[str] = typer.Option(None, "--title", help="Plot title (default: the metrics file's name)."),
+):
+    """Draw training loss (raw and smoothed) and validation loss against steps (needs matplotlib)."""
+    from llamatune.console import out
+    from llamatune.plot import plot_metrics
+    out.print(f"wrote {plot_metrics(metrics, output or metrics.with_suffix('.png'), smooth, log_y, title)}")
+
+
 def _report(name: str, res) -> None:
     from llamatune.console import out
     if res.losses:
@@ -205,6 +222,10 @@ def _report(name: str, res) -> None:
         first, last = sum(res.losses[:k]) / k, sum(res.losses[-k:]) / k
         out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
                   f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
+    v = res.state.validation
+    if v is not None and v.last_loss is not None:
+        out.print(f"validation loss {v.last_loss:.4f} at step {v.last_step}, best {v.best_loss:.4f} at step "
+                  f"{v.best_step}")
     for p in res.files:
         out.print(f"  wrote {p}")
 

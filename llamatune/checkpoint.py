@@ -7,7 +7,9 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), the model's `{arch}.*`
+       shuffle generator state), training.loss_ema (f32), llamatune.validation (JSON:
+       best validation loss, its step, evaluations since; only with validation; older
+       checkpoints without it load with a fresh validation state), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -32,6 +34,7 @@ from gguf import GGUFValueType as VType
 from .errors import LlamatuneError
 from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
 from .params import ParamBuffer
+from .validation import ValidationState
 
 FORMAT_VERSION = 1
 KIND_LORA, KIND_FULL = "finetune_lora", "train_model"
@@ -45,6 +48,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    validation: ValidationState | None = None
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -76,6 +80,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
+    if state.validation is not None:
+        kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -136,11 +142,13 @@ def load(path: Path) -> Checkpoint:
     try:
         options = json.loads(f.require("llamatune.options"))
         data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
-    except json.JSONDecodeError as e:
+        val = f.get("llamatune.validation")
+        validation = None if val is None else ValidationState.from_dict(json.loads(val))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, validation)
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 

@@ -25,6 +25,7 @@ def opt(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (), fro
 G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
     "Input and output", "Training data", "LoRA", "Optimizer", "Schedule", "Memory and speed",
     "Checkpoints", "New model")
+G_VAL = "Validation and metrics"
 
 
 @dataclass
@@ -72,6 +73,14 @@ class TrainOptions:
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
     fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
     save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+    # ---- validation and metrics
+    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data.", G_VAL)
+    val_split: float = opt(0.0, "Hold out this fraction of the training samples (a seeded split) for validation.", G_VAL, frozen=True)
+    eval_every: int = opt(10, "Validation loss at step 0, every N steps and at the end (0: at step 0 and the end).", G_VAL)
+    save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
+    early_stop: int = opt(0, "Stop after this many evaluations without a lower validation loss (0: never).", G_VAL)
+    metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
+    plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib: pip install 'llamatune[plot]').", G_VAL)
 
 
 @dataclass
@@ -203,6 +212,21 @@ def validate(o: TrainOptions) -> None:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
     if o.save_every < 0:
         bad(f"--save-every {o.save_every}: must be 0 or more")
+    if not 0 <= o.val_split < 1:
+        bad(f"--val-split {o.val_split}: must be in [0, 1)")
+    if o.val_split and o.val_data is not None:
+        bad("--val-data and --val-split: give only one source of validation samples")
+    if o.eval_every < 0:
+        bad(f"--eval-every {o.eval_every}: must be 0 or more")
+    if o.early_stop < 0:
+        bad(f"--early-stop {o.early_stop}: must be 0 or more")
+    has_val = o.val_data is not None or o.val_split > 0
+    if (o.save_best or o.early_stop) and not has_val:
+        bad(f"{'--save-best' if o.save_best else '--early-stop'} needs validation samples: give --val-data or --val-split")
+    for name in ("checkpoint_out", "lora_out", "model_out") if o.save_best else ():
+        path = getattr(o, name, None)           # the outputs this command has
+        if path is not None and "ITERATION" not in str(path):
+            bad(f"--save-best: --{name.replace('_', '-')} {path} has no ITERATION to replace by BEST")
     if isinstance(o, FinetuneOptions):
         if o.lora_r < 1:
             bad(f"--lora-r {o.lora_r}: must be at least 1")

@@ -34,6 +34,9 @@ class _TrainDisplay:
             return
         status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
                   f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
+        v = state.validation
+        if v is not None and v.last_loss is not None:
+            status += f"  val {v.last_loss:.4f} (best {v.best_loss:.4f})"
         self.progress.update(self.task, completed=state.iteration, status=status)
 
     def line(self, text: str) -> None:

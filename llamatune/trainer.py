@@ -3,7 +3,9 @@
 A `Job` says what is trained (the graph's weight provider, the flat parameters,
 the LoRA targets) and how outputs are written; `run` does the rest identically
 for both: resume or initialize, memory estimate, micro-batches with gradient
-accumulation, optimizer steps, progress, periodic and final checkpoints.
+accumulation, optimizer steps, progress, periodic and final checkpoints, the
+metrics log (metrics.py), and validation with --save-best and --early-stop
+(validation.py).
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ from .gguf_io import KV
 from .backend import cpu
 from .graph import Graph
 from .lora import LoraTarget
+from .metrics import MetricsLog, metrics_path
 from .optimizer import optimizer_step
 from .options import TrainOptions
 from .params import ParamBuffer
+from .validation import Validator
 
 
 @dataclass
@@ -46,6 +50,7 @@ class Job:
     mapped_bytes: int = 0                       # memory-mapped base model size
     scratch_bytes: int = 0                      # dequantization scratch
     backend: object = None                      # backend.Backend (None: cpu)
+    val_samples: Samples | None = None          # validation samples (None: no validation)
 
 
 @dataclass
@@ -114,6 +119,56 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
     return files
 
 
+def make_validator(job: Job, state: ckpt.TrainState) -> Validator | None:
+    """The validation set's fixed batches; state.validation restored or started afresh."""
+    if job.val_samples is None:
+        return None
+    v = Validator(job.val_samples, job.opts, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    state.validation = v.restore(state.validation)
+    return v
+
+
+def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+    """The checkpoint and outputs under the BEST name (--save-best)."""
+    o = job.opts
+    state.data_state = batcher.state()
+    out = ckpt.iteration_path(o.checkpoint_out, "BEST")
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    return [out] + job.write_outputs("BEST")
+
+
+def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainState, batcher: Batcher,
+             metrics: MetricsLog, show) -> bool:
+    """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
+    Returns True when --early-stop's patience has run out."""
+    vs = state.validation
+    loss = validator.loss(graph)
+    improved = vs.record(state.iteration, loss)
+    metrics.eval(state.iteration, loss)
+    text = f"step {state.iteration}: val loss {loss:.4f}"
+    text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
+    if improved and job.opts.save_best:
+        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher))
+    show.line(text)
+    if validator.should_stop(vs):
+        show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
+                  f"(step {vs.best_step})")
+        return True
+    return False
+
+
+def write_plot(path: Path, quiet: bool) -> None:
+    """The loss plot beside the metrics, when matplotlib is installed (a notice otherwise)."""
+    from .plot import plot_metrics
+    try:
+        out = plot_metrics(path, path.with_suffix(".png"))
+    except LlamatuneError as e:
+        notice(f"no loss plot: {e}")
+        return
+    if not quiet:
+        err.print(f"loss plot: {out}")
+
+
 def run(job: Job, quiet: bool = False) -> TrainResult:
     o = job.opts
     if o.threads > 0:
@@ -126,10 +181,13 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         job.params.to_device(backend)              # then live where the graph runs
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, o.use_checkpointing,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
+    validator = make_validator(job, state)
     need = memory_estimate(job, graph)
     have = available_memory()
     if not quiet:
         err.print(f"data: {describe(job.samples)}")
+        if validator is not None:
+            err.print(f"validation: {validator.describe()}")
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {gib(need)} "
                   f"(activations {gib(graph.activation_bytes())}, parameters+optimizer {gib(job.params.nbytes)}, "
                   f"base model {gib(job.mapped_bytes)} mapped)" + (f", available {gib(have)}" if have else ""))
@@ -139,15 +197,22 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if state.iteration >= o.adam_iter:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
+    if validator is not None and validator.should_stop(state.validation):
+        notice(f"stopped early at iteration {state.iteration} (--early-stop {o.early_stop}): nothing to do")
+        return TrainResult(state, [], [], 0.0, 0.0)
+    metrics = MetricsLog(metrics_path(o), state.iteration)
 
     losses: list[float] = []
     files: list[Path] = []
     tokens_per_step = o.batch * o.ctx * o.grad_acc
     t0 = time.perf_counter()
     from .progress import train_progress
-    with train_progress(o.adam_iter, state.iteration, quiet) as show:
+    with train_progress(o.adam_iter, state.iteration, quiet) as show, metrics:
+        if validator is not None and state.iteration == 0:
+            evaluate(job, graph, validator, state, batcher, metrics, show)
         while state.iteration < o.adam_iter:
             step = state.iteration
+            metrics.begin_step()
             job.params.zero_grad()
             batches = [batcher.next_batch() for _ in range(o.grad_acc)]
             n_targets = sum(b.n_targets for b in batches)
@@ -168,11 +233,16 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             losses.append(loss)
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
+            metrics.step(state, loss, lr, gnorm, tokens_per_step)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+            if validator is not None and validator.due(state.iteration, done):
+                done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
             if (o.save_every and state.iteration % o.save_every == 0) or done:
                 files = save_all(job, state, batcher)
                 show.line(f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2]))
             if done:
                 break
     seconds = time.perf_counter() - t0
+    if o.plot:
+        write_plot(metrics.path, quiet)
     return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9))
