@@ -96,6 +96,8 @@ def plot_metrics(path: Path, out: Path, smooth: float = 0.9, log_y: bool = False
                     label=f"best validation loss {c.val_loss[k]:.4f} (step {c.val_steps[k]})")
         if log_y:
             ax.set_yscale("log")
+            for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                axis_format(plt.FuncFormatter(lambda v, _: f"{v:.3g}"))   # 5.8, not 5.8x10^0
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (mean cross-entropy per target token, nats)" + (", log scale" if log_y else ""))
         ax.xaxis.get_major_locator().set_params(integer=True)
