@@ -37,8 +37,6 @@ def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
 
 def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
     """Training samples, and validation samples from --val-data or --val-split (or None)."""
-    if o.train_data is None:
-        raise LlamatuneError("--train-data is required")
     return validation_samples(load_data(o.train_data, tokenizer, o), o,
                               lambda path: load_data(path, tokenizer, o, "validation"))
 
@@ -46,6 +44,7 @@ def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
+    read_training_text(o.train_data)                  # a missing or unreadable file fails before the model loads
     model = Model(o.model_base)
     cfg = model.config
     if o.ctx > cfg.n_ctx_train:
