@@ -36,7 +36,7 @@ class _TrainDisplay:
                   f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
         v = state.validation
         if v is not None and v.last_loss is not None:
-            status += f"  val {v.last_loss:.4f} (best {v.best_loss:.4f})"
+            status += f"  val {v.last_loss:.4f}"
         self.progress.update(self.task, completed=state.iteration, status=status)
 
     def line(self, text: str) -> None:

@@ -30,6 +30,7 @@ from llamatune.plot import read_metrics, smoothed
 from llamatune.validation import ValidationState, eval_pieces, split_samples
 
 from conftest import TEXT
+from test_cuda_e2e import cuda, micro_model  # noqa: F401  (fixtures)
 
 VAL_TEXT = ("First Citizen:\nWe are accounted poor citizens, the patricians good.\n\n"
             "First Citizen:\nWhat authority surfeits on would relieve us.\n\n"
@@ -98,6 +99,28 @@ def test_graph_loss_is_the_steps_forward_without_dropout_or_gradient(tmp_path, t
     fresh = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
     assert with_dropout == fresh.step(inputs, tg, w, key=(3,)) != loss
     np.testing.assert_array_equal(params.grad, grads)
+
+
+@pytest.mark.cuda
+def test_graph_loss_on_cuda_matches_cpu(cuda, micro_model):
+    from llamatune.backend import cpu
+    model = Model(micro_model)
+    cfg = model.config
+    targets = lora_targets(cfg, {"attn_q": 2, "ffn_down": 2, "output": 2}, 2.0, tied=False)
+    rng = np.random.default_rng(0)
+    inputs, labels = rng.integers(0, cfg.n_vocab, (1, 6)), rng.integers(0, cfg.n_vocab, (1, 6))
+    w = np.ones((1, 6), np.float32)
+    results = []
+    for backend in (cpu(), cuda):
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(1))
+        params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
+        if backend is not cpu():
+            params.to_device(backend)
+        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, lora_dropout=0.2, backend=backend)
+        results.append(g.loss(inputs, labels, w))
+        assert not params.host(params.grad).any()
+    assert results[1] == pytest.approx(results[0], rel=1e-5)
 
 
 # ---------------------------------------------------------------- the validation set
@@ -324,6 +347,32 @@ def test_end_of_training_line_shows_the_validation_loss(capsys):
     state = ckpt.TrainState(iteration=6, validation=ValidationState(2.5, 3, 1, 2.75, 6, 0))
     _report("finetune", TrainResult(state, [3.0, 2.0], [], 1.0, 10.0))
     assert "validation loss 2.7500 at step 6, best 2.5000 at step 3" in capsys.readouterr().out
+
+
+def test_progress_line_shows_the_validation_loss():
+    from io import StringIO
+    from rich.console import Console
+    from rich.progress import Progress, TextColumn
+    from llamatune.progress import _TrainDisplay
+    console = Console(file=StringIO(), width=200)
+    with Progress(TextColumn("{task.fields[status]}"), console=console) as progress:
+        show = _TrainDisplay(progress, progress.add_task("train", total=10, status=""))
+        state = ckpt.TrainState(iteration=6, loss_ema=2.0, validation=ValidationState(2.5, 3, 1, 2.75, 6, 0))
+        show(state, 2.0, 1e-3, 0.5, 100.0)
+    assert "loss 2.0000 (avg 2.0000)" in console.file.getvalue() and "val 2.7500" in console.file.getvalue()
+
+
+def test_train_from_scratch_keeps_the_best_model(tmp_path, tiny_model):
+    from llamatune.scratch import train_from_scratch
+    (tmp_path / "t.txt").write_text(TEXT)
+    res = train_from_scratch(ScratchOptions(train_data=tmp_path / "t.txt", vocab_model=tiny_model, embd=16, head=2,
+                                            layer=1, ctx=16, batch=2, adam_iter=3, save_every=1, plot=False,
+                                            sample_start="First Citizen:", val_split=0.25, eval_every=1,
+                                            save_best=True, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
+                                            model_out=tmp_path / "model-ITERATION.gguf"), quiet=True)
+    best = res.state.validation.best_step
+    assert best > 0 and ckpt.load(tmp_path / "chk-BEST.gguf").state.iteration == best
+    assert_same_file(tmp_path / f"model-{best}.gguf", tmp_path / "model-BEST.gguf")
 
 
 # ---------------------------------------------------------------- errors
