@@ -209,7 +209,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     from .progress import train_progress
     with train_progress(o.adam_iter, state.iteration, quiet) as show, metrics:
         if validator is not None and state.iteration == 0:
+            t_eval = time.perf_counter()
             evaluate(job, graph, validator, state, batcher, metrics, show)
+            t0 += time.perf_counter() - t_eval          # evaluations do not count as training time
         while state.iteration < o.adam_iter:
             step = state.iteration
             metrics.begin_step()
@@ -236,7 +238,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             metrics.step(state, loss, lr, gnorm, tokens_per_step)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
             if validator is not None and validator.due(state.iteration, done):
+                t_eval = time.perf_counter()
                 done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
+                t0 += time.perf_counter() - t_eval
             if (o.save_every and state.iteration % o.save_every == 0) or done:
                 files = save_all(job, state, batcher)
                 show.line(f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2]))
