@@ -82,19 +82,22 @@ def split_samples(samples: Samples, fraction: float, seed: int) -> tuple[Samples
 
 
 def eval_pieces(samples: Samples, ctx: int) -> Samples:
-    """Non-overlapping pieces of at most ctx tokens covering the samples in order of their
-    start: a sample that begins inside one already taken is skipped (raw text without
-    --sample-start has a window at every token; these keep every ctx-th one), a longer one
-    is cut into consecutive pieces."""
+    """Non-overlapping pieces covering the samples in order of their start: a sample that
+    begins inside one already taken is skipped (raw text without --sample-start has a
+    window at every token; these keep every ctx-th one). A raw-text sample longer than ctx
+    is cut into consecutive pieces of ctx tokens; samples with a loss mask are whole
+    sequences (conversations, rows) and stay whole, scored as the Batcher feeds them."""
     begins, sizes, end = [], [], -1
+    cut = ctx if samples.mask is None else None
     for i in np.argsort(samples.begins, kind="stable"):
         b, n = int(samples.begins[i]), int(samples.sizes[i])
         if b < end:
             continue
         end = b + n
-        for off in range(0, n, ctx):
+        step = cut or n
+        for off in range(0, n, step):
             begins.append(b + off)
-            sizes.append(min(ctx, n - off))
+            sizes.append(min(step, n - off))
     return subset(samples, np.asarray(begins, np.int64), np.asarray(sizes, np.int64))
 
 
@@ -110,13 +113,11 @@ class _InOrder(Batcher):
 class Validator:
     """Fixed validation batches and the mean loss over all their targets."""
 
-    def __init__(self, samples: Samples, opts, n_vocab: int, bos_id: int, eos_id: int, source: str = "validation data"):
+    def __init__(self, samples: Samples, opts, n_vocab: int, bos_id: int, eos_id: int):
         self.opts = dataclasses.replace(opts, fill_with_next_samples=False, sample_random_offsets=False)
         self.samples = eval_pieces(samples, opts.ctx)
         self.vocab = (n_vocab, bos_id, eos_id)
-        self.n_targets = sum(b.n_targets for b in self.batches())
-        if self.n_targets == 0:
-            raise LlamatuneError(f"{source}: no validation targets (samples too short?)")
+        self.n_targets = sum(b.n_targets for b in self.batches())   # > 0: every sample has a target
 
     def describe(self) -> str:
         return f"{len(self.samples)} rows of up to {self.opts.ctx} tokens, {self.n_targets} targets"

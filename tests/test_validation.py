@@ -159,6 +159,9 @@ def test_eval_pieces_score_each_token_once():
     long = Samples(np.arange(30), [0, 25], [25, 5])                                 # one sample longer than ctx
     p = eval_pieces(long, 10)
     assert list(p.begins) == [0, 10, 20, 25] and list(p.sizes) == [10, 10, 5, 5]
+    masked = Samples(np.arange(30), [0, 25], [25, 5], mask=np.ones(30, np.int8))   # whole sequences stay whole
+    p = eval_pieces(masked, 10)
+    assert list(p.begins) == [0, 25] and list(p.sizes) == [25, 5] and np.array_equal(p.mask, masked.mask)
 
 
 def reference_val_loss(model_path: Path, samples: Samples, bos: int, ctx: int, adapter: Path | None = None) -> float:
