@@ -80,7 +80,7 @@ class TrainOptions:
     save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
     early_stop: int = opt(0, "Stop after this many evaluations without a lower validation loss (0: never).", G_VAL)
     metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
-    plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib: pip install 'llamatune[plot]').", G_VAL)
+    plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
 
 
 @dataclass

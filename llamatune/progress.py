@@ -24,12 +24,15 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
 
 
 class _TrainDisplay:
-    """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it."""
+    """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it;
+    `show.refresh(state)` redraws the last status with the state's new validation loss."""
 
     def __init__(self, progress: Progress | None, task):
         self.progress, self.task = progress, task
+        self.last: tuple | None = None        # (loss, lr, gnorm, tps) of the last update
 
     def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
+        self.last = (loss, lr, gnorm, tps)
         if self.progress is None:
             return
         status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
@@ -38,6 +41,10 @@ class _TrainDisplay:
         if v is not None and v.last_loss is not None:
             status += f"  val {v.last_loss:.4f}"
         self.progress.update(self.task, completed=state.iteration, status=status)
+
+    def refresh(self, state) -> None:
+        if self.last is not None:
+            self(state, *self.last)
 
     def line(self, text: str) -> None:
         if self.progress is not None:

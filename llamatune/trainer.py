@@ -145,6 +145,7 @@ def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainStat
     loss = validator.loss(graph)
     improved = vs.record(state.iteration, loss)
     metrics.eval(state.iteration, loss)
+    show.refresh(state)
     text = f"step {state.iteration}: val loss {loss:.4f}"
     text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
     if improved and job.opts.save_best:

@@ -362,7 +362,9 @@ def test_progress_line_shows_the_validation_loss():
         show = _TrainDisplay(progress, progress.add_task("train", total=10, status=""))
         state = ckpt.TrainState(iteration=6, loss_ema=2.0, validation=ValidationState(2.5, 3, 1, 2.75, 6, 0))
         show(state, 2.0, 1e-3, 0.5, 100.0)
-    assert "loss 2.0000 (avg 2.0000)" in console.file.getvalue() and "val 2.7500" in console.file.getvalue()
+        state.validation.record(6, 2.25)                      # an evaluation after the step's update
+        show.refresh(state)
+    assert "loss 2.0000 (avg 2.0000)" in console.file.getvalue() and "val 2.2500" in console.file.getvalue()
 
 
 def test_train_from_scratch_keeps_the_best_model(tmp_path, tiny_model):
