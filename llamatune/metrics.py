@@ -6,8 +6,8 @@ reports, written as JSON lines so a running or killed run's file stays readable.
     {"step": 12, "val_loss": 2.47}
 
 `step` is the number of optimizer steps done (0 before the first), `tokens` the loss
-targets trained on so far, `tokens_per_s` the rate of this step alone (context positions
-per second, as the progress line counts them). A resumed run first keeps only the lines
+targets trained on so far, `tokens_per_s` the loss targets of this step per second of
+it (padding does not count, so packed and padded batches compare fairly). A resumed run first keeps only the lines
 up to its checkpoint's step (a half-written last line included in what is dropped) and
 then appends, so a killed and resumed run leaves the same file as one uninterrupted run,
 timings aside.
@@ -64,10 +64,11 @@ class MetricsLog:
         """Start the clock of one optimizer step (evaluations and saves are not timed)."""
         self._t = time.perf_counter()
 
-    def step(self, state, loss: float, lr: float, grad_norm: float, tokens_per_step: int) -> None:
+    def step(self, state, loss: float, lr: float, grad_norm: float, n_targets: int) -> None:
+        """One optimizer step that trained on n_targets loss targets."""
         seconds = max(time.perf_counter() - self._t, 1e-9)
         self._write({"step": state.iteration, "loss": _number(loss), "lr": float(lr),
-                     "grad_norm": _number(grad_norm), "tokens_per_s": round(tokens_per_step / seconds, 1),
+                     "grad_norm": _number(grad_norm), "tokens_per_s": round(n_targets / seconds, 1),
                      "tokens": int(state.token_count)})
 
     def eval(self, step: int, val_loss: float) -> None:

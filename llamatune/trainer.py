@@ -236,7 +236,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             losses.append(loss)
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
-            metrics.step(state, loss, lr, gnorm, tokens_per_step)
+            metrics.step(state, loss, lr, gnorm, n_targets)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
             if validator is not None and validator.due(state.iteration, done):
                 t_eval = time.perf_counter()
