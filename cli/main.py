@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from llamatune.plot import SMOOTH   # light: plot.py imports matplotlib only when drawing
+
 app = typer.Typer(
     name="llamatune",
     help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
@@ -204,7 +206,7 @@ def plot(
     metrics: Path = typer.Argument(..., help="Metrics log written by training (metrics.jsonl)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG to write (default: the metrics "
                                           "file with .png in place of its extension)."),
-    smooth: float = typer.Option(0.9, "--smooth", help="Weight of the moving average drawn over the training "
+    smooth: float = typer.Option(SMOOTH, "--smooth", help="Weight of the moving average drawn over the training "
                                  "loss, in [0, 1) (0: no smoothing)."),
     log_y: bool = typer.Option(False, "--log-y", help="Logarithmic loss axis."),
     title: Optional[str] = typer.Option(None, "--title", help="Plot title (default: the metrics file's name)."),

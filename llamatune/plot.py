@@ -4,7 +4,8 @@ Reads the metrics log (metrics.py). Training loss is drawn raw (thin) and smooth
 with TensorBoard's debiased exponential moving average; validation loss as points
 joined by a line, its lowest value marked. matplotlib is an optional extra
 (`pip install 'llamatune[plot]'`), imported only when a plot is drawn, on its
-non-interactive Agg backend.
+non-interactive Agg backend; the module itself imports nothing heavy, so the command
+line can take its defaults from here.
 """
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from .errors import LlamatuneError
 
 INSTALL_HINT = "pip install 'llamatune[plot]' (or pip install matplotlib)"
+SMOOTH = 0.9        # weight of the moving average over the training loss
 
 
 @dataclass
@@ -56,13 +56,13 @@ def read_metrics(path: Path) -> Curves:
     return c
 
 
-def smoothed(values: list[float], weight: float) -> np.ndarray:
+def smoothed(values: list[float], weight: float) -> list[float]:
     """Debiased exponential moving average (TensorBoard's smoothing): with weight w,
     ema_i = w ema_{i-1} + (1 - w) x_i, divided by 1 - w^(i+1) so it starts at x_0."""
-    out, ema = np.empty(len(values)), 0.0
+    out, ema = [], 0.0
     for i, x in enumerate(values):
         ema = weight * ema + (1 - weight) * x
-        out[i] = ema / (1 - weight ** (i + 1))
+        out.append(ema / (1 - weight ** (i + 1)))
     return out
 
 
@@ -76,7 +76,7 @@ def _pyplot():
     return plt
 
 
-def plot_metrics(path: Path, out: Path, smooth: float = 0.9, log_y: bool = False, title: str | None = None) -> Path:
+def plot_metrics(path: Path, out: Path, smooth: float = SMOOTH, log_y: bool = False, title: str | None = None) -> Path:
     """Draw the curves of the metrics log `path` into the PNG `out`; returns `out`."""
     if not 0 <= smooth < 1:
         raise LlamatuneError(f"--smooth {smooth}: must be in [0, 1)")
@@ -91,7 +91,7 @@ def plot_metrics(path: Path, out: Path, smooth: float = 0.9, log_y: bool = False
         if c.val_steps:
             ax.plot(c.val_steps, c.val_loss, color="tab:orange", marker="o", markersize=4, linewidth=1.5,
                     label="validation loss")
-            k = int(np.argmin(c.val_loss))
+            k = c.val_loss.index(min(c.val_loss))
             ax.plot([c.val_steps[k]], [c.val_loss[k]], color="tab:red", marker="*", markersize=14, linestyle="none",
                     label=f"best validation loss {c.val_loss[k]:.4f} (step {c.val_steps[k]})")
         if log_y:
