@@ -7,9 +7,10 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), llamatune.validation (JSON:
-       best validation loss, its step, evaluations since; only with validation; older
-       checkpoints without it load with a fresh validation state), the model's `{arch}.*`
+       shuffle generator state), llamatune.guard_state (JSON: divergence guard
+       history, absent in older files), training.loss_ema (f32), llamatune.validation
+       (JSON: best validation loss, its step, evaluations since; only with validation;
+       older checkpoints without it load with a fresh validation state), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -48,6 +49,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    guard: dict | None = None   # divergence guard history (guard.Guard.state)
     validation: ValidationState | None = None
 
 
@@ -79,7 +81,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.token_count", state.token_count, VType.UINT64),
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
-           kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
+           kv("llamatune.data_state", json.dumps(state.data_state or {})),
+           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
     if state.validation is not None:
         kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
@@ -142,13 +145,14 @@ def load(path: Path) -> Checkpoint:
     try:
         options = json.loads(f.require("llamatune.options"))
         data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
+        guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
         val = f.get("llamatune.validation")
         validation = None if val is None else ValidationState.from_dict(json.loads(val))
     except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, validation)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, guard, validation)
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 

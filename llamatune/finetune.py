@@ -19,6 +19,7 @@ from .weights import FrozenBase
 from .lora import init_lora, lora_specs, lora_targets, to_adapter
 from .model import Model
 from .options import FinetuneOptions
+from .outputs import check_training_paths
 from .params import ParamBuffer
 from .trainer import Job, TrainResult, run
 from .validation import validation_samples
@@ -44,6 +45,7 @@ def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
+    check_training_paths(o)
     read_training_text(o.train_data)                  # a missing or unreadable file fails before the model loads
     model = Model(o.model_base)
     cfg = model.config
@@ -72,7 +74,8 @@ def build_job(o: FinetuneOptions) -> Job:
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes, backend=backend, val_samples=val_samples)
+               scratch_bytes=model.dequantizer.nbytes, backend=backend,
+               output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

@@ -35,8 +35,9 @@ class _TrainDisplay:
         self.last = (loss, lr, gnorm, tps)
         if self.progress is None:
             return
-        status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
-                  f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
+        skipped = (state.guard or {}).get("bad_total", 0)      # steps the divergence guard skipped
+        status = (f"epoch {state.epoch}  " + (f"skipped {skipped}  " if skipped else "")
+                  + f"loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  |g| {gnorm:.3f}  {tps:,.0f} tok/s")
         v = state.validation
         if v is not None and v.last_loss is not None:
             status += f"  val {v.last_loss:.4f}"

@@ -386,8 +386,9 @@ def test_train_from_scratch_keeps_the_best_model(tmp_path, tiny_model):
     (dict(val_split=1.0), r"--val-split 1.0: must be in \[0, 1\)"),
     (dict(val_split=-0.1), r"--val-split -0.1: must be in \[0, 1\)"),
     (dict(val_split=0.1, val_data="v.txt"), r"--val-data and --val-split: give only one"),
-    (dict(eval_every=-1), r"--eval-every -1: must be 0 or more"),
-    (dict(early_stop=-2), r"--early-stop -2: must be 0 or more"),
+    (dict(val_split=float("nan")), r"--val-split nan: must be a finite number"),
+    (dict(eval_every=-1), r"--eval-every -1: must be at least 0"),
+    (dict(early_stop=-2), r"--early-stop -2: must be at least 0"),
     (dict(save_best=True), r"--save-best needs validation samples: give --val-data or --val-split"),
     (dict(early_stop=3), r"--early-stop needs validation samples"),
     (dict(save_best=True, val_split=0.1, checkpoint_out="chk.gguf"),
@@ -407,9 +408,24 @@ def test_scratch_save_best_needs_iteration_in_model_out():
 def test_data_errors(tmp_path, tiny_model):
     with pytest.raises(LlamatuneError, match=r"missing.txt: validation data file not found"):
         finetune(options(tmp_path, tiny_model, val_split=0.0, val_data=tmp_path / "missing.txt"), quiet=True)
-    (tmp_path / "one.txt").write_text("just one sample")
     with pytest.raises(LlamatuneError, match=r"--val-split 0.25: 1 sample\(s\) leave none for training"):
-        finetune(options(tmp_path, tiny_model, train_data=tmp_path / "one.txt", sample_start=""), quiet=True)
+        finetune(options(tmp_path, tiny_model, sample_start="no such start"), quiet=True)   # the whole text: 1 sample
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(metrics_out="{tmp}/train.txt"), r"--metrics-out .*train.txt would overwrite the input --train-data"),
+    (dict(val_split=0.0, val_data="{tmp}/adapter-LATEST.gguf"),
+     r"--lora-out .*adapter-ITERATION.gguf would overwrite the input --val-data"),
+    (dict(save_best=True, fn_latest="BEST"), r"--checkpoint-out .*chk-ITERATION.gguf and --checkpoint-out "
+                                               r".*chk-BEST.gguf would overwrite each other"),
+    (dict(metrics_out="{tmp}/adapter-LATEST.gguf"), r"--lora-out .* and --metrics-out .* would overwrite each other"),
+])
+def test_validation_and_metrics_files_are_checked_before_training(tmp_path, tiny_model, over, match):
+    over = {k: Path(v.replace("{tmp}", str(tmp_path))) if isinstance(v, str) and "{tmp}" in v else v
+            for k, v in over.items()}
+    with pytest.raises(LlamatuneError, match=match):
+        finetune(options(tmp_path, tiny_model, **over), quiet=True)
+    assert not list(tmp_path.glob("*.gguf")) and not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_corrupt_validation_state_in_a_checkpoint(tmp_path, tiny_model):
