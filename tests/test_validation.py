@@ -30,7 +30,6 @@ from llamatune.plot import read_metrics, smoothed
 from llamatune.validation import ValidationState, eval_pieces, split_samples
 
 from conftest import TEXT
-from test_cuda_e2e import cuda, micro_model  # noqa: F401  (fixtures)
 
 VAL_TEXT = ("First Citizen:\nWe are accounted poor citizens, the patricians good.\n\n"
             "First Citizen:\nWhat authority surfeits on would relieve us.\n\n"
@@ -99,28 +98,6 @@ def test_graph_loss_is_the_steps_forward_without_dropout_or_gradient(tmp_path, t
     fresh = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
     assert with_dropout == fresh.step(inputs, tg, w, key=(3,)) != loss
     np.testing.assert_array_equal(params.grad, grads)
-
-
-@pytest.mark.cuda
-def test_graph_loss_on_cuda_matches_cpu(cuda, micro_model):
-    from llamatune.backend import cpu
-    model = Model(micro_model)
-    cfg = model.config
-    targets = lora_targets(cfg, {"attn_q": 2, "ffn_down": 2, "output": 2}, 2.0, tied=False)
-    rng = np.random.default_rng(0)
-    inputs, labels = rng.integers(0, cfg.n_vocab, (1, 6)), rng.integers(0, cfg.n_vocab, (1, 6))
-    w = np.ones((1, 6), np.float32)
-    results = []
-    for backend in (cpu(), cuda):
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(1))
-        params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
-        if backend is not cpu():
-            params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, lora_dropout=0.2, backend=backend)
-        results.append(g.loss(inputs, labels, w))
-        assert not params.host(params.grad).any()
-    assert results[1] == pytest.approx(results[0], rel=1e-5)
 
 
 # ---------------------------------------------------------------- the validation set
