@@ -98,6 +98,10 @@ def test_graph_loss_is_the_steps_forward_without_dropout_or_gradient(tmp_path, t
     fresh = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
     assert with_dropout == fresh.step(inputs, tg, w, key=(3,)) != loss
     np.testing.assert_array_equal(params.grad, grads)
+    packing = dict(positions=np.tile([0, 1, 2, 0, 1, 2, 3, 0], (2, 1)), segments=np.tile([0, 0, 0, 1, 1, 1, 1, 2], (2, 1)))
+    packed = plain.step(inputs, tg, w, **packing)                              # packed rows: the same forward
+    assert plain.loss(inputs, tg, w, **packing) == packed != loss
+    assert plain.loss(inputs, tg, w) == loss                                   # and back to one sample per row
 
 
 # ---------------------------------------------------------------- the validation set
