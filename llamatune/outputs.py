@@ -133,20 +133,27 @@ def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out
 
 
 def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Path | None]], list[Out]]:
-    """Inputs and outputs of `finetune` / `train-from-scratch` from their options."""
-    latest = opts.fn_latest
-    inputs = [("--train-data", opts.train_data), ("--checkpoint-in", opts.checkpoint_in),
-              ("--model-base", getattr(opts, "model_base", None)),
-              ("--vocab-model", getattr(opts, "vocab_model", None)), ("--config", preset),
-              ("--val-data", opts.val_data)]
-    outputs = [Out("--checkpoint-out", Path(opts.checkpoint_out), latest)]
-    for name in ("lora_out", "model_out"):
-        if getattr(opts, name, None) is not None:
-            outputs.append(Out("--" + name.replace("_", "-"), Path(getattr(opts, name)), latest))
-    if opts.save_best:                  # the BEST copies of the checkpoint and outputs
-        outputs += [Out(o.label, Path(str(o.path).replace(ITERATION, "BEST"))) for o in list(outputs)]
+    """Inputs and outputs of a training command, from its option fields: a path option
+    named `*_out` is an output (ITERATION forms included), every other one an input;
+    with --save-best also the BEST forms, and the metrics log and its plot."""
+    from dataclasses import fields
+    from .options import cli_flag
+    inputs: list[tuple[str, Path | None]] = [("--config", preset)]
+    outputs: list[Out] = []
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if "Path" not in str(f.type) or value is None:
+            continue
+        if f.name.endswith("_out"):
+            outputs.append(Out(cli_flag(f), Path(value), opts.fn_latest))
+        else:
+            inputs.append((cli_flag(f), Path(value)))
+    if opts.save_best:
+        outputs += [Out(o.label, Path(str(o.path).replace(ITERATION, "BEST"))) for o in list(outputs)
+                    if ITERATION in str(o.path)]
     metrics = metrics_path(opts)
-    outputs.append(Out("--metrics-out", metrics))
+    if opts.metrics_out is None:                    # the default log beside the checkpoints
+        outputs.append(Out("--metrics-out", metrics))
     if opts.plot:
         outputs.append(Out("--metrics-out (its plot)", metrics.with_suffix(".png")))
     return inputs, outputs

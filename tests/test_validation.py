@@ -399,7 +399,7 @@ def test_data_errors(tmp_path, tiny_model):
      r"--lora-out .*adapter-ITERATION.gguf would overwrite the input --val-data"),
     (dict(save_best=True, fn_latest="BEST"), r"--checkpoint-out .*chk-ITERATION.gguf and --checkpoint-out "
                                                r".*chk-BEST.gguf would overwrite each other"),
-    (dict(metrics_out="{tmp}/adapter-LATEST.gguf"), r"--lora-out .* and --metrics-out .* would overwrite each other"),
+    (dict(metrics_out="{tmp}/adapter-LATEST.gguf"), r"--metrics-out .* and --lora-out .* would overwrite each other"),
 ])
 def test_validation_and_metrics_files_are_checked_before_training(tmp_path, tiny_model, over, match):
     over = {k: Path(v.replace("{tmp}", str(tmp_path))) if isinstance(v, str) and "{tmp}" in v else v
