@@ -45,6 +45,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    ranks: int = 1              # data-parallel ranks that wrote it (the global batch is grad_acc x ranks)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -75,7 +76,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.token_count", state.token_count, VType.UINT64),
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
-           kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
+           kv("llamatune.data_state", json.dumps(state.data_state or {})),
+           kv("llamatune.ranks", int(state.ranks))] + list(model_kvs)
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -140,16 +142,21 @@ def load(path: Path) -> Checkpoint:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, int(f.get("llamatune.ranks", 1)))
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 
 
-def check_frozen_options(ckpt: Checkpoint, opts) -> None:
-    """Options that define the trajectory (shapes, data, ranks...) must not change on resume."""
+def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
+    """Options that define the trajectory (shapes, data, ranks...) must not change on resume.
+    For gradient accumulation what is frozen is the global batch, --grad-acc x data-parallel
+    ranks: a run saved by K ranks resumes with any other number of ranks."""
     changed = []
+    if "grad_acc" in ckpt.options and ckpt.options["grad_acc"] * ckpt.state.ranks != opts.grad_acc * ranks:
+        changed.append(f"micro-batches per step (--grad-acc x ranks) {ckpt.options['grad_acc']} x {ckpt.state.ranks} "
+                       f"-> {opts.grad_acc} x {ranks}")
     for fld in dataclasses.fields(opts):
-        if fld.metadata.get("frozen") and fld.name in ckpt.options:
+        if fld.metadata.get("frozen") and fld.name in ckpt.options and fld.name != "grad_acc":
             now = getattr(opts, fld.name)
             now = str(now) if isinstance(now, Path) else now
             if now != ckpt.options[fld.name]:

@@ -72,6 +72,9 @@ class TrainOptions:
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
     fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
     save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+    # ---- data parallelism (distributed.py)
+    mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
+    mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
 
 
 @dataclass
@@ -201,6 +204,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if not o.adam_alpha > 0:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
+    if o.mpi_check_every < 0:
+        bad(f"--mpi-check-every {o.mpi_check_every}: must be 0 or more")
     if o.save_every < 0:
         bad(f"--save-every {o.save_every}: must be 0 or more")
     if isinstance(o, FinetuneOptions):

@@ -16,6 +16,7 @@ from typing import Callable
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import ModelConfig
 from .console import err, notice
 from .data import Batcher, Samples, describe
@@ -85,7 +86,7 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
         if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
             raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
-        ckpt.check_frozen_options(c, o)
+        ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
         c.load_into(job.params)
         if c.state.data_state:
             batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
@@ -99,6 +100,9 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
 
 def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
     o = job.opts
+    if not distributed.current().is_root:         # rank 0 alone writes files
+        return []
+    state.ranks = distributed.current().size
     state.data_state = batcher.state()
     files = []
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
@@ -116,10 +120,13 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
 
 def run(job: Job, quiet: bool = False) -> TrainResult:
     o = job.opts
+    world = distributed.setup(o)                   # MPI ranks when launched by mpiexec/srun
+    quiet = quiet or not world.is_root
     if o.threads > 0:
         import numba
         numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
     batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
     if backend.name != "cpu":
@@ -133,6 +140,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {gib(need)} "
                   f"(activations {gib(graph.activation_bytes())}, parameters+optimizer {gib(job.params.nbytes)}, "
                   f"base model {gib(job.mapped_bytes)} mapped)" + (f", available {gib(have)}" if have else ""))
+        if world.size > 1:
+            err.print(distributed.memory_line(world, need))
     if have is not None and need > have:
         raise LlamatuneError(f"training needs about {gib(need)} but only {gib(have)} is available: lower --batch "
                              f"or --ctx, or keep --use-checkpointing on")
@@ -142,21 +151,23 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
 
     losses: list[float] = []
     files: list[Path] = []
-    tokens_per_step = o.batch * o.ctx * o.grad_acc
+    tokens_per_step = o.batch * o.ctx * o.grad_acc * world.size
+    grads = distributed.GradientSum(world, job.params)
+    distributed.check_identical_parameters(world, job.params, state.iteration)
     t0 = time.perf_counter()
     from .progress import train_progress
     with train_progress(o.adam_iter, state.iteration, quiet) as show:
         while state.iteration < o.adam_iter:
             step = state.iteration
             job.params.zero_grad()
-            batches = [batcher.next_batch() for _ in range(o.grad_acc)]
+            batches = [batcher.next_batch() for _ in range(o.grad_acc * world.size)]   # the global batch
             n_targets = sum(b.n_targets for b in batches)
             if n_targets == 0:
                 raise LlamatuneError("a training step has no loss targets (samples too short?)")
-            loss = 0.0
-            for micro, b in enumerate(batches):
+            for micro, b in grads.mine(batches):        # this rank's micro-batches; micro: global index
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-                loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro))
+                grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro)))
+            loss = grads.finish()                      # gradient and loss summed in global micro-batch order
             if not math.isfinite(loss):
                 raise LlamatuneError(f"loss became {loss} at iteration {step + 1}: lower --adam-alpha")
             lr, gnorm = optimizer_step(job.params, step, o)
@@ -169,10 +180,14 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+            if distributed.checksum_due(o, state.iteration, done):
+                distributed.check_identical_parameters(world, job.params, state.iteration)
             if (o.save_every and state.iteration % o.save_every == 0) or done:
                 files = save_all(job, state, batcher)
                 show.line(f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2]))
             if done:
                 break
     seconds = time.perf_counter() - t0
+    if world.size > 1 and not quiet:
+        notice(distributed.summary(world, len(losses) * tokens_per_step / max(seconds, 1e-9)))
     return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9))
