@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 from .errors import LlamatuneError
@@ -72,6 +73,7 @@ class World:
     bytes_sent: int = 0                         # gradient bytes handed to MPI by this rank
     bytes_received: int = 0                     # gradient bytes received from the other ranks
     steps: int = 0                              # optimizer steps exchanged
+    seconds: float = 0.0                        # spent in the exchange (waiting for other ranks included)
 
     @property
     def is_root(self) -> bool:
@@ -221,8 +223,10 @@ class GradientSum:
             return
         if self.gathered is None:
             self.gathered = np.empty((K, P), np.float32)
+        t = time.perf_counter()
         mine = np.ascontiguousarray(self.params.host(self.params.grad), dtype=np.float32)
         self.world.comm.Allgather(mine, self.gathered)
+        self.world.seconds += time.perf_counter() - t
         self.world.bytes_sent += mine.nbytes
         self.world.bytes_received += (K - 1) * mine.nbytes
         to_device = self._device().to_device
@@ -247,7 +251,8 @@ def summary(world: World, tokens_per_second: float) -> str:
     per_step = world.bytes_sent / max(world.steps, 1)
     return (f"{world.size} MPI ranks: {tokens_per_second:,.0f} tokens/s in total, "
             f"{tokens_per_second / world.size:,.0f} per rank; each rank sent {per_step / 2**20:.2f} MiB "
-            f"and received {world.bytes_received / max(world.steps, 1) / 2**20:.2f} MiB of gradients per step")
+            f"and received {world.bytes_received / max(world.steps, 1) / 2**20:.2f} MiB of gradients per step "
+            f"({world.seconds / max(world.steps, 1) * 1e3:.1f} ms per step in the exchange, waits included)")
 
 
 def memory_line(world: World, need: int) -> str:

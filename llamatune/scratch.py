@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import distributed
 from .backend import get_backend
 from .config import ModelConfig
 from .console import notice
@@ -100,4 +101,5 @@ def build_job(o: ScratchOptions) -> Job:
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)

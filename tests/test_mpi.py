@@ -113,6 +113,19 @@ def test_two_ranks_train_the_adapter_of_one_process_with_grad_acc_2(tmp_path, ti
     assert f"each rank sent {n_params * 4 / 2**20:.2f} MiB" in r.stderr
 
 
+def test_train_from_scratch_on_two_ranks_writes_the_model_of_one_process(tmp_path, tiny_model, launcher):
+    (tmp_path / "train.txt").write_text(TEXT)
+    args = ["train-from-scratch", "--vocab-model", str(tiny_model), "--train-data", str(tmp_path / "train.txt"),
+            "--embd", "32", "--head", "4", "--layer", "1", "-c", "16", "-b", "2", "--adam-iter", "3",
+            "--save-every", "0", "--warmup", "1"]
+    out = lambda d: ["--checkpoint-out", str(tmp_path / d / "chk-ITERATION.gguf"),  # noqa: E731
+                     "--model-out", str(tmp_path / d / "model-ITERATION.gguf")]
+    run(CLI + args + out("one") + ["--grad-acc", "2"])
+    run(launcher + CLI + args + out("two"))
+    assert (tmp_path / "one" / "model-3.gguf").read_bytes() == (tmp_path / "two" / "model-3.gguf").read_bytes()
+    assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
+
+
 def test_checkpoints_resume_with_another_number_of_ranks(tmp_path, tiny_model, launcher, single):
     """2 ranks for 2 steps, then 1 process to step 4 (and the reverse): the single run's trajectory."""
     run(launcher + CLI + train_args(tmp_path, tiny_model, "a", **{"adam-iter": 2}))
