@@ -255,6 +255,13 @@ def summary(world: World, tokens_per_second: float) -> str:
             f"({world.seconds / max(world.steps, 1) * 1e3:.1f} ms per step in the exchange, waits included)")
 
 
-def memory_line(world: World, need: int) -> str:
-    return (f"MPI: {world.size} ranks x --batch per micro-batch; memory estimate {need / 2**30:.2f} GiB per rank, "
-            f"{world.size * need / 2**30:.2f} GiB in total (the mapped base model is shared by ranks on one machine)")
+def exchange_bytes(world: World, n_params: int) -> int:
+    """Host buffers of the gradient exchange: the running sum and the gathered gradients."""
+    return 0 if world.size == 1 else (1 + world.size) * 4 * n_params
+
+
+def memory_line(world: World, need: int, n_params: int) -> str:
+    per_rank = need + exchange_bytes(world, n_params)
+    return (f"MPI: {world.size} ranks, --batch samples per rank and micro-batch; memory estimate "
+            f"{per_rank / 2**30:.2f} GiB per rank with the gradient exchange, {world.size * per_rank / 2**30:.2f} GiB "
+            f"in total (ranks on one machine share the mapped base model's pages)")

@@ -141,7 +141,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                   f"(activations {gib(graph.activation_bytes())}, parameters+optimizer {gib(job.params.nbytes)}, "
                   f"base model {gib(job.mapped_bytes)} mapped)" + (f", available {gib(have)}" if have else ""))
         if world.size > 1:
-            err.print(distributed.memory_line(world, need))
+            err.print(distributed.memory_line(world, need, job.params.size))
     if have is not None and need > have:
         raise LlamatuneError(f"training needs about {gib(need)} but only {gib(have)} is available: lower --batch "
                              f"or --ctx, or keep --use-checkpointing on")
