@@ -156,7 +156,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     distributed.check_identical_parameters(world, job.params, state.iteration)
     t0 = time.perf_counter()
     from .progress import train_progress
-    with train_progress(o.adam_iter, state.iteration, quiet) as show:
+    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show:
         while state.iteration < o.adam_iter:
             step = state.iteration
             job.params.zero_grad()
