@@ -7,7 +7,8 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), the model's `{arch}.*`
+       shuffle generator state), training.loss_ema (f32), llamatune.ranks (MPI ranks
+       that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the

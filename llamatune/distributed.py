@@ -16,11 +16,12 @@ train the adapter one process trains, to the last bit, and all ranks hold the
 same parameters after each step (verified by a checksum every
 `--mpi-check-every` steps). The logged loss is summed the same way.
 
-This module imports numpy only inside functions: `share_cores` runs from the
-package's __init__, before numpy loads. Nothing here imports mpi4py unless the process was started by an MPI launcher
-(and `--no-mpi` was not given). Only rank 0 prints and writes files; a rank that
-raises aborts the whole job (MPI_Abort) after printing its error, and a rank that
-dies is reaped by the launcher, which ends the others.
+Nothing here imports mpi4py unless the process was started by an MPI launcher
+(and `--no-mpi` was not given), and numpy is imported only inside functions:
+`share_cores` runs from the package's __init__, before numpy loads. Only rank 0
+prints and writes files; a rank that raises prints its error and aborts the whole
+job (MPI_Abort); a rank that dies is reaped by the launcher, which ends the others.
+See docs/distributed.md.
 """
 from __future__ import annotations
 
@@ -183,7 +184,7 @@ class GradientSum:
     world: World
     params: object                               # params.ParamBuffer
     acc: object = None                           # (P,) running sum, on the parameters' device
-    gathered: np.ndarray | None = None           # (K, P) host buffer for Allgather
+    gathered: np.ndarray | None = None           # (K, P) host buffer for Allgather (the gradient's dtype)
     losses: list = field(default_factory=list)   # losses of this step's micro-batches, in global order
     n_micro: int = 0                             # micro-batches in the global batch of this step
     first: bool = True                           # no micro-batch folded into acc yet this step
@@ -221,10 +222,10 @@ class GradientSum:
                 self._fold(self.params.grad)
                 self.params.zero_grad()
             return
-        if self.gathered is None:
-            self.gathered = np.empty((K, P), np.float32)
         t = time.perf_counter()
-        mine = np.ascontiguousarray(self.params.host(self.params.grad), dtype=np.float32)
+        mine = np.ascontiguousarray(self.params.host(self.params.grad))
+        if self.gathered is None:
+            self.gathered = np.empty((K, P), mine.dtype)
         self.world.comm.Allgather(mine, self.gathered)
         self.world.seconds += time.perf_counter() - t
         self.world.bytes_sent += mine.nbytes
