@@ -25,9 +25,11 @@ See docs/distributed.md.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -75,14 +77,28 @@ class World:
     bytes_received: int = 0                     # gradient bytes received from the other ranks
     steps: int = 0                              # optimizer steps exchanged
     seconds: float = 0.0                        # spent in the exchange (waiting for other ranks included)
+    timeout: float = 0.0                        # seconds a collective may wait for the others (0: forever)
+    waiting: tuple | None = None                # (what, since) while inside a collective
 
     @property
     def is_root(self) -> bool:
         return self.rank == 0
 
-    def allgather(self, value):
+    @contextlib.contextmanager
+    def watch(self, what: str):
+        """Mark a collective call, so the watchdog can end the job if another rank never arrives."""
+        self.waiting = (what, time.monotonic())
+        try:
+            yield
+        finally:
+            self.waiting = None
+
+    def allgather(self, value, what: str = "start-up checks"):
         """Small Python objects from every rank, in rank order."""
-        return [value] if self.comm is None else self.comm.allgather(value)
+        if self.comm is None:
+            return [value]
+        with self.watch(what):
+            return self.comm.allgather(value)
 
 
 _WORLD = World()
@@ -107,9 +123,12 @@ def setup(opts) -> World:
         raise LlamatuneError("started by an MPI launcher but mpi4py is not installed: pip install "
                              "'llamatune[mpi]' (or pass --no-mpi to train as independent processes)") from None
     comm = MPI.COMM_WORLD
-    _WORLD = World(comm.Get_rank(), comm.Get_size(), comm if comm.Get_size() > 1 else None)
+    _WORLD = World(comm.Get_rank(), comm.Get_size(), comm if comm.Get_size() > 1 else None,
+                   timeout=float(getattr(opts, "mpi_timeout", 0)))
     if _WORLD.size > 1:
         sys.excepthook = _abort_on_uncaught
+        if _WORLD.timeout > 0:
+            threading.Thread(target=_watchdog, args=(_WORLD,), name="mpi-watchdog", daemon=True).start()
         if not _WORLD.is_root:                  # rank 0 alone prints; errors still reach stderr
             from .console import err, out
             err.quiet = out.quiet = True
@@ -131,6 +150,18 @@ def error_prefix() -> str:
 def _abort_on_uncaught(kind, value, tb) -> None:
     sys.__excepthook__(kind, value, tb)
     abort_job(1)
+
+
+def _watchdog(world: World) -> None:
+    """A rank that hangs without dying (stopped, stuck in I/O, deadlocked) is not noticed by
+    the launcher; the others would wait in the next collective for ever. End the job instead."""
+    while True:
+        time.sleep(min(1.0, world.timeout / 4))
+        waiting = world.waiting
+        if waiting is not None and time.monotonic() - waiting[1] > world.timeout:
+            print(f"error: rank {world.rank}: the other ranks did not join the {waiting[0]} within "
+                  f"--mpi-timeout {world.timeout:g} s (a rank hung?): ending the job", file=sys.stderr)
+            abort_job(1)
 
 
 # --------------------------------------------------------------------------- start-up checks
@@ -160,7 +191,7 @@ def parameter_checksum(params) -> str:
 def check_identical_parameters(world: World, params, iteration: int) -> None:
     if world.size == 1:
         return
-    sums = world.allgather(parameter_checksum(params))
+    sums = world.allgather(parameter_checksum(params), "parameter checksum")
     odd = [r for r, s in enumerate(sums) if s != sums[0]]
     if odd:
         raise LlamatuneError(f"parameters differ between ranks after iteration {iteration} (rank 0 vs rank(s) "
@@ -226,14 +257,15 @@ class GradientSum:
         mine = np.ascontiguousarray(self.params.host(self.params.grad))
         if self.gathered is None:
             self.gathered = np.empty((K, P), mine.dtype)
-        self.world.comm.Allgather(mine, self.gathered)
+        with self.world.watch("gradient exchange"):
+            self.world.comm.Allgather(mine, self.gathered)
         self.world.seconds += time.perf_counter() - t
         self.world.bytes_sent += mine.nbytes
         self.world.bytes_received += (K - 1) * mine.nbytes
         to_device = self._device().to_device
         for g in self.gathered:                    # global order: m = round*K + rank
             self._fold(to_device(g))
-        self.losses += self.world.allgather(loss)
+        self.losses += self.world.allgather(loss, "gradient exchange")
         self.params.zero_grad()
 
     def finish(self) -> float:

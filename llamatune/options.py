@@ -75,6 +75,7 @@ class TrainOptions:
     # ---- data parallelism (distributed.py)
     mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
     mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
+    mpi_timeout: float = opt(600.0, "Under MPI: end the job when the other ranks do not join an exchange within this many seconds (a hung rank; 0: wait for ever).", G_MEM)
 
 
 @dataclass
@@ -204,6 +205,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if not o.adam_alpha > 0:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
+    if o.mpi_timeout < 0:
+        bad(f"--mpi-timeout {o.mpi_timeout}: must be 0 or more")
     if o.mpi_check_every < 0:
         bad(f"--mpi-check-every {o.mpi_check_every}: must be 0 or more")
     if o.save_every < 0:

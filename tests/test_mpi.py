@@ -161,14 +161,17 @@ def _pid_of_rank(rank: int, tag: str) -> int | None:
     return None
 
 
-def test_a_killed_rank_ends_the_job_and_latest_stays_loadable(tmp_path, tiny_model, launcher):
+def _signal_rank_mid_run(tmp_path, tiny_model, launcher, sig, **over) -> tuple[str, float]:
+    """Start a long 2-rank run that saves every step, send `sig` to rank 1 once LATEST is at
+    iteration 3 or more; return (the launcher's stderr, seconds until the job ended)."""
     if not Path("/proc/self/environ").exists():
         pytest.skip("needs /proc to find a rank's process")
     tag = str(tmp_path)
-    cmd = launcher + CLI + train_args(tmp_path, tiny_model, "out", **{"adam-iter": 100000, "save-every": 1})
+    cmd = launcher + CLI + train_args(tmp_path, tiny_model, "out", **{"adam-iter": 100000, "save-every": 1, **over})
     p = subprocess.Popen(cmd, env={**ENV, "LLAMATUNE_TEST_JOB": tag}, stdout=subprocess.DEVNULL,
                          stderr=subprocess.PIPE, text=True)
     latest = tmp_path / "out" / "chk-LATEST.gguf"
+    pid = None
     try:
         deadline = time.time() + 180
         while time.time() < deadline:                         # until it has saved a few steps
@@ -180,17 +183,33 @@ def test_a_killed_rank_ends_the_job_and_latest_stays_loadable(tmp_path, tiny_mod
             time.sleep(0.05)
         pid = _pid_of_rank(1, tag)
         assert pid is not None, "rank 1 not found"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         t = time.time()
-        _, stderr = p.communicate(timeout=30)
+        _, stderr = p.communicate(timeout=60)
         ended_after = time.time() - t
     finally:
         if p.poll() is None:
             p.kill()
-    assert p.returncode != 0 and ended_after < 10
-    assert re.search(r"signal 9|Killed|KILLED", stderr), stderr[-1000:]     # the launcher names the dead rank
+        if pid is not None and sig == signal.SIGSTOP and Path(f"/proc/{pid}").exists():
+            os.kill(pid, signal.SIGKILL)
+    assert p.returncode != 0
     c = ckpt.load(latest)                                     # the last complete checkpoint
     assert c.state.iteration >= 3 and c.state.ranks == 2
+    return stderr, ended_after
+
+
+def test_a_killed_rank_ends_the_job_and_latest_stays_loadable(tmp_path, tiny_model, launcher):
+    stderr, ended_after = _signal_rank_mid_run(tmp_path, tiny_model, launcher, signal.SIGKILL)
+    assert ended_after < 10
+    assert re.search(r"signal 9|Killed|KILLED", stderr), stderr[-1000:]     # the launcher names the dead rank
+
+
+def test_a_hung_rank_ends_the_job_after_mpi_timeout(tmp_path, tiny_model, launcher):
+    """A stopped rank is alive for the launcher; rank 0's watchdog ends the job."""
+    stderr, ended_after = _signal_rank_mid_run(tmp_path, tiny_model, launcher, signal.SIGSTOP, **{"mpi-timeout": 2})
+    assert 2 <= ended_after < 30
+    assert re.search(r"error: rank 0: the other ranks did not join the (gradient exchange|parameter checksum) "
+                     r"within --mpi-timeout 2 s \(a rank hung\?\): ending the job", stderr), stderr[-1000:]
 
 
 # --------------------------------------------------------------------------- in-process, no MPI
@@ -257,10 +276,12 @@ def test_single_process_world_without_mpi(monkeypatch):
     distributed.check_same_job(w, FinetuneOptions(), 1, "x")                  # nothing to compare with
 
 
-def test_mpi_check_every_is_validated():
+def test_mpi_options_are_validated():
     from llamatune.options import validate
     with pytest.raises(LlamatuneError, match=r"--mpi-check-every -1: must be 0 or more"):
         validate(FinetuneOptions(mpi_check_every=-1))
+    with pytest.raises(LlamatuneError, match=r"--mpi-timeout -1.0: must be 0 or more"):
+        validate(FinetuneOptions(mpi_timeout=-1.0))
 
 
 def test_parameters_that_drift_apart_stop_training(tmp_path):
