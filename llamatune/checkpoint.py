@@ -7,8 +7,9 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), llamatune.ranks (MPI ranks
-       that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
+       shuffle generator state), llamatune.guard_state (JSON: divergence guard
+       history, absent in older files), training.loss_ema (f32), llamatune.ranks (MPI
+       ranks that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -46,6 +47,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    guard: dict | None = None   # divergence guard history (guard.Guard.state)
     ranks: int = 1              # data-parallel ranks that wrote it (the global batch is grad_acc x ranks)
 
 
@@ -78,6 +80,7 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {})),
+           kv("llamatune.guard_state", json.dumps(state.guard or {})),
            kv("llamatune.ranks", int(state.ranks))] + list(model_kvs)
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
@@ -139,11 +142,13 @@ def load(path: Path) -> Checkpoint:
     try:
         options = json.loads(f.require("llamatune.options"))
         data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
+        guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
     except json.JSONDecodeError as e:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, int(f.get("llamatune.ranks", 1)))
+                       float(f.get("training.loss_ema", float("nan"))), data_state, guard,
+                       int(f.get("llamatune.ranks", 1)))
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 

@@ -203,6 +203,25 @@ def checksum_due(opts, iteration: int, done: bool) -> bool:
     return done or (every > 0 and iteration % every == 0)
 
 
+# --------------------------------------------------------------------------- micro-batches and losses
+def my_share(world: World, batches: list):
+    """This rank's micro-batches of the global batch, with their global index m
+    (m = rank, rank + K, ...: round j of the step computes m = j*K + rank)."""
+    for m in range(world.rank, len(batches), world.size):
+        yield m, batches[m]
+
+
+def sum_losses(world: World, mine: list[float]) -> float:
+    """The global batch's loss from each rank's micro-batch losses (in `my_share` order),
+    added in global micro-batch order, as one process adds them: 0.0 + l_0 + l_1 + ..."""
+    every = world.allgather(mine, "gradient exchange")
+    loss = 0.0
+    for j in range(len(mine)):
+        for theirs in every:
+            loss += theirs[j]
+    return loss
+
+
 # --------------------------------------------------------------------------- gradients
 @dataclass
 class GradientSum:
@@ -216,7 +235,7 @@ class GradientSum:
     params: object                               # params.ParamBuffer
     acc: object = None                           # (P,) running sum, on the parameters' device
     gathered: np.ndarray | None = None           # (K, P) host buffer for Allgather (the gradient's dtype)
-    losses: list = field(default_factory=list)   # losses of this step's micro-batches, in global order
+    losses: list = field(default_factory=list)   # losses of this rank's micro-batches of this step
     n_micro: int = 0                             # micro-batches in the global batch of this step
     first: bool = True                           # no micro-batch folded into acc yet this step
 
@@ -226,8 +245,7 @@ class GradientSum:
         self.losses = []
         self.first = True
         self.params.zero_grad()
-        for m in range(self.world.rank, len(batches), self.world.size):
-            yield m, batches[m]
+        yield from my_share(self.world, batches)
 
     def _device(self):
         from .backend import cpu
@@ -247,8 +265,8 @@ class GradientSum:
         """params.grad holds this rank's gradient of its micro-batch of this round."""
         import numpy as np
         K, P = self.world.size, self.params.size
+        self.losses.append(loss)
         if K == 1:
-            self.losses.append(loss)
             if self.n_micro > 1:                   # a single micro-batch needs no second buffer
                 self._fold(self.params.grad)
                 self.params.zero_grad()
@@ -265,7 +283,6 @@ class GradientSum:
         to_device = self._device().to_device
         for g in self.gathered:                    # global order: m = round*K + rank
             self._fold(to_device(g))
-        self.losses += self.world.allgather(loss, "gradient exchange")
         self.params.zero_grad()
 
     def finish(self) -> float:
@@ -273,10 +290,7 @@ class GradientSum:
         if self.world.size > 1 or self.n_micro > 1:
             self.params.grad[...] = self.acc
         self.world.steps += 1
-        loss = 0.0
-        for x in self.losses:
-            loss += x
-        return loss
+        return sum_losses(self.world, self.losses)
 
 
 def summary(world: World, tokens_per_second: float) -> str:
