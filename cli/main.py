@@ -35,15 +35,29 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except LlamatuneError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}{e}", file=sys.stderr)
+            _end_job(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            raise typer.Exit(130)
+            _end_job(130)
         except MemoryError:
-            print("error: out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
+            _end_job(1)
     return wrapper
+
+
+def _rank() -> str:
+    """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
+    mod = sys.modules.get("llamatune.distributed")
+    return mod.error_prefix() if mod else ""
+
+
+def _end_job(code: int):
+    """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
+    mod = sys.modules.get("llamatune.distributed")
+    if mod:
+        mod.abort_job(code)
+    raise typer.Exit(code)
 
 
 def read_text(path: Path) -> str:

@@ -10,7 +10,8 @@ Layout (format version 1):
        shuffle generator state), llamatune.guard_state (JSON: divergence guard
        history, absent in older files), training.loss_ema (f32), llamatune.validation
        (JSON: best validation loss, its step, evaluations since; only with validation;
-       older checkpoints without it load with a fresh validation state), the model's `{arch}.*`
+       older checkpoints without it load with a fresh validation state), llamatune.ranks (MPI
+       ranks that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -51,6 +52,7 @@ class TrainState:
     data_state: dict | None = None
     guard: dict | None = None   # divergence guard history (guard.Guard.state)
     validation: ValidationState | None = None
+    ranks: int = 1              # data-parallel ranks that wrote it (the global batch is grad_acc x ranks)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -82,7 +84,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {})),
-           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
+           kv("llamatune.guard_state", json.dumps(state.guard or {})),
+           kv("llamatune.ranks", int(state.ranks))] + list(model_kvs)
     if state.validation is not None:
         kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
@@ -152,16 +155,22 @@ def load(path: Path) -> Checkpoint:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, guard, validation)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, guard, validation,
+                       int(f.get("llamatune.ranks", 1)))
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 
 
-def check_frozen_options(ckpt: Checkpoint, opts) -> None:
-    """Options that define the trajectory (shapes, data, ranks...) must not change on resume."""
+def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
+    """Options that define the trajectory (shapes, data, ranks...) must not change on resume.
+    For gradient accumulation what is frozen is the global batch, --grad-acc x data-parallel
+    ranks: a run saved by K ranks resumes with any other number of ranks."""
     changed = []
+    if "grad_acc" in ckpt.options and ckpt.options["grad_acc"] * ckpt.state.ranks != opts.grad_acc * ranks:
+        changed.append(f"micro-batches per step (--grad-acc x ranks) {ckpt.options['grad_acc']} x {ckpt.state.ranks} "
+                       f"-> {opts.grad_acc} x {ranks}")
     for fld in dataclasses.fields(opts):
-        if fld.metadata.get("frozen") and fld.name in ckpt.options:
+        if fld.metadata.get("frozen") and fld.name in ckpt.options and fld.name != "grad_acc":
             now = getattr(opts, fld.name)
             now = str(now) if isinstance(now, Path) else now
             if now != ckpt.options[fld.name]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import checkpoint as ckpt
+from . import distributed
 from .adapter import write_adapter
 from .console import notice
 from .data import Samples, load_samples, read_text
@@ -79,4 +80,5 @@ def build_job(o: FinetuneOptions) -> Job:
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)

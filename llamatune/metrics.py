@@ -43,10 +43,15 @@ def _number(x: float) -> float | None:
 
 
 class MetricsLog:
-    """Append-only JSON-lines log of a run; `resume_step` > 0 keeps the lines up to that step."""
+    """Append-only JSON-lines log of a run; `resume_step` > 0 keeps the lines up to that step.
+    With write=False (MPI ranks other than 0) nothing is read or written."""
 
-    def __init__(self, path: Path, resume_step: int = 0):
+    def __init__(self, path: Path, resume_step: int = 0, write: bool = True):
         self.path = Path(path)
+        self._file = None
+        self._t = time.perf_counter()
+        if not write:
+            return
         kept: list[str] = []
         if resume_step > 0 and self.path.exists():
             lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
@@ -57,6 +62,8 @@ class MetricsLog:
         self._t = time.perf_counter()
 
     def _write(self, row: dict) -> None:
+        if self._file is None:
+            return
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
 
@@ -75,7 +82,8 @@ class MetricsLog:
         self._write({"step": step, "val_loss": _number(val_loss)})
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "MetricsLog":
         return self

@@ -85,6 +85,10 @@ class TrainOptions:
     early_stop: int = opt(0, "Stop after this many evaluations without a lower validation loss (0: never).", G_VAL)
     metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
     plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
+    # ---- data parallelism (distributed.py)
+    mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
+    mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
+    mpi_timeout: float = opt(600.0, "Under MPI: end the job when the other ranks do not join an exchange within this many seconds (a hung rank; 0: wait for ever).", G_MEM)
 
 
 @dataclass
@@ -292,6 +296,8 @@ def _validate_numbers(o: TrainOptions) -> None:
     check_number("--val-split", o.val_split, 0, 1, hi_open=True)
     check_number("--eval-every", o.eval_every, 0)
     check_number("--early-stop", o.early_stop, 0)
+    check_number("--mpi-check-every", o.mpi_check_every, 0)
+    check_number("--mpi-timeout", o.mpi_timeout, 0)
     if isinstance(o, FinetuneOptions):
         if o.lora_alpha is not None:
             check_number("--lora-alpha", o.lora_alpha, 0, lo_open=True)

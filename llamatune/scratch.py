@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from . import checkpoint as ckpt
+from . import distributed
 from .backend import get_backend
 from .config import ModelConfig
 from .console import notice
@@ -105,4 +106,5 @@ def build_job(o: ScratchOptions) -> Job:
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)
