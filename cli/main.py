@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from llamatune.plot import SMOOTH   # light: plot.py imports matplotlib only when drawing
+
 from .help import App
 
 app = App(
@@ -33,15 +35,29 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except LlamatuneError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}{e}", file=sys.stderr)
+            _end_job(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            raise typer.Exit(130)
+            _end_job(130)
         except MemoryError:
-            print("error: out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
+            _end_job(1)
     return wrapper
+
+
+def _rank() -> str:
+    """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
+    mod = sys.modules.get("llamatune.distributed")
+    return mod.error_prefix() if mod else ""
+
+
+def _end_job(code: int):
+    """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
+    mod = sys.modules.get("llamatune.distributed")
+    if mod:
+        mod.abort_job(code)
+    raise typer.Exit(code)
 
 
 def read_text(path: Path) -> str:
@@ -263,6 +279,23 @@ def chat(
     run_chat(runner, chat_template, prompt, system, Sampling(n_predict, temp, top_k, top_p, seed, ctx))
 
 
+@app.command()
+@friendly_errors
+def plot(
+    metrics: Path = typer.Argument(..., help="Metrics log written by training (metrics.jsonl)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG to write (default: the metrics "
+                                          "file with .png in place of its extension)."),
+    smooth: float = typer.Option(SMOOTH, "--smooth", help="Weight of the moving average drawn over the training "
+                                 "loss, in [0, 1) (0: no smoothing)."),
+    log_y: bool = typer.Option(False, "--log-y", help="Logarithmic loss axis."),
+    title: Optional[str] = typer.Option(None, "--title", help="Plot title (default: the metrics file's name)."),
+):
+    """Draw training loss (raw and smoothed) and validation loss against steps (needs matplotlib)."""
+    from llamatune.console import out
+    from llamatune.plot import plot_metrics
+    out.print(f"wrote {plot_metrics(metrics, output or metrics.with_suffix('.png'), smooth, log_y, title)}")
+
+
 def _report(name: str, res) -> None:
     from llamatune.console import out
     if res.losses:
@@ -270,6 +303,10 @@ def _report(name: str, res) -> None:
         first, last = sum(res.losses[:k]) / k, sum(res.losses[-k:]) / k
         out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
                   f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
+    v = res.state.validation
+    if v is not None and v.last_loss is not None:
+        out.print(f"validation loss {v.last_loss:.4f} at step {v.last_step}, best {v.best_loss:.4f} at step "
+                  f"{v.best_step}")
     for p in res.files:
         out.print(f"  wrote {p}")
 

@@ -8,7 +8,10 @@ Layout (format version 1):
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
        shuffle generator state), llamatune.guard_state (JSON: divergence guard
-       history, absent in older files), training.loss_ema (f32), the model's `{arch}.*`
+       history, absent in older files), training.loss_ema (f32), llamatune.validation
+       (JSON: best validation loss, its step, evaluations since; only with validation;
+       older checkpoints without it load with a fresh validation state), llamatune.ranks (MPI
+       ranks that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -33,6 +36,7 @@ from gguf import GGUFValueType as VType
 from .errors import LlamatuneError
 from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
 from .params import ParamBuffer
+from .validation import ValidationState
 
 FORMAT_VERSION = 1
 KIND_LORA, KIND_FULL = "finetune_lora", "train_model"
@@ -47,6 +51,8 @@ class TrainState:
     loss_ema: float = float("nan")
     data_state: dict | None = None
     guard: dict | None = None   # divergence guard history (guard.Guard.state)
+    validation: ValidationState | None = None
+    ranks: int = 1              # data-parallel ranks that wrote it (the global batch is grad_acc x ranks)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -78,7 +84,10 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {})),
-           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
+           kv("llamatune.guard_state", json.dumps(state.guard or {})),
+           kv("llamatune.ranks", int(state.ranks))] + list(model_kvs)
+    if state.validation is not None:
+        kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -140,20 +149,28 @@ def load(path: Path) -> Checkpoint:
         options = json.loads(f.require("llamatune.options"))
         data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
         guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
-    except json.JSONDecodeError as e:
+        val = f.get("llamatune.validation")
+        validation = None if val is None else ValidationState.from_dict(json.loads(val))
+    except (json.JSONDecodeError, TypeError, ValueError) as e:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, guard)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, guard, validation,
+                       int(f.get("llamatune.ranks", 1)))
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 
 
-def check_frozen_options(ckpt: Checkpoint, opts) -> None:
-    """Options that define the trajectory (shapes, data, ranks...) must not change on resume."""
+def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
+    """Options that define the trajectory (shapes, data, ranks...) must not change on resume.
+    For gradient accumulation what is frozen is the global batch, --grad-acc x data-parallel
+    ranks: a run saved by K ranks resumes with any other number of ranks."""
     changed = []
+    if "grad_acc" in ckpt.options and ckpt.options["grad_acc"] * ckpt.state.ranks != opts.grad_acc * ranks:
+        changed.append(f"micro-batches per step (--grad-acc x ranks) {ckpt.options['grad_acc']} x {ckpt.state.ranks} "
+                       f"-> {opts.grad_acc} x {ranks}")
     for fld in dataclasses.fields(opts):
-        if fld.metadata.get("frozen") and fld.name in ckpt.options:
+        if fld.metadata.get("frozen") and fld.name in ckpt.options and fld.name != "grad_acc":
             now = getattr(opts, fld.name)
             now = str(now) if isinstance(now, Path) else now
             if now != ckpt.options[fld.name]:

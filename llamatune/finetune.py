@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import checkpoint as ckpt
+from . import distributed
 from .adapter import write_adapter
 from .console import notice
-from .data import read_text
+from .data import Samples, read_text
 from .datasets import load_dataset
 from .errors import LlamatuneError
 from .gguf_io import kv
@@ -23,6 +24,7 @@ from .options import FinetuneOptions
 from .outputs import check_training_paths
 from .params import ParamBuffer
 from .trainer import Job, TrainResult, run
+from .validation import validation_samples
 
 
 def read_training_text(path: Path | None) -> str:
@@ -44,17 +46,28 @@ def check_packing(o, samples) -> None:
         raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
 
 
+def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
+    """The samples of a training or validation data file: the one place both are loaded."""
+    return load_dataset(path, tokenizer, o, role)
+
+
+def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
+    """Training samples, and validation samples from --val-data or --val-split (or None)."""
+    return validation_samples(load_data(o.train_data, tokenizer, o), o,
+                              lambda path: load_data(path, tokenizer, o, "validation"))
+
+
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
     check_training_paths(o)
-    read_training_text(o.train_data)          # a missing or unreadable file fails before the model loads
+    read_training_text(o.train_data)                  # a missing or unreadable file fails before the model loads
     model = Model(o.model_base)
     cfg = model.config
     if o.ctx > cfg.n_ctx_train:
         raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
                              f"({model.path.name})")
-    samples = load_dataset(o.train_data, model.tokenizer, o)
+    samples, val_samples = train_and_validation(o, model.tokenizer)
     check_packing(o, samples)
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
@@ -78,8 +91,9 @@ def build_job(o: FinetuneOptions) -> Job:
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes, backend=backend,
-               output_size=(o.lora_out, 4 * params.size + 2**16))
+               output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)
