@@ -69,6 +69,7 @@ class _Problem(Exception):
 
 
 GGML_MAX_DIMS = 4            # ggml tensors have at most 4 dimensions
+GGML_MAX_NAME = 64           # and names of at most 63 bytes (ggml.h)
 _MIN_KV_BYTES = 8 + 4 + 1    # key length, value type, smallest value
 _MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
 
@@ -98,6 +99,8 @@ class _CheckedReader(gguf.GGUFReader):
         return super()._build_tensor_info(offs, count)
 
     def _push_field(self, field, skip_sum: bool = False) -> int:
+        if not field.name.isprintable():
+            raise _Problem(f"metadata key {field.name[:80]!r} holds control characters")
         if field.name in self.fields:
             raise _Problem(f"metadata key '{field.name}' appears twice")
         if field.name == "general.alignment":
@@ -120,8 +123,8 @@ class _CheckedReader(gguf.GGUFReader):
         if len(name_len):
             n_dims = self._get(orig_offs + 8 + min(int(name_len[0]), len(self.data)), np.uint32)
             if len(n_dims) and not 1 <= int(n_dims[0]) <= GGML_MAX_DIMS:
-                name = self._get_str(orig_offs)[1].tobytes().decode("utf-8", "replace")
-                raise _Problem(f"tensor '{name}' has {int(n_dims[0])} dimensions, expected 1 to {GGML_MAX_DIMS}")
+                name = self._get_str(orig_offs)[1].tobytes().decode("utf-8", "replace")[:80]
+                raise _Problem(f"tensor {name!r} has {int(n_dims[0])} dimensions, expected 1 to {GGML_MAX_DIMS}")
         return super()._get_tensor_info_field(orig_offs)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
@@ -161,10 +164,16 @@ class _CheckedReader(gguf.GGUFReader):
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         file_size = len(self.data)
         align = int(self.alignment)
-        extents = []
+        extents, names = [], set()
         for field in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
             name = bytes(name_data).decode("utf-8", "replace")
+            if len(bytes(name_data)) >= GGML_MAX_NAME or not name.isprintable():
+                raise _Problem(f"tensor name {name[:80]!r} is not a name of at most {GGML_MAX_NAME - 1} "
+                               "printable characters")
+            if name in names:
+                raise _Problem(f"duplicate tensor name {name}")
+            names.add(name)
             try:
                 qtype = QType(int(raw_dtype[0]))
             except ValueError:
@@ -191,10 +200,7 @@ class _CheckedReader(gguf.GGUFReader):
         for (_, end_a, name_a), (start_b, _, name_b) in zip(extents, extents[1:]):
             if start_b < end_a:
                 raise _Problem(f"tensors '{name_a}' and '{name_b}' overlap in the file")
-        try:
-            super()._build_tensors(start_offs, fields)
-        except ValueError as e:            # gguf-py: duplicated tensor name
-            raise _Problem(str(e).replace("Found duplicated tensor with name ", "duplicate tensor name ")) from None
+        super()._build_tensors(start_offs, fields)
 
 
 def describe(value: Any) -> str:
@@ -254,7 +260,8 @@ class GGUFFile:
         except _Problem as e:
             raise GGUFError(f"{self.path}: {e}") from None
         except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:
-            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({e})") from None
+            detail = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({detail})") from None
         self._reader = reader
         self.kvs: dict[str, KV] = {}
         for name, field in reader.fields.items():

@@ -1,0 +1,553 @@
+"""Seeded fuzzing of every llamatune reader: mutated GGUF models, adapters and checkpoints.
+
+    python bench/fuzz.py --cases 20000 [--seed 0] [--timeout 20] [--cli 100]
+
+Seed files (a tiny F32 llama, the same in Q8_0, a Q4_K llama, a LoRA adapter, a
+finetune checkpoint) are written with the project's own writer. Each case takes one
+seed file and applies one to three mutations chosen by `numpy.random.default_rng
+([seed, case])`: truncation; bit flips in the header, metadata, tensor infos or
+data; huge counts and string/array lengths; tensor and metadata type swaps; tensor
+offsets past the end, misaligned or overlapping; duplicated keys and tensor infos;
+metadata values of the wrong type or out of range; inf/nan/huge values in the data.
+The mutant then goes through a library reader:
+
+    gguf        GGUFFile: metadata values and every tensor's bytes
+    model       Model (weights, tokenizer) and a 4-token forward pass
+    adapter     read_adapter + load_runtime_adapters and a forward pass with it
+    checkpoint  checkpoint.load + load_into a ParamBuffer of the run that wrote it
+    export      export_lora with the mutant as the base or as the adapter
+    cli         (--cli N cases) the `llamatune` command on the mutant, as a subprocess
+
+The invariant: a case either loads or fails with a one-line LlamatuneError (exit 1
+and one `error:` line without traceback on the command line); no other exception,
+no input file modified, no hang (each case runs in a worker process that is killed
+after --timeout seconds), no crash (a worker killed by a signal). The table lists
+per reader: cases, loaded, clean errors, other exceptions, modified inputs, hangs,
+crashes; then the top sites of other exceptions.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+READERS = ("gguf", "model", "adapter", "checkpoint", "export")
+SEED_OF = {"gguf": ("model-f32", "model-q8", "model-q4k", "adapter", "checkpoint"),
+           "model": ("model-f32", "model-q8", "model-q4k"), "adapter": ("adapter",),
+           "checkpoint": ("checkpoint",), "export": ("model-q8", "adapter")}
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
+        "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n") * 8
+
+
+# --------------------------------------------------------------------------- seed files
+
+def make_corpus(out: Path) -> dict[str, Path]:
+    """Write the seed files into `out` (the project's own writer) and return them by name."""
+    from gguf import GGMLQuantizationType as QType
+    from llamatune import checkpoint as ckpt
+    from llamatune.adapter import LoraAdapter, write_adapter
+    from llamatune.config import ModelConfig
+    from llamatune.lora import lora_specs, lora_targets
+    from llamatune.modelfile import random_weights, train_spm_vocab, write_model
+    from llamatune.options import FinetuneOptions
+    from llamatune.params import ParamBuffer
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = train_spm_vocab(TEXT, 300)
+    small = ModelConfig("llama", 300, 64, 64, 2, 96, 4, 2, 16, 16, 1e-5)
+    wide = ModelConfig("llama", 300, 64, 256, 1, 256, 4, 2, 64, 64, 1e-5)
+    files = {name: out / f"{name}.gguf" for name in ("model-f32", "model-q8", "model-q4k", "adapter", "checkpoint")}
+    write_model(files["model-f32"], small, random_weights(small, seed=0, std=0.08), vocab, QType.F32)
+    write_model(files["model-q8"], small, random_weights(small, seed=0, std=0.08), vocab, QType.Q8_0)
+    write_model(files["model-q4k"], wide, random_weights(wide, seed=1, std=0.08), vocab, QType.Q4_K)
+    rng = np.random.default_rng(0)
+    opts = FinetuneOptions(lora_r=2, rank_att_norm=1)
+    targets = lora_targets(small, opts.ranks(), 4.0, tied=False)
+    adapter = LoraAdapter("llama", 4.0)
+    for t in targets:
+        adapter.pairs[t.weight] = (rng.standard_normal(t.a_shape).astype(np.float32) * 0.1,
+                                   rng.standard_normal(t.b_shape).astype(np.float32) * 0.1)
+    write_adapter(files["adapter"], adapter)
+    params = ParamBuffer(lora_specs(targets))
+    params.data[...] = rng.standard_normal(params.size).astype(np.float32) * 0.1
+    params.m[...] = rng.standard_normal(params.size).astype(np.float32) * 0.01
+    params.v[...] = rng.random(params.size).astype(np.float32) * 0.01
+    from llamatune.gguf_io import kv
+    model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in opts.ranks().items()] + [kv("training.lora.alpha", 4.0)]
+    model_kvs += [kv(k, v) for k, v in small.metadata().items()]
+    ckpt.save(files["checkpoint"], ckpt.KIND_LORA, "llama", opts, params, ckpt.TrainState(3, 24, 768, 0, 5.0),
+              model_kvs)
+    (out / "text.txt").write_text(TEXT)
+    return files
+
+
+# --------------------------------------------------------------------------- file layout
+
+class Layout:
+    """Byte regions of a GGUF file, read once from the seed file with gguf-py."""
+
+    def __init__(self, path: Path):
+        import gguf
+        r = gguf.GGUFReader(path)
+        self.size = len(r.data)
+        self.kvs = []            # (key, start, end, value-type offset, value start)
+        for name, f in r.fields.items():
+            if name.startswith("GGUF."):
+                continue
+            start = f.offset
+            end = start + sum(int(p.nbytes) for p in f.parts)
+            type_off = start + 8 + int(f.parts[0][0])
+            self.kvs.append((name, start, end, type_off, type_off + 4))
+        self.tinfos = []         # (name, start, end, n_dims offset, type offset, offset offset)
+        for t in r.tensors:
+            f = t.field
+            start = f.offset
+            end = start + sum(int(p.nbytes) for p in f.parts)
+            n_dims_off = start + 8 + len(t.name.encode())
+            self.tinfos.append((t.name, start, end, n_dims_off, end - 12, end - 8))
+        self.meta_end = self.tinfos[0][1] if self.tinfos else self.kvs[-1][2]
+        self.info_end = self.tinfos[-1][2] if self.tinfos else self.meta_end
+        self.data_start = r.data_offset
+        self.tensors = [(t.name, int(t.tensor_type), t.data_offset, t.data_offset + t.n_bytes) for t in r.tensors]
+        self.alignment = int(r.alignment)
+
+
+def _u32(v: int) -> bytes:
+    return int(v % 2**32).to_bytes(4, "little")
+
+
+def _u64(v: int) -> bytes:
+    return int(v % 2**64).to_bytes(8, "little")
+
+
+HUGE = [2**31, 2**32 - 1, 2**32, 2**40, 2**62, 2**63, 2**64 - 1, 10**12]
+F16_BAD = [0x7C00, 0xFC00, 0x7E00]                  # +inf, -inf, nan
+F32_BAD = [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F7FFFFF, 0x5F000000]   # inf, -inf, nan, max, 2^63
+
+
+def _insert(data: bytearray, lay: Layout, at: int, blob: bytes) -> bytearray:
+    """Insert `blob` at `at` (inside metadata/tensor infos) and re-pad so tensor data stays aligned."""
+    head = bytes(data[:at]) + blob + bytes(data[at:lay.info_end])
+    pad = -len(head) % lay.alignment
+    return bytearray(head + b"\0" * pad + bytes(data[lay.data_start:]))
+
+
+def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[bytes, list[str]]:
+    """One to three mutations of a GGUF file (see module docstring); returns (bytes, what was done)."""
+    data = bytearray(seed_bytes)
+    done = []
+    for _ in range(int(rng.choice([1, 1, 1, 2, 3]))):
+        kind = str(rng.choice(["truncate", "flip", "flip", "huge", "tensor_type", "value_type", "offset",
+                               "duplicate", "value", "value", "poison", "poison", "dims"]))
+        done.append(kind)
+        if kind == "truncate":
+            cut = int(rng.choice([rng.integers(0, 64), rng.integers(0, lay.info_end + 1),
+                                  rng.integers(lay.data_start, lay.size + 1), lay.size - rng.integers(1, 64)]))
+            data = data[:max(0, min(cut, len(data)))]
+        elif kind == "flip":
+            region = str(rng.choice(["header", "metadata", "infos", "data"]))
+            lo, hi = {"header": (0, 24), "metadata": (24, lay.meta_end), "infos": (lay.meta_end, lay.info_end),
+                      "data": (lay.data_start, lay.size)}[region]
+            done[-1] += f":{region}"
+            for _ in range(int(rng.integers(1, 9))):
+                if hi > lo and hi <= len(data):
+                    pos = int(rng.integers(lo, hi))
+                    data[pos] ^= 1 << int(rng.integers(8))
+        elif kind == "huge":
+            where = str(rng.choice(["tensor_count", "kv_count", "key_len", "str_len", "array_len", "name_len"]))
+            done[-1] += f":{where}"
+            v = int(rng.choice(HUGE + [int(rng.integers(1, 1000))]))
+            if where == "tensor_count":
+                data[8:16] = _u64(v)
+            elif where == "kv_count":
+                data[16:24] = _u64(v)
+            elif where == "key_len":
+                _, start, _, _, _ = lay.kvs[int(rng.integers(len(lay.kvs)))]
+                data[start:start + 8] = _u64(v)
+            elif where in ("str_len", "array_len"):
+                vt = 8 if where == "str_len" else 9
+                cands = [k for k in lay.kvs if int.from_bytes(seed_bytes[k[3]:k[3] + 4], "little") == vt]
+                if cands:
+                    _, _, _, _, vstart = cands[int(rng.integers(len(cands)))]
+                    off = vstart if vt == 8 else vstart + 4
+                    data[off:off + 8] = _u64(v)
+            elif lay.tinfos:
+                start = lay.tinfos[int(rng.integers(len(lay.tinfos)))][1]
+                data[start:start + 8] = _u64(v)
+        elif kind == "tensor_type" and lay.tinfos:
+            _, _, _, _, type_off, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
+            data[type_off:type_off + 4] = _u32(int(rng.choice([0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 20,
+                                                              24, 25, 26, 27, 28, 29, 30, 31, 39, 40, 1000])))
+        elif kind == "value_type":
+            _, _, _, type_off, _ = lay.kvs[int(rng.integers(len(lay.kvs)))]
+            data[type_off:type_off + 4] = _u32(int(rng.integers(0, 16)))
+        elif kind == "offset" and lay.tinfos:
+            _, _, _, _, _, off_off = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
+            old = int.from_bytes(seed_bytes[off_off:off_off + 8], "little")
+            how = str(rng.choice(["past_end", "misaligned", "overlap", "huge"]))
+            done[-1] += f":{how}"
+            new = {"past_end": lay.size - lay.data_start + int(rng.integers(0, 4096)),
+                   "misaligned": old + int(rng.integers(1, lay.alignment)),
+                   "overlap": int(rng.integers(0, max(1, lay.size - lay.data_start))) // lay.alignment * lay.alignment,
+                   "huge": int(rng.choice(HUGE))}[how]
+            data[off_off:off_off + 8] = _u64(new)
+        elif kind == "duplicate" and len(data) >= lay.data_start:
+            if rng.random() < 0.5 or not lay.tinfos:
+                _, start, end, _, _ = lay.kvs[int(rng.integers(len(lay.kvs)))]
+                data[16:24] = _u64(int.from_bytes(data[16:24], "little") + 1)
+                data = _insert(data, lay, lay.meta_end, bytes(seed_bytes[start:end]))
+                done[-1] += ":key"
+            else:
+                _, start, end, _, _, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
+                data[8:16] = _u64(int.from_bytes(data[8:16], "little") + 1)
+                data = _insert(data, lay, lay.info_end, bytes(seed_bytes[start:end]))
+                done[-1] += ":tensor"
+        elif kind == "value":
+            data = _mutate_value(data, seed_bytes, lay, rng, done)
+        elif kind == "poison" and lay.tensors:
+            name, qtype, lo, hi = lay.tensors[int(rng.integers(len(lay.tensors)))]
+            lo, hi = lay.data_start + lo, min(lay.data_start + hi, len(data))
+            done[-1] += f":{name}"
+            for _ in range(int(rng.integers(1, 4))):
+                if qtype == 0 and hi - lo >= 4:                 # F32: inf/nan/huge values
+                    pos = lo + int(rng.integers(0, (hi - lo) // 4)) * 4
+                    data[pos:pos + 4] = _u32(int(rng.choice(F32_BAD)))
+                elif hi - lo >= 2:                              # F16 values or a quant block's f16 scale
+                    block = {8: 34, 12: 144, 1: 2}.get(qtype, 2)
+                    pos = lo + int(rng.integers(0, (hi - lo) // block)) * block
+                    data[pos:pos + 2] = int(rng.choice(F16_BAD)).to_bytes(2, "little")
+        elif kind == "dims" and lay.tinfos:
+            _, _, _, n_dims_off, _, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
+            if rng.random() < 0.3:
+                data[n_dims_off:n_dims_off + 4] = _u32(int(rng.choice([0, 3, 5, 64, 2**31, 2**32 - 1])))
+                done[-1] += ":n_dims"
+            else:
+                d = n_dims_off + 4 + 8 * int(rng.integers(0, 2))
+                data[d:d + 8] = _u64(int(rng.choice([0, 1, 2, 31, 33, 4096] + HUGE)))
+                done[-1] += ":dim"
+    return bytes(data), done
+
+
+# metadata values a reader must check: (value type id, encoded value, label)
+BAD_VALUES = [(8, _u64(3) + b"abc", "string"), (5, _u32(-5), "int32 -5"), (10, _u64(2**63), "uint64 2^63"),
+              (4, _u32(0), "uint32 0"), (6, np.float32(np.nan).tobytes(), "f32 nan"),
+              (6, np.float32(np.inf).tobytes(), "f32 inf"), (6, np.float32(-1.5).tobytes(), "f32 -1.5"),
+              (7, b"\1", "bool"), (9, _u32(4) + _u64(2) + _u32(1) + _u32(2), "array of 2"),
+              (4, _u32(2**31 - 1), "uint32 2^31-1"), (4, _u32(3), "uint32 3"), (4, _u32(7), "uint32 7"),
+              (12, _u64(2**40), "uint64 2^40"), (8, _u64(0), "empty string"), (8, _u64(4) + b"\xff\xfe\x00a", "bad utf-8")]
+
+
+def _mutate_value(data: bytearray, seed_bytes: bytes, lay: Layout, rng, done: list[str]) -> bytearray:
+    """Replace one metadata value (type and bytes) by a wrong-typed or out-of-range one, or add
+    `general.alignment` with such a value; the file is re-padded so tensor data stays aligned."""
+    vtype, blob, label = BAD_VALUES[int(rng.integers(len(BAD_VALUES)))]
+    if rng.random() < 0.15:
+        key = b"general.alignment"
+        data[16:24] = _u64(int.from_bytes(data[16:24], "little") + 1)
+        done[-1] += f":general.alignment={label}"
+        return _insert(data, lay, lay.meta_end, _u64(len(key)) + key + _u32(vtype) + blob)
+    name, start, end, type_off, vstart = lay.kvs[int(rng.integers(len(lay.kvs)))]
+    done[-1] += f":{name}={label}"
+    if len(data) < lay.data_start:
+        return data
+    record = bytes(seed_bytes[start:type_off]) + _u32(vtype) + blob
+    head = bytes(data[:start]) + record + bytes(data[end:lay.info_end])
+    return bytearray(head + b"\0" * (-len(head) % lay.alignment) + bytes(data[lay.data_start:]))
+
+
+# --------------------------------------------------------------------------- readers
+
+class Readers:
+    """Runs one reader on a mutant; seed files stay loaded between cases."""
+
+    def __init__(self, corpus: dict[str, Path], workdir: Path):
+        from llamatune.gguf_io import GGUFFile
+        from llamatune.model import Model
+        self.corpus, self.workdir = corpus, workdir
+        self.base = Model(corpus["model-f32"])
+        self.base_q8 = corpus["model-q8"]
+        self.tokens = np.array([[1, 5, 9, 13]])
+        self.GGUFFile = GGUFFile
+
+    def gguf(self, path: Path) -> None:
+        f = self.GGUFFile(path)
+        _ = f.metadata
+        for t in f.tensors.values():
+            t.raw_rows().sum()
+
+    def model(self, path: Path) -> None:
+        from llamatune.infer import Runner
+        from llamatune.model import Model
+        m = Model(path)
+        m.tokenizer.encode("First Citizen", add_special=True)
+        Runner(m).forward(self.tokens)
+
+    def adapter(self, path: Path) -> None:
+        from llamatune.adapter import load_runtime_adapters, read_adapter
+        from llamatune.infer import Runner
+        read_adapter(path, self.base.file)
+        Runner(self.base, load_runtime_adapters(self.base, [(str(path), 0.5)])).forward(self.tokens)
+
+    def checkpoint(self, path: Path) -> None:
+        from llamatune import checkpoint as ckpt
+        from llamatune.lora import lora_specs, lora_targets
+        from llamatune.options import FinetuneOptions
+        from llamatune.params import ParamBuffer
+        c = ckpt.load(path)
+        opts = FinetuneOptions(lora_r=2, rank_att_norm=1)
+        ckpt.check_frozen_options(c, opts)
+        c.load_into(ParamBuffer(lora_specs(lora_targets(self.base.config, opts.ranks(), 4.0, tied=False))))
+
+    def export(self, path: Path, seed_name: str) -> None:
+        from llamatune.export import export_lora
+        out = self.workdir / "merged.gguf"
+        if seed_name == "adapter":
+            export_lora(self.base_q8, [(path, 1.0)], out)
+        else:
+            export_lora(path, [(self.corpus["adapter"], 1.0)], out)
+        out.unlink(missing_ok=True)
+
+
+def _site(exc: BaseException) -> str:
+    """`ExcType at file:line (function)` of the innermost llamatune frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if "llamatune" in f.filename or f"{os.sep}kernels{os.sep}" in f.filename]
+    f = (ours or frames or [None])[-1]
+    where = f"{Path(f.filename).name}:{f.lineno} ({f.name})" if f else "?"
+    return f"{type(exc).__name__} at {where}"
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
+
+
+def case_spec(seed: int, case: int) -> tuple[str, str, np.random.Generator]:
+    """(reader, seed file name, generator) of one case: the same for a seed, whatever else runs."""
+    rng = np.random.default_rng([seed, case])
+    reader = READERS[int(rng.integers(len(READERS)))]
+    seeds = SEED_OF[reader]
+    return reader, seeds[int(rng.integers(len(seeds)))], rng
+
+
+def run_case(readers: Readers, layouts: dict, seed: int, case: int) -> dict:
+    """Mutate, run one reader, classify. Runs inside the worker."""
+    from llamatune.errors import LlamatuneError
+    reader, seed_name, rng = case_spec(seed, case)
+    seed_path = readers.corpus[seed_name]
+    blob, done = mutate(layouts[seed_name][0], layouts[seed_name][1], rng)
+    path = readers.workdir / f"case-{case}-{seed_name}.gguf"
+    path.write_bytes(blob)
+    before = [sha(p) for p in readers.corpus.values()]
+    result = {"case": case, "reader": reader, "seed_file": seed_name, "mutations": done}
+    try:
+        if reader == "export":
+            readers.export(path, seed_name)
+        else:
+            getattr(readers, reader)(path)
+        result["outcome"] = "loaded"
+    except LlamatuneError as e:
+        one_line = "\n" not in str(e) and str(e).strip() != ""
+        result["outcome"] = "clean" if one_line else "other"
+        result["message"] = str(e)[:300]
+        if not one_line:
+            result["site"] = "LlamatuneError of several lines at " + _site(e).split(" at ", 1)[1]
+    except Exception as e:        # noqa: BLE001 - classifying every other exception is the point
+        result["outcome"] = "other"
+        result["site"] = _site(e)
+        result["message"] = f"{type(e).__name__}: {str(e)[:300]}"
+    if hashlib.sha256(path.read_bytes()).hexdigest() != hashlib.sha256(blob).hexdigest() or \
+            [sha(p) for p in readers.corpus.values()] != before:
+        result["modified"] = True
+    path.unlink(missing_ok=True)
+    return result
+
+
+def worker(corpus_dir: Path, seed: int) -> None:
+    """Read case numbers from stdin, write one JSON result per line to the original stdout."""
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    import llamatune  # noqa: F401  (threading policy first)
+    corpus = {p.stem: p for p in sorted(corpus_dir.glob("*.gguf"))}
+    workdir = Path(tempfile.mkdtemp(prefix="cases-", dir=corpus_dir))
+    layouts = {name: (p.read_bytes(), Layout(p)) for name, p in corpus.items()}
+    readers = Readers(corpus, workdir)
+    proto.write("ready\n")
+    for line in sys.stdin:
+        proto.write(json.dumps(run_case(readers, layouts, seed, int(line))) + "\n")
+
+
+# --------------------------------------------------------------------------- the driver
+
+class Worker:
+    def __init__(self, corpus_dir: Path, seed: int, start_timeout: float):
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(corpus_dir),
+                                      "--seed", str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        if self.read(start_timeout) != "ready":
+            self.kill()
+            raise RuntimeError("fuzz worker did not start")
+
+    def read(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            return None
+        line = self.proc.stdout.readline()
+        return line.strip() if line else None
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+def run_cli_case(corpus: dict[str, Path], seed: int, case: int, workdir: Path, timeout: float) -> dict:
+    """One mutant through the `llamatune` command (perplexity, generate or export-lora)."""
+    rng = np.random.default_rng([seed, case, 1])
+    seed_name = str(rng.choice(["model-f32", "model-q8", "adapter"]))
+    blob, done = mutate(corpus[seed_name].read_bytes(), Layout(corpus[seed_name]), rng)
+    path = workdir / f"cli-{case}.gguf"
+    path.write_bytes(blob)
+    text = corpus["model-f32"].parent / "text.txt"
+    cmd = [sys.executable, "-m", "llamatune.cli.main"]
+    if seed_name == "adapter":
+        cmd += ["perplexity", "-m", str(corpus["model-f32"]), "-f", str(text), "-c", "16", "--lora", str(path)]
+    elif rng.random() < 0.5:
+        cmd += ["perplexity", "-m", str(path), "-f", str(text), "-c", "16"]
+    elif rng.random() < 0.5:
+        cmd += ["generate", "-m", str(path), "-p", "First", "-n", "4", "--temp", "0"]
+    else:
+        cmd += ["export-lora", "-m", str(path), "--lora", str(corpus["adapter"]), "-o", str(workdir / "m.gguf")]
+    result = {"case": case, "reader": "cli", "seed_file": seed_name, "mutations": done, "cmd": cmd[3]}
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        result["outcome"] = "hang"
+        return result
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    if p.returncode == 0:
+        result["outcome"] = "loaded"
+    elif p.returncode == 1 and len(lines) == 1 and "Traceback" not in p.stderr:
+        result["outcome"], result["message"] = "clean", lines[0][:300]
+    elif p.returncode < 0:
+        result["outcome"] = "crash"
+    else:
+        result["outcome"] = "other"
+        tail = [ln for ln in p.stderr.strip().splitlines() if ln.strip()][-1:] or [f"exit {p.returncode}"]
+        result["site"] = f"{cmd[3]}: {tail[0][:120]}"
+    if hashlib.sha256(path.read_bytes()).hexdigest() != hashlib.sha256(blob).hexdigest():
+        result["modified"] = True
+    path.unlink(missing_ok=True)
+    (workdir / "m.gguf").unlink(missing_ok=True)
+    return result
+
+
+def campaign(n_cases: int, seed: int = 0, timeout: float = 20.0, n_cli: int = 0, workdir: Path | None = None,
+             progress=None) -> list[dict]:
+    """Run `n_cases` library cases (case numbers 0..n-1) and `n_cli` command-line cases."""
+    own = workdir is None
+    tmp = tempfile.TemporaryDirectory(prefix="llamatune-fuzz-") if own else None
+    workdir = Path(tmp.name) if own else Path(workdir)
+    try:
+        corpus = make_corpus(workdir / "corpus")
+        results = []
+        w = Worker(workdir / "corpus", seed, start_timeout=600)
+        case = 0
+        while case < n_cases:
+            w.proc.stdin.write(f"{case}\n")
+            w.proc.stdin.flush()
+            line = w.read(timeout)
+            if line is None:                                   # no answer: hang or crash
+                code = w.proc.poll()
+                reader, seed_name, rng = case_spec(seed, case)
+                outcome = "hang" if code is None else "crash"
+                results.append({"case": case, "reader": reader, "seed_file": seed_name, "outcome": outcome,
+                                "mutations": mutate(corpus[seed_name].read_bytes(), Layout(corpus[seed_name]),
+                                                    rng)[1], "site": f"exit {code}"})
+                w.kill()
+                w = Worker(workdir / "corpus", seed, start_timeout=600)
+            else:
+                results.append(json.loads(line))
+            case += 1
+            if progress:
+                progress(len(results), n_cases + n_cli)
+        w.kill()
+        for i in range(n_cli):
+            results.append(run_cli_case(corpus, seed, i, workdir, timeout=max(timeout, 60)))
+            if progress:
+                progress(len(results), n_cases + n_cli)
+        return results
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+def table(results: list[dict]) -> str:
+    """Per reader: cases, loaded, clean errors, other exceptions, modified inputs, hangs, crashes."""
+    by = defaultdict(Counter)
+    sites = defaultdict(Counter)
+    for r in results:
+        c = by[r["reader"]]
+        c["cases"] += 1
+        c[r["outcome"]] += 1
+        c["modified"] += bool(r.get("modified"))
+        if r["outcome"] in ("other", "hang", "crash"):
+            sites[r["reader"]][r.get("site", r["outcome"])] += 1
+    cols = ("cases", "loaded", "clean", "other", "modified", "hang", "crash")
+    head = ("reader", "cases", "loaded", "clean errors", "other exceptions", "inputs modified", "hangs", "crashes")
+    rows = [[name] + [str(by[name][k]) for k in cols] for name in list(READERS) + ["cli"] if name in by]
+    total = Counter()
+    for name in by:
+        total.update(by[name])
+    rows.append(["total"] + [str(total[k]) for k in cols])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    for name, counter in sites.items():
+        lines.append(f"\n{name}: top exception sites")
+        lines += [f"  {n:5d}  {s}" for s, n in counter.most_common(8)]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=2000, help="library cases")
+    ap.add_argument("--cli", type=int, default=None, help="command-line cases (default: cases/200)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=20.0, help="seconds per case before it counts as a hang")
+    ap.add_argument("--failures", type=Path, default=None, help="write every non-clean case here (JSON lines)")
+    ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker is not None:
+        worker(a.worker, a.seed)
+        return
+    n_cli = a.cases // 200 if a.cli is None else a.cli
+    t0 = time.time()
+
+    def progress(done: int, total: int) -> None:
+        if done % 500 == 0 or done == total:
+            print(f"  {done}/{total} cases, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    results = campaign(a.cases, a.seed, a.timeout, n_cli, progress=progress)
+    print(f"{len(results)} cases (seed {a.seed}) in {time.time() - t0:.0f} s\n")
+    print(table(results))
+    if a.failures:
+        with open(a.failures, "w") as f:
+            for r in results:
+                if r["outcome"] in ("other", "hang", "crash") or r.get("modified"):
+                    f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
