@@ -16,6 +16,7 @@ The mutant then goes through a library reader:
     adapter     read_adapter + load_runtime_adapters and a forward pass with it
     checkpoint  checkpoint.load + load_into a ParamBuffer of the run that wrote it
     export      export_lora with the mutant as the base or as the adapter
+    convert     convert-checkpoint of a mutated checkpoint, adapter, PEFT safetensors or ggla .bin
     cli         (--cli N cases) the `llamatune` command on the mutant, as a subprocess
 
 The invariant: a case either loads or fails with a one-line LlamatuneError (exit 1
@@ -43,10 +44,12 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-READERS = ("gguf", "model", "adapter", "checkpoint", "export")
+READERS = ("gguf", "model", "adapter", "checkpoint", "export", "convert")
 SEED_OF = {"gguf": ("model-f32", "model-q8", "model-q4k", "adapter", "checkpoint"),
            "model": ("model-f32", "model-q8", "model-q4k"), "adapter": ("adapter",),
-           "checkpoint": ("checkpoint",), "export": ("model-q8", "adapter")}
+           "checkpoint": ("checkpoint",), "export": ("model-q8", "adapter"),
+           "convert": ("checkpoint", "adapter", "peft", "ggla")}
+NOT_GGUF = ("peft", "ggla")          # seeds mutated as plain bytes (safetensors, ggla .bin)
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n") * 8
 
@@ -89,8 +92,65 @@ def make_corpus(out: Path) -> dict[str, Path]:
     model_kvs += [kv(k, v) for k, v in small.metadata().items()]
     ckpt.save(files["checkpoint"], ckpt.KIND_LORA, "llama", opts, params, ckpt.TrainState(3, 24, 768, 0, 5.0),
               model_kvs)
+    from llamatune.convert import convert
+    files["peft"] = out / "peft"
+    convert(files["adapter"], files["peft"], "peft", files["model-f32"])
+    files["ggla"] = out / "adapter.bin"
+    write_ggla(files["ggla"], adapter)
     (out / "text.txt").write_text(TEXT)
+    (out / "corpus.json").write_text(json.dumps({k: str(v) for k, v in files.items()}))
     return files
+
+
+def write_ggla(path: Path, adapter) -> None:
+    """llama.cpp's 2023 ggla LoRA .bin (FORMATS.md): header, then 32-byte aligned F32 records,
+    A in the 2023 layout (n_in, r), B (n_out, r); r is the adapter's first rank."""
+    import struct
+    r = next(iter(adapter.pairs.values()))[1].shape[-1]
+    buf = bytearray(struct.pack("<4I", 0x67676C61, 1, r, int(adapter.alpha)))
+    for weight, (a, b) in adapter.pairs.items():
+        for suffix, arr in ((".loraA", a.T), (".loraB", b)):
+            name = (weight + suffix).encode()
+            ne = list(reversed(arr.shape))
+            buf += struct.pack(f"<3I{len(ne)}I", len(ne), len(name), 0, *ne) + name
+            buf += b"\0" * (-len(buf) & 31)
+            buf += np.ascontiguousarray(arr, np.float32).tobytes()
+    path.write_bytes(bytes(buf))
+
+
+def mutate_bytes(seed_bytes: bytes, rng: np.random.Generator) -> tuple[bytes, list[str]]:
+    """Mutations of a file that is not GGUF: truncation, bit flips (mostly in its first 512 bytes,
+    where headers are), huge or zero integers, and for a safetensors header edits of its JSON."""
+    data = bytearray(seed_bytes)
+    done = []
+    for _ in range(pick(rng, [1, 1, 2])):
+        kind = str(rng.choice(["truncate", "flip", "int", "json"]))
+        done.append(kind)
+        head = min(len(data), 512)
+        if kind == "truncate":
+            data = data[:int(rng.integers(0, len(data) + 1))]
+        elif kind == "flip" and data:
+            for _ in range(int(rng.integers(1, 9))):
+                pos = int(rng.integers(0, head if rng.random() < 0.8 else len(data)))
+                data[pos] ^= 1 << int(rng.integers(8))
+        elif kind == "int" and head >= 8:
+            pos = int(rng.integers(0, head - 7))
+            width = pick(rng, [4, 8])
+            data[pos:pos + width] = pick(rng, [0] + HUGE).to_bytes(8, "little")[:width]
+        elif kind == "json" and data[8:9] == b"{":
+            n = int.from_bytes(data[:8], "little")
+            text = bytes(data[8:8 + n]).decode("utf-8", "replace")
+            edits = [('"F32"', '"I8"'), ('"F32"', '"BF16"'), ('"F32"', '"F16"'), ("[", "[-1, "),
+                     ("[", "[99999999999, "), ('"shape"', '"shapes"'), ("]", ", 1]"), ('"data_offsets":[', '"data_offsets":[7')]
+            old, new = edits[int(rng.integers(len(edits)))]
+            where = [i for i in range(len(text)) if text.startswith(old, i)]
+            if where:
+                i = where[int(rng.integers(len(where)))]
+                text = text[:i] + new + text[i + len(old):]
+                blob = text.encode()
+                data = bytearray(len(blob).to_bytes(8, "little") + blob + bytes(data[8 + n:]))
+                done[-1] += f":{old}->{new}"
+    return bytes(data), done
 
 
 # --------------------------------------------------------------------------- file layout
@@ -124,6 +184,11 @@ class Layout:
         self.alignment = int(r.alignment)
 
 
+def pick(rng: np.random.Generator, values: list[int]) -> int:
+    """One of `values`, exactly (numpy's choice would turn 2^64 - 1 into a float)."""
+    return int(values[int(rng.integers(len(values)))])
+
+
 def _u32(v: int) -> bytes:
     return int(v % 2**32).to_bytes(4, "little")
 
@@ -148,13 +213,13 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
     """One to three mutations of a GGUF file (see module docstring); returns (bytes, what was done)."""
     data = bytearray(seed_bytes)
     done = []
-    for _ in range(int(rng.choice([1, 1, 1, 2, 3]))):
+    for _ in range(pick(rng, [1, 1, 1, 2, 3])):
         kind = str(rng.choice(["truncate", "flip", "flip", "huge", "tensor_type", "value_type", "offset",
                                "duplicate", "value", "value", "poison", "poison", "dims"]))
         done.append(kind)
         if kind == "truncate":
-            cut = int(rng.choice([rng.integers(0, 64), rng.integers(0, lay.info_end + 1),
-                                  rng.integers(lay.data_start, lay.size + 1), lay.size - rng.integers(1, 64)]))
+            cut = pick(rng, [rng.integers(0, 64), rng.integers(0, lay.info_end + 1),
+                                  rng.integers(lay.data_start, lay.size + 1), lay.size - rng.integers(1, 64)])
             data = data[:max(0, min(cut, len(data)))]
         elif kind == "flip":
             region = str(rng.choice(["header", "metadata", "infos", "data"]))
@@ -168,7 +233,7 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
         elif kind == "huge":
             where = str(rng.choice(["tensor_count", "kv_count", "key_len", "str_len", "array_len", "name_len"]))
             done[-1] += f":{where}"
-            v = int(rng.choice(HUGE + [int(rng.integers(1, 1000))]))
+            v = pick(rng, HUGE + [int(rng.integers(1, 1000))])
             if where == "tensor_count":
                 data[8:16] = _u64(v)
             elif where == "kv_count":
@@ -188,8 +253,8 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
                 data[start:start + 8] = _u64(v)
         elif kind == "tensor_type" and lay.tinfos:
             _, _, _, _, type_off, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
-            data[type_off:type_off + 4] = _u32(int(rng.choice([0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 20,
-                                                              24, 25, 26, 27, 28, 29, 30, 31, 39, 40, 1000])))
+            data[type_off:type_off + 4] = _u32(pick(rng, [0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 12, 13, 14, 16, 20,
+                                                              24, 25, 26, 27, 28, 29, 30, 31, 39, 40, 1000]))
         elif kind == "value_type":
             _, _, _, type_off, _ = lay.kvs[int(rng.integers(len(lay.kvs)))]
             data[type_off:type_off + 4] = _u32(int(rng.integers(0, 16)))
@@ -201,7 +266,7 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
             new = {"past_end": lay.size - lay.data_start + int(rng.integers(0, 4096)),
                    "misaligned": old + int(rng.integers(1, lay.alignment)),
                    "overlap": int(rng.integers(0, max(1, lay.size - lay.data_start))) // lay.alignment * lay.alignment,
-                   "huge": int(rng.choice(HUGE))}[how]
+                   "huge": pick(rng, HUGE)}[how]
             data[off_off:off_off + 8] = _u64(new)
         elif kind == "duplicate" and len(data) >= lay.data_start:
             if rng.random() < 0.5 or not lay.tinfos:
@@ -223,19 +288,19 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
             for _ in range(int(rng.integers(1, 4))):
                 if qtype == 0 and hi - lo >= 4:                 # F32: inf/nan/huge values
                     pos = lo + int(rng.integers(0, (hi - lo) // 4)) * 4
-                    data[pos:pos + 4] = _u32(int(rng.choice(F32_BAD)))
+                    data[pos:pos + 4] = _u32(pick(rng, F32_BAD))
                 elif hi - lo >= 2:                              # F16 values or a quant block's f16 scale
                     block = {8: 34, 12: 144, 1: 2}.get(qtype, 2)
                     pos = lo + int(rng.integers(0, (hi - lo) // block)) * block
-                    data[pos:pos + 2] = int(rng.choice(F16_BAD)).to_bytes(2, "little")
+                    data[pos:pos + 2] = pick(rng, F16_BAD).to_bytes(2, "little")
         elif kind == "dims" and lay.tinfos:
             _, _, _, n_dims_off, _, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
             if rng.random() < 0.3:
-                data[n_dims_off:n_dims_off + 4] = _u32(int(rng.choice([0, 3, 5, 64, 2**31, 2**32 - 1])))
+                data[n_dims_off:n_dims_off + 4] = _u32(pick(rng, [0, 3, 5, 64, 2**31, 2**32 - 1]))
                 done[-1] += ":n_dims"
             else:
                 d = n_dims_off + 4 + 8 * int(rng.integers(0, 2))
-                data[d:d + 8] = _u64(int(rng.choice([0, 1, 2, 31, 33, 4096] + HUGE)))
+                data[d:d + 8] = _u64(pick(rng, [0, 1, 2, 31, 33, 4096] + HUGE))
                 done[-1] += ":dim"
     return bytes(data), done
 
@@ -246,7 +311,7 @@ BAD_VALUES = [(8, _u64(3) + b"abc", "string"), (5, _u32(-5), "int32 -5"), (10, _
               (6, np.float32(np.inf).tobytes(), "f32 inf"), (6, np.float32(-1.5).tobytes(), "f32 -1.5"),
               (7, b"\1", "bool"), (9, _u32(4) + _u64(2) + _u32(1) + _u32(2), "array of 2"),
               (4, _u32(2**31 - 1), "uint32 2^31-1"), (4, _u32(3), "uint32 3"), (4, _u32(7), "uint32 7"),
-              (12, _u64(2**40), "uint64 2^40"), (8, _u64(0), "empty string"), (8, _u64(4) + b"\xff\xfe\x00a", "bad utf-8")]
+              (11, _u64(2**40), "int64 2^40"), (12, np.float64(1e300).tobytes(), "f64 1e300"), (8, _u64(0), "empty string"), (8, _u64(4) + b"\xff\xfe\x00a", "bad utf-8")]
 
 
 def _mutate_value(data: bytearray, seed_bytes: bytes, lay: Layout, rng, done: list[str]) -> bytearray:
@@ -310,6 +375,19 @@ class Readers:
         ckpt.check_frozen_options(c, opts)
         c.load_into(ParamBuffer(lora_specs(lora_targets(self.base.config, opts.ranks(), 4.0, tied=False))))
 
+    def convert(self, path: Path, seed_name: str) -> None:
+        from llamatune.convert import convert
+        out = self.workdir / ("out-peft" if seed_name == "adapter" else "out.gguf")
+        to = {"checkpoint": "gguf-adapter", "adapter": "peft", "peft": "gguf-adapter", "ggla": "gguf-adapter"}
+        try:
+            convert(path, out, to[seed_name], self.corpus["model-f32"])
+        finally:
+            if out.is_dir():
+                for p in out.iterdir():
+                    p.unlink()
+                out.rmdir()
+            out.unlink(missing_ok=True)
+
     def export(self, path: Path, seed_name: str) -> None:
         from llamatune.export import export_lora
         out = self.workdir / "merged.gguf"
@@ -330,6 +408,9 @@ def _site(exc: BaseException) -> str:
 
 
 def sha(path: Path) -> str:
+    """sha256 of a file, or of every file of a directory (a PEFT adapter)."""
+    if path.is_dir():
+        return ",".join(f"{p.name}:{sha(p)}" for p in sorted(path.iterdir()))
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else ""
 
 
@@ -345,15 +426,21 @@ def run_case(readers: Readers, layouts: dict, seed: int, case: int) -> dict:
     """Mutate, run one reader, classify. Runs inside the worker."""
     from llamatune.errors import LlamatuneError
     reader, seed_name, rng = case_spec(seed, case)
-    seed_path = readers.corpus[seed_name]
-    blob, done = mutate(layouts[seed_name][0], layouts[seed_name][1], rng)
+    seed_bytes, layout = layouts[seed_name]
+    blob, done = mutate(seed_bytes, layout, rng) if layout else mutate_bytes(seed_bytes, rng)
     path = readers.workdir / f"case-{case}-{seed_name}.gguf"
-    path.write_bytes(blob)
+    written = path
+    if seed_name == "peft":                  # a PEFT directory: its config and the mutated safetensors
+        path = readers.workdir / f"case-{case}-peft"
+        path.mkdir()
+        (path / "adapter_config.json").write_bytes((readers.corpus["peft"] / "adapter_config.json").read_bytes())
+        written = path / "adapter_model.safetensors"
+    written.write_bytes(blob)
     before = [sha(p) for p in readers.corpus.values()]
     result = {"case": case, "reader": reader, "seed_file": seed_name, "mutations": done}
     try:
-        if reader == "export":
-            readers.export(path, seed_name)
+        if reader in ("export", "convert"):
+            getattr(readers, reader)(path, seed_name)
         else:
             getattr(readers, reader)(path)
         result["outcome"] = "loaded"
@@ -367,10 +454,10 @@ def run_case(readers: Readers, layouts: dict, seed: int, case: int) -> dict:
         result["outcome"] = "other"
         result["site"] = _site(e)
         result["message"] = f"{type(e).__name__}: {str(e)[:300]}"
-    if hashlib.sha256(path.read_bytes()).hexdigest() != hashlib.sha256(blob).hexdigest() or \
-            [sha(p) for p in readers.corpus.values()] != before:
+    if sha(written) != hashlib.sha256(blob).hexdigest() or [sha(p) for p in readers.corpus.values()] != before:
         result["modified"] = True
-    path.unlink(missing_ok=True)
+    for p in ([*path.iterdir(), path] if path.is_dir() else [path]):
+        p.rmdir() if p.is_dir() else p.unlink()
     return result
 
 
@@ -381,13 +468,21 @@ def worker(corpus_dir: Path, seed: int) -> None:
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
     import llamatune  # noqa: F401  (threading policy first)
-    corpus = {p.stem: p for p in sorted(corpus_dir.glob("*.gguf"))}
+    corpus = {k: Path(v) for k, v in json.loads((corpus_dir / "corpus.json").read_text()).items()}
     workdir = Path(tempfile.mkdtemp(prefix="cases-", dir=corpus_dir))
-    layouts = {name: (p.read_bytes(), Layout(p)) for name, p in corpus.items()}
+    layouts = {name: (p.read_bytes(), Layout(p)) for name, p in corpus.items() if name not in NOT_GGUF}
+    layouts["ggla"] = (corpus["ggla"].read_bytes(), None)
+    layouts["peft"] = ((corpus["peft"] / "adapter_model.safetensors").read_bytes(), None)
     readers = Readers(corpus, workdir)
     proto.write("ready\n")
     for line in sys.stdin:
-        proto.write(json.dumps(run_case(readers, layouts, seed, int(line))) + "\n")
+        try:
+            result = run_case(readers, layouts, seed, int(line))
+        except Exception as e:    # noqa: BLE001 - a bug of this harness, not of a reader: report it
+            reader, seed_name, _ = case_spec(seed, int(line))
+            result = {"case": int(line), "reader": reader, "seed_file": seed_name, "outcome": "other",
+                      "site": "fuzz harness: " + _site(e), "message": str(e)[:300]}
+        proto.write(json.dumps(result) + "\n")
 
 
 # --------------------------------------------------------------------------- the driver
@@ -470,12 +565,14 @@ def campaign(n_cases: int, seed: int = 0, timeout: float = 20.0, n_cli: int = 0,
             w.proc.stdin.flush()
             line = w.read(timeout)
             if line is None:                                   # no answer: hang or crash
-                code = w.proc.poll()
-                reader, seed_name, rng = case_spec(seed, case)
+                try:
+                    code = w.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    code = None
+                reader, seed_name, _ = case_spec(seed, case)
                 outcome = "hang" if code is None else "crash"
                 results.append({"case": case, "reader": reader, "seed_file": seed_name, "outcome": outcome,
-                                "mutations": mutate(corpus[seed_name].read_bytes(), Layout(corpus[seed_name]),
-                                                    rng)[1], "site": f"exit {code}"})
+                                "site": f"exit {code}"})
                 w.kill()
                 w = Worker(workdir / "corpus", seed, start_timeout=600)
             else:

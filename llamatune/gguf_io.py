@@ -128,6 +128,8 @@ class _CheckedReader(gguf.GGUFReader):
         return super()._get_tensor_info_field(orig_offs)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if int(raw_type) not in set(VType):
+            raise _Problem(f"metadata value at byte {orig_offs} has unknown type id {int(raw_type)}")
         if raw_type != VType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)

@@ -174,6 +174,15 @@ def check_finite(path: Path, tensors, allow: bool = False) -> None:
                + (", ..." if len(bad) > 4 else "") + "; results may be nan")
 
 
+def float_array(path: Path, t: Tensor) -> np.ndarray:
+    """An F32/F16 tensor (checkpoints, 2023 files, adapters read without a base) as a new
+    finite f32 array in numpy shape; any other type or an inf/nan is an error naming it."""
+    if t.qtype not in (QType.F32, QType.F16):
+        raise LlamatuneError(f"{path}: tensor '{t.name}' has type {t.qtype.name}, expected F32 or F16")
+    check_finite(path, [(t.name, t)])
+    return np.array(t.data, np.float32).reshape(t.shape)
+
+
 class Model:
     """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32.
     Every weight is checked for inf/nan (an error unless `allow_nonfinite`)."""
