@@ -63,50 +63,46 @@ def _tinfo(path: Path, name: str):
     return next(t for t in lay.tinfos if t[0] == name), lay
 
 
-def test_misaligned_tensor_offset(tmp_path, tiny_model):
-    (_, _, _, _, _, off_off), _ = _tinfo(tiny_model, "blk.0.attn_q.weight")
-    old = int.from_bytes(tiny_model.read_bytes()[off_off:off_off + 8], "little")
-    p = _patch(tiny_model, tmp_path / "m.gguf", off_off, (old + 4).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"m\.gguf: tensor 'blk.0.attn_q.weight' data offset \d+ is not a "
-                                             r"multiple of the alignment 32"):
-        GGUFFile(p)
+def _tensor_field(path: Path, name: str, field: str, value: int) -> tuple[int, bytes]:
+    """(offset, bytes) that set one field of a tensor info: offset (u64), n_dims (u32) or dim0 (u64)."""
+    (_, _, _, n_dims_off, _, off_off), _ = _tinfo(path, name)
+    if field == "offset+":
+        old = int.from_bytes(path.read_bytes()[off_off:off_off + 8], "little")
+        return off_off, (old + value).to_bytes(8, "little")
+    if field == "offset":
+        return off_off, value.to_bytes(8, "little")
+    if field == "n_dims":
+        return n_dims_off, value.to_bytes(4, "little")
+    return n_dims_off + 4, value.to_bytes(8, "little")
 
 
-def test_overlapping_tensors(tmp_path, tiny_model):
-    (_, _, _, _, _, off_off), _ = _tinfo(tiny_model, "blk.0.attn_k.weight")
-    p = _patch(tiny_model, tmp_path / "o.gguf", off_off, (0).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"o\.gguf: tensors '.*' and '.*' overlap in the file"):
-        GGUFFile(p)
+def _kv_field(path: Path, key: str, at: int, value: int) -> tuple[int, bytes]:
+    """(offset, bytes) that set the u64 at `at` bytes into a metadata value (string or array length)."""
+    *_, vstart = next(k for k in fuzz.Layout(path).kvs if k[0] == key)
+    return vstart + at, value.to_bytes(8, "little")
 
 
-def test_huge_counts(tmp_path, tiny_model):
-    p = _patch(tiny_model, tmp_path / "h.gguf", 16, (2**40).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"h\.gguf: .* claims 1099511627776 metadata keys, more than the file"):
-        GGUFFile(p)
-    p = _patch(tiny_model, tmp_path / "t.gguf", 8, (2**62).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"claims 4611686018427387904 tensors, more than the file can hold"):
-        GGUFFile(p)
-
-
-def test_huge_string_and_array_lengths(tmp_path, tiny_model):
-    lay = fuzz.Layout(tiny_model)
-    name, start, *_ = next(k for k in lay.kvs if k[0] == "general.name")
-    p = _patch(tiny_model, tmp_path / "s.gguf", start, (2**50).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"s\.gguf: string at byte \d+ claims 1125899906842624 bytes"):
-        GGUFFile(p)
-    *_, vstart = next(k for k in lay.kvs if k[0] == "tokenizer.ggml.scores")
-    p = _patch(tiny_model, tmp_path / "a.gguf", vstart + 4, (2**33).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"a\.gguf: array at byte \d+ claims 8589934592 elements"):
-        GGUFFile(p)
-
-
-def test_bad_dimensions(tmp_path, tiny_model):
-    (_, _, _, n_dims_off, _, _), _ = _tinfo(tiny_model, "output_norm.weight")
-    p = _patch(tiny_model, tmp_path / "d.gguf", n_dims_off, (5).to_bytes(4, "little"))
-    with pytest.raises(LlamatuneError, match=r"d\.gguf: tensor 'output_norm.weight' has 5 dimensions, expected 1 to 4"):
-        GGUFFile(p)
-    p = _patch(tiny_model, tmp_path / "z.gguf", n_dims_off + 4, (0).to_bytes(8, "little"))
-    with pytest.raises(LlamatuneError, match=r"z\.gguf: tensor 'output_norm.weight' has dimensions \[0\]"):
+@pytest.mark.parametrize("locate,match", [
+    (lambda p: _tensor_field(p, "blk.0.attn_q.weight", "offset+", 4),
+     r"tensor 'blk.0.attn_q.weight' data offset \d+ is not a multiple of the alignment 32"),
+    (lambda p: _tensor_field(p, "blk.0.attn_k.weight", "offset", 0), r"tensors '.*' and '.*' overlap in the file"),
+    (lambda p: _tensor_field(p, "blk.0.attn_k.weight", "offset", 2**40), r"data ends at byte \d+ but the file has"),
+    (lambda p: _tensor_field(p, "output_norm.weight", "n_dims", 5),
+     r"tensor 'output_norm.weight' has 5 dimensions, expected 1 to 4"),
+    (lambda p: _tensor_field(p, "output_norm.weight", "dim0", 0),
+     r"tensor 'output_norm.weight' has dimensions \[0\]"),
+    (lambda p: (16, (2**40).to_bytes(8, "little")), r"claims 1099511627776 metadata keys, more than the file"),
+    (lambda p: (8, (2**62).to_bytes(8, "little")), r"claims 4611686018427387904 tensors, more than the file can hold"),
+    (lambda p: _kv_field(p, "general.name", 0, 2**50), r"string at byte \d+ claims 1125899906842624 bytes"),
+    (lambda p: _kv_field(p, "tokenizer.ggml.scores", 4, 2**33), r"array at byte \d+ claims 8589934592 elements"),
+    (lambda p: (4, (3 << 24).to_bytes(4, "little")), r"GGUF version 50331648 \(a big-endian file\?"),
+    (lambda p: (4, (9).to_bytes(4, "little")), r"GGUF version 9; versions 2 and 3 are supported"),
+], ids=["misaligned", "overlap", "past-end", "n_dims", "zero-dim", "kv-count", "tensor-count", "string-length",
+        "array-length", "big-endian", "version"])
+def test_bad_bytes(tmp_path, tiny_model, locate, match):
+    offset, blob = locate(tiny_model)
+    p = _patch(tiny_model, tmp_path / "bad.gguf", offset, blob)
+    with pytest.raises(LlamatuneError, match=r"bad\.gguf: .*" + match):
         GGUFFile(p)
 
 
@@ -139,15 +135,6 @@ def test_duplicate_key_and_tensor(tmp_path, tiny_model):
     p = tmp_path / "dt.gguf"
     p.write_bytes(bytes(fuzz._insert(data, lay, lay.info_end, seed[start:end])))
     with pytest.raises(LlamatuneError, match=r"dt\.gguf: .*duplicate tensor name output_norm.weight"):
-        GGUFFile(p)
-
-
-def test_version_and_byte_order(tmp_path, tiny_model):
-    p = _patch(tiny_model, tmp_path / "v.gguf", 4, (3 << 24).to_bytes(4, "little"))
-    with pytest.raises(LlamatuneError, match=r"v\.gguf: GGUF version 50331648 \(a big-endian file\?"):
-        GGUFFile(p)
-    p = _patch(tiny_model, tmp_path / "w.gguf", 4, (9).to_bytes(4, "little"))
-    with pytest.raises(LlamatuneError, match=r"w\.gguf: GGUF version 9; versions 2 and 3 are supported"):
         GGUFFile(p)
 
 
