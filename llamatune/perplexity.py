@@ -65,7 +65,8 @@ def perplexity(runner: Runner, text: str, n_ctx: int, n_batch: int, source: str 
     chunk_ppls: list[float] = []
     for start in range(0, n_windows, per_batch):
         batch = windows[start:start + per_batch]
-        logits = runner.forward(batch)                                   # (B, n_ctx, V) on the device
+        with np.errstate(over="ignore", invalid="ignore"):       # non-finite results are reported below
+            logits = runner.forward(batch)                               # (B, n_ctx, V) on the device
         xp = runner.xp
         scored = xp.ascontiguousarray(logits[:, first:n_ctx - 1]).reshape(-1, logits.shape[-1])
         # targets: the original tokens (not the BOS replacement; it is never a target here)
