@@ -150,7 +150,7 @@ class NonFiniteError(LlamatuneError):
     """Weights holding inf or nan; the message names the file and the tensor."""
 
 
-def nonfinite_rows(t: Tensor) -> str | None:
+def _nonfinite_where(t: Tensor) -> str | None:
     """None when every value of `t` is finite, else which rows are not (for a message).
     Quantized tensors are scanned without dequantizing (kernels/finite.py)."""
     bad = finite.nonfinite_rows(t.raw_rows(), t.qtype, t.n_cols)
@@ -164,7 +164,7 @@ def check_finite(path: Path, tensors, allow: bool = False) -> None:
     print one notice naming them instead."""
     bad = []
     for name, t in tensors:
-        where = nonfinite_rows(t)
+        where = _nonfinite_where(t)
         if where is not None:
             if not allow:
                 raise NonFiniteError(f"{path}: tensor '{name}' holds non-finite values (inf or nan) in {where}")
