@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,6 +51,9 @@ SEED_OF = {"gguf": ("model-f32", "model-q8", "model-q4k", "adapter", "checkpoint
            "checkpoint": ("checkpoint",), "export": ("model-q8", "adapter"),
            "convert": ("checkpoint", "adapter", "peft", "ggla")}
 NOT_GGUF = ("peft", "ggla")          # seeds mutated as plain bytes (safetensors, ggla .bin)
+# the run that wrote the seed checkpoint (its frozen options must match on resume)
+CKPT_OPTIONS = dict(lora_r=2, lora_alpha=4.0, rank_att_norm=1, ctx=16, batch=1)
+CKPT_FLAGS = ["--lora-r", "2", "--lora-alpha", "4", "--rank-att-norm", "1", "--ctx", "16", "--batch", "1"]
 TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n"
         "First Citizen:\nYou are all resolved rather to die than to famish?\n\nAll:\nResolved. resolved.\n") * 8
 
@@ -76,7 +80,7 @@ def make_corpus(out: Path) -> dict[str, Path]:
     write_model(files["model-q8"], small, random_weights(small, seed=0, std=0.08), vocab, QType.Q8_0)
     write_model(files["model-q4k"], wide, random_weights(wide, seed=1, std=0.08), vocab, QType.Q4_K)
     rng = np.random.default_rng(0)
-    opts = FinetuneOptions(lora_r=2, rank_att_norm=1)
+    opts = FinetuneOptions(**CKPT_OPTIONS)
     targets = lora_targets(small, opts.ranks(), 4.0, tied=False)
     adapter = LoraAdapter("llama", 4.0)
     for t in targets:
@@ -371,7 +375,7 @@ class Readers:
         from llamatune.options import FinetuneOptions
         from llamatune.params import ParamBuffer
         c = ckpt.load(path)
-        opts = FinetuneOptions(lora_r=2, rank_att_norm=1)
+        opts = FinetuneOptions(**CKPT_OPTIONS)
         ckpt.check_frozen_options(c, opts)
         c.load_into(ParamBuffer(lora_specs(lora_targets(self.base.config, opts.ranks(), 4.0, tied=False))))
 
@@ -509,9 +513,10 @@ class Worker:
 
 
 def run_cli_case(corpus: dict[str, Path], seed: int, case: int, workdir: Path, timeout: float) -> dict:
-    """One mutant through the `llamatune` command (perplexity, generate or export-lora)."""
+    """One mutant through the `llamatune` command (perplexity, generate, export-lora, or finetune
+    resuming from a mutated checkpoint)."""
     rng = np.random.default_rng([seed, case, 1])
-    seed_name = str(rng.choice(["model-f32", "model-q8", "adapter"]))
+    seed_name = str(rng.choice(["model-f32", "model-q8", "adapter", "checkpoint"]))
     blob, done = mutate(corpus[seed_name].read_bytes(), Layout(corpus[seed_name]), rng)
     path = workdir / f"cli-{case}.gguf"
     path.write_bytes(blob)
@@ -519,6 +524,11 @@ def run_cli_case(corpus: dict[str, Path], seed: int, case: int, workdir: Path, t
     cmd = [sys.executable, "-m", "llamatune.cli.main"]
     if seed_name == "adapter":
         cmd += ["perplexity", "-m", str(corpus["model-f32"]), "-f", str(text), "-c", "16", "--lora", str(path)]
+    elif seed_name == "checkpoint":
+        out = workdir / "cli-out"
+        cmd += ["finetune", "--model-base", str(corpus["model-f32"]), "--train-data", str(text), "--checkpoint-in",
+                str(path), *CKPT_FLAGS, "--adam-iter", "4", "--checkpoint-out", str(out / "chk-ITERATION.gguf"),
+                "--lora-out", str(out / "lora-ITERATION.gguf")]
     elif rng.random() < 0.5:
         cmd += ["perplexity", "-m", str(path), "-f", str(text), "-c", "16"]
     elif rng.random() < 0.5:
@@ -546,6 +556,7 @@ def run_cli_case(corpus: dict[str, Path], seed: int, case: int, workdir: Path, t
         result["modified"] = True
     path.unlink(missing_ok=True)
     (workdir / "m.gguf").unlink(missing_ok=True)
+    shutil.rmtree(workdir / "cli-out", ignore_errors=True)
     return result
 
 

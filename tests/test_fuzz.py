@@ -304,7 +304,7 @@ def _params():
     from llamatune.options import FinetuneOptions
     from llamatune.params import ParamBuffer
     cfg = ModelConfig("llama", 300, 64, 64, 2, 96, 4, 2, 16, 16, 1e-5)
-    return ParamBuffer(lora_specs(lora_targets(cfg, FinetuneOptions(lora_r=2, rank_att_norm=1).ranks(), 4.0, False)))
+    return ParamBuffer(lora_specs(lora_targets(cfg, FinetuneOptions(**fuzz.CKPT_OPTIONS).ranks(), 4.0, False)))
 
 
 def test_checkpoint_loads_into_its_run(corpus):
