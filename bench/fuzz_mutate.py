@@ -176,6 +176,14 @@ def insert(data: bytearray, lay: Layout, at: int, blob: bytes) -> bytearray:
     return bytearray(head + b"\0" * pad + bytes(data[lay.data_start:]))
 
 
+def add_record(data: bytearray, lay: Layout, kind: str, record: bytes) -> bytearray:
+    """Append one metadata record (kind "kv") or tensor info ("tensor") and count it in the header."""
+    lo, at = (16, lay.meta_end) if kind == "kv" else (8, lay.info_end)
+    data = bytearray(data)
+    data[lo:lo + 8] = _u64(int.from_bytes(data[lo:lo + 8], "little") + 1)
+    return insert(data, lay, at, record)
+
+
 def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[bytes, list[str]]:
     """One to three mutations of a GGUF file (see module docstring); returns (bytes, what was done)."""
     data = bytearray(seed_bytes)
@@ -238,13 +246,11 @@ def mutate(seed_bytes: bytes, lay: Layout, rng: np.random.Generator) -> tuple[by
         elif kind == "duplicate" and len(data) >= lay.data_start:
             if rng.random() < 0.5 or not lay.tinfos:
                 _, start, end, _, _ = lay.kvs[int(rng.integers(len(lay.kvs)))]
-                data[16:24] = _u64(int.from_bytes(data[16:24], "little") + 1)
-                data = insert(data, lay, lay.meta_end, bytes(seed_bytes[start:end]))
+                data = add_record(data, lay, "kv", bytes(seed_bytes[start:end]))
                 done[-1] += ":key"
             else:
                 _, start, end, _, _, _ = lay.tinfos[int(rng.integers(len(lay.tinfos)))]
-                data[8:16] = _u64(int.from_bytes(data[8:16], "little") + 1)
-                data = insert(data, lay, lay.info_end, bytes(seed_bytes[start:end]))
+                data = add_record(data, lay, "tensor", bytes(seed_bytes[start:end]))
                 done[-1] += ":tensor"
         elif kind == "value":
             data = _mutate_value(data, seed_bytes, lay, rng, done)
@@ -288,9 +294,8 @@ def _mutate_value(data: bytearray, seed_bytes: bytes, lay: Layout, rng, done: li
     vtype, blob, label = BAD_VALUES[int(rng.integers(len(BAD_VALUES)))]
     if rng.random() < 0.15:
         key = b"general.alignment"
-        data[16:24] = _u64(int.from_bytes(data[16:24], "little") + 1)
         done[-1] += f":general.alignment={label}"
-        return insert(data, lay, lay.meta_end, _u64(len(key)) + key + _u32(vtype) + blob)
+        return add_record(data, lay, "kv", _u64(len(key)) + key + _u32(vtype) + blob)
     name, start, end, type_off, vstart = lay.kvs[int(rng.integers(len(lay.kvs)))]
     done[-1] += f":{name}={label}"
     if len(data) < lay.data_start:

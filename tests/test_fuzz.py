@@ -117,22 +117,17 @@ def test_control_characters_in_names(tmp_path, tiny_model):
         GGUFFile(p)
 
 
-def test_duplicate_key_and_tensor(tmp_path, tiny_model):
+@pytest.mark.parametrize("kind,name,match", [
+    ("kv", "general.name", r"metadata key 'general.name' appears twice"),
+    ("tensor", "output_norm.weight", r"duplicate tensor name output_norm.weight"),
+])
+def test_duplicate_key_and_tensor(tmp_path, tiny_model, kind, name, match):
     lay = fm.Layout(tiny_model)
     seed = tiny_model.read_bytes()
-    _, start, end, *_ = next(k for k in lay.kvs if k[0] == "general.name")
-    data = bytearray(seed)
-    data[16:24] = (int.from_bytes(seed[16:24], "little") + 1).to_bytes(8, "little")
-    p = tmp_path / "dk.gguf"
-    p.write_bytes(bytes(fm.insert(data, lay, lay.meta_end, seed[start:end])))
-    with pytest.raises(LlamatuneError, match=r"dk\.gguf: metadata key 'general.name' appears twice"):
-        GGUFFile(p)
-    (_, start, end, *_), _ = _tinfo(tiny_model, "output_norm.weight")
-    data = bytearray(seed)
-    data[8:16] = (int.from_bytes(seed[8:16], "little") + 1).to_bytes(8, "little")
-    p = tmp_path / "dt.gguf"
-    p.write_bytes(bytes(fm.insert(data, lay, lay.info_end, seed[start:end])))
-    with pytest.raises(LlamatuneError, match=r"dt\.gguf: .*duplicate tensor name output_norm.weight"):
+    start, end = next(r[1:3] for r in (lay.kvs if kind == "kv" else lay.tinfos) if r[0] == name)
+    p = tmp_path / "dup.gguf"
+    p.write_bytes(bytes(fm.add_record(bytearray(seed), lay, kind, seed[start:end])))
+    with pytest.raises(LlamatuneError, match=r"dup\.gguf: .*" + match):
         GGUFFile(p)
 
 
@@ -187,11 +182,9 @@ def test_alignment_key_type_and_value(tmp_path, tiny_model):
     for vtype, blob, match in [(4, (24).to_bytes(4, "little"), "is 24, expected a power of 2"),
                                (8, (1).to_bytes(8, "little") + b"x", "has type STRING, expected UINT32")]:
         key = b"general.alignment"
-        data = bytearray(tiny_model.read_bytes())
-        data[16:24] = (int.from_bytes(data[16:24], "little") + 1).to_bytes(8, "little")
         p = tmp_path / "al.gguf"
-        p.write_bytes(bytes(fm.insert(data, lay, lay.meta_end, len(key).to_bytes(8, "little") + key
-                                         + vtype.to_bytes(4, "little") + blob)))
+        p.write_bytes(bytes(fm.add_record(bytearray(tiny_model.read_bytes()), lay, "kv", len(key).to_bytes(8, "little")
+                                          + key + vtype.to_bytes(4, "little") + blob)))
         with pytest.raises(LlamatuneError, match=r"al\.gguf: metadata key 'general.alignment' " + match):
             GGUFFile(p)
 
