@@ -108,7 +108,8 @@ def mutate_bytes(seed_bytes: bytes, rng: np.random.Generator) -> tuple[bytes, li
             n = int.from_bytes(data[:8], "little")
             text = bytes(data[8:8 + n]).decode("utf-8", "replace")
             edits = [('"F32"', '"I8"'), ('"F32"', '"BF16"'), ('"F32"', '"F16"'), ("[", "[-1, "),
-                     ("[", "[99999999999, "), ('"shape"', '"shapes"'), ("]", ", 1]"), ('"data_offsets":[', '"data_offsets":[7')]
+                     ("[", "[99999999999, "), ('"shape"', '"shapes"'), ("]", ", 1]"),
+                     ('"data_offsets":[', '"data_offsets":[7')]
             old, new = edits[int(rng.integers(len(edits)))]
             where = [i for i in range(len(text)) if text.startswith(old, i)]
             if where:

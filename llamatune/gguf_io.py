@@ -90,12 +90,14 @@ class _CheckedReader(gguf.GGUFReader):
 
     def _build_fields(self, offs: int, count: int) -> int:
         if int(count) > (len(self.data) - offs) // _MIN_KV_BYTES:
-            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} metadata keys, more than the file can hold")
+            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} metadata keys, "
+                           "more than the file can hold")
         return super()._build_fields(offs, count)
 
     def _build_tensor_info(self, offs: int, count: int):
         if int(count) > (len(self.data) - offs) // _MIN_TENSOR_INFO_BYTES:
-            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} tensors, more than the file can hold")
+            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} tensors, "
+                           "more than the file can hold")
         return super()._build_tensor_info(offs, count)
 
     def _push_field(self, field, skip_sum: bool = False) -> int:

@@ -307,7 +307,8 @@ def test_checkpoint_loads_into_its_run(corpus):
 
 def test_checkpoint_tensor_type_and_values(tmp_path, corpus):
     name = "blk.0.attn_q.weight.lora_a"
-    p = _with_tensor(corpus["checkpoint"], tmp_path / "f16.gguf", name, lambda n, a: tensor_out(n, a.astype(np.float16)))
+    p = _with_tensor(corpus["checkpoint"], tmp_path / "f16.gguf", name,
+                     lambda n, a: tensor_out(n, a.astype(np.float16)))
     with pytest.raises(LlamatuneError, match=rf"f16\.gguf: tensor '{name}' has type F16, expected F32"):
         ckpt.load(p).load_into(_params())
     p = _with_tensor(corpus["checkpoint"], tmp_path / "v.gguf", "optimizer.adam.second_moments",
@@ -325,11 +326,13 @@ def test_checkpoint_rank_must_match_recorded_rank(tmp_path, corpus):
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("llamatune.options", kv("llamatune.options", "[1, 2]"), r"'llamatune.options' holds list JSON, expected an object"),
+    ("llamatune.options", kv("llamatune.options", "[1, 2]"),
+     r"'llamatune.options' holds list JSON, expected an object"),
     ("llamatune.options", kv("llamatune.options", "{bad"), r"'llamatune.options' is not valid JSON"),
     ("training.iteration_count", KV("training.iteration_count", -1, VType.INT64),
      r"'training.iteration_count' is -1, expected 0 to"),
-    ("llamatune.checkpoint.kind", kv("llamatune.checkpoint.kind", "other"), r"'llamatune.checkpoint.kind' is 'other', expected 'finetune_lora'"),
+    ("llamatune.checkpoint.kind", kv("llamatune.checkpoint.kind", "other"),
+     r"'llamatune.checkpoint.kind' is 'other', expected 'finetune_lora'"),
     ("training.loss_ema", kv("training.loss_ema", "x"), r"'training.loss_ema' is a string 'x', expected a number"),
 ])
 def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
