@@ -98,6 +98,6 @@ def _ppl(nll: float, count: int, window: int, runner: Runner) -> float:
     if not math.isfinite(mean) or mean > 709.0:       # exp(709.8) is the largest finite float64
         what = "nan" if math.isnan(mean) else "inf"
         raise LlamatuneError(f"perplexity is {what} from window {window + 1} on (mean loss {mean:.4g}): "
-                             f"the model's outputs are not finite numbers ({runner.model.path.name} "
-                             "and its adapters hold non-finite or huge weights)")
+                             f"the outputs of {runner.model.path.name} are not finite numbers (non-finite or "
+                             "huge weights, or adapter scales)")
     return math.exp(mean)
