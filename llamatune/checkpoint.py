@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .errors import LlamatuneError
-from .gguf_io import KV, GGUFFile, atomic_path, describe, kv, tensor_out, write_gguf
+from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
 from .model import check_finite
 from .params import ParamBuffer
 
@@ -149,8 +150,8 @@ def load(path: Path) -> Checkpoint:
     options = _json_object(f, "llamatune.options", None)
     data_state = _json_object(f, "llamatune.data_state", "{}") or None
     loss_ema = f.get("training.loss_ema", float("nan"))
-    if isinstance(loss_ema, bool) or not isinstance(loss_ema, (int, float)):
-        raise LlamatuneError(f"{f.path}: metadata key 'training.loss_ema' is {describe(loss_ema)}, expected a number")
+    if not (isinstance(loss_ema, float) and math.isnan(loss_ema)):      # nan: no loss seen yet
+        loss_ema = f.get_float("training.loss_ema")
     state = TrainState(f.get_int("training.iteration_count", required=True), f.get_int("training.sample_count", 0),
                        f.get_int("training.token_count", 0), f.get_int("training.epoch_count", 0),
                        float(loss_ema), data_state)

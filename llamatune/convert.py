@@ -40,7 +40,7 @@ from .adapter import LoraAdapter, is_norm, read_adapter, write_adapter
 from .config import ModelConfig
 from .convert_peft import Heads, peft_files, read_peft
 from .errors import LlamatuneError
-from .gguf_io import GGUFFile, atomic_path, kv
+from .gguf_io import GGUFFile, atomic_path, check_float, kv
 from .model import float_array
 from .modelfile import tensor_names, vocab_kvs, write_model
 
@@ -222,8 +222,7 @@ def _llamatune_lora(src: Source) -> tuple[LoraAdapter, str]:
     alpha = f.get_float("training.lora.alpha")
     if alpha is None:
         alpha = c.options.get("lora_alpha") or c.options.get("lora_r", 0)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-            raise LlamatuneError(f"{f.path}: the checkpoint records no usable lora_alpha ({str(alpha)[:40]!r})")
+        alpha = check_float(alpha, f"{f.path}: the lora_alpha of its options")
     base = c.options.get("model_base")
     return LoraAdapter(f.arch, float(alpha), pairs), Path(base).name if isinstance(base, str) and base else ""
 

@@ -227,12 +227,15 @@ def check_int(value: Any, lo: int, hi: int, what: str) -> int:
     return int(value)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
+
+
 def check_float(value: Any, what: str) -> float:
-    """`value` as a finite float; else a GGUFError starting with `what` (file and key)."""
+    """`value` as a float finite in float32; else a GGUFError starting with `what` (file and key)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise GGUFError(f"{what} is {describe(value)}, expected a number")
-    if not math.isfinite(float(value)):
-        raise GGUFError(f"{what} is {float(value)}, expected a finite number")
+    if not abs(float(value)) <= F32_MAX:
+        raise GGUFError(f"{what} is {float(value):g}, expected a finite float32 number")
     return float(value)
 
 
@@ -313,7 +316,8 @@ class GGUFFile:
         return check_int(value, lo, hi, f"{self.path}: metadata key '{key}'")
 
     def get_float(self, key: str, default: Any = None, required: bool = False) -> Any:
-        """A finite number (integers accepted); `default` when absent (an error when `required`)."""
+        """A number finite as a float32 (integers accepted; llama.cpp reads such keys into
+        float32); `default` when absent (an error when `required`)."""
         value = self.require(key) if required else self.get(key, default)
         if value is default:
             return value

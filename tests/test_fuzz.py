@@ -151,8 +151,8 @@ def _rewrite(src: Path, dst: Path, change: dict, drop=()) -> Path:
     ("llama.attention.head_count", KV("llama.attention.head_count", 3, VType.UINT32),
      r"head_count 3 is not a multiple of head_count_kv 2"),
     ("llama.attention.layer_norm_rms_epsilon", KV("llama.attention.layer_norm_rms_epsilon", float("nan"),
-                                                  VType.FLOAT32), r"is nan, expected a finite number"),
-    ("llama.rope.freq_base", KV("llama.rope.freq_base", 1e300, VType.FLOAT64), r"rope_freq_base = inf must be"),
+                                                  VType.FLOAT32), r"is nan, expected a finite float32 number"),
+    ("llama.rope.freq_base", KV("llama.rope.freq_base", 1e300, VType.FLOAT64), r"is 1e\+300, expected a finite float32"),
     ("llama.rope.scaling.type", KV("llama.rope.scaling.type", 7, VType.UINT32),
      r"'llama.rope.scaling.type' is int 7, expected a string"),
 ])
@@ -333,11 +333,19 @@ def test_checkpoint_rank_must_match_recorded_rank(tmp_path, corpus):
     ("llamatune.checkpoint.kind", kv("llamatune.checkpoint.kind", "other"),
      r"'llamatune.checkpoint.kind' is 'other', expected 'finetune_lora'"),
     ("training.loss_ema", kv("training.loss_ema", "x"), r"'training.loss_ema' is a string 'x', expected a number"),
+    ("training.loss_ema", KV("training.loss_ema", 1e300, VType.FLOAT64),
+     r"'training.loss_ema' is 1e\+300, expected a finite float32 number"),
+    ("training.lora.alpha", KV("training.lora.alpha", 1e300, VType.FLOAT64),
+     r"'training.lora.alpha' is 1e\+300, expected a finite float32 number"),
 ])
 def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
+    """Loading for a resume, and converting to an adapter (which reads the alpha)."""
+    from llamatune.convert import convert
     p = _rewrite(corpus["checkpoint"], tmp_path / "c.gguf", {key: value})
     with pytest.raises(LlamatuneError, match=r"c\.gguf: metadata key " + match):
         ckpt.load(p)
+        convert(p, tmp_path / "a.gguf", "gguf-adapter")
+    assert not (tmp_path / "a.gguf").exists()
 
 
 def test_sampling_refuses_nonfinite_logits():
