@@ -7,7 +7,8 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), the model's `{arch}.*`
+       shuffle generator state), llamatune.guard_state (JSON: divergence guard
+       history, absent in older files), training.loss_ema (f32), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -48,6 +49,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    guard: dict | None = None   # divergence guard history (guard.Guard.state)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -78,7 +80,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.token_count", state.token_count, VType.UINT64),
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
-           kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
+           kv("llamatune.data_state", json.dumps(state.data_state or {})),
+           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -149,12 +152,13 @@ def load(path: Path) -> Checkpoint:
                              f"expected '{KIND_LORA}' or '{KIND_FULL}'")
     options = _json_object(f, "llamatune.options", None)
     data_state = _json_object(f, "llamatune.data_state", "{}") or None
+    guard = _json_object(f, "llamatune.guard_state", "{}") or None
     loss_ema = f.get("training.loss_ema", float("nan"))
     if not (isinstance(loss_ema, float) and math.isnan(loss_ema)):      # nan: no loss seen yet
         loss_ema = f.get_float("training.loss_ema")
     state = TrainState(f.get_int("training.iteration_count", required=True), f.get_int("training.sample_count", 0),
                        f.get_int("training.token_count", 0), f.get_int("training.epoch_count", 0),
-                       float(loss_ema), data_state)
+                       float(loss_ema), data_state, guard)
     _check_ranks(f)
     return Checkpoint(f.path, kind, options, f.get_str("llamatune.base_model", ""), state, f)
 
