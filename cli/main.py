@@ -80,23 +80,28 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
     return out
 
 
-def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu"):
+def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu",
+                allow_nonfinite: bool = False):
     from llamatune.backend import get_backend
-    from llamatune.model import Model
+    from llamatune.model import Model, NonFiniteError
     from llamatune.infer import Runner
     specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)
-    model = Model(model_path)
-    adapters = None
-    if specs:
-        from llamatune.adapter import load_runtime_adapters
-        adapters = load_runtime_adapters(model, specs)
+    try:
+        model = Model(model_path, allow_nonfinite)
+        adapters = None
+        if specs:
+            from llamatune.adapter import load_runtime_adapters
+            adapters = load_runtime_adapters(model, specs, allow_nonfinite)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
     return Runner(model, adapters, backend)
 
 
 LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
 LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
+NONFINITE_HELP = "Run even when weights hold inf or nan (a notice names them; results may be nan)."
 # options shared by the generating commands (generate, chat)
 TEMP = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy.")
 TOP_K = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all).")
@@ -143,6 +148,7 @@ def perplexity(
     lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
     lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
 ):
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
@@ -151,7 +157,7 @@ def perplexity(
     from llamatune.progress import progress_bar
     check_number("-b/--batch", batch, 1)
     text = read_text(file)
-    runner = make_runner(model, lora, lora_scaled, device)
+    runner = make_runner(model, lora, lora_scaled, device, allow_nonfinite)
     with progress_bar("perplexity") as bar:
         res = run_perplexity(runner, text, ctx, batch, source=str(file),
                              on_window=lambda d, n, p: bar(d, n, f"PPL {p:.4f}"))
@@ -167,6 +173,15 @@ def generate(
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
     n_predict: int = typer.Option(64, "-n", "--n-predict",
                                   help="Tokens to generate (-1: until EOS or the context is full)."),
+    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
+    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
+    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
+    seed: int = typer.Option(0, "--seed", help="Random seed."),
+    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
+    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
+    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
+    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
     temp: float = TEMP,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
@@ -179,7 +194,7 @@ def generate(
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
     from llamatune.generate import check_sampling, generate as run_generate, stream_text
     check_sampling(n_predict, temp, top_k, top_p, seed, ctx)
-    runner = make_runner(model, lora, lora_scaled, device)
+    runner = make_runner(model, lora, lora_scaled, device, allow_nonfinite)
     sys.stdout.write(prompt)
     ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)
     stream_text(runner, prompt, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))

@@ -25,16 +25,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .errors import LlamatuneError
 from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
+from .model import check_finite
 from .params import ParamBuffer
 from .validation import ValidationState
 
@@ -128,6 +131,13 @@ class Checkpoint:
                 problems.append(f"'{name}' missing or not of {params.size} values")
         if problems:
             raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + "; ".join(problems))
+        used = [(s.name, f.tensors[s.name]) for s in params.specs]
+        used += [(n, f.tensors[n]) for n in ("optimizer.adam.first_moments", "optimizer.adam.second_moments")]
+        for name, t in used:
+            if t.qtype != QType.F32:
+                raise LlamatuneError(f"{self.path}: tensor '{name}' has type {t.qtype.name}, expected F32 "
+                                     "(checkpoints hold parameters and moments in F32)")
+        check_finite(self.path, used)
         for s in params.specs:
             params[s.name][...] = f.tensors[s.name].data.reshape(s.shape)
         params.m[...] = f.tensors["optimizer.adam.first_moments"].data
@@ -142,23 +152,55 @@ def load(path: Path) -> Checkpoint:
             hint = " (a llama.cpp 2023 checkpoint: convert it with `llamatune convert-checkpoint`)"
         raise LlamatuneError(f"{f.path}: not a llamatune checkpoint{hint}")
     version = f.get("llamatune.checkpoint.version")
-    if version != FORMAT_VERSION:
-        raise LlamatuneError(f"{f.path}: checkpoint format version {version}; this llamatune reads version "
-                             f"{FORMAT_VERSION} (use the llamatune version that wrote it)")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise LlamatuneError(f"{f.path}: checkpoint format version {str(version)[:20]}; this llamatune reads "
+                             f"version {FORMAT_VERSION} (use the llamatune version that wrote it)")
+    kind = f.get_str("llamatune.checkpoint.kind", required=True)
+    if kind not in (KIND_LORA, KIND_FULL):
+        raise LlamatuneError(f"{f.path}: metadata key 'llamatune.checkpoint.kind' is {kind[:40]!r}, "
+                             f"expected '{KIND_LORA}' or '{KIND_FULL}'")
+    options = _json_object(f, "llamatune.options", None)
+    data_state = _json_object(f, "llamatune.data_state", "{}") or None
+    guard = _json_object(f, "llamatune.guard_state", "{}") or None
+    validation = None
+    if "llamatune.validation" in f.kvs:
+        try:
+            validation = ValidationState.from_dict(_json_object(f, "llamatune.validation", None))
+        except (TypeError, ValueError) as e:
+            raise LlamatuneError(f"{f.path}: metadata key 'llamatune.validation' is invalid ({e})") from None
+    ranks = f.get_int("llamatune.ranks", 1, lo=1, hi=1 << 20)
+    loss_ema = f.get("training.loss_ema", float("nan"))
+    if not (isinstance(loss_ema, float) and math.isnan(loss_ema)):      # nan: no loss seen yet
+        loss_ema = f.get_float("training.loss_ema")
+    state = TrainState(f.get_int("training.iteration_count", required=True), f.get_int("training.sample_count", 0),
+                       f.get_int("training.token_count", 0), f.get_int("training.epoch_count", 0),
+                       float(loss_ema), data_state, guard, validation, ranks)
+    _check_ranks(f)
+    return Checkpoint(f.path, kind, options, f.get_str("llamatune.base_model", ""), state, f)
+
+
+def _json_object(f: GGUFFile, key: str, default: str | None) -> dict:
+    """A metadata string holding a JSON object (options, data state)."""
+    text = f.get_str(key, default, required=default is None)
     try:
-        options = json.loads(f.require("llamatune.options"))
-        data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
-        guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
-        val = f.get("llamatune.validation")
-        validation = None if val is None else ValidationState.from_dict(json.loads(val))
-    except (json.JSONDecodeError, TypeError, ValueError) as e:
-        raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
-    state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
-                       int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, guard, validation,
-                       int(f.get("llamatune.ranks", 1)))
-    return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
-                      f.get("llamatune.base_model", ""), state, f)
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise LlamatuneError(f"{f.path}: metadata key '{key}' is not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(value, dict):
+        raise LlamatuneError(f"{f.path}: metadata key '{key}' holds {type(value).__name__} JSON, expected an object")
+    return value
+
+
+def _check_ranks(f: GGUFFile) -> None:
+    """Each LoRA pair's rank (lora_b's last dimension) must be the rank recorded for its kind."""
+    for name, t in f.tensors.items():
+        if not name.endswith(".lora_b"):
+            continue
+        kind = name[:-len(".weight.lora_b")].rsplit(".", 1)[-1]
+        recorded = f.get_int(f"training.lora.rank.{kind}", None)
+        if recorded is not None and t.shape[-1] != recorded:
+            raise LlamatuneError(f"{f.path}: tensor '{name}' has rank {t.shape[-1]} but the checkpoint records "
+                                 f"training.lora.rank.{kind} = {recorded}")
 
 
 def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
