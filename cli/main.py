@@ -173,15 +173,6 @@ def generate(
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
     n_predict: int = typer.Option(64, "-n", "--n-predict",
                                   help="Tokens to generate (-1: until EOS or the context is full)."),
-    temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
-    top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
-    top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
-    seed: int = typer.Option(0, "--seed", help="Random seed."),
-    ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context size (default: the model's)."),
-    lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
-    lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
-    device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
-    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
     temp: float = TEMP,
     top_k: int = TOP_K,
     top_p: float = TOP_P,
@@ -190,6 +181,7 @@ def generate(
     lora: List[Path] = LORA,
     lora_scaled: List[str] = LORA_SCALED,
     device: str = DEVICE,
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
     from llamatune.generate import check_sampling, generate as run_generate, stream_text
