@@ -104,7 +104,8 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     chunk = head_chunk(N, V)
     plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C), "dg": (N, F), "du": (N, F),
              "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv), "datt": (N, Cq),
-             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "logits": (chunk, V), "losses": (N,)}
+             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "logits": (chunk, V), "losses": (N,),
+             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
     head_tmp = 0                                                   # products added to a block in the head
     if any(t.kind == "output" for t in targets):
         head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
@@ -156,7 +157,8 @@ class Graph:
         cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
         host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
                              cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
-        self.cos, self.sin = self.backend.to_device(cos.astype(dtype)), self.backend.to_device(sin.astype(dtype))
+        self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
+        self.cos[...], self.sin[...] = self.backend.to_device(cos.astype(dtype)), self.backend.to_device(sin.astype(dtype))
         self.step_key = (0,)
 
     # ------------------------------------------------------------------ sizes
