@@ -31,14 +31,19 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def available_memory() -> int | None:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A `key: N kB` line of a /proc file, in bytes; None where it cannot be read."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def available_memory() -> int | None:
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def resident_bytes(exclude: Path | None = None) -> tuple[int, int]:
@@ -65,14 +70,7 @@ def resident_bytes(exclude: Path | None = None) -> tuple[int, int]:
 
 def peak_resident_bytes() -> int:
     """Peak resident bytes of this process so far (VmHWM)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _proc_bytes("/proc/self/status", "VmHWM") or 0
 
 
 def touch(a: np.ndarray) -> None:
