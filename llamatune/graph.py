@@ -158,7 +158,8 @@ class Graph:
         host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
                              cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
         self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
-        self.cos[...], self.sin[...] = self.backend.to_device(cos.astype(dtype)), self.backend.to_device(sin.astype(dtype))
+        self.cos[...] = self.backend.to_device(cos.astype(dtype))
+        self.sin[...] = self.backend.to_device(sin.astype(dtype))
         self.step_key = (0,)
 
     # ------------------------------------------------------------------ sizes

@@ -23,7 +23,7 @@ from .errors import LlamatuneError
 from .gguf_io import KV
 from .backend import cpu
 from .graph import Graph
-from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime  # noqa: F401
+from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime
 from .lora import LoraTarget
 from .optimizer import optimizer_step
 from .options import TrainOptions
@@ -72,8 +72,9 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     est = planner.choose(o.batch, o.ctx, mode, have)
     if not quiet:
         err.print(f"data: {describe(job.samples)}")
+        chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
-                  + (f", available {gib(have)}" if have else "") + ("; chosen by --checkpointing auto" if mode == "auto" else ""))
+                  + (f", available {gib(have)}" if have else "") + chosen)
     if have is not None and est.added > have:
         raise LlamatuneError(f"training needs about {gib(est.total)} but only {gib(have)} is available (besides "
                              f"{gib(est.runtime)} in use; --checkpointing {est.mode}): "
