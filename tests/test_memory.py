@@ -133,3 +133,17 @@ def test_checkpointing_option_and_its_old_spelling(tmp_path):
     assert build_options(FinetuneOptions, {}, preset).checkpointing_mode() == "selective"
     with pytest.raises(LlamatuneError, match=r"^--checkpointing 'some': choose auto, layer, selective, none$"):
         build_options(FinetuneOptions, {"checkpointing": "some"})
+
+
+def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
+    from llamatune.memory import resident_bytes, touch
+    before, _ = resident_bytes()
+    a = np.zeros(64 << 20, np.uint8)                        # zero pages: not resident until written
+    touch(a)
+    after, _ = resident_bytes()
+    assert after - before >= 60 << 20
+    t = model.weights.layers[0].mats["attn_q"]
+    float(np.asarray(t.data, np.float32).sum())              # read the tensor's pages
+    total, in_model = resident_bytes(model.path)
+    assert t.nbytes <= in_model <= model.path.stat().st_size + 4096 and total > in_model
+    assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
