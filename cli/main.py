@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from .help import GroupedHelpCommand
+
 app = typer.Typer(
     name="llamatune",
     help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
@@ -50,6 +52,7 @@ def read_text(path: Path) -> str:
 def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
     """--lora-scaled takes 'FILE:SCALE' (llama.cpp spelling) or 'FILE SCALE'."""
     from llamatune.errors import LlamatuneError
+    from llamatune.options import check_number
     out = []
     for v in values:
         path, sep, scale = v.rpartition(":")
@@ -57,6 +60,7 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
             out.append((path, float(scale)))
         except ValueError:
             raise LlamatuneError(f"--lora-scaled '{v}': expected FILE:SCALE, e.g. adapter.gguf:0.5") from None
+        check_number(f"--lora-scaled {path}: scale", out[-1][1])
     return out
 
 
@@ -64,12 +68,13 @@ def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], devi
     from llamatune.backend import get_backend
     from llamatune.model import Model
     from llamatune.infer import Runner
+    specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)
     model = Model(model_path)
     adapters = None
-    if lora or lora_scaled:
+    if specs:
         from llamatune.adapter import load_runtime_adapters
-        adapters = load_runtime_adapters(model, [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled))
+        adapters = load_runtime_adapters(model, specs)
     return Runner(model, adapters, backend)
 
 
@@ -78,7 +83,7 @@ LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def tokenize(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model or vocab-only GGUF."),
@@ -103,7 +108,7 @@ def tokenize(
             print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def perplexity(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
@@ -116,8 +121,10 @@ def perplexity(
 ):
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
+    from llamatune.options import check_number
     from llamatune.perplexity import perplexity as run_perplexity
     from llamatune.progress import progress_bar
+    check_number("-b/--batch", batch, 1)
     text = read_text(file)
     runner = make_runner(model, lora, lora_scaled, device)
     with progress_bar("perplexity") as bar:
@@ -128,12 +135,13 @@ def perplexity(
     out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
     prompt: str = typer.Option(..., "-p", "--prompt", help="Prompt text."),
-    n_predict: int = typer.Option(64, "-n", "--n-predict", help="Tokens to generate."),
+    n_predict: int = typer.Option(64, "-n", "--n-predict",
+                                  help="Tokens to generate (-1: until EOS or the context is full)."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k", help="Keep the k most likely tokens (0 = all)."),
     top_p: float = typer.Option(0.95, "--top-p", help="Nucleus sampling threshold (1 = off)."),
@@ -144,7 +152,8 @@ def generate(
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
-    from llamatune.generate import generate as run_generate, stream_text
+    from llamatune.generate import check_sampling, generate as run_generate, stream_text
+    check_sampling(n_predict, temp, top_k, top_p, seed, ctx)
     runner = make_runner(model, lora, lora_scaled, device)
     sys.stdout.write(prompt)
     ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)
@@ -152,7 +161,7 @@ def generate(
     sys.stdout.write("\n")
 
 
-@app.command("export-lora")
+@app.command("export-lora", cls=GroupedHelpCommand)
 @friendly_errors
 def export_lora(
     model_base: Path = typer.Option(..., "-m", "--model-base", help="Base model GGUF."),
@@ -172,7 +181,7 @@ def export_lora(
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
 
 
-@app.command("convert-checkpoint")
+@app.command("convert-checkpoint", cls=GroupedHelpCommand)
 @friendly_errors
 def convert_checkpoint(
     input: Path = typer.Argument(..., help="Checkpoint, adapter, PEFT directory, 2023 checkpoint or ggla .bin."),
@@ -188,7 +197,7 @@ def convert_checkpoint(
     out.print(convert(input, output, to, model_base))
 
 
-@app.command()
+@app.command(cls=GroupedHelpCommand)
 @friendly_errors
 def quickstart(
     workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),

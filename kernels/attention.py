@@ -8,19 +8,40 @@ llama.cpp builds in `llm_graph_context::build_attn_mha` (llama-graph.cpp) from
 ggml_mul_mat(k, q), `ggml_soft_max_ext` with the causal KQ mask and scale
 (ggml-cpu ops.cpp `ggml_compute_forward_soft_max_f32`) and ggml_mul_mat(v, kq).
 
-Layout of the computation. It was measured against the alternative, a numba prange
-over (b, h) calling np.dot on contiguous per-head copies: single-threaded CPU time
-at B=8, T=256, NH=8, NKV=4, HS=64 was fwd 20 vs 27 ms, bwd 45 vs 44 ms; the prange
-version nests multi-threaded BLAS inside numba threads (10x slower here with
-default OpenBLAS threading) and needs scipy for numba's np.dot. So:
-* the T x S products are batched `np.matmul` calls over (NKV, G, TQ, HS) views of
-  one batch element, G = NH // NKV query heads per kv head, so K and V are never
-  repeated; nothing is copied except the q/dout blocks in the dk/dv products;
-* queries go in blocks of _QBLOCK rows; block [i0, i1) only meets keys < n_past+i1,
-  which skips most of the masked upper triangle and bounds the transient score
-  buffers to (NH, _QBLOCK, S) per block (nothing of size B*NH*T*S exists at once);
-* the masked softmax (and its backward) is a numba kernel over rows that never
-  evaluates exp for a masked entry; it just writes 0 there.
+Packed rows (training, n_past = 0): an optional `segments` (B, T) int32 gives the
+sample id of each token of a row holding several samples; query i then sees key j
+only when j <= i and segments[b, j] == segments[b, i] (llama.cpp's KQ mask for a
+batch of several sequences, `llama_kv_cache::set_input_kq_mask`). Each row's ids
+must form contiguous runs (a sample's tokens are adjacent; `segment_starts` checks
+it), so query i sees exactly the keys [start_i, i], start_i the first token of its
+sample. A token always sees itself, so no softmax row is ever empty (no 0/0, no
+-inf lse). segments=None is the plain causal mask (start_i = 0).
+
+Layout of the computation. The work is split into items, one per (batch element,
+kv head): the G = NH // NKV query heads of a kv head share its K and V, so K and V
+are never repeated and the items write disjoint parts of every output. Within an
+item:
+* queries go in blocks of _QBLOCK rows; block [i0, i1) only meets keys
+  [start_i0, n_past + i1), which skips most of the masked upper triangle (and, for
+  packed rows, the keys of earlier samples) and bounds the score buffer to
+  (G, _QBLOCK, S), allocated once per worker and call;
+* the T x S products are batched `np.matmul` calls over (G, TQ, HS) views (no
+  copies, except the q/dout blocks of the dk/dv products);
+* the masked softmax (and its backward) is a numba kernel over rows that only
+  touches each row's visible keys [lo, hi) and writes 0 elsewhere. The
+  exponential is a branch-free float32 polynomial (`_exp`, <= 3 ulp from libm's
+  expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
+  vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
+  ns per score instead of 0.45); the forward leaves P unnormalized and scales the
+  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities.
+Threading: the items are dealt to numba.get_num_threads() threads of one pool,
+each running single-threaded BLAS (threadpoolctl) and serial kernels, so one call
+has one fork-join. Before, every one of the many small matmuls ran multi-threaded
+OpenBLAS and every softmax a numba prange: under CPU contention each of those
+joins waited for a descheduled thread, and the attention of the bench shape
+(B=8, T=256, NH=8, NKV=4, HS=64, 2 threads, load average ~30 on 2 cores) ran at
+0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 now (bench/attention.py).
+Results do not depend on the thread count.
 
 The backward is flash-attention style: it recomputes P = exp(q.k*scale - lse) from
 the saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
@@ -29,66 +50,128 @@ the saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
 All gradients are overwritten.
 """
 
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
 
 _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms for 256
+_FASTMATH = {"reassoc", "nsz", "contract"}  # lets LLVM vectorize the row sums
 
 
-@njit(cache=True, parallel=True)
-def _softmax_causal_kernel(att, lse, scale, first):
-    # att (NH, TQ, S): raw scores q.k in, probabilities out (0 where masked)
-    # lse (NH, TQ) out; first: absolute position of row 0, row i sees keys <= first+i
+@intrinsic
+def _i32_as_f32(typingctx, x):
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.int32), codegen
+
+
+def _exp(x):
+    """exp(x) for the softmax kernels: float32 by a vectorizable polynomial, else np.exp."""
+    return np.exp(x)
+
+
+@overload(_exp)
+def _exp_overload(x):
+    if x != types.float32:
+        return lambda x: np.exp(x)
+
+    def exp_f32(x):
+        # Cephes expf: x = n ln2 + r (ln2 in two parts), exp(r) by a degree-7
+        # polynomial, times 2^n built from its exponent bits; x is clamped to
+        # [-87, 88] so 2^n stays a normal number (exp(-87) = 1.6e-38 stands in for
+        # anything smaller: it weighs nothing next to a row's max term, exp(0) = 1)
+        f = np.float32
+        x = min(max(x, f(-87.0)), f(88.0))
+        n = np.floor(x * f(1.44269504088896341) + f(0.5))
+        r = x - n * f(0.693359375)
+        r = r - n * f(-2.12194440e-4)
+        p = f(1.9875691500e-4)
+        p = p * r + f(1.3981999507e-3)
+        p = p * r + f(8.3334519073e-3)
+        p = p * r + f(4.1665795894e-2)
+        p = p * r + f(1.6666665459e-1)
+        p = p * r + f(5.0000001201e-1)
+        p = p * r * r + r + f(1.0)
+        return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
+    return exp_f32
+
+
+@njit(inline="always")
+def _row_max(a, lo, hi):
+    # max of a[lo:hi] (hi > lo, both uint64: unsigned indices carry no negative-index
+    # wraparound, which would stop LLVM from vectorizing): eight independent chains
+    u = np.uint64
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = a[lo]
+    end8 = lo + (hi - lo) // u(8) * u(8)
+    for j in range(lo, end8, 8):
+        m0 = max(m0, a[j])
+        m1 = max(m1, a[j + u(1)])
+        m2 = max(m2, a[j + u(2)])
+        m3 = max(m3, a[j + u(3)])
+        m4 = max(m4, a[j + u(4)])
+        m5 = max(m5, a[j + u(5)])
+        m6 = max(m6, a[j + u(6)])
+        m7 = max(m7, a[j + u(7)])
+    m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    for j in range(end8, hi):
+        m = max(m, a[j])
+    return m
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in; out exp(s*scale - max), 0 outside [lo[i], hi[i])
+    # rinv (G, TQ) out: 1 / rowsum (the caller scales the P.v rows by it); lse (G, TQ) out
     NH, TQ, S = att.shape
-    for r in prange(NH * TQ):
+    for r in range(NH * TQ):
         h = r // TQ
         i = r % TQ
-        n = first + i + 1  # visible keys
-        mx = att[h, i, 0] * scale
-        for j in range(n):
-            s = att[h, i, j] * scale
-            att[h, i, j] = s
-            mx = max(mx, s)
-        tot = 0.0
-        for j in range(n):
-            e = np.exp(att[h, i, j] - mx)
-            att[h, i, j] = e
+        row = att[h, i]
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])  # unsigned: see _row_max
+        mx = _row_max(row, a, n) * scale  # scale > 0: the max of the scaled scores
+        tot = scale * 0  # zero of the array's type
+        for j in range(a, n):
+            e = _exp(row[j] * scale - mx)
+            row[j] = e
             tot += e
-        inv = 1.0 / tot
-        for j in range(n):
-            att[h, i, j] *= inv
-        for j in range(n, S):
-            att[h, i, j] = 0.0
+        for j in range(a):
+            row[j] = 0.0
+        for j in range(n, np.uint64(S)):
+            row[j] = 0.0
+        rinv[h, i] = 1 / tot
         lse[h, i] = mx + np.log(tot)
 
 
-@njit(cache=True, parallel=True)
-def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, first):
-    # att (NH, TQ, S): raw scores q.k in, P out; dp (NH, TQ, S): dout.v in, dS*scale out
-    # lse (NH, TQ); out, dout (TQ, NH, HS): this block's rows; first as above
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in, P out; dp (G, TQ, S): dout.v in, dS*scale out
+    # lse (G, TQ); out, dout (TQ, G, HS): this block's rows; visible keys [lo[i], hi[i])
     NH, TQ, S = att.shape
     HS = out.shape[2]
-    for r in prange(NH * TQ):
+    for r in range(NH * TQ):
         h = r // TQ
         i = r % TQ
-        n = first + i + 1
-        d = 0.0  # rowsum(dout * out) = rowsum(P * dP)
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])
+        d = scale * 0  # rowsum(dout * out) = rowsum(P * dP)
         for c in range(HS):
             d += dout[i, h, c] * out[i, h, c]
         lse_i = lse[h, i]
-        for j in range(n):
-            p = np.exp(att[h, i, j] * scale - lse_i)
-            att[h, i, j] = p
-            dp[h, i, j] = p * (dp[h, i, j] - d) * scale
-        for j in range(n, S):
-            att[h, i, j] = 0.0
-            dp[h, i, j] = 0.0
-
-
-def _heads(x, NKV):
-    # (TQ, NH, HS) rows of one batch element -> (NKV, G, TQ, HS) view (no copy)
-    TQ, NH, HS = x.shape
-    return x.reshape(TQ, NKV, NH // NKV, HS).transpose(1, 2, 0, 3)
+        row, drow = att[h, i], dp[h, i]
+        for j in range(a, n):
+            p = _exp(row[j] * scale - lse_i)
+            row[j] = p
+            drow[j] = p * (drow[j] - d) * scale
+        for j in range(a):
+            row[j] = 0.0
+            drow[j] = 0.0
+        for j in range(n, np.uint64(S)):
+            row[j] = 0.0
+            drow[j] = 0.0
 
 
 def _check(name, a, shape, dtype, rows_only=False):
@@ -120,11 +203,92 @@ def _check_qkv(q, k, v, S):
     return B, T, NH, NKV, HS
 
 
-def attention_forward(out, lse, q, k, v, n_past):
+def segment_starts(segments, shape) -> np.ndarray:
+    """(B, T) int64: the index of the first token of each token's segment.
+
+    segments (B, T) int32 sample ids (module docstring); ValueError unless it has
+    that shape and each row's ids form contiguous runs (no id reappears after
+    another one)."""
+    if not (isinstance(segments, np.ndarray) and segments.dtype == np.int32
+            and segments.shape == tuple(shape)):
+        got = (f"{segments.dtype} {segments.shape}" if isinstance(segments, np.ndarray)
+               else type(segments).__name__)
+        raise ValueError(f"attention: segments must be an int32 array of shape {tuple(shape)}, "
+                         f"got {got}")
+    B, T = segments.shape
+    new = np.ones((B, T), bool)  # token t starts a run
+    new[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    rows, cols = np.nonzero(new)
+    ids = segments[rows, cols]
+    order = np.lexsort((ids, rows))
+    again = (rows[order][1:] == rows[order][:-1]) & (ids[order][1:] == ids[order][:-1])
+    if again.any():
+        b = int(rows[order][1:][again][0])
+        raise ValueError(f"attention: segments row {b}: sample id {int(ids[order][1:][again][0])} "
+                         "appears in two separate runs (a sample's tokens must be adjacent)")
+    return np.maximum.accumulate(np.where(new, np.arange(T), 0), axis=1)
+
+
+def _blocks(T, n_past, starts):
+    """[(i0, i1, j0, lo, hi)] per query block: keys [j0, n_past + i1) are computed,
+    row i sees block-local keys [lo[i], hi[i])."""
+    blocks = []
+    for i0 in range(0, T, _QBLOCK):
+        i1 = min(i0 + _QBLOCK, T)
+        hi = n_past + np.arange(i0, i1, dtype=np.int64) + 1
+        if starts is None:
+            blocks.append((i0, i1, 0, np.zeros(i1 - i0, np.int64), hi))
+        else:  # starts never decrease along a row: the block's first row has the lowest
+            j0 = int(starts[i0])
+            blocks.append((i0, i1, j0, starts[i0:i1] - j0, hi - j0))
+    return blocks
+
+
+def _starts(segments, B, T, n_past):
+    if segments is None:
+        return [None] * B
+    if n_past:
+        raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
+    return segment_starts(segments, (B, T))
+
+
+_POOL = None
+_BLAS = None
+
+
+def _blas_one_thread():
+    """Context: BLAS at one thread (threadpoolctl; without it, a no-op)."""
+    global _BLAS
+    if _BLAS is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS = ThreadpoolController()
+        except ImportError:
+            _BLAS = False
+    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
+
+
+def _run_items(work, n_items):
+    """work(items) for the work items 0..n_items-1, dealt round-robin to
+    numba.get_num_threads() workers (threads of one pool), BLAS at one thread."""
+    global _POOL
+    nw = max(1, min(numba.get_num_threads(), n_items))
+    with _blas_one_thread():
+        if nw == 1:
+            work(range(n_items))
+            return
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "llamatune-attention")
+        for f in [_POOL.submit(work, range(w, n_items, nw)) for w in range(nw)]:
+            f.result()
+
+
+def attention_forward(out, lse, q, k, v, n_past, segments=None):
     """Causal GQA attention for T new queries after n_past cached positions.
 
     out (B, T, NH, HS); lse (B, NH, T) saved log-sum-exp; q (B, T, NH, HS);
-    k, v (B, S, NKV, HS) with S = n_past + T (may be [:, :S] slices of a cache).
+    k, v (B, S, NKV, HS) with S = n_past + T (may be [:, :S] slices of a cache);
+    segments: None, or (B, T) int32 sample ids of packed rows (n_past = 0).
     """
     if n_past < 0:
         raise ValueError(f"attention: n_past must be >= 0, got {n_past}")
@@ -132,24 +296,36 @@ def attention_forward(out, lse, q, k, v, n_past):
     B, T, NH, NKV, HS = _check_qkv(q, k, v, n_past + T)
     _check("out", out, q.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
+    starts = _starts(segments, B, T, n_past)
+    blocks = [_blocks(T, n_past, starts[b]) for b in range(B)]
     scale = q.dtype.type(1.0 / np.sqrt(HS))
-    for b in range(B):
-        kT = k[b].transpose(1, 2, 0)[:, None]  # (NKV, 1, HS, S)
-        vb = v[b].transpose(1, 0, 2)[:, None]  # (NKV, 1, S, HS)
-        for i0 in range(0, T, _QBLOCK):
-            i1 = min(i0 + _QBLOCK, T)
-            S1 = n_past + i1  # keys any query of this block can see
-            att = np.matmul(_heads(q[b, i0:i1], NKV), kT[..., :S1])  # (NKV, G, TQ, S1)
-            _softmax_causal_kernel(att.reshape(NH, i1 - i0, S1), lse[b, :, i0:i1],
-                                   scale, n_past + i0)
-            np.matmul(att, vb[:, :, :S1], out=_heads(out[b, i0:i1], NKV))
+    G, QB = NH // NKV, min(T, _QBLOCK)
+
+    def work(items):
+        scratch = np.empty(G * QB * (n_past + T), q.dtype)  # the score block, reused
+        rinv = np.empty((G, QB), q.dtype)
+        for item in items:
+            b, kvh = divmod(item, NKV)
+            hs = slice(kvh * G, kvh * G + G)  # the query heads of kv head kvh
+            kT, vb = k[b, :, kvh].T, v[b, :, kvh]  # (HS, S), (S, HS) views
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, n_past + i1 - j0
+                att = scratch[: G * TQ * W].reshape(G, TQ, W)
+                np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
+                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], scale, lo, hi)
+                ob = out[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) view
+                np.matmul(att, vb[j0:j0 + W], out=ob)
+                ob *= rinv[:, :TQ, None]
+
+    _run_items(work, B * NKV)
 
 
-def attention_backward(dq, dk, dv, dout, q, k, v, out, lse):
+def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
     """Gradients of causal GQA attention for training (n_past = 0, S = T), overwritten.
 
     dq (B, T, NH, HS); dk, dv (B, T, NKV, HS) summed over each kv head's query heads;
-    dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T) from the forward.
+    dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T) from the forward;
+    segments as in the forward.
     """
     T = q.shape[1] if isinstance(q, np.ndarray) and q.ndim == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, T)
@@ -158,62 +334,72 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse):
     _check("dk", dk, k.shape, q.dtype)
     _check("dv", dv, k.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
+    starts = _starts(segments, B, T, 0)
+    blocks = [_blocks(T, 0, starts[b]) for b in range(B)]
     scale = q.dtype.type(1.0 / np.sqrt(HS))
+    G, QB = NH // NKV, min(T, _QBLOCK)
     dk[...] = 0.0  # the query blocks add their share below
     dv[...] = 0.0
-    for b in range(B):
-        kb = k[b].transpose(1, 0, 2)[:, None]  # (NKV, 1, T, HS)
-        vb = v[b].transpose(1, 0, 2)[:, None]
-        for i0 in range(0, T, _QBLOCK):
-            i1 = min(i0 + _QBLOCK, T)
-            TQ = i1 - i0
-            qb = _heads(q[b, i0:i1], NKV)  # (NKV, G, TQ, HS)
-            dob = _heads(dout[b, i0:i1], NKV)
-            att = np.matmul(qb, kb[:, :, :i1].swapaxes(-1, -2))  # (NKV, G, TQ, i1)
-            dp = np.matmul(dob, vb[:, :, :i1].swapaxes(-1, -2))
-            _softmax_causal_backward_kernel(att.reshape(NH, TQ, i1), dp.reshape(NH, TQ, i1),
-                                            lse[b, :, i0:i1], out[b, i0:i1], dout[b, i0:i1],
-                                            scale, i0)
-            # dq rows of this block are complete: the block saw all their keys
-            np.matmul(dp, kb[:, :, :i1], out=_heads(dq[b, i0:i1], NKV))
-            # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
-            dS = dp.reshape(NKV, -1, i1).swapaxes(-1, -2)  # (NKV, i1, G*TQ)
-            P = att.reshape(NKV, -1, i1).swapaxes(-1, -2)
-            dk[b, :i1] += np.matmul(dS, qb.reshape(NKV, -1, HS)).transpose(1, 0, 2)
-            dv[b, :i1] += np.matmul(P, dob.reshape(NKV, -1, HS)).transpose(1, 0, 2)
+
+    def work(items):
+        scratch = np.empty((2, G * QB * T), q.dtype)  # P and dS blocks, reused
+        for item in items:
+            b, kvh = divmod(item, NKV)
+            hs = slice(kvh * G, kvh * G + G)
+            kb, vb = k[b, :, kvh], v[b, :, kvh]  # (T, HS) views
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, i1 - j0
+                qb = q[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) views
+                dob = dout[b, i0:i1, hs].transpose(1, 0, 2)
+                att = scratch[0, : G * TQ * W].reshape(G, TQ, W)
+                dp = scratch[1, : G * TQ * W].reshape(G, TQ, W)
+                np.matmul(qb, kb[j0:i1].T, out=att)
+                np.matmul(dob, vb[j0:i1].T, out=dp)
+                _softmax_causal_backward_kernel(att, dp, lse[b, hs, i0:i1], out[b, i0:i1, hs],
+                                                dout[b, i0:i1, hs], scale, lo, hi)
+                # dq rows of this block are complete: the block saw all their keys
+                np.matmul(dp, kb[j0:i1], out=dq[b, i0:i1, hs].transpose(1, 0, 2))
+                # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
+                dk[b, j0:i1, kvh] += dp.reshape(G * TQ, W).T @ qb.reshape(G * TQ, HS)
+                dv[b, j0:i1, kvh] += att.reshape(G * TQ, W).T @ dob.reshape(G * TQ, HS)
+
+    _run_items(work, B * NKV)
 
 
 # ----------------------------------------------------------------------------
 # numpy references: same arguments and contract as the kernels, no checks; plain
-# per-head loops with a full masked (T, S) softmax
+# per-head loops with a full masked (T, S) softmax; segments mask by id equality
 
 
-def _probs_ref(q, k, b, h, kvh, n_past):
+def _probs_ref(q, k, b, h, kvh, n_past, segments=None):
     T, S = q.shape[1], k.shape[1]
     s = q[b, :, h] @ k[b, :, kvh].T / np.sqrt(q.shape[3])  # (T, S)
-    s = np.where(np.arange(S)[None, :] <= n_past + np.arange(T)[:, None], s, -np.inf)
+    visible = np.arange(S)[None, :] <= n_past + np.arange(T)[:, None]
+    if segments is not None:
+        visible &= segments[b][None, :] == segments[b][:, None]
+    s = np.where(visible, s, -np.inf)
     mx = s.max(axis=1, keepdims=True)
     e = np.exp(s - mx)
     return e / e.sum(axis=1, keepdims=True), (mx + np.log(e.sum(axis=1, keepdims=True)))[:, 0]
 
 
-def attention_forward_ref(out, lse, q, k, v, n_past):
+def attention_forward_ref(out, lse, q, k, v, n_past, segments=None):
     B, T, NH, HS = q.shape
     G = NH // k.shape[2]
     for b in range(B):
         for h in range(NH):
-            P, lse[b, h] = _probs_ref(q, k, b, h, h // G, n_past)
+            P, lse[b, h] = _probs_ref(q, k, b, h, h // G, n_past, segments)
             out[b, :, h] = P @ v[b, :, h // G]
 
 
-def attention_backward_ref(dq, dk, dv, dout, q, k, v, out, lse):
+def attention_backward_ref(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
     B, T, NH, HS = q.shape
     G = NH // k.shape[2]
     dk[...] = 0.0
     dv[...] = 0.0
     for b in range(B):
         for h in range(NH):
-            P, _ = _probs_ref(q, k, b, h, h // G, 0)
+            P, _ = _probs_ref(q, k, b, h, h // G, 0, segments)
             dP = dout[b, :, h] @ v[b, :, h // G].T
             dS = P * (dP - np.sum(P * dP, axis=1, keepdims=True)) / np.sqrt(HS)
             dq[b, :, h] = dS @ k[b, :, h // G]

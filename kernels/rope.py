@@ -11,6 +11,11 @@ Mirrors llama.cpp's `ggml_rope` as computed by `ggml_compute_forward_rope_f32`
   rotates (x[i], x[i + n_rot/2]). Dimensions >= n_rot pass through unchanged.
 * The backward is ggml's ROPE_BACK: the same rotation by -theta (sin negated),
   since R(theta) is orthogonal, dx = R(theta)^T dout = R(-theta) dout.
+* Positions: cos/sin tables of shape (T, n_rot//2) rotate every row the same way
+  (positions 0..T-1, or n_past.. in inference); tables of shape (B, T, n_rot//2)
+  give each token its own angles, for packed rows whose positions restart at 0
+  with each sample (llama.cpp takes a position per token, `ggml_rope`'s `b`).
+  `rope_tables` gathers them from one cache of positions 0..max.
 
 Both rotations work in place (out may be x, dx may be dout).
 """
@@ -41,17 +46,19 @@ def _rope_cache_kernel(cos, sin, positions, n_rot, freq_base, freq_scale, freq_f
 
 @njit(cache=True, parallel=True)
 def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
-    # out, x (B, T, H, D), may alias; cos, sin (T, n_rot//2)
-    # inverse=True rotates by -theta (the backward)
+    # out, x (B, T, H, D), may alias; cos, sin (1 or B, T, n_rot//2): one table for
+    # all rows, or one per row; inverse=True rotates by -theta (the backward)
     B, T, H, D = x.shape
     half = n_rot // 2
+    per_row = cos.shape[0] > 1
     for bt in prange(B * T):
         b = bt // T
         t = bt % T
+        cb = b if per_row else 0
         for h in range(H):
             for i in range(half):
-                c = cos[t, i]
-                s = -sin[t, i] if inverse else sin[t, i]
+                c = cos[cb, t, i]
+                s = -sin[cb, t, i] if inverse else sin[cb, t, i]
                 i0 = i if neox else 2 * i  # the pair (i0, i1) rotated by angle i
                 i1 = i + half if neox else 2 * i + 1
                 x0 = x[b, t, h, i0]  # read both before writing: in place is safe
@@ -91,6 +98,13 @@ def rope_cache(cos, sin, positions, n_rot, freq_base, freq_scale, freq_factors):
                        np.float32(freq_scale), freq_factors)
 
 
+def table_shape(x_shape, cos_ndim, n_rot):
+    """The shape cos/sin must have for x (B, T, H, D): (T, n_rot//2) when 2-D, else
+    (B, T, n_rot//2) (one table per row). Shared with the CUDA kernels."""
+    B, T = x_shape[:2]
+    return (T, n_rot // 2) if cos_ndim == 2 else (B, T, n_rot // 2)
+
+
 def _check_rope(out_name, out, x_name, x, cos, sin, n_rot, mode):
     if not isinstance(x, np.ndarray) or x.ndim != 4 or x.dtype not in (np.float32, np.float64):
         raise ValueError(f"rope: {x_name} must be a 4-D float32 or float64 array (B, T, H, D)")
@@ -100,20 +114,37 @@ def _check_rope(out_name, out, x_name, x, cos, sin, n_rot, mode):
         raise ValueError(f"rope: mode must be ROPE_NORM (0) or ROPE_NEOX (2), got {mode}")
     _check(x_name, x, (B, T, H, D), x.dtype)
     _check(out_name, out, (B, T, H, D), x.dtype)
-    _check("cos", cos, (T, n_rot // 2), x.dtype)
-    _check("sin", sin, (T, n_rot // 2), x.dtype)
+    shape = table_shape(x.shape, getattr(cos, "ndim", 0), n_rot)
+    _check("cos", cos, shape, x.dtype)
+    _check("sin", sin, shape, x.dtype)
+    return (cos, sin) if cos.ndim == 3 else (cos[None], sin[None])
 
 
 def rope_forward(out, x, cos, sin, n_rot, mode):
-    """out (B, T, H, D) = R(theta) x; x (B, T, H, D) (out may be x); cos, sin (T, n_rot//2)."""
-    _check_rope("out", out, "x", x, cos, sin, n_rot, mode)
+    """out (B, T, H, D) = R(theta) x; x (B, T, H, D) (out may be x);
+    cos, sin (T, n_rot//2), or (B, T, n_rot//2) for per-token positions."""
+    cos, sin = _check_rope("out", out, "x", x, cos, sin, n_rot, mode)
     _rope_kernel(out, x, cos, sin, n_rot, mode == ROPE_NEOX, False)
 
 
 def rope_backward(dx, dout, cos, sin, n_rot, mode):
-    """dx (B, T, H, D) = R(-theta) dout (overwritten; dx may be dout); cos, sin (T, n_rot//2)."""
-    _check_rope("dx", dx, "dout", dout, cos, sin, n_rot, mode)
+    """dx (B, T, H, D) = R(-theta) dout (overwritten; dx may be dout); cos, sin as
+    in rope_forward."""
+    cos, sin = _check_rope("dx", dx, "dout", dout, cos, sin, n_rot, mode)
     _rope_kernel(dx, dout, cos, sin, n_rot, mode == ROPE_NEOX, True)
+
+
+def rope_tables(cos, sin, positions):
+    """Per-token tables (B, T, n_rot//2) for positions (B, T) int64 >= 0, gathered
+    from cos, sin (P, n_rot//2) = rope_cache of positions 0..P-1 (P > every position):
+    the very same float32 angles as rope_cache of those positions."""
+    if not (isinstance(positions, np.ndarray) and positions.ndim == 2
+            and positions.dtype == np.int64):
+        raise ValueError("rope: positions must be a 2-D int64 array (B, T)")
+    if positions.size and (positions.min() < 0 or positions.max() >= cos.shape[0]):
+        raise ValueError(f"rope: positions must lie in [0, {cos.shape[0]}), got "
+                         f"[{positions.min()}, {positions.max()}]")
+    return cos[positions], sin[positions]
 
 
 # ----------------------------------------------------------------------------
@@ -133,9 +164,9 @@ def rope_cache_ref(cos, sin, positions, n_rot, freq_base, freq_scale, freq_facto
 
 
 def _rotate_ref(x, cos, sin, n_rot, mode):
-    # x (B, T, H, D) -> new array rotated by the angles of cos/sin (T, n_rot//2)
+    # x (B, T, H, D) -> new array rotated by the angles of cos/sin (T or B, T, n_rot//2)
     out = x.copy()
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]  # broadcast over heads (and rows)
     if mode == ROPE_NEOX:
         i0, i1 = slice(0, n_rot // 2), slice(n_rot // 2, n_rot)
     else:

@@ -7,7 +7,8 @@ Layout (format version 1):
        llamatune.options (JSON of every training option), llamatune.base_model
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
-       shuffle generator state), training.loss_ema (f32), the model's `{arch}.*`
+       shuffle generator state), llamatune.guard_state (JSON: divergence guard
+       history, absent in older files), training.loss_ema (f32), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -45,6 +46,7 @@ class TrainState:
     epoch: int = 0
     loss_ema: float = float("nan")
     data_state: dict | None = None
+    guard: dict | None = None   # divergence guard history (guard.Guard.state)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -75,7 +77,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.token_count", state.token_count, VType.UINT64),
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
-           kv("llamatune.data_state", json.dumps(state.data_state or {}))] + list(model_kvs)
+           kv("llamatune.data_state", json.dumps(state.data_state or {})),
+           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -136,11 +139,12 @@ def load(path: Path) -> Checkpoint:
     try:
         options = json.loads(f.require("llamatune.options"))
         data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
+        guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
     except json.JSONDecodeError as e:
         raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
     state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
                        int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state)
+                       float(f.get("training.loss_ema", float("nan"))), data_state, guard)
     return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
                       f.get("llamatune.base_model", ""), state, f)
 

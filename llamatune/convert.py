@@ -40,8 +40,9 @@ from .adapter import LoraAdapter, is_norm, read_adapter, write_adapter
 from .config import ModelConfig
 from .convert_peft import Heads, peft_files, read_peft
 from .errors import LlamatuneError
-from .gguf_io import GGUFFile, atomic_path, kv
+from .gguf_io import GGUFFile, atomic_path, kv, write_error
 from .modelfile import tensor_names, vocab_kvs, write_model
+from .outputs import Out, check_paths
 
 TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
@@ -191,8 +192,10 @@ def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_na
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, output)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise write_error(output, e) from None
         raise
     ranks = sorted({config["r"], *config["rank_pattern"].values()})
     return (f"wrote PEFT adapter {output} ({len(tensors) // 2} modules, r {'/'.join(map(str, ranks))}, "
@@ -293,8 +296,7 @@ def convert(input: Path, output: Path, to: str | None = None, model_base: Path |
         raise LlamatuneError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if to not in allowed:
         raise LlamatuneError(f"{src.path}: is {what}, which converts to {' or '.join(allowed)}, not {to}")
-    if output.resolve() == src.path.resolve():
-        raise LlamatuneError(f"{output}: the output would overwrite the input")
+    check_paths([("INPUT", src.path), ("--model-base", model_base)], [Out("--output", output, is_dir=to == "peft")])
     base = load_base(model_base)
     notes: list[str] = []
 

@@ -93,8 +93,7 @@ def _max_piece_chars(tokenizer) -> int:
 
 def load_samples(text: str, tokenizer, opts: TrainOptions, source: str) -> Samples:
     """Tokenize the training text into samples (train.cpp tokenize_file)."""
-    if not text:
-        raise LlamatuneError(f"{source}: the training data is empty")
+    check_text(text, source)
     encode = lambda s: tokenizer.encode(s, add_special=False)  # noqa: E731
     pattern = process_escapes(opts.sample_start) if opts.escape else opts.sample_start
     ctx = opts.ctx
@@ -138,9 +137,25 @@ def load_samples(text: str, tokenizer, opts: TrainOptions, source: str) -> Sampl
         if not pieces:
             raise LlamatuneError(f"{source}: no sample yields any tokens")
         samples = Samples(np.concatenate(pieces), begins, sizes)
-    if len(samples.tokens) < 2:
-        raise LlamatuneError(f"{source}: the training data has {len(samples.tokens)} token; at least 2 are needed")
+    check_token_count(len(samples.tokens), 2 if pattern else ctx, source)
     return samples
+
+
+def check_text(text: str, source: str) -> None:
+    """Training text must hold something to learn: not empty, not only whitespace."""
+    if not text:
+        raise LlamatuneError(f"{source}: the training data is empty")
+    if not text.strip():
+        raise LlamatuneError(f"{source}: the training data is only whitespace ({len(text)} characters)")
+
+
+def check_token_count(n_tokens: int, need: int, source: str) -> None:
+    """At least one sample: `need` is --ctx when samples are windows of the text (a
+    shorter text would train on padding), 2 when samples start at --sample-start (they
+    may be short: they are padded or filled)."""
+    if n_tokens < need:
+        raise LlamatuneError(f"{source}: the training data has {n_tokens} tokens, fewer than one sample of "
+                             f"{need} tokens: use more text" + (" or a smaller --ctx" if need > 2 else ""))
 
 
 def describe(samples: Samples) -> str:

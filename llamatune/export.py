@@ -38,6 +38,7 @@ from .gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from .kernels import dequant
 from .kernels.quantize import QUANTIZABLE, quantize
 from .modelfile import FILE_TYPE, fit_type, parse_outtype
+from .outputs import Out, check_paths
 
 TOKEN_EMBD = "token_embd.weight"
 
@@ -65,6 +66,8 @@ def export_lora(model_base: str | Path, adapters: list[tuple[str | Path, float]]
     outtype "same" keeps each tensor's type; f32/f16/bf16/q8_0/.../q6_k converts
     every matrix (1-D tensors stay F32). Raises LlamatuneError before writing."""
     target = None if outtype.lower() == "same" else parse_outtype(outtype)
+    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters],
+                [Out("--output", Path(out))])
     base = GGUFFile(model_base)
     if base.get("general.type") == "adapter":
         raise LlamatuneError(f"{base.path}: is a LoRA adapter, not a model (pass it with --lora)")
@@ -115,12 +118,8 @@ def _load_adapters(base: GGUFFile, adapters: list[tuple[str | Path, float]],
     if not adapters:
         raise LlamatuneError("export-lora: no adapters given (use --lora or --lora-scaled)")
     problems: list[str] = []
-    if out.resolve() == base.path.resolve():
-        problems.append(f"{out}: the output would overwrite the base model")
     loaded = []
     for path, user_scale in adapters:
-        if Path(path).resolve() == out.resolve():
-            problems.append(f"{out}: the output would overwrite this adapter")
         if not math.isfinite(user_scale):
             problems.append(f"{path}: scale {user_scale} is not a finite number")
         try:

@@ -19,6 +19,7 @@ from .weights import FrozenBase
 from .lora import init_lora, lora_specs, lora_targets, to_adapter
 from .model import Model
 from .options import FinetuneOptions
+from .outputs import check_training_paths
 from .params import ParamBuffer
 from .trainer import Job, TrainResult, run
 
@@ -32,6 +33,7 @@ def read_training_text(path: Path | None) -> str:
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
+    check_training_paths(o)
     text = read_training_text(o.train_data)
     model = Model(o.model_base)
     cfg = model.config
@@ -60,7 +62,8 @@ def build_job(o: FinetuneOptions) -> Job:
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path)
+               scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
+               output_size=(o.lora_out, 4 * params.size + 2**16))
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

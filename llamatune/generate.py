@@ -12,6 +12,7 @@ import numpy as np
 
 from .errors import LlamatuneError
 from .infer import KVCache, Runner
+from .options import check_number
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int, top_p: float) -> int:
@@ -31,10 +32,23 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int
     return int(ids[rng.choice(len(ids), p=p)])
 
 
+def check_sampling(n_predict: int, temp: float, top_k: int, top_p: float, seed: int, n_ctx: int | None) -> None:
+    """Range checks of generate's arguments, with the command-line flag names."""
+    check_number("-n/--n-predict", n_predict, 0, also=(-1,))
+    check_number("--temp", temp, 0)
+    check_number("--top-k", top_k, 0)
+    check_number("--top-p", top_p, 0, 1, lo_open=True)
+    check_number("--seed", seed, 0)
+    if n_ctx is not None:
+        check_number("-c/--ctx", n_ctx, 1)
+
+
 def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top_k: int = 40,
              top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
              stop_at_eos: bool = True) -> Iterator[int]:
-    """Yield generated token ids (the prompt is not echoed)."""
+    """Yield generated token ids (the prompt is not echoed). `n_predict` -1 generates
+    until EOS or until the context is full."""
+    check_sampling(n_predict, temp, top_k, top_p, seed, n_ctx)
     model = runner.model
     tok = model.tokenizer
     ids = tok.encode(prompt, add_special=True)
@@ -43,7 +57,7 @@ def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top
     n_ctx = n_ctx or model.config.n_ctx_train
     if len(ids) >= n_ctx:
         raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
-    n_predict = min(n_predict, n_ctx - len(ids))
+    n_predict = n_ctx - len(ids) if n_predict == -1 else min(n_predict, n_ctx - len(ids))
     cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend)
     rng = np.random.default_rng(seed)
     logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])

@@ -240,16 +240,19 @@ def kv(key: str, value: Any, vtype: VType | None = None, sub_type: VType | None 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success fsync it and rename it over
-    `path`, on any failure delete it. Readers never see a half-written file."""
+    `path`, on any failure delete it. Readers never see a half-written file, and a
+    file that was there before stays as it was. An OSError on the way (disk full,
+    no permission) becomes one LlamatuneError line naming `path`."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)      # mkstemp makes 0600; outputs get the usual permissions
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp = Path(name)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)      # mkstemp makes 0600; outputs get the usual permissions
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -259,9 +262,18 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise write_error(path, e) from None
         raise
+
+
+def write_error(path: str | os.PathLike, e: OSError) -> LlamatuneError:
+    """The one line for a failed write: 'PATH: cannot write (no space left on device); ...'."""
+    problem = (e.strerror or str(e) or type(e).__name__).lower()
+    return LlamatuneError(f"{path}: cannot write ({problem}); any earlier version of it is left as it was")
 
 
 def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: Iterable[TensorOut]) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 
 from .backend import Backend, cpu
 from .config import ModelConfig
+from .kernels import attention as host_attention
 from .kernels import rope as host_rope
 from .lora import LoraTarget
 from .params import ParamBuffer
@@ -160,6 +161,8 @@ class Graph:
         self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
         self.cos[...] = self.backend.to_device(cos.astype(dtype))
         self.sin[...] = self.backend.to_device(sin.astype(dtype))
+        self.rope_host, self.rope_rows = (cos, sin), (self.cos, self.sin)  # f32 cache; 0..T-1 tables
+        self.segments = None
         self.step_key = (0,)
 
     # ------------------------------------------------------------------ sizes
@@ -170,6 +173,40 @@ class Graph:
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
         return plan_bytes(self.plan, self.tmp.dtype.itemsize)
+
+    def _set_packing(self, positions, segments) -> None:
+        """Rope tables (self.cos, self.sin) and attention segments of one step (packed
+        rows, issue 9's --pack): positions (B, T) int64 rope position of each token or
+        None (0..T-1 in every row); segments (B, T) int32 sample id of each token or
+        None (one sample per row). Per-token tables are gathered from a float32 cache
+        of positions 0..max, so a packed sample rotates exactly as it does alone."""
+        shape = (self.B, self.T)
+        if positions is None:
+            self.cos, self.sin = self.rope_rows
+        else:
+            positions = np.asarray(positions)
+            if positions.shape != shape or positions.dtype.kind not in "iu":
+                raise ValueError(f"graph: positions must be an integer array of shape {shape}, "
+                                 f"got {positions.dtype} {positions.shape}")
+            positions = positions.astype(np.int64)
+            cos, sin = self.rope_host
+            if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
+                n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
+                cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
+                host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
+                                     self.cfg.rope_freq_base, self.cfg.rope_freq_scale, self.base.rope_freqs)
+                self.rope_host = (cos, sin)
+            dtype = self.tmp.dtype
+            self.cos, self.sin = (self.backend.to_device(a.astype(dtype))
+                                  for a in host_rope.rope_tables(cos, sin, positions))
+        self.segments = None
+        if segments is not None:
+            segments = np.asarray(segments)
+            if segments.dtype.kind not in "iu":
+                raise ValueError(f"graph: segments must be an integer array, got {segments.dtype}")
+            segments = segments.astype(np.int32)
+            host_attention.segment_starts(segments, shape)                # shape, contiguous runs
+            self.segments = self.backend.to_device(segments)
 
     # ------------------------------------------------------------------ building blocks
     def _scratch(self, rows: int, cols: int) -> np.ndarray:
@@ -268,7 +305,7 @@ class Graph:
         self.ops.rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
         self.ops.rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
         self.ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
-                                    a.v.reshape(k4.shape), 0)
+                                    a.v.reshape(k4.shape), 0, segments=self.segments)
         self.linear(a.x_mid, a.att, p + "attn_output.weight")
         a.x_mid += a.x
         xn = self.xn if a.xn2 is None else a.xn2
@@ -355,7 +392,8 @@ class Graph:
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
         self.ops.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
-                                     q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse)
+                                     q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                     segments=self.segments)
         self.ops.rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
         self.ops.rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
         wn1 = self._norm_weight(p + "attn_norm.weight")
@@ -381,11 +419,14 @@ class Graph:
             self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
 
     # ------------------------------------------------------------------ the step
-    def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,)) -> float:
+    def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,),
+             positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
         """Forward + backward of one micro-batch. inputs, targets (B, T) int (target -1:
         ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
-        whole accumulated batch). Gradients are added to params.grad. Returns sum(w*loss)."""
+        whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
+        None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
         self.step_key = tuple(int(k) for k in key)
+        self._set_packing(positions, segments)
         to_device = self.backend.to_device
         tokens = to_device(np.asarray(inputs, np.int64).reshape(-1))
         tg = to_device(np.asarray(targets, np.int64).reshape(-1))

@@ -5,9 +5,11 @@ over `warmup` steps, then cosine decay from 1 to `cos_decay_min` over
 `cos_decay_steps` (with restarts, each `cos_decay_restart` times longer). The
 learning rate is `min_alpha + sched * (alpha - min_alpha)`.
 
-Step: optional global-norm clipping of the gradient, then AdamW (decoupled weight
-decay, bias-corrected moments) or SGD, per tensor; weight decay applies only to
-tensors with at least `adam_decay_min_ndim` dimensions.
+Step: the global gradient norm (`gradient_norm`, computed once: the trainer's
+divergence guard looks at it before anything changes), then `apply_update`:
+optional global-norm clipping of the gradient, then AdamW (decoupled weight decay,
+bias-corrected moments) or SGD, per tensor; weight decay applies only to tensors
+with at least `adam_decay_min_ndim` dimensions.
 """
 from __future__ import annotations
 
@@ -48,13 +50,18 @@ def learning_rate(step: int, o: TrainOptions) -> float:
     return o.adam_min_alpha + schedule(step, o) * (o.adam_alpha - o.adam_min_alpha)
 
 
-def clip_gradients(params: ParamBuffer, max_norm: float) -> float:
-    """Scale the whole gradient so its global L2 norm is at most max_norm; returns the norm before."""
+def gradient_norm(params: ParamBuffer) -> float:
+    """Global L2 norm of the whole gradient (computed once per step: the trainer checks
+    it before the update, which then clips with it)."""
     backend = getattr(params, "backend", None) or cpu()
-    norm = math.sqrt(backend.global_norm_sq(params.grad))
+    return math.sqrt(backend.global_norm_sq(params.grad))
+
+
+def clip_gradients(params: ParamBuffer, max_norm: float, norm: float) -> None:
+    """Scale the whole gradient, whose global L2 norm is `norm`, so its norm is at most max_norm."""
+    backend = getattr(params, "backend", None) or cpu()
     if max_norm > 0 and norm > max_norm:
         backend.ops.optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
-    return norm
 
 
 def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int, float]]:
@@ -70,11 +77,12 @@ def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int,
     return runs
 
 
-def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
-    """Apply one update for optimizer step `step` (0-based). Returns (lr, grad_norm)."""
+def apply_update(params: ParamBuffer, step: int, o: TrainOptions, gnorm: float) -> float:
+    """Clip (with the already computed gradient norm) and apply the update for optimizer
+    step `step` (0-based). Returns the learning rate used."""
     lr = learning_rate(step, o)
     optim = (getattr(params, "backend", None) or cpu()).ops.optim
-    gnorm = clip_gradients(params, o.adam_gclip)
+    clip_gradients(params, o.adam_gclip, gnorm)
     for lo, hi, wd in decay_segments(params, o):
         p, g = params.data[lo:hi], params.grad[lo:hi]
         if o.optimizer == "sgd":
@@ -82,4 +90,10 @@ def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[flo
         else:
             optim.adamw_update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2,
                                o.adam_eps, wd, step + 1)
-    return lr, gnorm
+    return lr
+
+
+def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
+    """Norm, clip and update in one call (for callers without a divergence guard). Returns (lr, grad_norm)."""
+    gnorm = gradient_norm(params)
+    return apply_update(params, step, o, gnorm), gnorm

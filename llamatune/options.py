@@ -76,6 +76,10 @@ class TrainOptions:
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
     fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
     save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+    # ---- divergence guard (optimizer group)
+    spike_threshold: float = opt(4.0, "Skip a step whose loss exceeds this factor times the mean of the last 16 "
+                                 "healthy losses (non-finite loss or gradient norm: always skipped).", G_OPT)
+    max_bad_steps: int = opt(5, "Stop with an error after this many skipped (bad) steps in a row.", G_OPT)
 
     def checkpointing_mode(self) -> str:
         """--checkpointing, or what the old --use-checkpointing / --no-use-checkpointing asked for
@@ -192,7 +196,33 @@ def build_options(cls, cli_values: dict[str, Any], preset: Path | None = None):
     values.update({k: v for k, v in cli_values.items() if v is not None})
     opts = cls(**values)
     validate(opts)
+    if preset is not None:
+        from .outputs import check_training_paths
+        check_training_paths(opts, preset)
     return opts
+
+
+def check_number(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
+                 also: tuple = ()) -> None:
+    """One range check for every numeric option and argument: NaN and infinities are never
+    accepted; `lo`/`hi` bound the value (closed unless *_open); values in `also` are allowed."""
+    import math
+    if value in also:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise LlamatuneError(f"{flag} {value}: must be a finite number")
+    low = lo is None or (value > lo if lo_open else value >= lo)
+    high = hi is None or (value < hi if hi_open else value <= hi)
+    if low and high:
+        return
+    if hi is None:
+        want = f"greater than {lo}" if lo_open else f"at least {lo}"
+    elif lo is None:
+        want = f"less than {hi}" if hi_open else f"at most {hi}"
+    else:
+        want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    extra = "".join(f" (or {a})" for a in also)
+    raise LlamatuneError(f"{flag} {value}: must be {want}{extra}")
 
 
 def validate(o: TrainOptions) -> None:
@@ -216,6 +246,7 @@ def validate(o: TrainOptions) -> None:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
     if o.save_every < 0:
         bad(f"--save-every {o.save_every}: must be 0 or more")
+    _validate_numbers(o)
     if isinstance(o, FinetuneOptions):
         if o.lora_r < 1:
             bad(f"--lora-r {o.lora_r}: must be at least 1")
@@ -226,3 +257,40 @@ def validate(o: TrainOptions) -> None:
             bad(f"negative LoRA rank for {', '.join(negative)}")
         if not any(o.ranks().values()):
             bad("every LoRA rank is 0: nothing to train")
+
+
+def _validate_numbers(o: TrainOptions) -> None:
+    """Range checks of the numeric options not checked above (every one is checked somewhere)."""
+    check_number("--seed", o.seed, 0)
+    check_number("--epochs", o.epochs, 1, also=(-1,))
+    check_number("--adam-alpha", o.adam_alpha, 0, lo_open=True)
+    check_number("--adam-min-alpha", o.adam_min_alpha, 0, o.adam_alpha)
+    check_number("--adam-beta1", o.adam_beta1, 0, 1, hi_open=True)
+    check_number("--adam-beta2", o.adam_beta2, 0, 1, hi_open=True)
+    check_number("--adam-eps", o.adam_eps, 0, lo_open=True)
+    check_number("--adam-decay", o.adam_decay, 0)
+    check_number("--adam-decay-min-ndim", o.adam_decay_min_ndim, 0)
+    check_number("--adam-gclip", o.adam_gclip, 0)
+    check_number("--warmup", o.warmup, 0)
+    check_number("--cos-decay-steps", o.cos_decay_steps, 0)
+    check_number("--cos-decay-min", o.cos_decay_min, 0, 1)
+    check_number("--cos-decay-restart", o.cos_decay_restart, 1)
+    check_number("--threads", o.threads, 0)
+    check_number("--spike-threshold", o.spike_threshold, 1, lo_open=True)
+    check_number("--max-bad-steps", o.max_bad_steps, 1)
+    if isinstance(o, FinetuneOptions):
+        if o.lora_alpha is not None:
+            check_number("--lora-alpha", o.lora_alpha, 0, lo_open=True)
+        check_number("--lora-dropout", o.lora_dropout, 0, 1, hi_open=True)
+    if isinstance(o, ScratchOptions):
+        check_number("--vocab-size", o.vocab_size, 8)
+        for flag, v in (("--embd", o.embd), ("--head", o.head), ("--layer", o.layer)):
+            check_number(flag, v, 1)
+        if o.head_kv is not None:
+            check_number("--head-kv", o.head_kv, 1, o.head)
+            if o.head % o.head_kv:
+                raise LlamatuneError(f"--head-kv {o.head_kv}: must divide --head {o.head}")
+        if o.ff is not None:
+            check_number("--ff", o.ff, 1)
+        check_number("--norm-rms-eps", o.norm_rms_eps, 0, lo_open=True)
+        check_number("--rope-freq-base", o.rope_freq_base, 0, lo_open=True)

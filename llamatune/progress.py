@@ -32,8 +32,9 @@ class _TrainDisplay:
     def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
         if self.progress is None:
             return
-        status = (f"epoch {state.epoch}  loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  "
-                  f"|g| {gnorm:.3f}  {tps:,.0f} tok/s")
+        skipped = (state.guard or {}).get("bad_total", 0)      # steps the divergence guard skipped
+        status = (f"epoch {state.epoch}  " + (f"skipped {skipped}  " if skipped else "")
+                  + f"loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  |g| {gnorm:.3f}  {tps:,.0f} tok/s")
         self.progress.update(self.task, completed=state.iteration, status=status)
 
     def line(self, text: str) -> None:

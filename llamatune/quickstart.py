@@ -29,18 +29,24 @@ def run(workdir: Path) -> None:
     from .export import export_lora
     from .finetune import finetune
     from .generate import generate, stream_text
+    from .gguf_io import write_error
     from .infer import Runner
     from .model import Model
     from .options import FinetuneOptions, ScratchOptions
+    from .outputs import Out, check_paths
     from .perplexity import perplexity
     from .scratch import train_from_scratch
 
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_paths([], [Out("--workdir", workdir, is_dir=True)])
     text = sample_text()
     cut = int(len(text) * 0.75)
     cut = text.rindex("\n\n", 0, cut) + 2
-    (workdir / "base-text.txt").write_text(text[:cut], encoding="utf-8")
-    (workdir / "finetune-text.txt").write_text(text[cut:], encoding="utf-8")
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "base-text.txt").write_text(text[:cut], encoding="utf-8")
+        (workdir / "finetune-text.txt").write_text(text[cut:], encoding="utf-8")
+    except OSError as e:
+        raise write_error(workdir, e) from None
 
     out.print("[bold]1. train-from-scratch[/bold]: a 4-layer llama on the first 75 % of the sample")
     base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048, embd=128, head=4, head_kv=2,

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 
 from . import checkpoint as ckpt
 from .backend import get_backend
@@ -26,6 +27,7 @@ from .weights import DenseWeights
 from .model import Model
 from .modelfile import parse_outtype, random_weights, tensor_names, train_spm_vocab, vocab_kvs, write_model
 from .options import ScratchOptions
+from .outputs import check_training_paths
 from .params import ParamBuffer, ParamSpec
 from .tokenizer import Tokenizer
 from .trainer import Job, TrainResult, run
@@ -63,6 +65,7 @@ def _model_init(path: Path, cfg: ModelConfig):
 
 
 def build_job(o: ScratchOptions) -> Job:
+    check_training_paths(o)
     text = read_training_text(o.train_data)
     vocab, tok = _vocab(o, text)
     n_head_kv = o.head_kv or o.head
@@ -95,8 +98,10 @@ def build_job(o: ScratchOptions) -> Job:
         return [path]
 
     model_kvs = [kv(k, v) for k, v in cfg.metadata().items()] + list(vocab)
+    block, block_bytes = GGML_QUANT_SIZES[outtype]
+    model_bytes = params.size * block_bytes // block + 2**20 + sum(len(repr(item.value)) for item in vocab)
     return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params), params, [], samples, tok, init, write_outputs,
-               model_kvs, backend=get_backend(o.device))
+               model_kvs, backend=get_backend(o.device), output_size=(o.model_out, model_bytes))
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:

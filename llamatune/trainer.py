@@ -2,8 +2,11 @@
 
 A `Job` says what is trained (the graph's weight provider, the flat parameters,
 the LoRA targets) and how outputs are written; `run` does the rest identically
-for both: resume or initialize, memory estimate and checkpointing mode (memory.py), micro-batches with gradient
-accumulation, optimizer steps, progress, periodic and final checkpoints.
+for both: resume or initialize, memory estimate and checkpointing mode (memory.py),
+disk-space estimate, micro-batches with gradient accumulation, the divergence guard
+between gradient norm and update (guard.py: bad steps are skipped), optimizer steps,
+progress, periodic and final checkpoints (written only from a state the guard has
+seen healthy).
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ from .backend import cpu
 from .graph import Graph
 from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime
 from .lora import LoraTarget
-from .optimizer import optimizer_step
+from .guard import Guard
+from .optimizer import apply_update, gradient_norm, learning_rate
 from .options import TrainOptions
+from .outputs import check_free_space
 from .params import ParamBuffer
 
 
@@ -48,6 +53,7 @@ class Job:
     scratch_bytes: int = 0                      # dequantization scratch
     backend: object = None                      # backend.Backend (None: cpu)
     model_path: Path | None = None              # the memory-mapped base model file
+    output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
 
 
 @dataclass
@@ -103,20 +109,65 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
     return ckpt.TrainState()
 
 
-def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dict | None = None) -> list[Path]:
+    """Write the checkpoint and outputs of this iteration, then their LATEST copies, the
+    LATEST checkpoint last: a write that fails (disk full) leaves every LATEST file as the
+    previous save left it, and chk-LATEST never points past complete outputs.
+    `data_state`: the batcher's state at this iteration when the batcher has moved on."""
     o = job.opts
-    state.data_state = batcher.state()
-    files = []
+    state.data_state = data_state if data_state is not None else batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
-    files.append(out)
+    files = [out] + job.write_outputs(str(state.iteration))
+    if o.fn_latest:
+        files += job.write_outputs(o.fn_latest)
     latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
     if latest != out:
         ckpt.copy_atomic(out, latest)
         files.append(latest)
-    files += job.write_outputs(str(state.iteration))
-    if o.fn_latest:
-        files += job.write_outputs(o.fn_latest)
+    return files
+
+
+def save_sizes(job: Job) -> list[tuple[Path, int]]:
+    """(path, bytes) of each file the first save writes: the checkpoint holds the
+    parameters and both Adam moments (f32) plus metadata; outputs as the job says."""
+    o = job.opts
+    meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, 0), 3 * 4 * job.params.size + meta),
+             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), 3 * 4 * job.params.size + meta)]
+    if job.output_size is not None:
+        template, nbytes = job.output_size
+        sizes += [(ckpt.iteration_path(template, 0), nbytes), (ckpt.iteration_path(template, o.fn_latest), nbytes)]
+    return sizes
+
+
+def recomputed_loss(graph: Graph, batches: list, seed: int, step: int) -> float:
+    """The loss of a step's batches with the current parameters (gradients are added to
+    params.grad, which the next step zeroes): verifies the state after the last update."""
+    n_targets = sum(b.n_targets for b in batches)
+    loss = 0.0
+    for micro, b in enumerate(batches):
+        w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
+        extra = {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
+        loss += graph.step(b.inputs, b.targets, w, (seed, step, micro), **extra)
+    return loss
+
+
+def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
+    return f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2])
+
+
+def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
+               batches: list, bad: str | None, show) -> list[Path]:
+    """Save the end of the run if the last step's batches still give a sane loss after
+    its update (no later step will verify it); else leave LATEST at the last healthy save."""
+    loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1)
+    if bad or not guard.healthy(loss):
+        show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
+                  + "; LATEST keeps the last healthy save")
+        return []
+    files = save_all(job, state, batcher)
+    show.line(saved_line(state, loss, files))
     return files
 
 
@@ -133,19 +184,24 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     est = memory_estimate(job, backend, quiet)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
+    check_free_space(save_sizes(job))
     if state.iteration >= o.adam_iter:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
 
     losses: list[float] = []
     files: list[Path] = []
+    guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
+    pending = False     # a save is due: made once the next step's loss shows the state is healthy
     tokens_per_step = o.batch * o.ctx * o.grad_acc
     t0 = time.perf_counter()
     from .progress import train_progress
-    with train_progress(o.adam_iter, state.iteration, quiet) as show:
+    # numpy's overflow warnings are left out: the guard reports non-finite steps itself
+    with train_progress(o.adam_iter, state.iteration, quiet) as show, np.errstate(over="ignore", invalid="ignore"):
         while state.iteration < o.adam_iter:
             step = state.iteration
             job.params.zero_grad()
+            data_state = batcher.state() if pending else None
             batches = [batcher.next_batch() for _ in range(o.grad_acc)]
             n_targets = sum(b.n_targets for b in batches)
             if n_targets == 0:
@@ -154,23 +210,31 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             for micro, b in enumerate(batches):
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
                 loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro))
-            if not math.isfinite(loss):
-                raise LlamatuneError(f"loss became {loss} at iteration {step + 1}: lower --adam-alpha")
-            lr, gnorm = optimizer_step(job.params, step, o)
+            gnorm = gradient_norm(job.params)
+            bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
+            if pending and not bad:                        # the state this step started from is healthy
+                files = save_all(job, state, batcher, data_state)
+                show.line(saved_line(state, loss, files))
+                pending = False
+            lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
+            guard.record(loss, bad, step + 1)
+            state.guard = guard.state()
             state.iteration += 1
             state.sample_count = batcher.sample_count
             state.token_count = batcher.token_count
             state.epoch = batcher.epoch
-            state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
-            losses.append(loss)
-            t_first = time.perf_counter() if len(losses) == 1 else t_first
+            if bad:
+                show.line(f"iteration {step + 1}: update skipped, {bad}")
+            else:
+                state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+                losses.append(loss)
+                t_first = time.perf_counter() if len(losses) == 1 else t_first
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
-            if (o.save_every and state.iteration % o.save_every == 0) or done:
-                files = save_all(job, state, batcher)
-                show.line(f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2]))
+            pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
             if done:
+                files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
                 break
     seconds = time.perf_counter() - t0
     steady = (len(losses) - 1) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if len(losses) > 1 else 0.0

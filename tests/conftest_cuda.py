@@ -90,7 +90,7 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("rmsnorm dx", rmsnorm._rmsnorm_dx_kernel,
          (A(f32, 2), A(f32, 2), A(f32, 2), A(f32, 1), A(f32, 1))),
         ("rmsnorm dw", rmsnorm._rmsnorm_dw_kernel, (A(f32, 1), A(f32, 2), A(f32, 2), A(f32, 1))),
-        ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 2), A(f32, 2), i64, b1, b1)),
+        ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 3), A(f32, 3), i64, b1, b1)),
         ("swiglu forward", swiglu._swiglu_forward_kernel, (A(f32, 2),) * 3),
         ("swiglu backward", swiglu._swiglu_backward_kernel, (A(f32, 2),) * 5),
         ("cross_entropy forward", cross_entropy._ce_forward_kernel,
@@ -106,12 +106,13 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
     ]
     for HS in (64, 128, 256):
         (br, bc), (br2, bc2) = attention.tiles(HS)
-        jobs += [
-            (f"attention forward HS={HS}", attention._forward_kernel(HS, br, bc),
-             (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), i64, f32)),
-            (f"attention dq HS={HS}", attention._dq_kernel(HS, br, bc),
-             (A(f32, 4),) * 6 + (A(f32, 3), f32)),
-            (f"attention dkdv HS={HS}", attention._dkdv_kernel(HS, br2, bc2),
-             (A(f32, 4),) * 7 + (A(f32, 3), f32)),
-        ]
+        for seg, tag in ((t.none, ""), (A(t.int32, 2), " segments")):
+            jobs += [
+                (f"attention forward HS={HS}{tag}", attention._forward_kernel(HS, br, bc),
+                 (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), seg, i64, f32)),
+                (f"attention dq HS={HS}{tag}", attention._dq_kernel(HS, br, bc),
+                 (A(f32, 4),) * 6 + (A(f32, 3), seg, f32)),
+                (f"attention dkdv HS={HS}{tag}", attention._dkdv_kernel(HS, br2, bc2),
+                 (A(f32, 4),) * 7 + (A(f32, 3), seg, f32)),
+            ]
     return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

@@ -38,7 +38,12 @@ def test_runner_logits_match_cpu(cuda, micro_model):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_training_step_matches_cpu(cuda, micro_model):
+# packed: two samples and a padding token in the row, positions restarting at 0 for each
+PACKED = dict(positions=np.array([[0, 1, 2, 0, 1, 0]]), segments=np.array([[0, 0, 0, 1, 1, -1]]))
+
+
+@pytest.mark.parametrize("packing", [{}, PACKED], ids=["rows", "packed"])
+def test_training_step_matches_cpu(cuda, micro_model, packing):
     from llamatune.graph import Graph
     from llamatune.backend import cpu
     from llamatune.lora import init_lora, lora_specs, lora_targets
@@ -60,7 +65,7 @@ def test_training_step_matches_cpu(cuda, micro_model):
         if backend is not cpu():
             params.to_device(backend)
         g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend)
-        loss = g.step(inputs, labels, w)
+        loss = g.step(inputs, labels, w, **packing)
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)

@@ -202,6 +202,24 @@ def test_rope(mode, D, n_rot):
     np.testing.assert_array_equal(host(y), host(dx))
 
 
+@pytest.mark.parametrize("mode", [rope.ROPE_NORM, rope.ROPE_NEOX], ids=["norm", "neox"])
+def test_rope_per_token_positions(mode):
+    rng = np.random.default_rng(4)
+    B, T, H, D, n_rot = 2, 3, 2, 8, 6
+    x, dout = randn(rng, B, T, H, D), randn(rng, B, T, H, D)
+    cache_cos, cache_sin = np.zeros((5, n_rot // 2), F32), np.zeros((5, n_rot // 2), F32)
+    rope.rope_cache(cache_cos, cache_sin, np.arange(5, dtype=np.int64), n_rot, 1e4, 1.0, None)
+    cos, sin = rope.rope_tables(cache_cos, cache_sin, np.array([[0, 1, 0], [4, 0, 1]], np.int64))
+    want, dx_want = np.zeros_like(x), np.zeros_like(x)
+    rope.rope_forward_ref(want, x, cos, sin, n_rot, mode)
+    rope.rope_backward_ref(dx_want, dout, cos, sin, n_rot, mode)
+    out, dx, cd, sd = nan_dev(x.shape), nan_dev(x.shape), dev(cos), dev(sin)
+    kc.rope.rope_forward(out, dev(x), cd, sd, n_rot, mode)
+    kc.rope.rope_backward(dx, dev(dout), cd, sd, n_rot, mode)
+    np.testing.assert_allclose(host(out), want, **TOL32)
+    np.testing.assert_allclose(host(dx), dx_want, **TOL32)
+
+
 def test_rope_argument_checks():
     x = dev(np.zeros((1, 2, 1, 6), F32))
     cs = dev(np.zeros((2, 2), F32))
@@ -211,6 +229,8 @@ def test_rope_argument_checks():
         kc.rope.rope_forward(x, x, cs, cs, 4, 1)
     with pytest.raises(ValueError, match="cos"):
         kc.rope.rope_forward(x, x, cs, cs, 6, rope.ROPE_NORM)
+    with pytest.raises(ValueError, match=r"cos must be .* \(1, 2, 2\)"):
+        kc.rope.rope_forward(x, x, dev(np.zeros((2, 2, 2), F32)), cs, 4, rope.ROPE_NORM)
 
 
 # --------------------------------------------------------------------- swiglu
@@ -363,6 +383,35 @@ def test_attention_backward(B, T, NH, NKV, HS, tiles):
     np.testing.assert_allclose(host(dv), dv_ref, **TOL_ATT)
 
 
+# packed rows: runs of one to four tokens, ids out of order, padding (-1) at the end
+SEGMENTS = np.array([[4, 4, 4, 4, 0, 7, 7, -1], [2, 2, 2, 9, 9, 9, 9, 1]], np.int32)
+
+
+@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
+def test_attention_segments(tiles):
+    """Forward and backward with segments against the reference, whole tensors; the
+    small tiles put sample starts inside tiles, at tile edges and in skipped tiles."""
+    rng = np.random.default_rng(7)
+    B, T, NH, NKV, HS = 2, 8, 4, 2, 3
+    q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
+    k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
+    dout = randn(rng, B, T, NH, HS)
+    out_ref, lse_ref = np.zeros_like(q), np.zeros((B, NH, T), F32)
+    attention.attention_forward_ref(out_ref, lse_ref, q, k, v, 0, segments=SEGMENTS)
+    grads_ref = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+    attention.attention_backward_ref(*grads_ref, dout, q, k, v, out_ref, lse_ref, segments=SEGMENTS)
+    kw = dict(block_q=tiles[0], block_k=tiles[1], threads=32)
+    out, lse, seg = nan_dev(q.shape), nan_dev((B, NH, T)), dev(SEGMENTS)
+    kc.attention.attention_forward(out, lse, dev(q), dev(k), dev(v), 0, seg, **kw)
+    np.testing.assert_allclose(host(out), out_ref, **TOL_ATT)
+    np.testing.assert_allclose(host(lse), lse_ref, **TOL_ATT)
+    grads = [nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)]
+    kc.attention.attention_backward(*grads, dev(dout), dev(q), dev(k), dev(v), dev(out_ref),
+                                    dev(lse_ref), seg, **kw)
+    for got, want in zip(grads, grads_ref):
+        np.testing.assert_allclose(host(got), want, **TOL_ATT)
+
+
 def test_attention_tiles_fit_shared_memory():
     for HS in (64, 80, 128, 256):
         (br, bc), (br2, bc2) = kc.attention.tiles(HS)
@@ -378,6 +427,12 @@ def test_attention_argument_checks():
         kc.attention.attention_forward(nan_dev((1, 2, 3, 4)), nan_dev((1, 3, 2)), q, k, k, 0)
     with pytest.raises(ValueError, match="n_past"):
         kc.attention.attention_forward(nan_dev((1, 2, 3, 4)), nan_dev((1, 3, 2)), q, k, k, -1)
+    q, lse = dev(np.zeros((1, 2, 2, 4), F32)), nan_dev((1, 2, 2))
+    with pytest.raises(ValueError, match=r"segments must be a C-contiguous int32 device array of shape \(1, 2\)"):
+        kc.attention.attention_forward(nan_dev((1, 2, 2, 4)), lse, q, k, k, 0, dev(np.zeros((1, 2), np.int64)))
+    with pytest.raises(ValueError, match="segments need n_past = 0"):
+        kc.attention.attention_forward(nan_dev((1, 1, 2, 4)), nan_dev((1, 2, 1)), q[:, :1], k, k, 1,
+                                       dev(np.zeros((1, 1), np.int32)))
 
 
 # ------------------------------------------------- the real (non-simulated) compiler
@@ -418,7 +473,7 @@ def test_kernels_compile_to_ptx_without_fma_in_dequant():
     if res.stdout.startswith("NO-TOOLKIT"):
         pytest.skip(f"no CUDA compiler libraries to build PTX with: {res.stdout.strip()}")
     rows = [line.split(" | ") for line in res.stdout.strip().splitlines()]
-    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 14 + 9
+    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 14 + 18
     for name, n_fma, n_mul in rows:
         if name.startswith("dequant"):
             assert n_fma == "0", name

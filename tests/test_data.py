@@ -57,10 +57,18 @@ def test_no_sample_start_every_position():
     assert s.tokens.dtype == np.int32 and s.begins.dtype == np.int64
 
 
-def test_no_sample_start_short_text():
-    s = load_samples("abc", CharTok(), opts(ctx=8), "f.txt")
+def test_text_shorter_than_one_sample_is_refused():
+    with pytest.raises(LlamatuneError, match=r"f.txt: the training data has 3 tokens, fewer than one sample of "
+                                             r"8 tokens: use more text or a smaller --ctx"):
+        load_samples("abc", CharTok(), opts(ctx=8), "f.txt")
+    s = load_samples("abcdefgh", CharTok(), opts(ctx=8), "f.txt")     # exactly one sample is enough
     assert_array_equal(s.begins, [0])
-    assert_array_equal(s.sizes, [3])
+    assert_array_equal(s.sizes, [8])
+
+
+def test_whitespace_only_text_is_refused():
+    with pytest.raises(LlamatuneError, match=r"f.txt: the training data is only whitespace \(4 characters\)"):
+        load_samples(" \n\t\n", CharTok(), opts(ctx=2), "f.txt")
 
 
 def test_sample_start_excluded():
@@ -111,8 +119,11 @@ def test_overlapping_samples():
 def test_errors():
     with pytest.raises(LlamatuneError, match=r"^f\.txt: the training data is empty"):
         load_samples("", CharTok(), opts(), "f.txt")
-    with pytest.raises(LlamatuneError, match=r"^f\.txt: the training data yields no tokens"):
+    with pytest.raises(LlamatuneError, match=r"^f\.txt: the training data is only whitespace"):
         load_samples("   ", CharTok(), opts(), "f.txt")
+    with pytest.raises(LlamatuneError, match=r"^f\.txt: the training data yields no tokens"):
+        load_samples("abc", type("NoTok", (CharTok,), {"encode": lambda self, s, add_special=False: []})(),
+                     opts(), "f.txt")
     with pytest.raises(LlamatuneError, match=r"^f\.txt: no sample yields any tokens"):
         load_samples("<s> <s>", CharTok(), opts(sample_start="<s>"), "f.txt")
     with pytest.raises(LlamatuneError, match=r"^f\.txt: the training data has 1 token"):

@@ -240,8 +240,9 @@ def test_all_adapter_problems_in_one_error_and_nothing_written(tmp_path, tiny_vo
      "unknown output type 'q9'"),
     (lambda d: export_lora(d / "base.gguf", [], d / "out.gguf"), "no adapters given"),
     (lambda d: export_lora(d / "a.gguf", [(d / "a.gguf", 1.0)], d / "out.gguf"), "is a LoRA adapter, not a model"),
-    (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", 1.0)], d / "base.gguf"), "overwrite the base model"),
-    (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", 1.0)], d / "a.gguf"), "overwrite this adapter"),
+    (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", 1.0)], d / "base.gguf"),
+     "would overwrite the input --model-base"),
+    (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", 1.0)], d / "a.gguf"), "would overwrite the input --lora"),
     (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", float("nan"))], d / "out.gguf"), "not a finite"),
     (lambda d: export_lora(d / "nope.gguf", [(d / "a.gguf", 1.0)], d / "out.gguf"), "nope.gguf: file not found"),
 ])

@@ -175,6 +175,58 @@ def test_rope_fd(fns, mode):
     print("fd max rel err", fd_check(loss, {"x": x}, {"x": dx}, **FD_TOL))
 
 
+@pytest.mark.parametrize("mode", [rope.ROPE_NORM, rope.ROPE_NEOX])
+def test_rope_per_token_positions(mode):
+    """Per-row tables (B, T, n_rot//2): gathered from a cache of 0..P-1 they equal
+    rope_cache of the positions themselves, and each row rotates exactly as it does
+    alone with its own (T, n_rot//2) table, forward and backward; whole tensors
+    against the reference too."""
+    rng = np.random.default_rng(24)
+    B, T, H, D, n_rot, P = 3, 6, 2, 10, 8, 9
+    positions = np.array([[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5], [8, 0, 1, 2, 0, 1]], np.int64)
+    cache_cos, cache_sin = np.zeros((P, n_rot // 2), F32), np.zeros((P, n_rot // 2), F32)
+    rope.rope_cache(cache_cos, cache_sin, np.arange(P, dtype=np.int64), n_rot, 1e4, 1.0, None)
+    cos, sin = rope.rope_tables(cache_cos, cache_sin, positions)
+    assert cos.shape == (B, T, n_rot // 2) and cos.flags.c_contiguous
+    x, dout = randn(rng, B, T, H, D), randn(rng, B, T, H, D)
+    out, dx = np.full_like(x, np.nan), np.full_like(x, np.nan)
+    rope.rope_forward(out, x, cos, sin, n_rot, mode)
+    rope.rope_backward(dx, dout, cos, sin, n_rot, mode)
+    for b in range(B):
+        c, s = np.zeros((T, n_rot // 2), F32), np.zeros((T, n_rot // 2), F32)
+        rope.rope_cache(c, s, positions[b], n_rot, 1e4, 1.0, None)
+        np.testing.assert_array_equal(cos[b], c)
+        np.testing.assert_array_equal(sin[b], s)
+        row, drow = np.zeros_like(x[:1]), np.zeros_like(x[:1])
+        rope.rope_forward(row, x[b:b + 1], c, s, n_rot, mode)
+        rope.rope_backward(drow, dout[b:b + 1], c, s, n_rot, mode)
+        np.testing.assert_array_equal(out[b], row[0])
+        np.testing.assert_array_equal(dx[b], drow[0])
+    want, dx_want = np.zeros_like(x), np.zeros_like(x)
+    rope.rope_forward_ref(want, x, cos, sin, n_rot, mode)
+    rope.rope_backward_ref(dx_want, dout, cos, sin, n_rot, mode)
+    np.testing.assert_allclose(out, want, **TOL32)
+    np.testing.assert_allclose(dx, dx_want, **TOL32)
+
+
+@pytest.mark.parametrize("fns", impls(rope, "rope_forward", "rope_backward"))
+def test_rope_per_token_fd(fns):
+    forward, backward = fns
+    rng = np.random.default_rng(25)
+    B, T, H, D, n_rot = 2, 3, 2, 6, 4
+    x, dout = randn(rng, B, T, H, D, dtype=F64), randn(rng, B, T, H, D, dtype=F64)
+    cos, sin = (a.reshape(B, T, -1) for a in rope_tables(rng, B * T, n_rot, F64))
+    out = np.zeros_like(x)
+
+    def loss(x):
+        forward(out, x, cos, sin, n_rot, rope.ROPE_NEOX)
+        return np.sum(out * dout)
+
+    dx = np.zeros_like(x)
+    backward(dx, dout, cos, sin, n_rot, rope.ROPE_NEOX)
+    print("fd max rel err", fd_check(loss, {"x": x}, {"x": dx}, **FD_TOL))
+
+
 # ---------------------------------------------------------------------------- attention
 
 def qkv(rng, B, T, NH, NKV, HS, n_past=0, dtype=F32):
@@ -241,6 +293,145 @@ def test_attention_fd(fns, B, T, NH, NKV, HS, monkeypatch):
     backward(dq, dk, dv, dout, q, k, v, out.copy(), lse.copy())
     err = fd_check(loss, {"q": q, "k": k, "v": v}, {"q": dq, "k": dk, "v": dv}, **FD_TOL)
     print("fd max rel err", err)
+
+
+def packed_segments(rng, B, T):
+    """(B, T) int32 sample ids of packed rows: random runs (some of one token), the
+    ids not in order, and in row 0 a padding run at the end with its own id."""
+    seg = np.zeros((B, T), np.int32)
+    for b in range(B):
+        cuts = np.sort(rng.choice(np.arange(1, T), size=min(T - 1, 3), replace=False))
+        ids = rng.permutation(10)[: len(cuts) + 1] * (b + 1)
+        for n, (lo, hi) in enumerate(zip([0, *cuts], [*cuts, T])):
+            seg[b, lo:hi] = ids[n]
+    seg[0, -2:] = -1  # padding
+    return seg
+
+
+@pytest.mark.parametrize("qblock", [128, 2, 3])
+@pytest.mark.parametrize("B,T,NH,NKV,HS", [(2, 9, 4, 2, 8), (3, 7, 4, 1, 6), (2, 6, 2, 2, 4)])
+def test_attention_segments_match_ref(B, T, NH, NKV, HS, qblock, monkeypatch):
+    monkeypatch.setattr(attention, "_QBLOCK", qblock)
+    rng = np.random.default_rng(20)
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    seg, dout = packed_segments(rng, B, T), randn(rng, B, T, NH, HS)
+    out, lse = np.full_like(q, np.nan), np.full((B, NH, T), np.nan, F32)
+    out_ref, lse_ref = np.zeros_like(q), np.zeros((B, NH, T), F32)
+    attention.attention_forward(out, lse, q, k, v, 0, segments=seg)
+    attention.attention_forward_ref(out_ref, lse_ref, q, k, v, 0, segments=seg)
+    np.testing.assert_allclose(out, out_ref, **TOL32)
+    np.testing.assert_allclose(lse, lse_ref, **TOL32)
+    grads = [np.full_like(q, np.nan), np.full(k.shape, np.nan, F32), np.full(v.shape, np.nan, F32)]
+    want = [np.zeros_like(g) for g in grads]
+    attention.attention_backward(*grads, dout, q, k, v, out, lse, segments=seg)
+    attention.attention_backward_ref(*want, dout, q, k, v, out, lse, segments=seg)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(got, ref, **TOL32)
+
+
+@pytest.mark.parametrize("qblock", [128, 3])
+def test_attention_packed_row_equals_samples_alone(qblock, monkeypatch):
+    """Each sample of a packed row gets exactly what it gets alone in a row of its
+    own (no reference involved): outputs, lse and all three gradients."""
+    monkeypatch.setattr(attention, "_QBLOCK", qblock)
+    rng = np.random.default_rng(21)
+    T, NH, NKV, HS = 11, 4, 2, 8
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, 1, T, NH, NKV, HS))
+    dout = randn(rng, 1, T, NH, HS)
+    seg = np.array([[3, 3, 3, 3, 0, 0, 0, 7, 7, 7, 7]], np.int32)
+    res = [np.zeros_like(q), np.zeros((1, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+           np.zeros_like(v)]
+    attention.attention_forward(*res[:2], q, k, v, 0, segments=seg)
+    attention.attention_backward(*res[2:], dout, q, k, v, *res[:2], segments=seg)
+    for lo, hi in ((0, 4), (4, 7), (7, 11)):
+        part = [np.ascontiguousarray(a[:, lo:hi]) for a in (q, k, v, dout)]
+        alone = [np.zeros_like(part[0]), np.zeros((1, NH, hi - lo), F32), np.zeros_like(part[0]),
+                 np.zeros_like(part[1]), np.zeros_like(part[2])]
+        attention.attention_forward(*alone[:2], *part[:3], 0)
+        attention.attention_backward(*alone[2:], part[3], *part[:3], *alone[:2])
+        for got, want in zip(res, alone):
+            rows = got[:, :, lo:hi] if got.ndim == 3 else got[:, lo:hi]
+            np.testing.assert_allclose(rows, want, **TOL32)
+
+
+def test_attention_one_segment_is_the_plain_causal_path():
+    rng = np.random.default_rng(22)
+    B, T, NH, NKV, HS = 2, 130, 4, 2, 8  # two query blocks
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    dout = randn(rng, B, T, NH, HS)
+    results = []
+    for seg in (None, np.full((B, T), 5, np.int32)):
+        r = [np.zeros_like(q), np.zeros((B, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+             np.zeros_like(v)]
+        attention.attention_forward(*r[:2], q, k, v, 0, segments=seg)
+        attention.attention_backward(*r[2:], dout, q, k, v, *r[:2], segments=seg)
+        results.append(r)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_attention_results_do_not_depend_on_threads():
+    import numba
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("one numba thread only")
+    rng = np.random.default_rng(26)
+    B, T, NH, NKV, HS = 2, 140, 4, 2, 8
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    dout, seg = randn(rng, B, T, NH, HS), packed_segments(rng, B, T)
+    results, before = [], numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            r = [np.zeros_like(q), np.zeros((B, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+                 np.zeros_like(v)]
+            attention.attention_forward(*r[:2], q, k, v, 0, segments=seg)
+            attention.attention_backward(*r[2:], dout, q, k, v, *r[:2], segments=seg)
+            results.append(r)
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("fns", impls(attention, "attention_forward", "attention_backward"))
+def test_attention_segments_fd(fns, monkeypatch):
+    monkeypatch.setattr(attention, "_QBLOCK", 3)
+    forward, backward = fns
+    rng = np.random.default_rng(23)
+    B, T, NH, NKV, HS = 2, 7, 4, 2, 3
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS, dtype=F64))
+    dout, seg = randn(rng, B, T, NH, HS, dtype=F64), packed_segments(rng, B, T)
+    out, lse = np.zeros_like(q), np.zeros((B, NH, T))
+
+    def loss(q, k, v):
+        forward(out, lse, q, k, v, 0, segments=seg)
+        return np.sum(out * dout)
+
+    loss(q, k, v)
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    backward(dq, dk, dv, dout, q, k, v, out.copy(), lse.copy(), segments=seg)
+    err = fd_check(loss, {"q": q, "k": k, "v": v}, {"q": dq, "k": dk, "v": dv}, **FD_TOL)
+    print("fd max rel err", err)
+
+
+def test_float32_exp_of_the_softmax_kernels():
+    """The vectorized float32 exp is within 3 ulp of exp over the range the softmax
+    uses (s - max <= 0), and flushes below -87 to exp(-87) instead of 0."""
+    from numba import njit
+
+    @njit
+    def exp_all(x, out):
+        for i in range(x.size):
+            out[i] = attention._exp(x[i])
+
+    x = np.concatenate([-np.geomspace(1e-8, 87.0, 20000), [0.0, -1e-30]]).astype(F32)
+    got = np.empty_like(x)
+    exp_all(x, got)
+    want = np.exp(x.astype(F64))
+    ulp = np.abs(got - want) / np.spacing(want.astype(F32)).astype(F64)
+    assert ulp.max() <= 3
+    exp_all(np.array([-88.0, -1e4], F32), got[:2])
+    np.testing.assert_array_equal(got[:2], F32(np.exp(F32(-87.0))))
 
 
 # ---------------------------------------------------------------------------- swiglu
@@ -404,6 +595,14 @@ def _attn_bwd(dk=(1, 2, 2, 4)):
                                                 _f32(*X), _f32(*X), _f32(*X), _f32(1, 2, 2))
 
 
+def _attn_seg(segments, T=2, n_past=0, backward=False):
+    X, KV = (1, T, 2, 4), (1, n_past + T, 2, 4)
+    if backward:
+        return lambda: attention.attention_backward(*[_f32(*X)] * 8, _f32(1, 2, T), segments=segments)
+    return lambda: attention.attention_forward(_f32(*X), _f32(1, 2, T), _f32(*X), _f32(*KV), _f32(*KV),
+                                               n_past, segments=segments)
+
+
 CE_T = np.zeros(2, np.int64)
 FLAT4 = [_f32(3)] * 4
 CHECKS = [
@@ -421,6 +620,9 @@ CHECKS = [
     (_rope(mode=1), "mode must be ROPE_NORM"),
     (_rope(cos=(2, 1), backward=True), r"cos must be .* \(2, 2\)"),
     (_rope(out=(1, 2, 1, 5), backward=True), r"dx must be .* \(1, 2, 1, 4\)"),
+    (_rope(cos=(2, 2, 2)), r"cos must be .* \(1, 2, 2\)"),
+    (lambda: rope.rope_tables(_f32(3, 2), _f32(3, 2), np.zeros(3, np.int64)), "positions must be a 2-D int64"),
+    (lambda: rope.rope_tables(_f32(3, 2), _f32(3, 2), np.array([[0, 3]])), r"positions must lie in \[0, 3\)"),
     (lambda: swiglu.swiglu_forward(_f32(2, 3), _f32(6), _f32(2, 3)), "g must be a 2-D"),
     (lambda: swiglu.swiglu_backward(_f32(2, 3), _f32(3, 2), _f32(2, 3), _f32(2, 3), _f32(2, 3)), "du must be"),
     (lambda: cross_entropy.cross_entropy_forward(_f32(2), _f32(2), CE_T), "logits must be a 2-D"),
@@ -439,6 +641,11 @@ CHECKS = [
     (_attn_fwd(k=_f32(1, 3, 2, 4)), r"k must be a contiguous per batch element float32 array of shape \(1, 2, 2, 4\)"),
     (_attn_fwd(k=_f32(1, 2, 2, 8)[..., ::2]), "k must be a contiguous per batch element"),
     (_attn_bwd(dk=(1, 2, 1, 4)), "dk must be a C-contiguous"),
+    (_attn_seg(np.zeros((1, 2), np.int64)), r"segments must be an int32 array of shape \(1, 2\)"),
+    (_attn_seg(np.zeros((2, 1), np.int32)), r"segments must be an int32 array of shape \(1, 2\)"),
+    (_attn_seg(np.array([[1, 2, 1]], np.int32), T=3), "segments row 0: sample id 1 appears in two"),
+    (_attn_seg(np.zeros((1, 2), np.int32), n_past=1), "segments need n_past = 0"),
+    (_attn_seg(np.array([[1, 2, 1]], np.int32), T=3, backward=True), "appears in two separate runs"),
     (lambda: fd_check(lambda x: 0.0, {"x": _f32(2)}, {"x": _f32(2)}), "must be a C-contiguous float64"),
     (lambda: fd_check(lambda x: 0.0, {"x": np.zeros(2)}, {"x": np.zeros(3)}), r"has shape \(3,\), input has \(2,\)"),
     (lambda: fd_check(lambda x: 0.0, {"x": np.zeros(2)}, {"x": np.zeros(2)}, rtol=0), "rtol must be > 0"),

@@ -4,7 +4,15 @@ the flash-attention way (float32; CPU twin and numpy references:
 
     out_i = sum_j P_ij v_j,  P_ij = softmax_j(q_i . k_j * scale),  scale = 1/sqrt(HS)
 
-over keys j <= n_past + i; query head h reads kv head h // (NH // NKV).
+over keys j <= n_past + i; query head h reads kv head h // (NH // NKV). Packed rows
+(training): with `segments` (B, T) int32 sample ids, whose runs must be contiguous
+(the CPU twin's `segment_starts` checks that on the host), query i sees the keys
+[start_i, i], start_i the first token of its sample; a token always sees itself,
+so no row is empty. Each block finds the starts of its rows from `segments`
+(`_tile_starts`, one thread), starts its key loop at the first tile its rows can
+see, and the dk/dv blocks stop at the first query tile that sees none of their
+keys. segments=None compiles the kernels without any of this (numba prunes the
+`seg is not None` branches for a None argument).
 
 Nothing of size T x S is ever stored: every kernel works on tiles in shared
 memory and keeps per-row softmax statistics.
@@ -39,6 +47,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from numba import int32
+
 from ._common import cdiv, check, check_ndim, cuda, float32
 
 NTHREADS = 128
@@ -50,14 +60,14 @@ __all__ = ["attention_forward", "attention_backward", "tiles"]
 
 def _smem_rows(HS, BR, BC):
     # forward / dq: two (BR, HS) row tiles, two padded (BC, HS+1) key tiles,
-    # two (BR, BC) score tiles, three (BR,) vectors
-    return 4 * (2 * BR * HS + 2 * BC * (HS + 1) + 2 * BR * BC + 3 * BR)
+    # two (BR, BC) score tiles, four (BR,) vectors (one: the rows' sample starts)
+    return 4 * (2 * BR * HS + 2 * BC * (HS + 1) + 2 * BR * BC + 4 * BR)
 
 
 def _smem_keys(HS, BR, BC):
     # dk/dv: four padded (BC, HS+1) key tiles, two (BR, HS) row tiles, two (BR, BC)
-    # score tiles, two (BR,) vectors
-    return 4 * (4 * BC * (HS + 1) + 2 * BR * HS + 2 * BR * BC + 2 * BR)
+    # score tiles, three (BR,) vectors
+    return 4 * (4 * BC * (HS + 1) + 2 * BR * HS + 2 * BR * BC + 3 * BR)
 
 
 def _pick(HS, smem):
@@ -86,8 +96,8 @@ def _forward_kernel(HS: int, BR: int, BC: int):
     NEG_INF = -math.inf
 
     @cuda.jit
-    def kernel(out, lse, q, k, v, n_past, scale):
-        # grid (ceil(T / BR), B * NH), block NTHREADS
+    def kernel(out, lse, q, k, v, seg, n_past, scale):
+        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32
         T, NH = q.shape[1], q.shape[2]
         S, NKV = k.shape[1], k.shape[2]
         G = NH // NKV
@@ -105,7 +115,14 @@ def _forward_kernel(HS: int, BR: int, BC: int):
         sm = cuda.shared.array(BR, float32)  # running max
         sl = cuda.shared.array(BR, float32)  # running sum
         sa = cuda.shared.array(BR, float32)  # rescale of this step
+        sst = cuda.shared.array(BR, int32)  # first visible key of each row (packed rows)
 
+        jlo = 0  # the first key tile any row of this block sees
+        if seg is not None:
+            if tid == 0:
+                _tile_starts(sst, seg, b, i0, T, BR, -1)
+            cuda.syncthreads()
+            jlo = (sst[0] // BC) * BC
         for e in range(tid, BR * HS, nt):
             r = e // HS
             d = e % HS
@@ -116,7 +133,7 @@ def _forward_kernel(HS: int, BR: int, BC: int):
             sl[r] = 0.0
         # keys seen by some row of the tile: j <= n_past + min(i0 + BR, T) - 1
         n_keys = n_past + min(i0 + BR, T)
-        for j0 in range(0, n_keys, BC):
+        for j0 in range(jlo, n_keys, BC):
             cuda.syncthreads()  # the previous step is done with sk, sv, ss
             for e in range(tid, BC * HS, nt):
                 c = e // HS
@@ -133,7 +150,10 @@ def _forward_kernel(HS: int, BR: int, BC: int):
                 c = e % BC
                 i = i0 + r
                 j = j0 + c
-                if i < T and j <= n_past + i:
+                visible = i < T and j <= n_past + i
+                if seg is not None:
+                    visible = visible and j >= sst[r]
+                if visible:
                     acc = float32(0.0)
                     for d in range(HS):
                         acc += sq[r, d] * sk[c, d]
@@ -220,14 +240,41 @@ def _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt):
 
 
 @cuda.jit(device=True)
-def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, i0, j0, T, HS, BR, BC, scale, tid, nt):
-    """sp = P, sds = dS = P * (dout.v - D) * scale on the (BR, BC) tile (0 where masked)."""
+def _tile_starts(sst, seg, b, i0, T, BR, prev):
+    """(One thread.) sst[r] = the first token of row i0 + r's sample (rows past T
+    repeat the last one); prev: that of row i0 - 1 when known, else -1 (then it is
+    found by scanning back). Runs of equal ids are samples."""
+    s = seg[b, i0]
+    st = i0
+    if i0 > 0 and seg[b, i0 - 1] == s:
+        if prev >= 0:
+            st = prev
+        else:
+            st = i0 - 1
+            while st > 0 and seg[b, st - 1] == s:
+                st -= 1
+    sst[0] = st
+    for r in range(1, BR):
+        i = i0 + r
+        if i < T and seg[b, i] != seg[b, i - 1]:
+            st = i
+        sst[r] = st
+
+
+@cuda.jit(device=True)
+def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC, scale,
+                  tid, nt):
+    """sp = P, sds = dS = P * (dout.v - D) * scale on the (BR, BC) tile (0 where masked;
+    with seg, keys before sst[r] are masked too)."""
     for e in range(tid, BR * BC, nt):
         r = e // BC
         c = e % BC
         i = i0 + r
         j = j0 + c
-        if i < T and j <= i:
+        visible = i < T and j <= i
+        if seg is not None:
+            visible = visible and j >= sst[r]
+        if visible:
             s = float32(0.0)
             dp = float32(0.0)
             for d in range(HS):
@@ -246,8 +293,8 @@ def _dq_kernel(HS: int, BR: int, BC: int):
     HP = HS + 1
 
     @cuda.jit
-    def kernel(dq, dout, q, k, v, out, lse, scale):
-        # grid (ceil(T / BR), B * NH), block NTHREADS
+    def kernel(dq, dout, q, k, v, out, lse, seg, scale):
+        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32
         T, NH = q.shape[1], q.shape[2]
         G = NH // k.shape[2]
         tid = cuda.threadIdx.x
@@ -265,17 +312,24 @@ def _dq_kernel(HS: int, BR: int, BC: int):
         sds = cuda.shared.array((BR, BC), float32)
         slse = cuda.shared.array(BR, float32)
         sdd = cuda.shared.array(BR, float32)
+        sst = cuda.shared.array(BR, int32)
 
         _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
         for e in range(tid, BR * HS, nt):
             sdq[e // HS, e % HS] = 0.0
+        jlo = 0
+        if seg is not None:
+            if tid == 0:
+                _tile_starts(sst, seg, b, i0, T, BR, -1)
+            cuda.syncthreads()
+            jlo = (sst[0] // BC) * BC
         n_keys = min(i0 + BR, T)
-        for j0 in range(0, n_keys, BC):
+        for j0 in range(jlo, n_keys, BC):
             cuda.syncthreads()
             _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
             cuda.syncthreads()
-            _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, i0, j0, T, HS, BR, BC, scale,
-                          tid, nt)
+            _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC,
+                          scale, tid, nt)
             cuda.syncthreads()
             for e in range(tid, BR * HS, nt):
                 r = e // HS
@@ -299,8 +353,8 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
     HP = HS + 1
 
     @cuda.jit
-    def kernel(dk, dv, dout, q, k, v, out, lse, scale):
-        # grid (ceil(T / BC), B * NKV), block NTHREADS
+    def kernel(dk, dv, dout, q, k, v, out, lse, seg, scale):
+        # grid (ceil(T / BC), B * NKV), block NTHREADS; seg None or (B, T) int32
         T, NH = q.shape[1], q.shape[2]
         NKV = k.shape[2]
         G = NH // NKV
@@ -319,6 +373,7 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
         sds = cuda.shared.array((BR, BC), float32)
         slse = cuda.shared.array(BR, float32)
         sdd = cuda.shared.array(BR, float32)
+        sst = cuda.shared.array(BR, int32)
 
         _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
         for e in range(tid, BC * HS, nt):
@@ -329,10 +384,16 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
             h = kvh * G + g
             for i0 in range(first, T, BR):
                 cuda.syncthreads()
+                if seg is not None:
+                    if tid == 0:  # sst[BR - 1] is row i0 - 1's start after the first tile
+                        _tile_starts(sst, seg, b, i0, T, BR, sst[BR - 1] if i0 > first else -1)
+                    cuda.syncthreads()
+                    if sst[0] >= j0 + BC:  # starts never decrease: no later row sees this tile
+                        break
                 _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
                 cuda.syncthreads()
-                _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, i0, j0, T, HS, BR, BC,
-                              scale, tid, nt)
+                _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR,
+                              BC, scale, tid, nt)
                 cuda.syncthreads()
                 for e in range(tid, BC * HS, nt):
                     c = e // HS
@@ -374,36 +435,48 @@ def _tiles(HS, block_q, block_k):
     return (block_q or r1, block_k or c1), (block_q or r2, block_k or c2)
 
 
-def attention_forward(out, lse, q, k, v, n_past, *, block_q=None, block_k=None,
+def _check_segments(segments, B, T, n_past):
+    if segments is None:
+        return
+    if n_past:
+        raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
+    check("attention", "segments", segments, (B, T), np.int32)
+
+
+def attention_forward(out, lse, q, k, v, n_past, segments=None, *, block_q=None, block_k=None,
                       threads=None) -> None:
     """Causal GQA attention for T new queries after n_past cached positions.
 
     out (B, T, NH, HS); lse (B, NH, T) saved log-sum-exp; q (B, T, NH, HS);
     k, v (B, S, NKV, HS) with S = n_past + T (may be [:, :S] slices of a cache:
-    any strides). float32 device arrays. block_q / block_k / threads override
-    the tile sizes and the block size (tests: small tiles exercise the tile loops
-    on tiny shapes)."""
+    any strides). float32 device arrays. segments: None, or (B, T) int32 sample
+    ids of packed rows (n_past = 0; contiguous runs, see the module docstring).
+    block_q / block_k / threads override the tile sizes and the block size
+    (tests: small tiles exercise the tile loops on tiny shapes)."""
     if n_past < 0:
         raise ValueError(f"attention: n_past must be >= 0, got {n_past}")
     T = q.shape[1] if len(getattr(q, "shape", ())) == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, n_past + T, kv_contiguous=False)
     check("attention", "out", out, (B, T, NH, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
+    _check_segments(segments, B, T, n_past)
     if B * T * NH == 0:
         return
     (BR, BC), _ = _tiles(HS, block_q, block_k)
     kernel = _forward_kernel(HS, BR, BC)
-    kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, np.int64(n_past),
-                                           np.float32(1.0 / math.sqrt(HS)))
+    kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, segments,
+                                                       np.int64(n_past),
+                                                       np.float32(1.0 / math.sqrt(HS)))
 
 
-def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, *, block_q=None,
+def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, block_q=None,
                        block_k=None, threads=None) -> None:
     """Gradients of causal GQA attention for training (n_past = 0, S = T), overwritten.
 
     dq (B, T, NH, HS); dk, dv (B, T, NKV, HS) summed over each kv head's query
     heads; dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T);
-    all C-contiguous float32 device arrays. Overrides as attention_forward."""
+    all C-contiguous float32 device arrays; segments as in attention_forward.
+    Overrides as attention_forward."""
     T = q.shape[1] if len(getattr(q, "shape", ())) == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, T)
     for name, a in (("dq", dq), ("dout", dout), ("out", out)):
@@ -411,11 +484,13 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, *, block_q=None,
     check("attention", "dk", dk, (B, T, NKV, HS), np.float32)
     check("attention", "dv", dv, (B, T, NKV, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
+    _check_segments(segments, B, T, 0)
     if B * T * NH == 0:
         return
     (BR, BC), (BR2, BC2) = _tiles(HS, block_q, block_k)
     scale = np.float32(1.0 / math.sqrt(HS))
     nt = threads or NTHREADS
-    _dq_kernel(HS, BR, BC)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, scale)
+    _dq_kernel(HS, BR, BC)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, segments,
+                                                      scale)
     _dkdv_kernel(HS, BR2, BC2)[(cdiv(T, BC2), B * NKV), nt](dk, dv, dout, q, k, v, out,
-                                                                  lse, scale)
+                                                            lse, segments, scale)

@@ -5,7 +5,8 @@ ROPE_NORM (mode 0) rotates adjacent pairs (x[2i], x[2i+1]); ROPE_NEOX (mode 2)
 rotates (x[i], x[i + n_rot/2]); dimensions >= n_rot pass through. The backward is
 the rotation by -theta. cos/sin (T, n_rot//2) tables are the CPU's
 ``rope.rope_cache`` output copied to the device (computed once on the host, so
-both backends rotate by the very same float32 angles).
+both backends rotate by the very same float32 angles); (B, T, n_rot//2) tables
+give each row its own positions (packed rows, ``rope.rope_tables``).
 
 One thread per (b, t, h, j) with j < D - n_rot/2: j < n_rot/2 rotates pair j
 (reading both values before writing them, so out may be x), the others copy a
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..rope import table_shape
 from ._common import cdiv, check, check_ndim, cuda
 
 ROPE_NORM = 0
@@ -26,7 +28,8 @@ __all__ = ["ROPE_NORM", "ROPE_NEOX", "rope_forward", "rope_backward"]
 
 @cuda.jit
 def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
-    # out, x (B, T, H, D), may alias; cos, sin (T, n_rot//2)
+    # out, x (B, T, H, D), may alias; cos, sin (1 or B, T, n_rot//2): one table for
+    # all rows, or one per row
     B, T, H, D = x.shape
     half = n_rot // 2
     W = D - half  # threads per head row
@@ -40,8 +43,9 @@ def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
     t = bt % T
     b = bt // T
     if j < half:
-        c = cos[t, j]
-        s = -sin[t, j] if inverse else sin[t, j]
+        cb = b if cos.shape[0] > 1 else 0
+        c = cos[cb, t, j]
+        s = -sin[cb, t, j] if inverse else sin[cb, t, j]
         i0 = j if neox else 2 * j
         i1 = j + half if neox else 2 * j + 1
         x0 = x[b, t, h, i0]
@@ -61,8 +65,11 @@ def _launch(out_name, out, x_name, x, cos, sin, n_rot, mode, inverse):
         raise ValueError(f"rope: mode must be ROPE_NORM (0) or ROPE_NEOX (2), got {mode}")
     check("rope", x_name, x, (B, T, H, D), np.float32)
     check("rope", out_name, out, (B, T, H, D), np.float32)
-    check("rope", "cos", cos, (T, n_rot // 2), np.float32)
-    check("rope", "sin", sin, (T, n_rot // 2), np.float32)
+    shape = table_shape(x.shape, len(getattr(cos, "shape", ())), n_rot)
+    check("rope", "cos", cos, shape, np.float32)
+    check("rope", "sin", sin, shape, np.float32)
+    if len(shape) == 2:
+        cos, sin = cos.reshape(1, *shape), sin.reshape(1, *shape)
     n = B * T * H * (D - n_rot // 2)
     if n:
         _rope_kernel[cdiv(n, _THREADS), _THREADS](out, x, cos, sin, np.int64(n_rot),
@@ -70,7 +77,8 @@ def _launch(out_name, out, x_name, x, cos, sin, n_rot, mode, inverse):
 
 
 def rope_forward(out, x, cos, sin, n_rot, mode) -> None:
-    """out (B, T, H, D) = R(theta) x (out may be x); cos, sin (T, n_rot//2)."""
+    """out (B, T, H, D) = R(theta) x (out may be x); cos, sin (T, n_rot//2), or
+    (B, T, n_rot//2) for per-token positions."""
     _launch("out", out, "x", x, cos, sin, n_rot, mode, False)
 
 

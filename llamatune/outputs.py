@@ -1,0 +1,168 @@
+"""Output paths checked before a command runs, so inputs are never overwritten and
+no command stops half-way for a reason it could have seen at the start.
+
+`check_paths(inputs, outputs)` is the one check every writing command calls:
+  * an output (its ITERATION forms included: any step number and the LATEST name)
+    that names an input is refused, after resolving symlinks and, where the files
+    exist, comparing (st_dev, st_ino) so hard links are caught too;
+  * two outputs that would overwrite each other are refused;
+  * an output that is an existing directory (unless a directory is what is
+    written), or whose directory cannot be written or created, is refused.
+Pairs in `may_share` are allowed to coincide: `--checkpoint-in chk-LATEST.gguf` with
+`--checkpoint-out chk-ITERATION.gguf` is the normal resume (the input is memory-mapped
+and outputs are replaced by atomic rename, so the old file stays intact while read).
+`check_free_space` refuses a run whose first save would not fit on the disk.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from .errors import LlamatuneError
+
+ITERATION = "ITERATION"
+
+
+@dataclass(frozen=True)
+class Out:
+    """An output: `path` may hold ITERATION (replaced by step numbers and by `latest`)."""
+    label: str                  # the option that names it, e.g. "--lora-out"
+    path: Path
+    latest: str = ""            # the --fn-latest replacement for ITERATION ("" = none)
+    is_dir: bool = False        # a directory is written (PEFT adapter, quickstart workdir)
+
+    def concrete(self) -> Path:
+        """The one path always written: the LATEST form, or the path itself."""
+        return Path(str(self.path).replace(ITERATION, self.latest))
+
+    def pattern(self) -> re.Pattern:
+        """Matches every resolved path this output can write (any step number, LATEST)."""
+        parts = str(_resolve(self.path)).split(ITERATION)
+        tags = "(?:" + r"\d+|" + re.escape(self.latest) + ")"
+        return re.compile(tags.join(map(re.escape, parts)) + r"\Z")
+
+    def existing(self) -> list[Path]:
+        """Files or directories already present that this output would replace."""
+        if ITERATION not in self.path.name:
+            return [self.concrete()] if os.path.lexists(self.concrete()) else []
+        folder = _resolve(self.concrete().parent)
+        rx = self.pattern()
+        try:
+            return [p for p in folder.iterdir() if rx.match(str(folder / p.name))]
+        except OSError:                   # no such directory (yet): nothing to replace
+            return []
+
+
+def _resolve(p: Path) -> Path:
+    return Path(os.path.abspath(Path(p).expanduser().resolve()))
+
+
+def _inode(p: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(p)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _clash(inp: Path, out: Out) -> bool:
+    if out.pattern().match(str(_resolve(inp))):
+        return True
+    ident = _inode(inp)
+    return ident is not None and any(_inode(p) == ident for p in out.existing())
+
+
+def _not_writable(folder: Path) -> str | None:
+    """Why no file can be created in `folder` (None when one can): a real probe, so
+    permissions, read-only mounts and root's rights all count as they will when writing."""
+    try:
+        fd, name = tempfile.mkstemp(prefix=".llamatune-probe.", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+    except OSError as e:
+        return f"directory {folder} is not writable ({e.strerror})"
+    return None
+
+
+def _cannot_write(out: Out) -> str | None:
+    """Why `out` cannot be written (None when it can)."""
+    target = out.concrete()
+    if not out.is_dir and target.is_dir():
+        return f"{target}: is a directory ({out.label} names a file)"
+    if out.is_dir and target.exists() and not target.is_dir():
+        return f"{target}: exists and is not a directory ({out.label} names a directory)"
+    for p in out.existing():
+        if not out.is_dir and p.is_dir():
+            return f"{p}: is a directory ({out.label} names a file)"
+    folder = _resolve(target.parent)
+    probe = folder
+    while not probe.exists():            # the nearest existing ancestor must let us create the rest
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{target}: cannot create directory {folder}: {probe} is not a directory"
+    problem = _not_writable(probe) or (_not_writable(target) if out.is_dir and target.is_dir() else None)
+    return f"{target}: {problem}" if problem else None
+
+
+def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out],
+                may_share: Iterable[tuple[str, str]] = ()) -> None:
+    """Refuse, with one line naming both paths, any output that would overwrite an input
+    or another output, and any output that cannot be written. Nothing is created."""
+    inputs = [(label, Path(p)) for label, p in inputs if p is not None]
+    outputs = [o for o in outputs if o.path is not None]
+    allowed = set(may_share)
+    for out in outputs:
+        for label, inp in inputs:
+            if (label, out.label) not in allowed and _clash(inp, out):
+                raise LlamatuneError(f"{out.label} {out.path} would overwrite the input {label} {inp}: "
+                                     "choose another output name")
+    for i, a in enumerate(outputs):
+        for b in outputs[i + 1:]:
+            if _clash(b.concrete(), a) or _clash(a.concrete(), b):
+                raise LlamatuneError(f"{a.label} {a.path} and {b.label} {b.path} would overwrite each other")
+    for out in outputs:
+        problem = _cannot_write(out)
+        if problem:
+            raise LlamatuneError(problem)
+
+
+def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Path | None]], list[Out]]:
+    """Inputs and outputs of `finetune` / `train-from-scratch` from their options."""
+    latest = opts.fn_latest
+    inputs = [("--train-data", opts.train_data), ("--checkpoint-in", opts.checkpoint_in),
+              ("--model-base", getattr(opts, "model_base", None)),
+              ("--vocab-model", getattr(opts, "vocab_model", None)), ("--config", preset)]
+    outputs = [Out("--checkpoint-out", Path(opts.checkpoint_out), latest)]
+    for name in ("lora_out", "model_out"):
+        if getattr(opts, name, None) is not None:
+            outputs.append(Out("--" + name.replace("_", "-"), Path(getattr(opts, name)), latest))
+    return inputs, outputs
+
+
+def check_training_paths(opts, preset: Path | None = None) -> None:
+    """check_paths for a training command; resuming from a checkpoint output is allowed."""
+    inputs, outputs = training_paths(opts, preset)
+    check_paths(inputs, outputs, may_share=[("--checkpoint-in", "--checkpoint-out")])
+
+
+def check_free_space(needs: Iterable[tuple[Path, int]]) -> None:
+    """Refuse when the bytes the first save writes (per file system) exceed the free space."""
+    by_device: dict[int, tuple[Path, int]] = {}
+    for path, size in needs:
+        probe = _resolve(path).parent
+        while not probe.exists():
+            probe = probe.parent
+        dev = os.stat(probe).st_dev
+        where, total = by_device.get(dev, (probe, 0))
+        by_device[dev] = (where, total + size)
+    for where, total in by_device.values():
+        free = shutil.disk_usage(where).free
+        if total > free:
+            raise LlamatuneError(f"{where}: {free / 2**20:,.1f} MiB free, but the first save writes about "
+                                 f"{total / 2**20:,.1f} MiB there (checkpoint and outputs, each with its LATEST "
+                                 "copy): free some space or choose another directory")
