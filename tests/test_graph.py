@@ -216,14 +216,17 @@ def tied_model(tmp_path_factory, tiny_vocab):
                                   n_embd=32, n_ff=64, head_dim=8, n_rot=8, n_layer=3))
 
 
-def mode_grads(make, dtype, B=2, T=6, dropout=0.0):
-    """(loss, gradient) of one step in each mode; `make` -> (cfg, base, params, targets)."""
+def mode_grads(make, dtype, B=2, T=6, dropout=0.0, packed=False):
+    """(loss, gradient) of one step in each mode; `make` -> (cfg, base, params, targets).
+    packed: rows hold two samples each (rope positions restart, attention per sample)."""
+    segments = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]], np.int32) if packed else None
+    positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1]]) if packed else None
     out = {}
     for mode in MODES:
         cfg, base, params, targets = make(dtype)
         g = Graph(cfg, base, params, targets, B, T, mode, dropout, dtype=dtype)
         inputs, tg, w = batch(cfg, B, T, seed=3)
-        loss = g.step(inputs, tg, w, key=(5,))
+        loss = g.step(inputs, tg, w, key=(5,), positions=positions, segments=segments)
         out[mode] = loss, params.grad.copy()
     return out
 
@@ -236,13 +239,14 @@ def assert_modes_identical(out):
         np.testing.assert_array_equal(out[mode][1], grad, err_msg=mode)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_modes_identical_lora_untied_head_and_embedding(small_model, dtype):
+def test_modes_identical_lora_untied_head_and_embedding(small_model, dtype, packed):
     """LoRA on every kind, output head and token_embd included (untied); with dropout."""
     def make(dt):
         targets, params = lora_setup(small_model, ALL_RANKS, dt)
         return small_model.config, FrozenBase(small_model), params, targets
-    assert_modes_identical(mode_grads(make, dtype, dropout=0.3))
+    assert_modes_identical(mode_grads(make, dtype, dropout=0.3, packed=packed))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
