@@ -136,9 +136,11 @@ def test_checkpointing_option_and_its_old_spelling(tmp_path):
 
 
 def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
+    import mmap
     from llamatune.memory import resident_bytes, touch
+    region = mmap.mmap(-1, 64 << 20)                         # fresh zero pages: not resident until written
+    a = np.frombuffer(region, np.uint8)
     before, _ = resident_bytes()
-    a = np.zeros(64 << 20, np.uint8)                        # zero pages: not resident until written
     touch(a)
     after, _ = resident_bytes()
     assert after - before >= 60 << 20
