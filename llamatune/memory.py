@@ -169,7 +169,8 @@ def compile_kernels(backend, opts, qtypes=()) -> None:
     for n, a in random_weights(cfg, seed=0).items():
         params[n][...] = a
     tokens = np.arange(16).reshape(2, 8) % cfg.n_vocab
-    Graph(cfg, DenseWeights(params), params, [], 2, 8, "none").step(tokens, tokens, np.full((2, 8), 1 / 16, np.float32))
+    graph = Graph(cfg, DenseWeights(params), params, [], 2, 8, "none")
+    graph.step(tokens, tokens, np.full((2, 8), 1 / 16, np.float32), key=(0, 0, 0))   # key as the trainer's
     optimizer_step(params, 0, opts)
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
     from .kernels import dequant
