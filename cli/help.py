@@ -1,8 +1,9 @@
 """Help pages that stay readable in an 80-column terminal.
 
 typer's rich help puts each flag, its `--no-` twin, the metavar and the help text in
-four table columns and cuts whatever does not fit (`--include-sample-st…`). Commands
-use `GroupedHelpCommand` instead: click's plain layout, where a flag longer than the
+four table columns and cuts whatever does not fit (`--include-sample-st…`). Every
+command of an `App` (a Typer whose commands default to this class) uses
+`GroupedHelpCommand` instead: click's plain layout, where a flag longer than the
 first column gets its own line with the help text below it, so every flag is shown
 whole at any width, and options stay grouped under their help panels ("Training
 data", "Optimizer", ...) as in the rich layout. Help text is wrapped between words
@@ -13,6 +14,7 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
+import typer
 from typer.core import TyperCommand
 
 
@@ -47,3 +49,10 @@ def write_rows(formatter: Any, rows: list[tuple[str, str]], col_max: int = 30, s
             formatter.write(" " * indent + term + "\n")
         for line in lines:
             formatter.write(" " * (indent + first + spacing) + line + "\n")
+
+
+class App(typer.Typer):
+    """A Typer whose commands all use GroupedHelpCommand unless told otherwise."""
+
+    def command(self, *args: Any, cls: Any = None, **kwargs: Any):
+        return super().command(*args, cls=cls or GroupedHelpCommand, **kwargs)

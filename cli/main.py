@@ -13,9 +13,9 @@ from typing import List, Optional
 
 import typer
 
-from .help import GroupedHelpCommand
+from .help import App
 
-app = typer.Typer(
+app = App(
     name="llamatune",
     help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
     no_args_is_help=True,
@@ -83,7 +83,7 @@ LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
 
 
-@app.command(cls=GroupedHelpCommand)
+@app.command()
 @friendly_errors
 def tokenize(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model or vocab-only GGUF."),
@@ -108,7 +108,7 @@ def tokenize(
             print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
-@app.command(cls=GroupedHelpCommand)
+@app.command()
 @friendly_errors
 def perplexity(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
@@ -135,7 +135,7 @@ def perplexity(
     out.print(f"Final estimate: PPL = {res.ppl:.4f} +/- {res.ppl_err:.5f}")
 
 
-@app.command(cls=GroupedHelpCommand)
+@app.command()
 @friendly_errors
 def generate(
     model: Path = typer.Option(..., "-m", "--model", help="GGUF model."),
@@ -161,7 +161,7 @@ def generate(
     sys.stdout.write("\n")
 
 
-@app.command("export-lora", cls=GroupedHelpCommand)
+@app.command("export-lora")
 @friendly_errors
 def export_lora(
     model_base: Path = typer.Option(..., "-m", "--model-base", help="Base model GGUF."),
@@ -181,7 +181,7 @@ def export_lora(
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
 
 
-@app.command("convert-checkpoint", cls=GroupedHelpCommand)
+@app.command("convert-checkpoint")
 @friendly_errors
 def convert_checkpoint(
     input: Path = typer.Argument(..., help="Checkpoint, adapter, PEFT directory, 2023 checkpoint or ggla .bin."),
@@ -197,7 +197,7 @@ def convert_checkpoint(
     out.print(convert(input, output, to, model_base))
 
 
-@app.command(cls=GroupedHelpCommand)
+@app.command()
 @friendly_errors
 def quickstart(
     workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),

@@ -15,8 +15,6 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from .help import GroupedHelpCommand
-
 
 def _base_type(hint: Any) -> Any:
     args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -54,4 +52,4 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], N
     command.__annotations__ = {p.name: p.annotation for p in params}
     command.__doc__ = help
     command.__name__ = name.replace("-", "_")
-    app.command(name=name, help=help, cls=GroupedHelpCommand)(wrap(command))
+    app.command(name=name, help=help)(wrap(command))

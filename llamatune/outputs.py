@@ -132,15 +132,20 @@ def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out
 
 
 def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Path | None]], list[Out]]:
-    """Inputs and outputs of `finetune` / `train-from-scratch` from their options."""
-    latest = opts.fn_latest
-    inputs = [("--train-data", opts.train_data), ("--checkpoint-in", opts.checkpoint_in),
-              ("--model-base", getattr(opts, "model_base", None)),
-              ("--vocab-model", getattr(opts, "vocab_model", None)), ("--config", preset)]
-    outputs = [Out("--checkpoint-out", Path(opts.checkpoint_out), latest)]
-    for name in ("lora_out", "model_out"):
-        if getattr(opts, name, None) is not None:
-            outputs.append(Out("--" + name.replace("_", "-"), Path(getattr(opts, name)), latest))
+    """Inputs and outputs of a training command, from its option fields: a path option
+    named `*_out` is an output (ITERATION forms included), every other one an input."""
+    from dataclasses import fields
+    from .options import cli_flag
+    inputs: list[tuple[str, Path | None]] = [("--config", preset)]
+    outputs: list[Out] = []
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if "Path" not in str(f.type) or value is None:
+            continue
+        if f.name.endswith("_out"):
+            outputs.append(Out(cli_flag(f), Path(value), opts.fn_latest))
+        else:
+            inputs.append((cli_flag(f), Path(value)))
     return inputs, outputs
 
 

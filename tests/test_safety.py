@@ -361,6 +361,25 @@ def test_save_waits_for_a_healthy_step_and_resumes_exactly(work, monkeypatch):
         np.testing.assert_array_equal(np.array(t.data), np.array(b.file.tensors[name].data), err_msg=name)
 
 
+def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypatch):
+    """No later step verifies the last update, so the loss of its batches is recomputed
+    (the 4th forward of a 3-step run): when that is not sane, LATEST stays at iteration 2."""
+    from llamatune.graph import Graph
+    real, calls = Graph.step, []
+
+    def step(self, *args, **kw):
+        calls.append(1)
+        loss = real(self, *args, **kw)
+        return float("nan") if len(calls) == 4 else loss
+
+    monkeypatch.setattr(Graph, "step", step)
+    res = finetune(options(work, adam_iter=3), quiet=True)
+    assert len(calls) == 4 and len(res.losses) == 3 and res.state.iteration == 3
+    assert not (work / "out/chk-3.gguf").exists()
+    assert assert_latest_complete(work / "out", 2) == 2
+    assert [p.name for p in res.files] == ["chk-2.gguf", "adapter-2.gguf", "adapter-LATEST.gguf", "chk-LATEST.gguf"]
+
+
 def test_guard_rules():
     g = Guard(4.0, 2)
     assert g.judge(5.0, 1.0) is None
