@@ -13,6 +13,8 @@ from typing import List, Optional
 
 import typer
 
+from llamatune.plot import SMOOTH   # light: plot.py imports matplotlib only when drawing
+
 from .help import App
 
 app = App(
@@ -33,15 +35,29 @@ def friendly_errors(fn):
         try:
             return fn(*args, **kwargs)
         except LlamatuneError as e:
-            print(f"error: {e}", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}{e}", file=sys.stderr)
+            _end_job(1)
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
-            raise typer.Exit(130)
+            _end_job(130)
         except MemoryError:
-            print("error: out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
-            raise typer.Exit(1)
+            print(f"error: {_rank()}out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
+            _end_job(1)
     return wrapper
+
+
+def _rank() -> str:
+    """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
+    mod = sys.modules.get("llamatune.distributed")
+    return mod.error_prefix() if mod else ""
+
+
+def _end_job(code: int):
+    """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
+    mod = sys.modules.get("llamatune.distributed")
+    if mod:
+        mod.abort_job(code)
+    raise typer.Exit(code)
 
 
 def read_text(path: Path) -> str:
@@ -64,23 +80,28 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
     return out
 
 
-def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu"):
+def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu",
+                allow_nonfinite: bool = False):
     from llamatune.backend import get_backend
-    from llamatune.model import Model
+    from llamatune.model import Model, NonFiniteError
     from llamatune.infer import Runner
     specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)
-    model = Model(model_path)
-    adapters = None
-    if specs:
-        from llamatune.adapter import load_runtime_adapters
-        adapters = load_runtime_adapters(model, specs)
+    try:
+        model = Model(model_path, allow_nonfinite)
+        adapters = None
+        if specs:
+            from llamatune.adapter import load_runtime_adapters
+            adapters = load_runtime_adapters(model, specs, allow_nonfinite)
+    except NonFiniteError as e:
+        raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
     return Runner(model, adapters, backend)
 
 
 LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
 LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 DEVICE_HELP = "cpu, cuda or auto (cuda when a GPU is visible)."
+NONFINITE_HELP = "Run even when weights hold inf or nan (a notice names them; results may be nan)."
 
 
 @app.command()
@@ -118,6 +139,7 @@ def perplexity(
     lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
     lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
 ):
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
@@ -126,7 +148,7 @@ def perplexity(
     from llamatune.progress import progress_bar
     check_number("-b/--batch", batch, 1)
     text = read_text(file)
-    runner = make_runner(model, lora, lora_scaled, device)
+    runner = make_runner(model, lora, lora_scaled, device, allow_nonfinite)
     with progress_bar("perplexity") as bar:
         res = run_perplexity(runner, text, ctx, batch, source=str(file),
                              on_window=lambda d, n, p: bar(d, n, f"PPL {p:.4f}"))
@@ -150,11 +172,12 @@ def generate(
     lora: List[Path] = typer.Option([], "--lora", help=LORA_HELP),
     lora_scaled: List[str] = typer.Option([], "--lora-scaled", help=LORA_SCALED_HELP),
     device: str = typer.Option("cpu", "--device", help=DEVICE_HELP),
+    allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
     from llamatune.generate import check_sampling, generate as run_generate, stream_text
     check_sampling(n_predict, temp, top_k, top_p, seed, ctx)
-    runner = make_runner(model, lora, lora_scaled, device)
+    runner = make_runner(model, lora, lora_scaled, device, allow_nonfinite)
     sys.stdout.write(prompt)
     ids = run_generate(runner, prompt, n_predict, temp, top_k, top_p, seed, ctx)
     stream_text(runner, prompt, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -207,6 +230,23 @@ def quickstart(
     run(workdir)
 
 
+@app.command()
+@friendly_errors
+def plot(
+    metrics: Path = typer.Argument(..., help="Metrics log written by training (metrics.jsonl)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="PNG to write (default: the metrics "
+                                          "file with .png in place of its extension)."),
+    smooth: float = typer.Option(SMOOTH, "--smooth", help="Weight of the moving average drawn over the training "
+                                 "loss, in [0, 1) (0: no smoothing)."),
+    log_y: bool = typer.Option(False, "--log-y", help="Logarithmic loss axis."),
+    title: Optional[str] = typer.Option(None, "--title", help="Plot title (default: the metrics file's name)."),
+):
+    """Draw training loss (raw and smoothed) and validation loss against steps (needs matplotlib)."""
+    from llamatune.console import out
+    from llamatune.plot import plot_metrics
+    out.print(f"wrote {plot_metrics(metrics, output or metrics.with_suffix('.png'), smooth, log_y, title)}")
+
+
 def _report(name: str, res) -> None:
     from llamatune.console import out
     if res.losses:
@@ -215,6 +255,10 @@ def _report(name: str, res) -> None:
         steady = f", {res.steady_tokens_per_second:,.0f} after the first step" if res.steady_tokens_per_second else ""
         out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s{steady}), "
                   f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
+    v = res.state.validation
+    if v is not None and v.last_loss is not None:
+        out.print(f"validation loss {v.last_loss:.4f} at step {v.last_step}, best {v.best_loss:.4f} at step "
+                  f"{v.best_step}")
     for p in res.files:
         out.print(f"  wrote {p}")
 

@@ -23,6 +23,7 @@ from .console import notice
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
 from .kernels import dequant
+from .model import check_finite, check_type
 
 
 @dataclass
@@ -59,17 +60,19 @@ def _f32(t) -> np.ndarray:
     return dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape)
 
 
-def read_adapter(path: str | Path, base: GGUFFile) -> LoraAdapter:
+def read_adapter(path: str | Path, base: GGUFFile, allow_nonfinite: bool = False) -> LoraAdapter:
     """Read and validate an adapter against its base model. Every problem (arch,
-    names, shapes, missing halves) is collected and reported in one error."""
+    names, shapes, missing halves) is collected and reported in one error; then
+    tensor types are checked and every value must be finite (unless `allow_nonfinite`)."""
     f = GGUFFile(path)
     problems: list[str] = []
     if f.get("general.type") != "adapter" or f.get("adapter.type") != "lora":
-        raise LlamatuneError(f"{f.path}: not a LoRA adapter (general.type={f.get('general.type')!r}, "
-                             f"adapter.type={f.get('adapter.type')!r}; expected 'adapter' and 'lora')")
+        raise LlamatuneError(f"{f.path}: not a LoRA adapter (general.type={str(f.get('general.type'))[:40]!r}, "
+                             f"adapter.type={str(f.get('adapter.type'))[:40]!r}; expected 'adapter' and 'lora')")
     if f.get("general.architecture") != base.arch:
-        problems.append(f"architecture '{f.get('general.architecture')}' differs from the base model's '{base.arch}'")
-    alpha = float(f.get("adapter.lora.alpha", 0.0) or 0.0)
+        problems.append(f"architecture {str(f.get('general.architecture'))[:40]!r} differs from the base model's "
+                        f"'{base.arch}'")
+    alpha = f.get_float("adapter.lora.alpha", 0.0)
     halves: dict[str, dict[str, object]] = {}
     for name, t in f.tensors.items():
         stem, dot, suffix = name.rpartition(".")
@@ -93,11 +96,16 @@ def read_adapter(path: str | Path, base: GGUFFile) -> LoraAdapter:
             problems.append(f"'{stem}': lora_a {a.shape} / lora_b {b.shape} do not fit the base shape "
                             f"{base.tensors[stem].shape} at rank {r} (expected {ea} / {eb})")
             continue
-        adapter.pairs[stem] = (_f32(a), _f32(b))
+        adapter.pairs[stem] = (a, b)
     if not adapter.pairs and not problems:
         problems.append("it holds no adapter tensors")
     if problems:
         raise LlamatuneError(f"{f.path}: adapter does not fit {base.path.name}: " + "; ".join(problems))
+    tensors = [(t.name, t) for pair in adapter.pairs.values() for t in pair]
+    for _, t in tensors:
+        check_type(f, t)
+    check_finite(f.path, tensors, allow_nonfinite)
+    adapter.pairs = {stem: (_f32(a), _f32(b)) for stem, (a, b) in adapter.pairs.items()}
     return adapter
 
 
@@ -113,13 +121,13 @@ def write_adapter(path: str | Path, adapter: LoraAdapter, extra: list[KV] | None
     write_gguf(path, adapter.arch, kvs, tensors)
 
 
-def load_runtime_adapters(model, specs: list[tuple[str, float]]):
+def load_runtime_adapters(model, specs: list[tuple[str, float]], allow_nonfinite: bool = False):
     """Adapters to apply at run time, as llama.cpp's --lora / --lora-scaled do
     (norm adapters are skipped, as llama.cpp skips them)."""
     from .infer import RuntimeAdapters
     runtime = RuntimeAdapters()
     for path, user_scale in specs:
-        adapter = read_adapter(path, model.file)
+        adapter = read_adapter(path, model.file, allow_nonfinite)
         skipped = [n for n in adapter.pairs if is_norm(n)]
         if skipped:
             notice(f"{Path(path).name}: {len(skipped)} norm adapters are not applied at run time "

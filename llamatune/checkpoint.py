@@ -8,7 +8,10 @@ Layout (format version 1):
        (fingerprint of the base GGUF), training.{iteration,sample,token,epoch}_count
        (u64, llama.cpp's 2023 names), llamatune.data_state (JSON: batcher state,
        shuffle generator state), llamatune.guard_state (JSON: divergence guard
-       history, absent in older files), training.loss_ema (f32), the model's `{arch}.*`
+       history, absent in older files), training.loss_ema (f32), llamatune.validation
+       (JSON: best validation loss, its step, evaluations since; only with validation;
+       older checkpoints without it load with a fresh validation state), llamatune.ranks (MPI
+       ranks that trained it, 1 when absent: the global batch is grad_acc x ranks), the model's `{arch}.*`
        keys, LoRA ranks `training.lora.rank.<kind>` and alpha, and for full models
        the tokenizer keys.
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
@@ -22,17 +25,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from .errors import LlamatuneError
 from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
+from .model import check_finite
 from .params import ParamBuffer
+from .validation import ValidationState
 
 FORMAT_VERSION = 1
 KIND_LORA, KIND_FULL = "finetune_lora", "train_model"
@@ -47,6 +54,8 @@ class TrainState:
     loss_ema: float = float("nan")
     data_state: dict | None = None
     guard: dict | None = None   # divergence guard history (guard.Guard.state)
+    validation: ValidationState | None = None
+    ranks: int = 1              # data-parallel ranks that wrote it (the global batch is grad_acc x ranks)
 
 
 def fingerprint(f: GGUFFile) -> str:
@@ -78,7 +87,10 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
            KV("training.epoch_count", state.epoch, VType.UINT64),
            kv("training.loss_ema", float(state.loss_ema)),
            kv("llamatune.data_state", json.dumps(state.data_state or {})),
-           kv("llamatune.guard_state", json.dumps(state.guard or {}))] + list(model_kvs)
+           kv("llamatune.guard_state", json.dumps(state.guard or {})),
+           kv("llamatune.ranks", int(state.ranks))] + list(model_kvs)
+    if state.validation is not None:
+        kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
@@ -119,6 +131,13 @@ class Checkpoint:
                 problems.append(f"'{name}' missing or not of {params.size} values")
         if problems:
             raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + "; ".join(problems))
+        used = [(s.name, f.tensors[s.name]) for s in params.specs]
+        used += [(n, f.tensors[n]) for n in ("optimizer.adam.first_moments", "optimizer.adam.second_moments")]
+        for name, t in used:
+            if t.qtype != QType.F32:
+                raise LlamatuneError(f"{self.path}: tensor '{name}' has type {t.qtype.name}, expected F32 "
+                                     "(checkpoints hold parameters and moments in F32)")
+        check_finite(self.path, used)
         for s in params.specs:
             params[s.name][...] = f.tensors[s.name].data.reshape(s.shape)
         params.m[...] = f.tensors["optimizer.adam.first_moments"].data
@@ -133,27 +152,67 @@ def load(path: Path) -> Checkpoint:
             hint = " (a llama.cpp 2023 checkpoint: convert it with `llamatune convert-checkpoint`)"
         raise LlamatuneError(f"{f.path}: not a llamatune checkpoint{hint}")
     version = f.get("llamatune.checkpoint.version")
-    if version != FORMAT_VERSION:
-        raise LlamatuneError(f"{f.path}: checkpoint format version {version}; this llamatune reads version "
-                             f"{FORMAT_VERSION} (use the llamatune version that wrote it)")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise LlamatuneError(f"{f.path}: checkpoint format version {str(version)[:20]}; this llamatune reads "
+                             f"version {FORMAT_VERSION} (use the llamatune version that wrote it)")
+    kind = f.get_str("llamatune.checkpoint.kind", required=True)
+    if kind not in (KIND_LORA, KIND_FULL):
+        raise LlamatuneError(f"{f.path}: metadata key 'llamatune.checkpoint.kind' is {kind[:40]!r}, "
+                             f"expected '{KIND_LORA}' or '{KIND_FULL}'")
+    options = _json_object(f, "llamatune.options", None)
+    data_state = _json_object(f, "llamatune.data_state", "{}") or None
+    guard = _json_object(f, "llamatune.guard_state", "{}") or None
+    validation = None
+    if "llamatune.validation" in f.kvs:
+        try:
+            validation = ValidationState.from_dict(_json_object(f, "llamatune.validation", None))
+        except (TypeError, ValueError) as e:
+            raise LlamatuneError(f"{f.path}: metadata key 'llamatune.validation' is invalid ({e})") from None
+    ranks = f.get_int("llamatune.ranks", 1, lo=1, hi=1 << 20)
+    loss_ema = f.get("training.loss_ema", float("nan"))
+    if not (isinstance(loss_ema, float) and math.isnan(loss_ema)):      # nan: no loss seen yet
+        loss_ema = f.get_float("training.loss_ema")
+    state = TrainState(f.get_int("training.iteration_count", required=True), f.get_int("training.sample_count", 0),
+                       f.get_int("training.token_count", 0), f.get_int("training.epoch_count", 0),
+                       float(loss_ema), data_state, guard, validation, ranks)
+    _check_ranks(f)
+    return Checkpoint(f.path, kind, options, f.get_str("llamatune.base_model", ""), state, f)
+
+
+def _json_object(f: GGUFFile, key: str, default: str | None) -> dict:
+    """A metadata string holding a JSON object (options, data state)."""
+    text = f.get_str(key, default, required=default is None)
     try:
-        options = json.loads(f.require("llamatune.options"))
-        data_state = json.loads(f.get("llamatune.data_state", "{}")) or None
-        guard = json.loads(f.get("llamatune.guard_state", "{}")) or None
-    except json.JSONDecodeError as e:
-        raise LlamatuneError(f"{f.path}: corrupt checkpoint metadata ({e})") from None
-    state = TrainState(int(f.require("training.iteration_count")), int(f.get("training.sample_count", 0)),
-                       int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                       float(f.get("training.loss_ema", float("nan"))), data_state, guard)
-    return Checkpoint(f.path, f.require("llamatune.checkpoint.kind"), options,
-                      f.get("llamatune.base_model", ""), state, f)
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise LlamatuneError(f"{f.path}: metadata key '{key}' is not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(value, dict):
+        raise LlamatuneError(f"{f.path}: metadata key '{key}' holds {type(value).__name__} JSON, expected an object")
+    return value
 
 
-def check_frozen_options(ckpt: Checkpoint, opts) -> None:
-    """Options that define the trajectory (shapes, data, ranks...) must not change on resume."""
+def _check_ranks(f: GGUFFile) -> None:
+    """Each LoRA pair's rank (lora_b's last dimension) must be the rank recorded for its kind."""
+    for name, t in f.tensors.items():
+        if not name.endswith(".lora_b"):
+            continue
+        kind = name[:-len(".weight.lora_b")].rsplit(".", 1)[-1]
+        recorded = f.get_int(f"training.lora.rank.{kind}", None)
+        if recorded is not None and t.shape[-1] != recorded:
+            raise LlamatuneError(f"{f.path}: tensor '{name}' has rank {t.shape[-1]} but the checkpoint records "
+                                 f"training.lora.rank.{kind} = {recorded}")
+
+
+def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
+    """Options that define the trajectory (shapes, data, ranks...) must not change on resume.
+    For gradient accumulation what is frozen is the global batch, --grad-acc x data-parallel
+    ranks: a run saved by K ranks resumes with any other number of ranks."""
     changed = []
+    if "grad_acc" in ckpt.options and ckpt.options["grad_acc"] * ckpt.state.ranks != opts.grad_acc * ranks:
+        changed.append(f"micro-batches per step (--grad-acc x ranks) {ckpt.options['grad_acc']} x {ckpt.state.ranks} "
+                       f"-> {opts.grad_acc} x {ranks}")
     for fld in dataclasses.fields(opts):
-        if fld.metadata.get("frozen") and fld.name in ckpt.options:
+        if fld.metadata.get("frozen") and fld.name in ckpt.options and fld.name != "grad_acc":
             now = getattr(opts, fld.name)
             now = str(now) if isinstance(now, Path) else now
             if now != ckpt.options[fld.name]:

@@ -12,6 +12,9 @@ from typing import Any
 import numpy as np
 
 from .errors import LlamatuneError
+from .gguf_io import check_float, check_int, describe
+
+MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
 
 # architecture -> (rope mode, has q/k/v bias). Rope modes as in ggml: 0 NORM, 2 NEOX.
 ARCHITECTURES: dict[str, tuple[int, bool]] = {
@@ -49,8 +52,10 @@ class ModelConfig:
             raise LlamatuneError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise LlamatuneError(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        if not self.norm_eps > 0:
-            raise LlamatuneError(f"layer_norm_rms_epsilon {self.norm_eps} must be positive")
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+            value = getattr(self, name)
+            if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
+                raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
 
     @property
     def n_embd_q(self) -> int:
@@ -78,47 +83,62 @@ class ModelConfig:
         arch = md.get("general.architecture")
         if arch is None:
             raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
+        if not isinstance(arch, str):
+            raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
+                                 "expected a string")
         if arch not in ARCHITECTURES:
             raise LlamatuneError(f"{source}: architecture '{arch}' is not supported "
                                  f"(supported: {', '.join(ARCHITECTURES)})")
 
-        def req(key: str):
+        def count(key: str, default: Any = None) -> int:
+            """A positive integer hyperparameter `{arch}.key` (llama.cpp holds them as int32)."""
             full = f"{arch}.{key}"
-            if full not in md:
+            if full not in md and default is None:
                 raise LlamatuneError(f"{source}: missing required metadata key '{full}'")
-            return md[full]
+            return check_int(md.get(full, default), 1, MAX_COUNT, f"{source}: metadata key '{full}'")
 
-        n_embd = int(req("embedding_length"))
-        n_head = int(req("attention.head_count"))
-        n_head_kv = int(md.get(f"{arch}.attention.head_count_kv", n_head))
-        head_dim = int(md.get(f"{arch}.attention.key_length", n_embd // max(n_head, 1)))
-        n_vocab = md.get(f"{arch}.vocab_size")
-        if n_vocab is None:
+        def number(key: str, default: Any = None) -> float:
+            full = f"{arch}.{key}"
+            if full not in md and default is None:
+                raise LlamatuneError(f"{source}: missing required metadata key '{full}'")
+            value = check_float(md.get(full, default), f"{source}: metadata key '{full}'")
+            if value <= 0:
+                raise LlamatuneError(f"{source}: metadata key '{full}' is {value}, expected a positive number")
+            return value
+
+        n_embd = count("embedding_length")
+        n_head = count("attention.head_count")
+        n_head_kv = count("attention.head_count_kv", n_head)
+        if f"{arch}.attention.key_length" not in md and n_embd % n_head:
+            raise LlamatuneError(f"{source}: embedding_length {n_embd} is not a multiple of head_count {n_head} "
+                                 f"(and there is no '{arch}.attention.key_length')")
+        head_dim = count("attention.key_length", n_embd // n_head)
+        if f"{arch}.vocab_size" in md:
+            n_vocab = count("vocab_size")
+        else:
             tokens = md.get("tokenizer.ggml.tokens")
             if tokens is None:
                 raise LlamatuneError(f"{source}: cannot tell the vocabulary size "
                                      f"(no '{arch}.vocab_size' and no 'tokenizer.ggml.tokens')")
+            if not isinstance(tokens, list) or not tokens:
+                raise LlamatuneError(f"{source}: metadata key 'tokenizer.ggml.tokens' is {describe(tokens)}, "
+                                     "expected a non-empty list of strings")
             n_vocab = len(tokens)
         scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
-        factor = float(md.get(f"{arch}.rope.scaling.factor", md.get(f"{arch}.rope.scale_linear", 1.0)) or 1.0)
+        if not isinstance(scaling_type, str):
+            raise LlamatuneError(f"{source}: metadata key '{arch}.rope.scaling.type' is {describe(scaling_type)}, "
+                                 "expected a string")
+        factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in md else "rope.scale_linear"
+        factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
         if scaling_type not in ("none", "linear") and factor != 1.0:
             raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
+                      n_layer=count("block_count"), n_ff=count("feed_forward_length"), n_head=n_head,
+                      n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
+                      norm_eps=number("attention.layer_norm_rms_epsilon"),
+                      rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
         try:
-            return cls(
-                arch=arch,
-                n_vocab=int(n_vocab),
-                n_ctx_train=int(req("context_length")),
-                n_embd=n_embd,
-                n_layer=int(req("block_count")),
-                n_ff=int(req("feed_forward_length")),
-                n_head=n_head,
-                n_head_kv=n_head_kv,
-                head_dim=head_dim,
-                n_rot=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
-                norm_eps=float(req("attention.layer_norm_rms_epsilon")),
-                rope_freq_base=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-                rope_freq_scale=1.0 / factor,
-            )
+            return cls(**values)
         except LlamatuneError as e:
             raise LlamatuneError(f"{source}: {e}") from None
 

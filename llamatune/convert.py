@@ -40,7 +40,8 @@ from .adapter import LoraAdapter, is_norm, read_adapter, write_adapter
 from .config import ModelConfig
 from .convert_peft import Heads, peft_files, read_peft
 from .errors import LlamatuneError
-from .gguf_io import GGUFFile, atomic_path, kv, write_error
+from .gguf_io import GGUFFile, atomic_path, check_float, kv, write_error
+from .model import float_array
 from .modelfile import tensor_names, vocab_kvs, write_model
 from .outputs import Out, check_paths
 
@@ -220,12 +221,13 @@ def _llamatune_lora(src: Source) -> tuple[LoraAdapter, str]:
         if name.endswith(".lora_a"):
             stem = name[:-len(".lora_a")]
             a, b = f.tensor(name), f.tensor(stem + ".lora_b")
-            pairs[stem] = (np.array(a.data, np.float32).reshape(a.shape), np.array(b.data, np.float32).reshape(b.shape))
-    alpha = f.get("training.lora.alpha")
+            pairs[stem] = (float_array(f.path, a), float_array(f.path, b))
+    alpha = f.get_float("training.lora.alpha")
     if alpha is None:
         alpha = c.options.get("lora_alpha") or c.options.get("lora_r", 0)
+        alpha = check_float(alpha, f"{f.path}: the lora_alpha of its options")
     base = c.options.get("model_base")
-    return LoraAdapter(f.arch, float(alpha), pairs), Path(base).name if base else ""
+    return LoraAdapter(f.arch, float(alpha), pairs), Path(base).name if isinstance(base, str) and base else ""
 
 
 def _raw_adapter(f: GGUFFile) -> LoraAdapter:
@@ -236,17 +238,16 @@ def _raw_adapter(f: GGUFFile) -> LoraAdapter:
         if suffix not in ("lora_a", "lora_b") or t.qtype not in (QType.F32, QType.F16):
             raise LlamatuneError(f"{f.path}: tensor '{name}' ({t.qtype.name}) is not an F32/F16 .lora_a/.lora_b "
                                  "tensor (with --model-base, quantized adapters are read too)")
-        halves[stem][suffix] = np.array(t.data, np.float32).reshape(t.shape)
+        halves[stem][suffix] = float_array(f.path, t)
     broken = [s for s, h in halves.items() if len(h) != 2]
     if broken:
         raise LlamatuneError(f"{f.path}: adapter tensors without their other half: {broken[:4]}")
-    return LoraAdapter(f.arch, float(f.get("adapter.lora.alpha", 0.0) or 0.0),
+    return LoraAdapter(f.arch, f.get_float("adapter.lora.alpha", 0.0),
                        {s: (h["lora_a"], h["lora_b"]) for s, h in halves.items()})
 
 
 def _model_from(f: GGUFFile, cfg: ModelConfig, output: Path, name: str) -> str:
-    tensors = {n: np.array(t.data, np.float32).reshape(t.shape) for n, t in f.tensors.items()
-               if not n.startswith("optimizer.")}
+    tensors = {n: float_array(f.path, t) for n, t in f.tensors.items() if not n.startswith("optimizer.")}
     write_model(output, cfg, tensors, vocab_kvs(f), QType.F32, name=name)
     return (f"wrote F32 {cfg.arch} model {output} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, vocabulary of "
             f"{cfg.n_vocab} copied)")
@@ -260,8 +261,7 @@ def _legacy_lora(src: Source, base: Base | None) -> tuple[ModelConfig, dict[str,
     if base is not None:
         legacy.check_same_model(cfg, base.cfg, str(src.path), base.path)
         cfg = base.cfg
-    tensors = {n: np.array(t.data, np.float32).reshape(t.shape) for n, t in f.tensors.items()
-               if not n.startswith("optimizer.")}
+    tensors = {n: float_array(f.path, t) for n, t in f.tensors.items() if not n.startswith("optimizer.")}
     return cfg, legacy.legacy_pairs(cfg, tensors, (".lora_a", ".lora_b"), str(src.path))
 
 

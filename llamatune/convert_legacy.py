@@ -57,7 +57,7 @@ from .config import ModelConfig
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, kv
 from .lora import lora_specs, lora_targets
-from .model import matrix_shape
+from .model import float_array, matrix_shape
 from .modelfile import tensor_names, vocab_kvs
 from .options import FinetuneOptions
 from .params import ParamBuffer, ParamSpec
@@ -96,7 +96,7 @@ def legacy_config(f: GGUFFile) -> ModelConfig:
                              "llama.cpp's 2023 training tools only wrote 'llama'")
     if md.get("training.type") == "finetune_lora":
         # finetune wrote rope.scale_linear un-inverted (the 2023 saver bug FORMATS.md notes)
-        scale = float(md.get("llama.rope.scale_linear", 1.0) or 1.0)
+        scale = f.get_float("llama.rope.scale_linear", 1.0) or 1.0
         md["llama.rope.scale_linear"] = 1.0 / scale
     if "tokenizer.ggml.tokens" not in md:
         for name in ("token_embd.weight.lora_b", "token_embd.weight"):
@@ -135,16 +135,25 @@ def read_ggla(path: Path) -> tuple[int, int, dict[str, np.ndarray]]:
         if not 1 <= n_dims <= 4 or ttype not in (0, 1):
             raise LlamatuneError(f"{path}: bad tensor header at byte {off - 12} (n_dims {n_dims}, type {ttype}; "
                                  "ggla holds F32 or F16 tensors of 1 to 4 dimensions)")
+        if off + 4 * n_dims + name_len > len(data):
+            raise LlamatuneError(f"{path}: truncated tensor header at byte {off - 12}")
         ne = struct.unpack_from(f"<{n_dims}I", data, off)
         off += 4 * n_dims
         name = data[off:off + name_len].decode("utf-8", "replace")
         off += name_len
+        if not name.isprintable() or min(ne) < 1:
+            raise LlamatuneError(f"{path}: bad tensor header at byte {off - name_len - 4 * n_dims - 12} "
+                                 f"(name {name[:80]!r}, dimensions {list(ne)})")
         off += -off & 31                           # data starts at a 32-byte file offset
         dtype = np.float32 if ttype == 0 else np.float16
         nbytes = math.prod(ne) * np.dtype(dtype).itemsize
         if off + nbytes > len(data):
             raise LlamatuneError(f"{path}: tensor '{name}' runs past the end of the file (truncated?)")
         arr = np.frombuffer(data, np.dtype(dtype).newbyteorder("<"), math.prod(ne), off)
+        if name in tensors:
+            raise LlamatuneError(f"{path}: tensor '{name}' appears twice")
+        if not np.isfinite(arr).all():
+            raise LlamatuneError(f"{path}: tensor '{name}' holds non-finite values (inf or nan)")
         tensors[name] = arr.astype(np.float32).reshape(tuple(reversed(ne)))
         off += nbytes
     return r, alpha, tensors
@@ -377,8 +386,8 @@ def split_moments(f: GGUFFile, sizes: dict[str, int], lora: bool,
         return None, None, (f"its optimizer state ({kind or 'none'}) has no Adam moments to carry over: "
                             "they start at zero")
     total = sum(sizes.values())
-    m = np.asarray(m_t.data, np.float32).reshape(-1)
-    v = np.asarray(v_t.data, np.float32).reshape(-1)
+    m = float_array(f.path, m_t).reshape(-1)
+    v = float_array(f.path, v_t).reshape(-1)
     if m.size != total or v.size != total:
         raise LlamatuneError(f"{f.path}: Adam moments hold {m.size}/{v.size} values but the parameters have {total}")
     orders = param_orders(n_layer, lora)
@@ -412,9 +421,9 @@ def _f32(x: float) -> float:
 
 def _state(f: GGUFFile) -> ckpt.TrainState:
     """Counters of a 2023 checkpoint (file_version 0 has u32 counters and no epochs); the data order restarts."""
-    return ckpt.TrainState(int(f.get("training.iteration_count", 0)), int(f.get("training.sample_count", 0)),
-                           int(f.get("training.token_count", 0)), int(f.get("training.epoch_count", 0)),
-                           float(f.get("optimizer.adam.previous_loss", float("nan"))), None)
+    return ckpt.TrainState(f.get_int("training.iteration_count", 0), f.get_int("training.sample_count", 0),
+                           f.get_int("training.token_count", 0), f.get_int("training.epoch_count", 0),
+                           f.get_float("optimizer.adam.previous_loss", float("nan")), None)
 
 
 def finetune_checkpoint(f: GGUFFile, cfg: ModelConfig, pairs: dict[str, LegacyPair], output: Path,
@@ -466,7 +475,7 @@ def train_checkpoint(f: GGUFFile, output: Path) -> tuple[str, list[str]]:
         raise LlamatuneError(f"{f.path}: tensors missing or of the wrong shape for its hyperparameters: {problems[:5]}")
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
     for n, s in shapes.items():
-        params[n][...] = np.asarray(f.tensors[n].data, np.float32).reshape(s)
+        params[n][...] = float_array(f.path, f.tensors[n])
     m_chunks, v_chunks, note = split_moments(f, {n: math.prod(s) for n, s in shapes.items()}, False, cfg.n_layer)
     if m_chunks is not None:
         for n in shapes:

@@ -107,18 +107,25 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
     """All tensors of a .safetensors file as float32 (F64/F32/F16/BF16; numpy has no bfloat16,
     so the file is parsed here rather than with safetensors.numpy)."""
     raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 or n > len(raw) - 8:
+        raise LlamatuneError(f"{path}: not a safetensors file (header of {n} bytes in a file of {len(raw)})")
     try:
-        n = int.from_bytes(raw[:8], "little")
         header = json.loads(raw[8:8 + n])
-    except (ValueError, UnicodeDecodeError) as e:
-        raise LlamatuneError(f"{path}: not a safetensors file ({e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise LlamatuneError(f"{path}: not a safetensors file ({str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise LlamatuneError(f"{path}: not a safetensors file (the header is not a JSON object)")
     base = 8 + n
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, (lo, hi) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        dtype, shape, lo, hi = _entry(path, name, info, len(raw) - base)
         buf = raw[base + lo:base + hi]
+        itemsize = 2 if dtype == "BF16" else np.dtype(_NP_DTYPES.get(dtype, np.uint8)).itemsize
+        if len(buf) != math.prod(shape) * itemsize:
+            raise LlamatuneError(f"{path}: tensor '{name}' data does not match its shape {shape} (truncated file?)")
         if dtype == "BF16":
             arr = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
         elif dtype in _NP_DTYPES:
@@ -126,10 +133,24 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         else:
             raise LlamatuneError(f"{path}: tensor '{name}' has dtype {dtype}; only F32, F16, BF16 and F64 "
                                  "are supported")
-        if arr.size != math.prod(shape):
-            raise LlamatuneError(f"{path}: tensor '{name}' data does not match its shape {shape} (truncated file?)")
+        if not np.isfinite(arr).all():
+            raise LlamatuneError(f"{path}: tensor '{name}' holds non-finite values (inf or nan)")
         out[name] = arr.reshape(shape)
     return out
+
+
+def _entry(path: Path, name: str, info, n_data: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, lo, hi) of one safetensors header entry, checked against the data size."""
+    ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(isinstance(o, int) and not isinstance(o, bool) for o in info["data_offsets"]))
+    if not ok or not name.isprintable():
+        raise LlamatuneError(f"{path}: tensor {name[:80]!r} has a malformed header entry {str(info)[:80]}")
+    lo, hi = info["data_offsets"]
+    if not 0 <= lo <= hi <= n_data:
+        raise LlamatuneError(f"{path}: tensor '{name}' data offsets [{lo}, {hi}] are outside the {n_data} data bytes")
+    return info["dtype"], tuple(info["shape"]), lo, hi
 
 
 # --------------------------------------------------------------------------- PEFT -> GGUF
@@ -153,6 +174,15 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
     except (OSError, ValueError) as e:
         raise LlamatuneError(f"{path}: cannot read adapter_config.json ({e})") from None
     where = f"{path}: PEFT adapter"
+    if not isinstance(cfg, dict):
+        raise LlamatuneError(f"{path}: adapter_config.json is not a JSON object")
+    for key in ("lora_alpha", "r"):
+        if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float))
+                           or not math.isfinite(cfg[key])):
+            raise LlamatuneError(f"{path}: adapter_config.json '{key}' is {str(cfg[key])[:40]!r}, expected a number")
+    for key in ("alpha_pattern", "rank_pattern"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise LlamatuneError(f"{path}: adapter_config.json '{key}' is not a JSON object")
     if str(cfg.get("peft_type", "")).upper() != "LORA":
         raise LlamatuneError(f"{where} has peft_type {cfg.get('peft_type')!r}; only LORA adapters can be converted")
     for flag, why in (("use_dora", "DoRA magnitude vectors"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts")):
@@ -191,7 +221,11 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
             raise LlamatuneError(f"{where}: module '{module}' has lora_A {a.shape} and lora_B {b.shape}, not a "
                                  "rank-r pair")
         r = a.shape[0]
-        alpha_m = float(_pattern_value(cfg.get("alpha_pattern"), module, lora_alpha))
+        alpha_m = _pattern_value(cfg.get("alpha_pattern"), module, lora_alpha)
+        if isinstance(alpha_m, bool) or not isinstance(alpha_m, (int, float)) or not math.isfinite(alpha_m):
+            raise LlamatuneError(f"{where}: alpha_pattern gives module '{module}' the alpha {str(alpha_m)[:40]!r}, "
+                                 "expected a number")
+        alpha_m = float(alpha_m)
         # the alpha a GGUF adapter needs for this module's scale: alpha_m/r (rslora: alpha_m/sqrt(r)) == alpha/r
         alpha_eq = alpha_m * math.sqrt(r) if rslora else alpha_m
         if weight == "token_embd.weight":

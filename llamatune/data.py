@@ -35,10 +35,13 @@ _HEX = b"0123456789abcdefABCDEF"
 
 
 class Samples:
-    """All sample tokens concatenated; sample i is tokens[begins[i] : begins[i] + sizes[i]]."""
+    """All sample tokens concatenated; sample i is tokens[begins[i] : begins[i] + sizes[i]].
+    `mask` (int8, aligned with tokens): 1 where a token is a loss target, 0 where it is
+    context only; None: every token is a target."""
 
-    def __init__(self, tokens, begins, sizes):
+    def __init__(self, tokens, begins, sizes, mask=None):
         self.tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        self.mask = None if mask is None else np.ascontiguousarray(mask, dtype=np.int8).reshape(-1)
         self.begins = np.ascontiguousarray(begins, dtype=np.int64).reshape(-1)
         self.sizes = np.ascontiguousarray(sizes, dtype=np.int64).reshape(-1)
         self.hash = _hash(self.tokens, self.begins, self.sizes)

@@ -9,9 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import checkpoint as ckpt
+from . import distributed
 from .adapter import write_adapter
 from .console import notice
-from .data import load_samples, read_text
+from .data import Samples, load_samples, read_text
 from .errors import LlamatuneError
 from .gguf_io import kv
 from .backend import get_backend
@@ -22,6 +23,7 @@ from .options import FinetuneOptions
 from .outputs import check_training_paths
 from .params import ParamBuffer
 from .trainer import Job, TrainResult, run
+from .validation import validation_samples
 
 
 def read_training_text(path: Path | None) -> str:
@@ -30,17 +32,28 @@ def read_training_text(path: Path | None) -> str:
     return read_text(path, "training data")
 
 
+def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
+    """The samples of a training or validation data file: the one place both are loaded."""
+    return load_samples(read_text(path, f"{role} data"), tokenizer, o, str(path))
+
+
+def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
+    """Training samples, and validation samples from --val-data or --val-split (or None)."""
+    return validation_samples(load_data(o.train_data, tokenizer, o), o,
+                              lambda path: load_data(path, tokenizer, o, "validation"))
+
+
 def build_job(o: FinetuneOptions) -> Job:
     if o.model_base is None:
         raise LlamatuneError("--model-base is required")
     check_training_paths(o)
-    text = read_training_text(o.train_data)
+    read_training_text(o.train_data)                  # a missing or unreadable file fails before the model loads
     model = Model(o.model_base)
     cfg = model.config
     if o.ctx > cfg.n_ctx_train:
         raise LlamatuneError(f"--ctx {o.ctx} is larger than the model's context length {cfg.n_ctx_train} "
                              f"({model.path.name})")
-    samples = load_samples(text, model.tokenizer, o, str(o.train_data))
+    samples, val_samples = train_and_validation(o, model.tokenizer)
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
     targets = lora_targets(cfg, o.ranks(), alpha, tied)
@@ -63,8 +76,9 @@ def build_job(o: FinetuneOptions) -> Job:
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
-               output_size=(o.lora_out, 4 * params.size + 2**16))
+               output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)

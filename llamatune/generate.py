@@ -20,6 +20,8 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int
     if temp <= 0:
         return int(np.argmax(logits))
     logits = logits.astype(np.float64)
+    if not np.isfinite(logits).all():      # only with --allow-nonfinite weights
+        raise LlamatuneError("cannot sample: the model's logits are not finite (its weights hold inf or nan)")
     ids = np.argsort(-logits, kind="stable")
     if 0 < top_k < len(ids):
         ids = ids[:top_k]

@@ -12,6 +12,7 @@ ggml ne `[n_in, n_out]`.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -63,18 +64,87 @@ class KV(NamedTuple):
     sub_type: VType | None = None
 
 
+class _Problem(Exception):
+    """A structural problem found while parsing; GGUFFile prefixes the file name."""
+
+
+GGML_MAX_DIMS = 4            # ggml tensors have at most 4 dimensions
+GGML_MAX_NAME = 64           # and names of at most 63 bytes (ggml.h)
+_MIN_KV_BYTES = 8 + 4 + 1    # key length, value type, smallest value
+_MIN_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8   # name length, n_dims, one dim, type, offset
+
+
 class _CheckedReader(gguf.GGUFReader):
-    """GGUFReader that checks each tensor's type and extent before mapping it,
-    so a bad file is reported with the tensor's name instead of a numpy error,
-    and reads metadata arrays in bulk (gguf-py walks them element by element,
+    """GGUFReader that validates the file's structure while parsing it, so a bad file
+    is reported by what is wrong (key, tensor, byte offset) instead of a numpy error:
+
+    - counts (metadata keys, tensors, array lengths, string lengths) against the
+      bytes left in the file, so a huge count fails at once instead of looping;
+    - duplicate metadata keys and tensor names; `general.alignment` a UINT32 power of 2;
+    - each tensor: 1..4 dimensions, each at least 1; a known ggml type; columns a
+      multiple of the type's block size; data offset aligned to `general.alignment`
+      (default 32); data inside the file and not overlapping another tensor.
+
+    It also reads metadata arrays in bulk (gguf-py walks them element by element,
     about 13 s for a 128k-token vocabulary; this takes well under a second)."""
 
+    def _build_fields(self, offs: int, count: int) -> int:
+        if int(count) > (len(self.data) - offs) // _MIN_KV_BYTES:
+            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} metadata keys, "
+                           "more than the file can hold")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs: int, count: int):
+        if int(count) > (len(self.data) - offs) // _MIN_TENSOR_INFO_BYTES:
+            raise _Problem(f"corrupt or truncated GGUF header: it claims {int(count)} tensors, "
+                           "more than the file can hold")
+        return super()._build_tensor_info(offs, count)
+
+    def _push_field(self, field, skip_sum: bool = False) -> int:
+        if not field.name.isprintable():
+            raise _Problem(f"metadata key {field.name[:80]!r} holds control characters")
+        if field.name in self.fields:
+            raise _Problem(f"metadata key '{field.name}' appears twice")
+        if field.name == "general.alignment":
+            if field.types != [VType.UINT32]:
+                raise _Problem(f"metadata key 'general.alignment' has type "
+                               f"{'/'.join(t.name for t in field.types)}, expected UINT32")
+            align = int(field.parts[-1][0])
+            if align == 0 or align & (align - 1):
+                raise _Problem(f"metadata key 'general.alignment' is {align}, expected a power of 2")
+        return super()._push_field(field, skip_sum)
+
+    def _get_str(self, offset: int):
+        length = self._get(offset, np.uint64)
+        if len(length) and int(length[0]) > len(self.data) - offset - 8:
+            raise _Problem(f"string at byte {offset} claims {int(length[0])} bytes, past the end of the file")
+        return super()._get_str(offset)
+
+    def _get_tensor_info_field(self, orig_offs: int):
+        name_len = self._get(orig_offs, np.uint64)
+        if len(name_len):
+            n_dims = self._get(orig_offs + 8 + min(int(name_len[0]), len(self.data)), np.uint32)
+            if len(n_dims) and not 1 <= int(n_dims[0]) <= GGML_MAX_DIMS:
+                name = self._get_str(orig_offs)[1].tobytes().decode("utf-8", "replace")[:80]
+                raise _Problem(f"tensor {name!r} has {int(n_dims[0])} dimensions, expected 1 to {GGML_MAX_DIMS}")
+        return super()._get_tensor_info_field(orig_offs)
+
     def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if int(raw_type) not in set(VType):
+            raise _Problem(f"metadata value at byte {orig_offs} has unknown type id {int(raw_type)}")
         if raw_type != VType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
         raw_itype = self._get(orig_offs, np.uint32)
         alen = self._get(orig_offs + 4, np.uint64)
-        itype, n, offs = VType(int(raw_itype[0])), int(alen[0]), orig_offs + 12
+        if len(alen) == 0:
+            raise _Problem(f"array at byte {orig_offs} runs past the end of the file")
+        try:
+            itype = VType(int(raw_itype[0]))
+        except ValueError:
+            raise _Problem(f"array at byte {orig_offs} has unknown element type {int(raw_itype[0])}") from None
+        n, offs = int(alen[0]), orig_offs + 12
+        if n > len(self.data) - offs:       # every element takes at least one byte
+            raise _Problem(f"array at byte {orig_offs} claims {n} elements, more than the file can hold")
         parts: list = [raw_itype, alen]
         if itype == VType.STRING:
             buf, end = memoryview(self.data), len(self.data)
@@ -82,7 +152,7 @@ class _CheckedReader(gguf.GGUFReader):
             for _ in range(n):
                 length = int.from_bytes(buf[offs:offs + 8], "little")
                 if offs + 8 + length > end:
-                    raise ValueError("string array runs past the end of the file")
+                    raise _Problem(f"string array at byte {orig_offs} runs past the end of the file")
                 parts += [buf[offs:offs + 8], buf[offs + 8:offs + 8 + length]]   # (length, bytes) like gguf-py
                 idxs.append(len(parts) - 1)
                 offs += 8 + length
@@ -92,32 +162,81 @@ class _CheckedReader(gguf.GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         values = self._get(offs, nptype, n)
         if len(values) != n:
-            raise ValueError("array runs past the end of the file")
+            raise _Problem(f"array at byte {orig_offs} runs past the end of the file")
         return 12 + int(values.nbytes), parts + [values], [2], [VType.ARRAY, itype]
 
     def _build_tensors(self, start_offs: int, fields: list) -> None:
         file_size = len(self.data)
+        align = int(self.alignment)
+        extents, names = [], set()
         for field in fields:
             _name_len, name_data, _n_dims, dims, raw_dtype, offset = field.parts
             name = bytes(name_data).decode("utf-8", "replace")
+            if len(bytes(name_data)) >= GGML_MAX_NAME or not name.isprintable():
+                raise _Problem(f"tensor name {name[:80]!r} is not a name of at most {GGML_MAX_NAME - 1} "
+                               "printable characters")
+            if name in names:
+                raise _Problem(f"duplicate tensor name {name}")
+            names.add(name)
             try:
                 qtype = QType(int(raw_dtype[0]))
             except ValueError:
-                raise _TensorProblem(f"tensor '{name}' has unknown ggml type id {int(raw_dtype[0])}") from None
+                raise _Problem(f"tensor '{name}' has unknown ggml type id {int(raw_dtype[0])}") from None
+            if qtype not in gguf.GGML_QUANT_SIZES:
+                raise _Problem(f"tensor '{name}' has ggml type {qtype.name}, which has no known block layout")
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            n_elems = int(np.prod(dims, dtype=np.int64))
-            if int(dims[0]) % block:
-                raise _TensorProblem(f"tensor '{name}' has {int(dims[0])} columns, not a multiple of the "
-                                     f"{qtype.name} block size {block}")
-            end = int(start_offs) + int(offset[0]) + n_elems // block * type_size
+            ne = [int(d) for d in dims]
+            if min(ne) < 1:
+                raise _Problem(f"tensor '{name}' has dimensions {ne}; each must be at least 1")
+            if ne[0] % block:
+                raise _Problem(f"tensor '{name}' has {ne[0]} columns, not a multiple of the "
+                               f"{qtype.name} block size {block}")
+            n_bytes = math.prod(ne) // block * type_size          # Python ints: no overflow
+            off = int(offset[0])
+            if off % align:
+                raise _Problem(f"tensor '{name}' data offset {off} is not a multiple of the alignment {align}")
+            end = int(start_offs) + off + n_bytes
             if end > file_size:
-                raise _TensorProblem(f"tensor '{name}' data ends at byte {end} but the file has only "
-                                     f"{file_size} bytes (truncated file?)")
+                raise _Problem(f"tensor '{name}' data ends at byte {end} but the file has only "
+                               f"{file_size} bytes (truncated file?)")
+            extents.append((off, off + n_bytes, name))
+        extents.sort()
+        for (_, end_a, name_a), (start_b, _, name_b) in zip(extents, extents[1:]):
+            if start_b < end_a:
+                raise _Problem(f"tensors '{name_a}' and '{name_b}' overlap in the file")
         super()._build_tensors(start_offs, fields)
 
 
-class _TensorProblem(Exception):
-    pass
+def describe(value: Any) -> str:
+    """A short description of a metadata value for error messages: `a string 'abc'`, `a list of 3`."""
+    if isinstance(value, str):
+        return f"a string {value[:20]!r}"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}"
+    if isinstance(value, bool):
+        return f"a boolean {value}"
+    return f"{type(value).__name__} {value!r}"[:40]
+
+
+def check_int(value: Any, lo: int, hi: int, what: str) -> int:
+    """`value` as an int in [lo, hi]; else a GGUFError starting with `what` (file and key)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise GGUFError(f"{what} is {describe(value)}, expected an integer")
+    if not lo <= int(value) <= hi:
+        raise GGUFError(f"{what} is {int(value)}, expected {lo} to {hi}")
+    return int(value)
+
+
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_float(value: Any, what: str) -> float:
+    """`value` as a float finite in float32; else a GGUFError starting with `what` (file and key)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise GGUFError(f"{what} is {describe(value)}, expected a number")
+    if not abs(float(value)) <= F32_MAX:
+        raise GGUFError(f"{what} is {float(value):g}, expected a finite float32 number")
+    return float(value)
 
 
 class GGUFFile:
@@ -136,12 +255,20 @@ class GGUFFile:
             magic = f.read(4)
         if magic != b"GGUF":
             raise GGUFError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        if size < 24:
+            raise GGUFError(f"{self.path}: truncated GGUF header ({size} bytes, at least 24 expected)")
+        with open(self.path, "rb") as f:
+            version = int.from_bytes(f.read(8)[4:], "little")
+        if version not in (2, 3):
+            order = " (a big-endian file? only little-endian GGUF is supported)" if version & 0xFFFF == 0 else ""
+            raise GGUFError(f"{self.path}: GGUF version {version}{order}; versions 2 and 3 are supported")
         try:
             reader = _CheckedReader(self.path, "r")
-        except _TensorProblem as e:
+        except _Problem as e:
             raise GGUFError(f"{self.path}: {e}") from None
         except (ValueError, IndexError, OverflowError, UnicodeDecodeError, KeyError) as e:
-            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({e})") from None
+            detail = (str(e).splitlines() or [type(e).__name__])[0][:200]
+            raise GGUFError(f"{self.path}: corrupt or truncated GGUF header ({detail})") from None
         self._reader = reader
         self.kvs: dict[str, KV] = {}
         for name, field in reader.fields.items():
@@ -173,9 +300,32 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: missing required metadata key '{key}'")
         return kv.value
 
+    def get_str(self, key: str, default: Any = None, required: bool = False) -> Any:
+        """A string value; `default` when absent (an error when `required`)."""
+        value = self.require(key) if required else self.get(key, default)
+        if value is not default and not isinstance(value, str):
+            raise GGUFError(f"{self.path}: metadata key '{key}' is {describe(value)}, expected a string")
+        return value
+
+    def get_int(self, key: str, default: Any = None, lo: int = 0, hi: int = 2**63 - 1,
+                required: bool = False) -> Any:
+        """An integer value in [lo, hi]; `default` when absent (an error when `required`)."""
+        value = self.require(key) if required else self.get(key, default)
+        if value is default:
+            return value
+        return check_int(value, lo, hi, f"{self.path}: metadata key '{key}'")
+
+    def get_float(self, key: str, default: Any = None, required: bool = False) -> Any:
+        """A number finite as a float32 (integers accepted; llama.cpp reads such keys into
+        float32); `default` when absent (an error when `required`)."""
+        value = self.require(key) if required else self.get(key, default)
+        if value is default:
+            return value
+        return check_float(value, f"{self.path}: metadata key '{key}'")
+
     @property
     def arch(self) -> str:
-        return self.require("general.architecture")
+        return self.get_str("general.architecture", required=True)
 
     def tensor(self, name: str) -> Tensor:
         t = self.tensors.get(name)

@@ -317,9 +317,9 @@ class Graph:
         self.linear(x_out, h, p + "ffn_down.weight")
         x_out += a.x_mid
 
-    def _head(self, targets: np.ndarray, weights: np.ndarray) -> float:
-        """Output norm, logits, loss and the gradient back to the last layer's output
-        (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
+    def _head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
+        """Output norm, logits, loss and (backward) the gradient back to the last layer's
+        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
         is expanded `head_rows` rows at a time, once for the logits and once for the
         gradient to the chunk's input (the block still expanded is used first).
         Returns sum(weights * loss)."""
@@ -347,6 +347,8 @@ class Graph:
                 if t is not None:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
             self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
+            if not backward:
+                continue
             self.ops.cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
             for j, (vlo, vhi) in enumerate(reversed(blocks)):
                 W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
@@ -358,9 +360,10 @@ class Graph:
                     dW[vlo:vhi] += xp.matmul(g.T, x, out=self._head_scratch(vhi - vlo, C))
             if t is not None:
                 self._lora_backward(t, logits, x, xa, dx)
-        self.dnorm.fill(0.0)
-        self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, self.dxn, self.x_final, wn, self.rstd_f)
-        self._norm_grad("output_norm.weight", self.dnorm)
+        if backward:
+            self.dnorm.fill(0.0)
+            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, self.dxn, self.x_final, wn, self.rstd_f)
+            self._norm_grad("output_norm.weight", self.dnorm)
         return float(xp.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
 
     # ------------------------------------------------------------------ backward
@@ -426,6 +429,29 @@ class Graph:
         whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
         None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
         self.step_key = tuple(int(k) for k in key)
+        tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
+        loss = self._head(tg, w)
+        for i in reversed(range(self.cfg.n_layer)):
+            if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
+                self._layer_forward(i, self.dx2)                    # recompute; its output is not needed
+            self._layer_backward(i)
+        self._embed_backward(tokens)
+        return loss
+
+    def loss(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray,
+             positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
+        """Forward only, for evaluation: sum(weights * loss) of one micro-batch (arguments as
+        in `step`), without dropout; no gradient is computed and params.grad is untouched."""
+        dropout, self.dropout = self.dropout, 0.0
+        try:
+            _, tg, w = self._forward(inputs, targets, weights, positions, segments)
+            return self._head(tg, w, backward=False)
+        finally:
+            self.dropout = dropout
+
+    def _forward(self, inputs, targets, weights, positions, segments):
+        """Set the step's rope positions and segments, upload one micro-batch and run
+        embedding and layers; returns the device arrays (tokens, targets, weights), (N,)."""
         self._set_packing(positions, segments)
         to_device = self.backend.to_device
         tokens = to_device(np.asarray(inputs, np.int64).reshape(-1))
@@ -435,10 +461,4 @@ class Graph:
         for i in range(self.cfg.n_layer):
             x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final
             self._layer_forward(i, x_out)
-        loss = self._head(tg, w)
-        for i in reversed(range(self.cfg.n_layer)):
-            if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
-                self._layer_forward(i, self.dx2)                    # recompute; its output is not needed
-            self._layer_backward(i)
-        self._embed_backward(tokens)
-        return loss
+        return tokens, tg, w

@@ -22,7 +22,7 @@ from .config import ModelConfig
 from .console import notice
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, Tensor
-from .kernels import dequant
+from .kernels import dequant, finite
 
 # Per-layer weights, llama.cpp names. Matrices (n_out, n_in) and which config dims they have.
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -68,6 +68,7 @@ def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
     t = f.tensor(name)
     if t.shape != (n,):
         raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected ({n},)")
+    check_type(f, t)
     return dequant.dequantize(t.raw_rows(), t.qtype, n).reshape(n).astype(np.float32)
 
 
@@ -75,18 +76,18 @@ def _matrix(f: GGUFFile, name: str, shape: tuple[int, int]) -> Tensor:
     t = f.tensor(name)
     if t.shape != shape:
         raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected {shape}")
-    _check_type(f, t)
+    check_type(f, t)
     return t
 
 
-def _check_type(f: GGUFFile, t: Tensor) -> None:
+def check_type(f: GGUFFile, t: Tensor) -> None:
     """Numba kernels cover the common types; anything else the gguf package can
     dequantize is used through it (slower) with a notice; the rest is an error."""
     if t.qtype in dequant.NUMBA_TYPES:
         return
     try:
         gguf.quants.dequantize(t.raw_rows()[:1], t.qtype)
-    except (NotImplementedError, ValueError, KeyError):
+    except (NotImplementedError, ValueError, KeyError, TypeError):
         raise LlamatuneError(f"{f.path}: tensor '{t.name}' has type {t.qtype.name}, which cannot be dequantized") from None
     notice(f"{f.path.name}: tensor type {t.qtype.name} ({t.name}) has no fast kernel; using the gguf package's dequantizer")
 
@@ -160,17 +161,65 @@ class Dequantizer:
         return out
 
 
-class Model:
-    """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32."""
+class NonFiniteError(LlamatuneError):
+    """Weights holding inf or nan; the message names the file and the tensor."""
 
-    def __init__(self, path: str | Path):
+
+def _nonfinite_where(t: Tensor) -> str | None:
+    """None when every value of `t` is finite, else which rows are not (for a message).
+    Quantized tensors are scanned without dequantizing (kernels/finite.py)."""
+    bad = finite.nonfinite_rows(t.raw_rows(), t.qtype, t.n_cols)
+    if not bad.any():
+        return None
+    return f"{int(bad.sum())} of {len(bad)} rows, first row {int(np.argmax(bad))}"
+
+
+def check_finite(path: Path, tensors, allow: bool = False) -> None:
+    """Raise NonFiniteError for the first (name, Tensor) holding inf/nan; with `allow`,
+    print one notice naming them instead."""
+    bad = []
+    for name, t in tensors:
+        where = _nonfinite_where(t)
+        if where is not None:
+            if not allow:
+                raise NonFiniteError(f"{path}: tensor '{name}' holds non-finite values (inf or nan) in {where}")
+            bad.append(name)
+    if bad:
+        notice(f"{path.name}: {len(bad)} tensors hold non-finite values (inf or nan): {', '.join(bad[:4])}"
+               + (", ..." if len(bad) > 4 else "") + "; results may be nan")
+
+
+def float_array(path: Path, t: Tensor) -> np.ndarray:
+    """An F32/F16 tensor (checkpoints, 2023 files, adapters read without a base) as a new
+    finite f32 array in numpy shape; any other type or an inf/nan is an error naming it."""
+    if t.qtype not in (QType.F32, QType.F16):
+        raise LlamatuneError(f"{path}: tensor '{t.name}' has type {t.qtype.name}, expected F32 or F16")
+    check_finite(path, [(t.name, t)])
+    return np.array(t.data, np.float32).reshape(t.shape)
+
+
+class Model:
+    """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32.
+    Every weight is checked for inf/nan (an error unless `allow_nonfinite`)."""
+
+    def __init__(self, path: str | Path, allow_nonfinite: bool = False):
         self.file = GGUFFile(path)
         self.path = self.file.path
         self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
         if self.file.get("general.type", "model") == "adapter":
             raise LlamatuneError(f"{self.path}: is a LoRA adapter, not a model (pass it with --lora)")
         self.weights = load_weights(self.file, self.config)
+        check_finite(self.path, self._used_tensors(), allow_nonfinite)
         self.dequantizer = Dequantizer(self.weights)
+
+    def _used_tensors(self):
+        """(name, Tensor) of every weight the model computes with (the tied output once)."""
+        names = {"output_norm.weight", "rope_freqs.weight"} | {n for n, _ in self.weights.all_matrices()}
+        for i in range(self.config.n_layer):
+            names |= {f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"}
+            if self.config.has_qkv_bias:
+                names |= {f"blk.{i}.{k}.bias" for k in ("attn_q", "attn_k", "attn_v")}
+        return [(n, t) for n, t in self.file.tensors.items() if n in names]
 
     @cached_property
     def tokenizer(self):

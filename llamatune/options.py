@@ -25,6 +25,7 @@ def opt(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (), fro
 G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
     "Input and output", "Training data", "LoRA", "Optimizer", "Schedule", "Memory and speed",
     "Checkpoints", "New model")
+G_VAL = "Validation and metrics"
 
 
 CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
@@ -80,6 +81,18 @@ class TrainOptions:
     spike_threshold: float = opt(4.0, "Skip a step whose loss exceeds this factor times the mean of the last 16 "
                                  "healthy losses (non-finite loss or gradient norm: always skipped).", G_OPT)
     max_bad_steps: int = opt(5, "Stop with an error after this many skipped (bad) steps in a row.", G_OPT)
+    # ---- validation and metrics
+    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data.", G_VAL)
+    val_split: float = opt(0.0, "Hold out this fraction of the training samples (a seeded split) for validation.", G_VAL, frozen=True)
+    eval_every: int = opt(10, "Validation loss at step 0, every N steps and at the end (0: at step 0 and the end).", G_VAL)
+    save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
+    early_stop: int = opt(0, "Stop after this many evaluations without a lower validation loss (0: never).", G_VAL)
+    metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
+    plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
+    # ---- data parallelism (distributed.py)
+    mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
+    mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
+    mpi_timeout: float = opt(600.0, "Under MPI: end the job when the other ranks do not join an exchange within this many seconds (a hung rank; 0: wait for ever).", G_MEM)
 
     def checkpointing_mode(self) -> str:
         """--checkpointing, or what the old --use-checkpointing / --no-use-checkpointing asked for
@@ -247,6 +260,7 @@ def validate(o: TrainOptions) -> None:
     if o.save_every < 0:
         bad(f"--save-every {o.save_every}: must be 0 or more")
     _validate_numbers(o)
+    _validate_validation(o)
     if isinstance(o, FinetuneOptions):
         if o.lora_r < 1:
             bad(f"--lora-r {o.lora_r}: must be at least 1")
@@ -257,6 +271,20 @@ def validate(o: TrainOptions) -> None:
             bad(f"negative LoRA rank for {', '.join(negative)}")
         if not any(o.ranks().values()):
             bad("every LoRA rank is 0: nothing to train")
+
+
+def _validate_validation(o: TrainOptions) -> None:
+    """Validation options: one source of samples, and what --save-best and --early-stop need."""
+    if o.val_split and o.val_data is not None:
+        raise LlamatuneError("--val-data and --val-split: give only one source of validation samples")
+    has_val = o.val_data is not None or o.val_split > 0
+    if (o.save_best or o.early_stop) and not has_val:
+        raise LlamatuneError(f"{'--save-best' if o.save_best else '--early-stop'} needs validation samples: "
+                             "give --val-data or --val-split")
+    for name in ("checkpoint_out", "lora_out", "model_out") if o.save_best else ():
+        path = getattr(o, name, None)           # the outputs this command has
+        if path is not None and "ITERATION" not in str(path):
+            raise LlamatuneError(f"--save-best: --{name.replace('_', '-')} {path} has no ITERATION to replace by BEST")
 
 
 def _validate_numbers(o: TrainOptions) -> None:
@@ -278,6 +306,11 @@ def _validate_numbers(o: TrainOptions) -> None:
     check_number("--threads", o.threads, 0)
     check_number("--spike-threshold", o.spike_threshold, 1, lo_open=True)
     check_number("--max-bad-steps", o.max_bad_steps, 1)
+    check_number("--val-split", o.val_split, 0, 1, hi_open=True)
+    check_number("--eval-every", o.eval_every, 0)
+    check_number("--early-stop", o.early_stop, 0)
+    check_number("--mpi-check-every", o.mpi_check_every, 0)
+    check_number("--mpi-timeout", o.mpi_timeout, 0)
     if isinstance(o, FinetuneOptions):
         if o.lora_alpha is not None:
             check_number("--lora-alpha", o.lora_alpha, 0, lo_open=True)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import LlamatuneError
+from .metrics import metrics_path
 
 ITERATION = "ITERATION"
 
@@ -133,7 +134,8 @@ def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out
 
 def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Path | None]], list[Out]]:
     """Inputs and outputs of a training command, from its option fields: a path option
-    named `*_out` is an output (ITERATION forms included), every other one an input."""
+    named `*_out` is an output (ITERATION forms included), every other one an input;
+    with --save-best also the BEST forms, and the metrics log and its plot."""
     from dataclasses import fields
     from .options import cli_flag
     inputs: list[tuple[str, Path | None]] = [("--config", preset)]
@@ -146,6 +148,14 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
             outputs.append(Out(cli_flag(f), Path(value), opts.fn_latest))
         else:
             inputs.append((cli_flag(f), Path(value)))
+    if opts.save_best:
+        outputs += [Out(o.label, Path(str(o.path).replace(ITERATION, "BEST"))) for o in list(outputs)
+                    if ITERATION in str(o.path)]
+    metrics = metrics_path(opts)
+    if opts.metrics_out is None:                    # the default log beside the checkpoints
+        outputs.append(Out("--metrics-out", metrics))
+    if opts.plot:
+        outputs.append(Out("--metrics-out (its plot)", metrics.with_suffix(".png")))
     return inputs, outputs
 
 

@@ -65,7 +65,8 @@ def perplexity(runner: Runner, text: str, n_ctx: int, n_batch: int, source: str 
     chunk_ppls: list[float] = []
     for start in range(0, n_windows, per_batch):
         batch = windows[start:start + per_batch]
-        logits = runner.forward(batch)                                   # (B, n_ctx, V) on the device
+        with np.errstate(over="ignore", invalid="ignore"):       # non-finite results are reported below
+            logits = runner.forward(batch)                               # (B, n_ctx, V) on the device
         xp = runner.xp
         scored = xp.ascontiguousarray(logits[:, first:n_ctx - 1]).reshape(-1, logits.shape[-1])
         # targets: the original tokens (not the BOS replacement; it is never a target here)
@@ -77,12 +78,26 @@ def perplexity(runner: Runner, text: str, n_ctx: int, n_batch: int, source: str 
             nll += float(row.sum())
             nll2 += float((row * row).sum())
             count += len(row)
-            chunk_ppls.append(math.exp(nll / count))
+            chunk_ppls.append(_ppl(nll, count, len(chunk_ppls), runner))
             if on_window is not None:
                 on_window(len(chunk_ppls), n_windows, chunk_ppls[-1])
 
     mean = nll / count
     var = nll2 / count - mean * mean
-    ppl = math.exp(mean)
+    ppl = chunk_ppls[-1]
     err = math.sqrt(var / (count - 1)) * ppl if var > 0 and count > 1 else 0.0
+    if not math.isfinite(err):
+        raise LlamatuneError(f"the perplexity's uncertainty is not finite ({err}): the losses overflow "
+                             f"({runner.model.path.name})")
     return PerplexityResult(ppl, err, len(tokens), n_windows, count, chunk_ppls)
+
+
+def _ppl(nll: float, count: int, window: int, runner: Runner) -> float:
+    """exp(mean nll), or one error line when the losses are not finite or overflow exp."""
+    mean = nll / count
+    if not math.isfinite(mean) or mean > 709.0:       # exp(709.8) is the largest finite float64
+        what = "nan" if math.isnan(mean) else "inf"
+        raise LlamatuneError(f"perplexity is {what} from window {window + 1} on (mean loss {mean:.4g}): "
+                             f"the outputs of {runner.model.path.name} are not finite numbers (non-finite or "
+                             "huge weights, or adapter scales)")
+    return math.exp(mean)

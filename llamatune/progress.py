@@ -24,18 +24,29 @@ def progress_bar(label: str) -> Iterator[Callable[[int, int, str], None]]:
 
 
 class _TrainDisplay:
-    """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it."""
+    """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it;
+    `show.refresh(state)` redraws the last status with the state's new validation loss."""
 
-    def __init__(self, progress: Progress | None, task):
-        self.progress, self.task = progress, task
+    def __init__(self, progress: Progress | None, task, ranks: int = 1):
+        self.progress, self.task, self.ranks = progress, task, ranks
+        self.last: tuple | None = None        # (loss, lr, gnorm, tps) of the last update
 
     def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
+        self.last = (loss, lr, gnorm, tps)
         if self.progress is None:
             return
         skipped = (state.guard or {}).get("bad_total", 0)      # steps the divergence guard skipped
         status = (f"epoch {state.epoch}  " + (f"skipped {skipped}  " if skipped else "")
-                  + f"loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  |g| {gnorm:.3f}  {tps:,.0f} tok/s")
+                  + f"loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  |g| {gnorm:.3f}  {tps:,.0f} tok/s"
+                  + (f" ({tps / self.ranks:,.0f} per rank)" if self.ranks > 1 else ""))
+        v = state.validation
+        if v is not None and v.last_loss is not None:
+            status += f"  val {v.last_loss:.4f}"
         self.progress.update(self.task, completed=state.iteration, status=status)
+
+    def refresh(self, state) -> None:
+        if self.last is not None:
+            self(state, *self.last)
 
     def line(self, text: str) -> None:
         if self.progress is not None:
@@ -43,8 +54,9 @@ class _TrainDisplay:
 
 
 @contextlib.contextmanager
-def train_progress(total: int, start: int, quiet: bool = False) -> Iterator[_TrainDisplay]:
-    """Training display: iteration bar with loss, its moving average, lr, tokens/s, elapsed and ETA."""
+def train_progress(total: int, start: int, quiet: bool = False, ranks: int = 1) -> Iterator[_TrainDisplay]:
+    """Training display: iteration bar with loss, its moving average, lr, tokens/s (in total and
+    per rank when data-parallel over `ranks` MPI ranks), elapsed and ETA."""
     if quiet:
         yield _TrainDisplay(None, None)
         return
@@ -52,4 +64,4 @@ def train_progress(total: int, start: int, quiet: bool = False) -> Iterator[_Tra
                TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("train", total=total, completed=start, status="")
-        yield _TrainDisplay(progress, task)
+        yield _TrainDisplay(progress, task, ranks)

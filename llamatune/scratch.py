@@ -16,12 +16,12 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES
 
 from . import checkpoint as ckpt
+from . import distributed
 from .backend import get_backend
 from .config import ModelConfig
 from .console import notice
-from .data import load_samples
 from .errors import LlamatuneError
-from .finetune import read_training_text
+from .finetune import read_training_text, train_and_validation
 from .gguf_io import GGUFFile, kv
 from .weights import DenseWeights
 from .model import Model
@@ -75,7 +75,7 @@ def build_job(o: ScratchOptions) -> Job:
                       n_ff=o.ff or llama_ff(o.embd), n_head=o.head, n_head_kv=n_head_kv,
                       head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
                       rope_freq_base=o.rope_freq_base)
-    samples = load_samples(text, tok, o, str(o.train_data))
+    samples, val_samples = train_and_validation(o, tok)
     shapes = tensor_names(cfg)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
     outtype = parse_outtype(o.outtype)
@@ -101,8 +101,10 @@ def build_job(o: ScratchOptions) -> Job:
     block, block_bytes = GGML_QUANT_SIZES[outtype]
     model_bytes = params.size * block_bytes // block + 2**20 + sum(len(repr(item.value)) for item in vocab)
     return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params), params, [], samples, tok, init, write_outputs,
-               model_kvs, backend=get_backend(o.device), output_size=(o.model_out, model_bytes))
+               model_kvs, backend=get_backend(o.device), output_size=(o.model_out, model_bytes),
+               val_samples=val_samples)
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:
+    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
     return run(build_job(o), quiet=quiet)

@@ -6,7 +6,8 @@ for both: resume or initialize, memory estimate and checkpointing mode (memory.p
 disk-space estimate, micro-batches with gradient accumulation, the divergence guard
 between gradient norm and update (guard.py: bad steps are skipped), optimizer steps,
 progress, periodic and final checkpoints (written only from a state the guard has
-seen healthy).
+seen healthy), the metrics log (metrics.py), and validation with --save-best and
+--early-stop (validation.py).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from . import checkpoint as ckpt
+from . import distributed
 from .config import ModelConfig
 from .console import err, notice
 from .data import Batcher, Samples, describe
@@ -29,10 +31,12 @@ from .graph import Graph
 from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime
 from .lora import LoraTarget
 from .guard import Guard
+from .metrics import MetricsLog, metrics_path
 from .optimizer import apply_update, gradient_norm, learning_rate
 from .options import TrainOptions
 from .outputs import check_free_space
 from .params import ParamBuffer
+from .validation import Validator
 
 
 @dataclass
@@ -54,6 +58,7 @@ class Job:
     backend: object = None                      # backend.Backend (None: cpu)
     model_path: Path | None = None              # the memory-mapped base model file
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
+    val_samples: Samples | None = None          # validation samples (None: no validation)
 
 
 @dataclass
@@ -97,7 +102,7 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
         if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
             raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
-        ckpt.check_frozen_options(c, o)
+        ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
         c.load_into(job.params)
         if c.state.data_state:
             batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
@@ -115,6 +120,9 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     previous save left it, and chk-LATEST never points past complete outputs.
     `data_state`: the batcher's state at this iteration when the batcher has moved on."""
     o = job.opts
+    if not distributed.current().is_root:         # rank 0 alone writes files
+        return []
+    state.ranks = distributed.current().size
     state.data_state = data_state if data_state is not None else batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
@@ -141,16 +149,20 @@ def save_sizes(job: Job) -> list[tuple[Path, int]]:
     return sizes
 
 
+def packing(b) -> dict:
+    """A packed batch's positions and segments for Graph.step (empty for unpacked rows)."""
+    return {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
+
+
 def recomputed_loss(graph: Graph, batches: list, seed: int, step: int) -> float:
     """The loss of a step's batches with the current parameters (gradients are added to
     params.grad, which the next step zeroes): verifies the state after the last update."""
     n_targets = sum(b.n_targets for b in batches)
-    loss = 0.0
-    for micro, b in enumerate(batches):
+    world, mine = distributed.current(), []
+    for micro, b in distributed.my_share(world, batches):     # each MPI rank its own micro-batches
         w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-        extra = {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
-        loss += graph.step(b.inputs, b.targets, w, (seed, step, micro), **extra)
-    return loss
+        mine.append(graph.step(b.inputs, b.targets, w, (seed, step, micro), **packing(b)))
+    return distributed.sum_losses(world, mine)
 
 
 def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
@@ -171,12 +183,68 @@ def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph,
     return files
 
 
+def make_validator(job: Job, state: ckpt.TrainState) -> Validator | None:
+    """The validation set's fixed batches; state.validation restored or started afresh."""
+    if job.val_samples is None:
+        return None
+    v = Validator(job.val_samples, job.opts, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    state.validation = v.restore(state.validation)
+    return v
+
+
+def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+    """The checkpoint and outputs under the BEST name (--save-best)."""
+    o = job.opts
+    if not distributed.current().is_root:         # rank 0 alone writes files
+        return []
+    state.data_state = batcher.state()
+    out = ckpt.iteration_path(o.checkpoint_out, "BEST")
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    return [out] + job.write_outputs("BEST")
+
+
+def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainState, batcher: Batcher,
+             metrics: MetricsLog, show) -> bool:
+    """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
+    Returns True when --early-stop's patience has run out."""
+    vs = state.validation
+    loss = validator.loss(graph)
+    improved = vs.record(state.iteration, loss)
+    metrics.eval(state.iteration, loss)
+    show.refresh(state)
+    text = f"step {state.iteration}: val loss {loss:.4f}"
+    text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
+    if improved and job.opts.save_best:
+        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher))
+    show.line(text)
+    if validator.should_stop(vs):
+        show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
+                  f"(step {vs.best_step})")
+        return True
+    return False
+
+
+def write_plot(path: Path, quiet: bool) -> None:
+    """The loss plot beside the metrics, when matplotlib is installed (a notice otherwise)."""
+    from .plot import plot_metrics
+    try:
+        out = plot_metrics(path, path.with_suffix(".png"))
+    except LlamatuneError as e:
+        notice(f"no loss plot: {e}")
+        return
+    if not quiet:
+        err.print(f"loss plot: {out}")
+
+
 def run(job: Job, quiet: bool = False) -> TrainResult:
     o = job.opts
+    world = distributed.setup(o)                   # MPI ranks when launched by mpiexec/srun
+    quiet = quiet or not world.is_root
     if o.threads > 0:
         import numba
         numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
     batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
     if backend.name != "cpu":
@@ -184,32 +252,50 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     est = memory_estimate(job, backend, quiet)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
+    validator = make_validator(job, state)
+    if not quiet:
+        if validator is not None:
+            err.print(f"validation: {validator.describe()}")
+        if world.size > 1:
+            err.print(distributed.memory_line(world, est.total, job.params.size))
     check_free_space(save_sizes(job))
     if state.iteration >= o.adam_iter:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
+    if validator is not None and validator.should_stop(state.validation):
+        notice(f"stopped early at iteration {state.iteration} (--early-stop {o.early_stop}): nothing to do")
+        return TrainResult(state, [], [], 0.0, 0.0)
+    metrics = MetricsLog(metrics_path(o), state.iteration, write=world.is_root)   # rank 0 alone writes
 
     losses: list[float] = []
     files: list[Path] = []
     guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
     pending = False     # a save is due: made once the next step's loss shows the state is healthy
-    tokens_per_step = o.batch * o.ctx * o.grad_acc
+    tokens_per_step = o.batch * o.ctx * o.grad_acc * world.size
+    grads = distributed.GradientSum(world, job.params)
+    distributed.check_identical_parameters(world, job.params, state.iteration)
     t0 = time.perf_counter()
     from .progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
-    with train_progress(o.adam_iter, state.iteration, quiet) as show, np.errstate(over="ignore", invalid="ignore"):
+    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
+            metrics:
+        if validator is not None and state.iteration == 0:
+            t_eval = time.perf_counter()
+            evaluate(job, graph, validator, state, batcher, metrics, show)
+            t0 += time.perf_counter() - t_eval          # evaluations do not count as training time
         while state.iteration < o.adam_iter:
             step = state.iteration
+            metrics.begin_step()
             job.params.zero_grad()
             data_state = batcher.state() if pending else None
-            batches = [batcher.next_batch() for _ in range(o.grad_acc)]
+            batches = [batcher.next_batch() for _ in range(o.grad_acc * world.size)]   # the global batch
             n_targets = sum(b.n_targets for b in batches)
             if n_targets == 0:
                 raise LlamatuneError("a training step has no loss targets (samples too short?)")
-            loss = 0.0
-            for micro, b in enumerate(batches):
+            for micro, b in grads.mine(batches):        # this rank's micro-batches; micro: global index
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-                loss += graph.step(b.inputs, b.targets, w, (o.seed, step, micro))
+                grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b)))
+            loss = grads.finish()                      # gradient and loss summed in global micro-batch order
             gnorm = gradient_norm(job.params)
             bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
             if pending and not bad:                        # the state this step started from is healthy
@@ -231,11 +317,22 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 t_first = time.perf_counter() if len(losses) == 1 else t_first
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
+            metrics.step(state, loss, lr, gnorm, n_targets)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+            if validator is not None and validator.due(state.iteration, done):
+                t_eval = time.perf_counter()
+                done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
+                t0 += time.perf_counter() - t_eval
+            if distributed.checksum_due(o, state.iteration, done):
+                distributed.check_identical_parameters(world, job.params, state.iteration)
             pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
             if done:
                 files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
                 break
     seconds = time.perf_counter() - t0
+    if o.plot and world.is_root:
+        write_plot(metrics.path, quiet)
+    if world.size > 1 and not quiet:
+        notice(distributed.summary(world, len(losses) * tokens_per_step / max(seconds, 1e-9)))
     steady = (len(losses) - 1) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if len(losses) > 1 else 0.0
     return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9), steady)

@@ -1,6 +1,7 @@
-"""The CUDA backend end to end: inference logits, a full training step, and a
-finetune run whose checkpoint resumes on the CPU. Without a GPU these run in
-numba's CUDA simulator (enabled by conftest), on a deliberately tiny model."""
+"""The CUDA backend end to end: inference logits, a full training step (and its
+forward-only evaluation loss), and a finetune run whose checkpoint resumes on the
+CPU. Without a GPU these run in numba's CUDA simulator (enabled by conftest), on a
+deliberately tiny model."""
 from __future__ import annotations
 
 import numpy as np
@@ -65,7 +66,10 @@ def test_training_step_matches_cpu(cuda, micro_model, packing):
         if backend is not cpu():
             params.to_device(backend)
         g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend)
+        evaluated = g.loss(inputs, labels, w, **packing)      # forward only: no gradient
+        assert not params.host(params.grad).any()
         loss = g.step(inputs, labels, w, **packing)
+        assert loss == pytest.approx(evaluated, rel=1e-6)
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -310,7 +311,11 @@ def test_huge_learning_rate_leaves_no_diverged_latest_and_a_sane_one_resumes(wor
                                "--checkpoint-in", str(latest), "--checkpoint-out", "{w}/out/chk-ITERATION.gguf",
                                "--lora-out", "{w}/out/adapter-ITERATION.gguf"], work))
     one_error(p, "training diverged: 5 bad steps in a row (--max-bad-steps 5)")
-    assert digests(work / "out") == before                            # nothing diverged was saved
+    after = digests(work / "out")
+    log = [json.loads(line) for line in (work / "out/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log][-5:] == [3, 4, 5, 6, 7]           # the log records the skipped steps,
+    del before["metrics.jsonl"], after["metrics.jsonl"]
+    assert after == before                                            # but nothing diverged was saved
     res = finetune(options(work, adam_iter=4, checkpoint_in=latest), quiet=True)
     assert res.state.iteration == 4 and all(np.isfinite(res.losses)) and len(res.losses) == 2
     assert assert_latest_complete(work / "out", 4) == 4
