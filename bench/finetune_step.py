@@ -2,11 +2,13 @@
 
 Model shape (issue #3): embd 512, 8 layers, 8 heads, 4 KV heads, ffn 1536, vocab
 32000, random weights written with llamatune's own writer in Q8_0 and Q4_K.
-Training: ctx 256, batch 8, rank 8 on q,k,v,o,gate,up,down, AdamW, with and
-without gradient checkpointing. Each configuration runs in a fresh process so
-its peak RSS is its own.
+Training: ctx 256, batch 8, rank 8 on q,k,v,o,gate,up,down, AdamW, in each
+--checkpointing mode. Each configuration runs in a fresh process so its peak RSS
+is its own; step times are steady-state (the first step, which compiles or loads
+the kernels, is left out). `--profile` prints where one step's time goes.
 
-    python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--workdir /tmp/llamatune-bench]
+    python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--modes selective,layer,none]
+        [--workdir /tmp/llamatune-bench] [--profile]
 """
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ def sgemm_gflops() -> float:
     return 2 * a.shape[0] * 512 * 1536 * n / (time.perf_counter() - t) / 1e9
 
 
-def run_one(path: Path, checkpointing: bool, steps: int) -> dict:
+def run_one(path: Path, mode: str, steps: int, profile: bool = False) -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
@@ -86,7 +88,7 @@ def run_one(path: Path, checkpointing: bool, steps: int) -> dict:
     targets = lora_targets(cfg, ranks, float(R), tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, checkpointing)
+    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode)
     rng = np.random.default_rng(1)
     opts = FinetuneOptions(warmup=1)
     inputs = rng.integers(0, cfg.n_vocab, (B, T))
@@ -100,6 +102,14 @@ def run_one(path: Path, checkpointing: bool, steps: int) -> dict:
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
     step_s = float(np.median(times[1:]))
+    if profile:                                     # one more step under cProfile, to stderr
+        import cProfile
+        import pstats
+        with cProfile.Profile() as pr:
+            params.zero_grad()
+            graph.step(inputs, targets_ids, w, (0, steps + 1, 0))
+            optimizer_step(params, steps + 1, opts)
+        pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(14)
     gf = sgemm_gflops()
     flops = step_flops(cfg)
     return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -113,23 +123,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--types", default="q8_0,q4_k")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-bench"))
+    ap.add_argument("--modes", default="selective,layer,none")
+    ap.add_argument("--profile", action="store_true", help="print a cProfile of one step of each configuration")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CHECKPOINTING"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(Path(a.one[0]), a.one[1] == "1", a.steps)))
+        print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile)))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {T}, batch {B}; model {SHAPE}; {os.cpu_count()} CPUs")
-    print(f"{'type':6} {'ckpt':5} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
+    print(f"{'type':6} {'mode':9} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
           f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6}")
     for qtype in a.types.split(","):
         path = a.workdir / f"bench-512x8.{qtype}.gguf"
         build(path, qtype)
-        for ck in (True, False):
-            out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), "1" if ck else "0"],
-                                 capture_output=True, text=True, check=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            print(f"{qtype:6} {'on' if ck else 'off':5} {r['tokens_per_s']:8.0f} {r['step_s']:7.2f} "
+        for mode in a.modes.split(","):
+            run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode]
+                                 + (["--profile"] if a.profile else []), capture_output=True, text=True, check=True)
+            if a.profile:
+                print(run.stderr)
+            r = json.loads(run.stdout.strip().splitlines()[-1])
+            print(f"{qtype:6} {mode:9} {r['tokens_per_s']:8.0f} {r['step_s']:7.2f} "
                   f"{r['peak_rss_mb']:12.0f} {r['activations_mb']:8.0f} {r['achieved_gflops']:8.1f} "
                   f"{r['sgemm_gflops']:7.1f} {r['share_of_sgemm']:6.0%}", flush=True)
 

@@ -308,7 +308,8 @@ def _report(name: str, res) -> None:
     if res.losses:
         k = max(1, min(10, len(res.losses) // 5))       # single steps are noisy: average k at each end
         first, last = sum(res.losses[:k]) / k, sum(res.losses[-k:]) / k
-        out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s), "
+        steady = f", {res.steady_tokens_per_second:,.0f} after the first step" if res.steady_tokens_per_second else ""
+        out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s{steady}), "
                   f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
     v = res.state.validation
     if v is not None and v.last_loss is not None:

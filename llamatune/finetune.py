@@ -90,7 +90,7 @@ def build_job(o: FinetuneOptions) -> Job:
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes, backend=backend,
+               scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
                output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
 
 

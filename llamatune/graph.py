@@ -12,9 +12,16 @@ matmul, in forward and again in backward; adapters in factored form, lora.py) an
 kernels come from a backend (backend.py): numpy + numba on the CPU, CuPy +
 numba-cuda on a GPU; the code below is the same for both.
 
-Gradient checkpointing (`checkpointing=True`) keeps the outputs of matmuls and
-attention (the expensive parts) and recomputes the cheap elementwise ops (RMSNorm,
-SwiGLU) in backward; off, their outputs are stored too. Gradients are identical.
+What backward recomputes (`checkpointing`, the same gradients bit for bit in each):
+  - "none": every activation is kept;
+  - "selective": the outputs of matmuls and attention (the expensive parts) are kept,
+    the cheap elementwise ops (RMSNorm, SwiGLU) are recomputed in backward;
+  - "layer": only each layer's input is kept (as PyTorch's per-layer gradient
+    checkpointing); backward recomputes the layer's forward into one set of buffers
+    shared by all layers, then runs its backward.
+Every buffer is listed by `buffer_plan` (what the memory estimate counts) and
+allocated from that list. The output head is expanded in row blocks inside the
+token-chunked head loop, so nothing of size vocabulary x embedding exists in f32.
 
 Per layer, with xn = RMSNorm(x):
     q, k, v = rope(xn Wq^T), rope(xn Wk^T), xn Wv^T
@@ -25,7 +32,7 @@ Per layer, with xn = RMSNorm(x):
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -38,11 +45,13 @@ from .params import ParamBuffer
 from .weights import DenseWeights, FrozenBase  # noqa: F401  (re-exported: the graph's weight providers)
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed this many bytes at a time
+MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
+LORA_VECTOR_KINDS = ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")   # no (N, r) x A^T buffer
 
 
 @dataclass
 class LayerActs:
-    """What one layer keeps between forward and backward (N = B*T rows)."""
+    """One layer's activations (N = B*T rows); in layer mode all but x are shared."""
     x: np.ndarray        # (N, C)   layer input (residual stream)
     rstd1: np.ndarray    # (N,)
     q: np.ndarray        # (N, NH*HS) after rope
@@ -54,64 +63,116 @@ class LayerActs:
     rstd2: np.ndarray    # (N,)
     g: np.ndarray        # (N, F)
     u: np.ndarray        # (N, F)
-    xn1: np.ndarray | None = None   # (N, C) only without checkpointing
+    xn1: np.ndarray | None = None   # (N, C) only in mode "none"
     xn2: np.ndarray | None = None   # (N, C)
     h: np.ndarray | None = None     # (N, F)
+
+
+def checkpointing_mode(checkpointing) -> str:
+    """A mode of MODES; True / False are the old spellings of selective / none."""
+    if checkpointing is True or checkpointing is False:
+        return "selective" if checkpointing else "none"
+    if checkpointing not in MODES:
+        raise ValueError(f"checkpointing {checkpointing!r}: choose one of {MODES}")
+    return checkpointing
+
+
+def head_chunk(N: int, n_vocab: int) -> int:
+    """Token rows of logits computed at a time."""
+    return max(1, min(N, HEAD_CHUNK_BYTES // (4 * n_vocab)))
+
+
+def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
+                trainable: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array a Graph allocates (it allocates exactly these).
+
+    `blk.I.*` are kept per layer; `layer.*` is the one set of activations that layer
+    mode recomputes into, shared by all layers; the rest is scratch reused by every layer."""
+    mode = checkpointing_mode(mode)
+    N, C, F, Cq, Ckv, V = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv, cfg.n_vocab
+    acts = {"x": (N, C), "rstd1": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq),
+            "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
+    if mode == "none":
+        acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
+    plan: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.n_layer):
+        for k, shape in acts.items():
+            plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
+    plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
+    for t in targets:                                              # x A^T of each adapter (shared per kind
+        if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
+            plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
+    chunk = head_chunk(N, V)
+    plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C), "dg": (N, F), "du": (N, F),
+             "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv), "datt": (N, Cq),
+             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "logits": (chunk, V), "losses": (N,),
+             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    head_tmp = 0                                                   # products added to a block in the head
+    if any(t.kind == "output" for t in targets):
+        head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
+    if trainable:                                                  # weight gradients before they are added
+        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in (
+            (Cq, C), (Ckv, C), (C, Cq), (F, C), (C, F))))
+    if head_tmp:
+        plan["head_tmp"] = (head_tmp,)
+    return plan
+
+
+def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:
+    return int(sum(np.prod(s, dtype=np.int64) for s in plan.values())) * itemsize
 
 
 class Graph:
     """Buffers for one (B, T) shape and the step that uses them."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
-                 B: int, T: int, checkpointing: bool = True, lora_dropout: float = 0.0, dtype=np.float32,
-                 backend: Backend | None = None):
+                 B: int, T: int, checkpointing: str | bool = "selective", lora_dropout: float = 0.0,
+                 dtype=np.float32, backend: Backend | None = None):
         self.cfg, self.base, self.params = cfg, base, params
         self.backend = backend or cpu()
         self.xp, self.ops = self.backend.xp, self.backend.ops
         xp = self.xp
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
-        self.checkpointing = checkpointing
+        self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
-        N, C, F = self.N, cfg.n_embd, cfg.n_ff
-        Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
-        f32 = lambda *s: xp.zeros(s, dtype)  # noqa: E731  (float64 only in gradient tests)
+        self.head_rows = base.head_rows
+        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
+        buf = {name: xp.zeros(shape, dtype) for name, shape in self.plan.items()}   # float64 only in tests
         self.layers = []
-        for _ in range(cfg.n_layer):
-            a = LayerActs(f32(N, C), f32(N), f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq),
-                          f32(B, cfg.n_head, T), f32(N, C), f32(N), f32(N, F), f32(N, F))
-            if not checkpointing:
-                a.xn1, a.xn2, a.h = f32(N, C), f32(N, C), f32(N, F)
-            self.layers.append(a)
-        self.x_final = f32(N, C)                                   # output of the last layer
-        self.rstd_f = f32(N)
-        self.xa = {t.weight: f32(N, t.rank) for t in targets       # x A^T of each adapter
-                   if t.kind not in ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")}
+        for i in range(cfg.n_layer):
+            get = lambda k: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}"))  # noqa: E731
+            self.layers.append(LayerActs(*(get(f.name) for f in fields(LayerActs))))
+        self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
+                   for t in targets if t.kind not in LORA_VECTOR_KINDS}
+        self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
-        self.xn, self.h = f32(N, C), f32(N, F)
-        self.dx, self.dx2, self.dxn = f32(N, C), f32(N, C), f32(N, C)
-        self.dg, self.du, self.dh = f32(N, F), f32(N, F), f32(N, F)
-        self.dq, self.dk, self.dv, self.datt = f32(N, Cq), f32(N, Ckv), f32(N, Ckv), f32(N, Cq)
-        self.tmp = xp.zeros(N * max(C, F, Cq), dtype)
-        self.dnorm = f32(C)
-        self.chunk = max(1, min(N, HEAD_CHUNK_BYTES // (4 * cfg.n_vocab)))
-        self.logits = f32(self.chunk, cfg.n_vocab)
-        self.losses = f32(N)
+        self.xn, self.h = buf["xn"], buf["h"]
+        self.dx, self.dx2, self.dxn = buf["dx"], buf["dx2"], buf["dxn"]
+        self.dg, self.du, self.dh = buf["dg"], buf["du"], buf["dh"]
+        self.dq, self.dk, self.dv, self.datt = buf["dq"], buf["dk"], buf["dv"], buf["datt"]
+        self.tmp, self.dnorm = buf["tmp"], buf["dnorm"]
+        self.logits, self.losses = buf["logits"], buf["losses"]
+        self.chunk = self.logits.shape[0]
+        self.head_tmp = buf.get("head_tmp")
         cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
         host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
                              cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
-        self.cos, self.sin = self.backend.to_device(cos.astype(dtype)), self.backend.to_device(sin.astype(dtype))
+        self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
+        self.cos[...] = self.backend.to_device(cos.astype(dtype))
+        self.sin[...] = self.backend.to_device(sin.astype(dtype))
         self.rope_host, self.rope_rows = (cos, sin), (self.cos, self.sin)  # f32 cache; 0..T-1 tables
         self.segments = None
         self.step_key = (0,)
 
     # ------------------------------------------------------------------ sizes
+    @property
+    def checkpointing(self) -> bool:
+        return self.mode != "none"
+
     def activation_bytes(self) -> int:
-        arrays = [v for a in self.layers for v in vars(a).values() if v is not None]
-        arrays += list(self.xa.values()) + [self.x_final, self.xn, self.h, self.dx, self.dx2, self.dxn, self.dg,
-                                            self.du, self.dh, self.dq, self.dk, self.dv, self.datt, self.tmp,
-                                            self.logits, self.losses]
-        return int(sum(a.nbytes for a in arrays))
+        """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
+        return plan_bytes(self.plan, self.tmp.dtype.itemsize)
 
     def _set_packing(self, positions, segments) -> None:
         """Rope tables (self.cos, self.sin) and attention segments of one step (packed
@@ -151,6 +212,9 @@ class Graph:
     def _scratch(self, rows: int, cols: int) -> np.ndarray:
         return self.tmp[: rows * cols].reshape(rows, cols)
 
+    def _head_scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.head_tmp[: rows * cols].reshape(rows, cols)
+
     def _dropout_mask(self, name: str, shape) -> np.ndarray | None:
         """Inverted-dropout mask for an adapter input; regenerated identically in backward."""
         if self.dropout <= 0:
@@ -188,7 +252,7 @@ class Graph:
             mask = self._dropout_mask(name, x.shape)
             xa = self.xa[name]
             self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
-            y += (t.scale * xa) @ self.params[t.b].T
+            y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self._scratch(*y.shape))
         return y
 
     def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
@@ -203,7 +267,8 @@ class Graph:
             else:
                 self.xp.matmul(dy, W, out=dx)
         if self.base.trainable:
-            self.base.grad(name)[...] += dy.T @ x
+            dW = self.base.grad(name)
+            dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
@@ -217,7 +282,7 @@ class Graph:
         dxa = t.scale * (dy @ B)                                       # (N, r)
         self.params.grad_of(t.a)[...] += dxa.T @ xd
         if dx is not None:
-            dxd = dxa @ A
+            dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
             dx += dxd if mask is None else dxd * mask
 
     # ------------------------------------------------------------------ forward
@@ -225,7 +290,7 @@ class Graph:
         self.base.embed(tokens, x)
         t = self.lora.get("token_embd.weight")
         if t is not None:
-            x += (t.scale * self.params[t.a][tokens]) @ self.params[t.b].T
+            x += self.xp.matmul(t.scale * self.params[t.a][tokens], self.params[t.b].T, out=self._scratch(*x.shape))
 
     def _layer_forward(self, i: int, x_out: np.ndarray) -> None:
         cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
@@ -254,36 +319,52 @@ class Graph:
 
     def _head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
         """Output norm, logits, loss and (backward) the gradient back to the last layer's
-        output (left in self.dx), chunk by chunk. Returns sum(weights * loss)."""
-        cfg = self.cfg
+        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
+        is expanded `head_rows` rows at a time, once for the logits and once for the
+        gradient to the chunk's input (the block still expanded is used first).
+        Returns sum(weights * loss)."""
+        cfg, xp, N, V, C = self.cfg, self.xp, self.N, self.cfg.n_vocab, self.cfg.n_embd
         wn = self._norm_weight("output_norm.weight")
         xn = self.xn
         self.ops.rmsnorm.rmsnorm_forward(xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
-        W = self.base.matrix("output.weight")
         t = self.lora.get("output.weight")
         dW = self.base.grad("output.weight") if self.base.trainable else None
-        dxn = self.dxn
-        for lo in range(0, self.N, self.chunk):
-            hi = min(self.N, lo + self.chunk)
-            x, logits = xn[lo:hi], self.logits[: hi - lo]
-            self.xp.matmul(x, W.T, out=logits)
+        blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
+        held = [None, None]                                  # (block, its expanded rows)
+
+        def rows(block):
+            if held[0] != block:
+                held[:] = block, self.base.matrix_rows("output.weight", *block)
+            return held[1]
+        for lo in range(0, N, self.chunk):
+            hi = min(N, lo + self.chunk)
+            x, logits, dx = xn[lo:hi], self.logits[: hi - lo], self.dxn[lo:hi]
             if t is not None:
-                xa = x @ self.params[t.a].T
-                logits += (t.scale * xa) @ self.params[t.b].T
+                xa = x @ self.params[t.a].T                  # (n, r)
+                sxa, Bt = t.scale * xa, self.params[t.b]
+            for vlo, vhi in blocks:
+                xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
+                if t is not None:
+                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
             self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
             if not backward:
                 continue
             self.ops.cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
-            self.xp.matmul(logits, W, out=dxn[lo:hi])
-            if dW is not None:
-                dW += logits.T @ x
+            for j, (vlo, vhi) in enumerate(reversed(blocks)):
+                W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
+                if j == 0:
+                    xp.matmul(g, W, out=dx)
+                else:
+                    dx += xp.matmul(g, W, out=self._scratch(hi - lo, C))
+                if dW is not None:
+                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self._head_scratch(vhi - vlo, C))
             if t is not None:
-                self._lora_backward(t, logits, x, xa, dxn[lo:hi])
+                self._lora_backward(t, logits, x, xa, dx)
         if backward:
             self.dnorm.fill(0.0)
-            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
+            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, self.dxn, self.x_final, wn, self.rstd_f)
             self._norm_grad("output_norm.weight", self.dnorm)
-        return float(self.xp.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
+        return float(xp.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
 
     # ------------------------------------------------------------------ backward
     def _layer_backward(self, i: int) -> None:
@@ -351,6 +432,8 @@ class Graph:
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
         loss = self._head(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
+            if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
+                self._layer_forward(i, self.dx2)                    # recompute; its output is not needed
             self._layer_backward(i)
         self._embed_backward(tokens)
         return loss

@@ -6,7 +6,7 @@ Mirrors llama.cpp's llm_build_llama / llm_build_qwen2 graph:
                 x += Wdown · (silu(Wgate·n(x)) * Wup·n(x))                 n = RMSNorm(ffn_norm)
     logits = Wout · RMSNorm(x, output_norm)
 Matmuls run on one weight at a time dequantized into a scratch buffer
-(weights.FrozenBase); everything elementwise runs in the backend's kernels (numba
+(weights.FrozenBase), the output head in row blocks; everything elementwise runs in the backend's kernels (numba
 on the CPU, numba-cuda on a GPU). Runtime LoRA adapters (as llama.cpp applies them
 with --lora) add `scale · (x A^T) B^T` to each matmul.
 """
@@ -76,6 +76,18 @@ class Runner:
             y += (s * (x @ a.T)) @ b.T
         return y
 
+    def head(self, x):
+        """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
+        V, R = self.cfg.n_vocab, self.base.head_rows
+        logits = self.xp.empty((x.shape[0], V), np.float32)
+        adapters = [(s * (x @ a.T), b) for a, b, s in self.adapters.get("output.weight", ())]
+        for lo in range(0, V, R):
+            hi = min(V, lo + R)
+            self.xp.matmul(x, self.base.matrix_rows("output.weight", lo, hi).T, out=logits[:, lo:hi])
+            for xa, b in adapters:
+                logits[:, lo:hi] += xa @ b[lo:hi].T
+        return logits
+
     def embed(self, tokens):
         """(N,) ids on the device -> (N, C) rows of token_embd (+ runtime token_embd adapters)."""
         x = self.xp.empty((tokens.size, self.cfg.n_embd), np.float32)
@@ -131,7 +143,7 @@ class Runner:
             x += self.linear(h, p + "ffn_down.weight")
 
         ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector("output_norm.weight"), cfg.norm_eps)
-        logits = self.linear(xn, "output.weight")
+        logits = self.head(xn)
         if cache is not None:
             cache.n_past += T
         return logits.reshape(B, T, cfg.n_vocab)

@@ -111,13 +111,21 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
 
 
 class Dequantizer:
-    """Expands one frozen weight at a time into a reused f32 scratch buffer.
+    """Expands frozen weights into one reused f32 scratch buffer.
 
-    `get(t)` returns a (n_rows, n_cols) f32 view that is valid until the next
-    call. F32 weights are returned as their memory-mapped array, no copy."""
+    The scratch holds the largest layer matrix. The embedding and the output head
+    (vocabulary x embedding, the largest tensors of most models) never exist in f32:
+    `block(t, lo, hi)` expands rows lo:hi of the head (`head_rows` at a time fit the
+    scratch) and `rows(t, ids, out)` only the embedding rows used. `get(t)` returns a
+    (n_rows, n_cols) view valid until the next call. F32 weights are returned as
+    their memory-mapped array, no copy."""
 
     def __init__(self, weights: BaseWeights):
-        self.size = max(t.n_rows * t.n_cols for _, t in weights.all_matrices())
+        vocab = {id(weights.token_embd), id(weights.output)}
+        layer_max = max((t.n_rows * t.n_cols for _, t in weights.all_matrices() if id(t) not in vocab), default=0)
+        head = weights.output
+        self.head_rows = max(1, min(head.n_rows, layer_max // head.n_cols))   # rows of the head per block
+        self.size = max(layer_max, self.head_rows * head.n_cols)
         self._buf: np.ndarray | None = None
 
     @property
@@ -125,15 +133,22 @@ class Dequantizer:
         return self.size * 4
 
     def get(self, t: Tensor) -> np.ndarray:
+        return self.block(t, 0, t.n_rows)
+
+    def block(self, t: Tensor, lo: int, hi: int) -> np.ndarray:
+        """Rows lo:hi of a weight as (hi - lo, n_cols) f32, valid until the next call."""
         if t.qtype == QType.F32:
-            return t.data.reshape(t.n_rows, t.n_cols)
+            return t.data.reshape(t.n_rows, t.n_cols)[lo:hi]
+        if (hi - lo) * t.n_cols > self.size:
+            raise ValueError(f"{t.name}: rows {lo}:{hi} do not fit the dequantization scratch; expand it in blocks")
         if self._buf is None:
             self._buf = np.empty(self.size, np.float32)
-        out = self._buf[: t.n_rows * t.n_cols].reshape(t.n_rows, t.n_cols)
+        out = self._buf[: (hi - lo) * t.n_cols].reshape(hi - lo, t.n_cols)
+        raw = t.raw_rows()[lo:hi]
         if t.qtype in dequant.NUMBA_TYPES:
-            dequant.dequantize_into(t.raw_rows(), t.qtype, out)
+            dequant.dequantize_into(raw, t.qtype, out)
         else:
-            out[...] = dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols)
+            out[...] = dequant.dequantize(raw, t.qtype, t.n_cols)
         return out
 
     def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -28,6 +28,9 @@ G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
 G_VAL = "Validation and metrics"
 
 
+CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
+
+
 @dataclass
 class TrainOptions:
     """Options shared by `finetune` and `train-from-scratch`."""
@@ -65,9 +68,10 @@ class TrainOptions:
     enable_restart: bool = opt(False, "Restart the cosine decay when it ends.", G_SCHED)
     cos_decay_restart: float = opt(1.1, "Each restart's length is the previous one times this.", G_SCHED)
     # ---- memory and speed
-    use_checkpointing: bool = opt(True, "Gradient checkpointing: keep only matmul outputs, recompute norms, rope and SwiGLU in backward.", G_MEM)
+    use_checkpointing: Optional[bool] = opt(None, "Old spelling: on = --checkpointing selective, off = --checkpointing none (used only when --checkpointing is auto).", G_MEM)
     threads: int = opt(0, "CPU threads for kernels (0: all cores).", G_MEM, flags=("-t",))
     device: str = opt("cpu", "cpu, cuda or auto.", G_MEM)
+    checkpointing: str = opt("auto", "What backward recomputes: layer (keep each layer's input, recompute the layer), selective (keep matmul outputs, recompute norms and SwiGLU), none (keep everything), auto (the fastest whose memory estimate fits).", G_MEM)
     # ---- checkpoints
     checkpoint_in: Optional[Path] = opt(None, "Resume from this checkpoint if it exists (a missing file starts fresh).", G_CKPT)
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
@@ -98,6 +102,13 @@ class TrainOptions:
     skip_bad_rows: bool = opt(False, "Skip malformed data rows (and count them) instead of stopping at the first.", G_DATA)
     drop_long: bool = opt(False, "Drop conversations longer than --ctx instead of truncating them.", G_DATA)
     pack: bool = opt(False, "Pack several conversations into each context window (attention stays within each).", G_DATA)
+
+    def checkpointing_mode(self) -> str:
+        """--checkpointing, or what the old --use-checkpointing / --no-use-checkpointing asked for
+        when --checkpointing is left at auto."""
+        if self.checkpointing == "auto" and self.use_checkpointing is not None:
+            return "selective" if self.use_checkpointing else "none"
+        return self.checkpointing
 
 
 @dataclass
@@ -249,6 +260,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--adam-iter {o.adam_iter}: must be at least 1")
     if o.optimizer not in ("adamw", "sgd"):
         bad(f"--optimizer {o.optimizer!r}: choose adamw or sgd")
+    if o.checkpointing not in CHECKPOINTING:
+        bad(f"--checkpointing {o.checkpointing!r}: choose {', '.join(CHECKPOINTING)}")
     if o.device not in ("cpu", "cuda", "auto"):
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if not o.adam_alpha > 0:

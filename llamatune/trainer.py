@@ -2,11 +2,12 @@
 
 A `Job` says what is trained (the graph's weight provider, the flat parameters,
 the LoRA targets) and how outputs are written; `run` does the rest identically
-for both: resume or initialize, memory and disk-space estimates, micro-batches
-with gradient accumulation, the divergence guard between gradient norm and update
-(guard.py: bad steps are skipped), optimizer steps, progress, periodic and final
-checkpoints (written only from a state the guard has seen healthy), the metrics
-log (metrics.py), and validation with --save-best and --early-stop (validation.py).
+for both: resume or initialize, memory estimate and checkpointing mode (memory.py),
+disk-space estimate, micro-batches with gradient accumulation, the divergence guard
+between gradient norm and update (guard.py: bad steps are skipped), optimizer steps,
+progress, periodic and final checkpoints (written only from a state the guard has
+seen healthy), the metrics log (metrics.py), and validation with --save-best and
+--early-stop (validation.py).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .errors import LlamatuneError
 from .gguf_io import KV
 from .backend import cpu
 from .graph import Graph
+from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime
 from .lora import LoraTarget
 from .guard import Guard
 from .metrics import MetricsLog, metrics_path
@@ -54,6 +56,7 @@ class Job:
     mapped_bytes: int = 0                       # memory-mapped base model size
     scratch_bytes: int = 0                      # dequantization scratch
     backend: object = None                      # backend.Backend (None: cpu)
+    model_path: Path | None = None              # the memory-mapped base model file
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
     val_samples: Samples | None = None          # validation samples (None: no validation)
 
@@ -65,25 +68,29 @@ class TrainResult:
     files: list[Path]
     seconds: float
     tokens_per_second: float
+    steady_tokens_per_second: float = 0.0       # after the first step (compilation, first page-in)
 
 
-def available_memory() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
-def memory_estimate(job: Job, graph: Graph) -> int:
-    """Peak resident bytes the run will need (base model pages counted in full)."""
-    return job.params.nbytes + graph.activation_bytes() + job.scratch_bytes + job.mapped_bytes + 4 * len(job.samples.tokens)
+def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
+    """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
+    and refuse a run that does not fit with what would."""
+    o = job.opts
+    compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()})
+    planner = Planner(job.cfg, job.targets, job.base, measure_runtime(job.params, job.model_path),
+                      job.mapped_bytes, job.scratch_bytes, getattr(o, "lora_dropout", 0.0))
+    have = available_memory() if backend.name == "cpu" else None
+    mode = o.checkpointing_mode()
+    est = planner.choose(o.batch, o.ctx, mode, have)
+    if not quiet:
+        err.print(f"data: {describe(job.samples)}")
+        chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
+        err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
+                  + (f", available {gib(have)}" if have else "") + chosen)
+    if have is not None and est.added > have:
+        raise LlamatuneError(f"training needs about {gib(est.total)} but only {gib(have)} is available (besides "
+                             f"{gib(est.runtime)} in use; --checkpointing {est.mode}): "
+                             f"{planner.what_fits(o.batch, o.ctx, mode, have)}")
+    return est
 
 
 def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
@@ -247,23 +254,15 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     backend = job.backend or cpu()
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
-    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, o.use_checkpointing,
+    est = memory_estimate(job, backend, quiet)
+    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
     validator = make_validator(job, state)
-    need = memory_estimate(job, graph)
-    have = available_memory()
     if not quiet:
-        err.print(f"data: {describe(job.samples)}")
         if validator is not None:
             err.print(f"validation: {validator.describe()}")
-        err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {gib(need)} "
-                  f"(activations {gib(graph.activation_bytes())}, parameters+optimizer {gib(job.params.nbytes)}, "
-                  f"base model {gib(job.mapped_bytes)} mapped)" + (f", available {gib(have)}" if have else ""))
         if world.size > 1:
-            err.print(distributed.memory_line(world, need, job.params.size))
-    if have is not None and need > have:
-        raise LlamatuneError(f"training needs about {gib(need)} but only {gib(have)} is available: lower --batch "
-                             f"or --ctx, or keep --use-checkpointing on")
+            err.print(distributed.memory_line(world, est.total, job.params.size))
     check_free_space(save_sizes(job))
     if state.iteration >= o.adam_iter:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
@@ -320,6 +319,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             else:
                 state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
                 losses.append(loss)
+                t_first = time.perf_counter() if len(losses) == 1 else t_first
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
             metrics.step(state, loss, lr, gnorm, n_targets)
@@ -339,4 +339,5 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         write_plot(metrics.path, quiet)
     if world.size > 1 and not quiet:
         notice(distributed.summary(world, len(losses) * tokens_per_step / max(seconds, 1e-9)))
-    return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9))
+    steady = (len(losses) - 1) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if len(losses) > 1 else 0.0
+    return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9), steady)

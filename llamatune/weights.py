@@ -2,11 +2,13 @@
 
   - `FrozenBase`: a GGUF model's weights, never trained (LoRA finetuning and
     inference). They stay in their stored (quantized) form; each matrix is
-    dequantized into one reused f32 scratch buffer right before its matmul. On
+    dequantized into one reused f32 scratch buffer right before its matmul, the
+    output head in row blocks (`matrix_rows`), the embedding row by row. On
     CUDA the quantized bytes are uploaded once and dequantized on the GPU.
   - `DenseWeights`: every weight is an f32 parameter of the ParamBuffer
     (train-from-scratch).
-Both hand out (n_out, n_in) matrices, norm/bias vectors and embedding rows.
+Both hand out (n_out, n_in) matrices or row blocks of them, norm/bias vectors and
+embedding rows.
 """
 from __future__ import annotations
 
@@ -45,20 +47,30 @@ class FrozenBase:
             raw = self._raw[name] = self.backend.to_device(host)
         return raw
 
+    @property
+    def head_rows(self) -> int:
+        """Rows of the output head expanded at a time (`matrix_rows`)."""
+        return self.model.dequantizer.head_rows
+
     def matrix(self, name: str):
-        """(n_out, n_in) f32 on the device, valid until the next call."""
+        """(n_out, n_in) f32 on the device, valid until the next call (layer matrices;
+        the head goes through `matrix_rows`)."""
+        return self.matrix_rows(name, 0, self.tensors[name].n_rows)
+
+    def matrix_rows(self, name: str, lo: int, hi: int):
+        """Rows lo:hi of a matrix, (hi - lo, n_in) f32 on the device, valid until the next call."""
         t = self.tensors[name]
         if self.backend.name == "cpu":
-            return self.model.dequantizer.get(t)
+            return self.model.dequantizer.block(t, lo, hi)
         if t.qtype == QType.F32:
-            return self._device_raw(name)
+            return self._device_raw(name)[lo:hi]
         if self._scratch is None:
             self._scratch = self.backend.xp.empty(self.model.dequantizer.size, np.float32)
-        out = self._scratch[: t.n_rows * t.n_cols].reshape(t.n_rows, t.n_cols)
+        out = self._scratch[: (hi - lo) * t.n_cols].reshape(hi - lo, t.n_cols)
         if t.qtype in self.backend.ops.dequant.CUDA_TYPES:
-            self.backend.ops.dequant.dequantize_into(self._device_raw(name), t.qtype, out)
+            self.backend.ops.dequant.dequantize_into(self._device_raw(name)[lo:hi], t.qtype, out)
         else:   # types without a CUDA kernel: dequantize on the host, upload
-            out[...] = self.backend.to_device(self.model.dequantizer.get(t))
+            out[...] = self.backend.to_device(self.model.dequantizer.block(t, lo, hi))
         return out
 
     def vector(self, name: str):
@@ -93,8 +105,16 @@ class DenseWeights:
     def _name(self, name: str) -> str:
         return "token_embd.weight" if self.tied and name == "output.weight" else name
 
+    @property
+    def head_rows(self) -> int:
+        """The head is a parameter already in f32: one block."""
+        return self.params.spec(self._name("output.weight")).shape[0]
+
     def matrix(self, name: str):
         return self.params[self._name(name)]
+
+    def matrix_rows(self, name: str, lo: int, hi: int):
+        return self.params[self._name(name)][lo:hi]
 
     def vector(self, name: str):
         return self.params[name] if name in self.params else None

@@ -47,7 +47,7 @@ def lora_setup(model, ranks, dtype, seed=0):
     return targets, params
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("checkpointing", ["selective", "none", "layer"])
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_lora_gradient_matches_finite_differences(small_model, checkpointing, dropout):
     cfg = small_model.config
@@ -201,3 +201,111 @@ def test_qwen2_bias_and_neox_rope(qwen2_model):
     loss(params.data)
     analytic = params.grad.copy()
     assert fd_check(loss, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=150) < 1e-5
+
+
+# ---------------------------------------------------------------- checkpointing modes, head in blocks
+MODES = ("layer", "selective", "none")
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory, tiny_vocab):
+    """Tied head (output = token_embd, one Q8_0 tensor) and 3 layers, so layer mode
+    recomputes more than one layer."""
+    from gguf import GGMLQuantizationType as QType
+    return Model(write_tiny_model(tmp_path_factory.mktemp("t") / "tied.gguf", tiny_vocab, QType.Q8_0, tied=True,
+                                  n_embd=32, n_ff=64, head_dim=8, n_rot=8, n_layer=3))
+
+
+def mode_grads(make, dtype, B=2, T=6, dropout=0.0, packed=False):
+    """(loss, gradient) of one step in each mode; `make` -> (cfg, base, params, targets).
+    packed: rows hold two samples each (rope positions restart, attention per sample)."""
+    segments = np.array([[0, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1]], np.int32) if packed else None
+    positions = np.array([[0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 0, 1]]) if packed else None
+    out = {}
+    for mode in MODES:
+        cfg, base, params, targets = make(dtype)
+        g = Graph(cfg, base, params, targets, B, T, mode, dropout, dtype=dtype)
+        inputs, tg, w = batch(cfg, B, T, seed=3)
+        loss = g.step(inputs, tg, w, key=(5,), positions=positions, segments=segments)
+        out[mode] = loss, params.grad.copy()
+    return out
+
+
+def assert_modes_identical(out):
+    loss, grad = out["selective"]
+    assert np.abs(grad).max() > 0
+    for mode in ("layer", "none"):
+        assert out[mode][0] == loss
+        np.testing.assert_array_equal(out[mode][1], grad, err_msg=mode)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_modes_identical_lora_untied_head_and_embedding(small_model, dtype, packed):
+    """LoRA on every kind, output head and token_embd included (untied); with dropout."""
+    def make(dt):
+        targets, params = lora_setup(small_model, ALL_RANKS, dt)
+        return small_model.config, FrozenBase(small_model), params, targets
+    assert_modes_identical(mode_grads(make, dtype, dropout=0.3, packed=packed))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_modes_identical_lora_tied_head(tied_model, dtype):
+    ranks = {k: r for k, r in ALL_RANKS.items() if k not in ("output", "token_embd")}   # refused when tied
+
+    def make(dt):
+        targets = lora_targets(tied_model.config, ranks, alpha=3.0, tied=True)
+        params = ParamBuffer(lora_specs(targets), dt)
+        params.data[...] = np.random.default_rng(1).normal(0, 0.05, params.size)
+        return tied_model.config, FrozenBase(tied_model), params, targets
+    assert tied_model.weights.output is tied_model.weights.token_embd
+    assert_modes_identical(mode_grads(make, dtype))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_modes_identical_dense(tied, dtype):
+    cfg = tiny_config(n_embd=16, n_ff=24, head_dim=4, n_rot=4, n_vocab=400, n_layer=3)
+
+    def make(dt):
+        shapes = tensor_names(cfg, tied=tied)
+        params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()], dt)
+        for n, a in random_weights(cfg, seed=3, std=0.2, tied=tied).items():
+            params[n][...] = a
+        return cfg, DenseWeights(params, tied=tied), params, []
+    assert_modes_identical(mode_grads(make, dtype))
+
+
+def test_head_in_blocks_equals_full_matrix(tied_model):
+    """The head is expanded head_rows rows at a time (several blocks here), never in
+    full; logits, loss and gradients equal those of the whole dequantized matrix."""
+    from llamatune.kernels import dequant
+    m, cfg = tied_model, tied_model.config
+    deq = m.dequantizer
+    layer_max = max(t.n_rows * t.n_cols for layer in m.weights.layers for t in layer.mats.values())
+    assert deq.size == layer_max and deq.head_rows == layer_max // cfg.n_embd < cfg.n_vocab
+    with pytest.raises(ValueError, match="do not fit the dequantization scratch"):
+        deq.get(m.weights.output)
+    W = dequant.dequantize(m.weights.output.raw_rows(), m.weights.output.qtype, cfg.n_embd)   # (V, C) reference
+
+    ranks = {k: 2 for k in ("attn_q", "ffn_down")}
+    targets = lora_targets(cfg, ranks, alpha=3.0, tied=True)
+    B, T = 2, 6
+    inputs, tg, w = batch(cfg, B, T, seed=2)
+    results = []
+    for full in (False, True):
+        params = ParamBuffer(lora_specs(targets))
+        params.data[...] = np.random.default_rng(1).normal(0, 0.05, params.size)
+        g = Graph(cfg, FrozenBase(m), params, targets, B, T)
+        if full:                               # one block: the whole matrix
+            g.head_rows = cfg.n_vocab
+            blocked = g.base.matrix_rows
+            g.base.matrix_rows = lambda name, lo, hi: W[lo:hi] if name == "output.weight" else blocked(name, lo, hi)
+        loss = g.step(inputs, tg, w)
+        results.append((loss, g.losses.copy(), params.grad.copy()))
+    (l0, losses0, g0), (l1, losses1, g1) = results
+    np.testing.assert_allclose(losses0, losses1, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(g0, g1, rtol=1e-5, atol=1e-8)
+    # inference: the blocked head against x W^T with the whole matrix
+    x = np.random.default_rng(0).normal(0, 1, (5, cfg.n_embd)).astype(np.float32)
+    np.testing.assert_allclose(Runner(m).head(x), x @ W.T, rtol=1e-5, atol=1e-5)

@@ -25,7 +25,7 @@ from llamatune.lora import init_lora, lora_specs, lora_targets
 from llamatune.metrics import MetricsLog
 from llamatune.model import Model
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
-from llamatune.params import ParamBuffer
+from llamatune.params import ParamBuffer, ParamSpec
 from llamatune.plot import read_metrics, smoothed
 from llamatune.validation import ValidationState, eval_pieces, split_samples
 
@@ -415,9 +415,10 @@ def test_corrupt_validation_state_in_a_checkpoint(tmp_path, tiny_model):
     c = ckpt.load(tmp_path / "chk-LATEST.gguf")
     c.state.validation = None
     kvs = [kv("llamatune.validation", '{"best_loss": 1.0}')]
-    params = ParamBuffer([])
+    params = ParamBuffer([ParamSpec("x", (2,))])
     ckpt.save(tmp_path / "bad.gguf", c.kind, "llama", options(tmp_path, tiny_model), params, c.state, kvs)
-    with pytest.raises(LlamatuneError, match=r"bad.gguf: corrupt checkpoint metadata \(validation state needs the fields"):
+    with pytest.raises(LlamatuneError, match=r"bad.gguf: metadata key 'llamatune.validation' is invalid "
+                                             r"\(validation state needs the fields"):
         ckpt.load(tmp_path / "bad.gguf")
 
 

@@ -1,0 +1,160 @@
+"""Benchmark: one LoRA optimizer step on real-size Q4_K models (peak RSS, seconds).
+
+The models are random-weight GGUFs written with llamatune's own writer: Q4_K blocks
+of random bytes whose scales are set so the weights are zero-mean with std about
+0.02 (quantizing 7-8 billion f32 weights would take longer than the step itself),
+F32 norms, a dummy vocabulary.
+
+    llama2-7b   32 layers, embd 4096, 32 heads (MHA), ffn 11008, vocab 32000
+    llama3-8b   32 layers, embd 4096, 32/8 heads (GQA), ffn 14336, vocab 128256
+
+Each (shape, ctx, mode) runs in a fresh process: load, estimate (memory.Planner, as
+the trainer computes it), one step (batch 1, LoRA r 8 on q,k,v,o,gate,up,down,
+AdamW), peak RSS (VmHWM). The first step is also the first touch of the model's
+pages; run it twice (`--steps 2`) to see a warm step.
+
+    python bench/real_size.py [--shapes llama2-7b,llama3-8b] [--ctx 512,2048] [--mode layer]
+        [--steps 1] [--workdir /tmp/llamatune-real]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from finetune_step import TARGETS, dummy_vocab  # noqa: E402
+
+SHAPES = {
+    "llama2-7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
+                      n_head=32, n_head_kv=32, head_dim=128, n_rot=128, norm_eps=1e-5),
+    "llama3-8b": dict(arch="llama", n_vocab=128256, n_ctx_train=8192, n_embd=4096, n_layer=32, n_ff=14336,
+                      n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
+}
+R = 8
+
+
+def random_q4_k(shape: tuple[int, int], seed: int):
+    """(n_rows, row_bytes) uint8 Q4_K blocks of random bytes: w = d*sc*q - dmin*m with
+    q 4-bit, sc/m 6-bit uniform; d, dmin chosen for mean 0, std about 0.02."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+    block, size = GGML_QUANT_SIZES[QType.Q4_K]
+    rows, cols = shape
+    raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    d = 7.6e-5                                    # std(d*sc*q - dmin*m) ~ 263 d; mean 0 when dmin = 7.5 d
+    raw[:, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    raw[:, 2:4] = np.frombuffer(np.float16(7.5 * d).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def build(path: Path, shape: str) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType as QType
+    from llamatune.config import ModelConfig
+    from llamatune.gguf_io import TensorOut, kv, write_gguf
+    from llamatune.modelfile import tensor_names
+    if path.exists():
+        return
+    cfg = ModelConfig(**SHAPES[shape])
+    tensors = []
+    for i, (name, s) in enumerate(tensor_names(cfg).items()):
+        if len(s) == 1:
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s: np.ones(s, np.float32)))
+        else:
+            tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k(s, i)))
+    kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 15)] + dummy_vocab(cfg.n_vocab)
+    write_gguf(path, cfg.arch, kvs, tensors)
+
+
+def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
+    import llamatune  # noqa: F401  (first: threading policy before numpy loads)
+    import numpy as np
+    from llamatune.backend import cpu
+    from llamatune.graph import FrozenBase, Graph
+    from llamatune.lora import init_lora, lora_specs, lora_targets
+    from llamatune.memory import Planner, compile_kernels, measure_runtime, peak_resident_bytes
+    from llamatune.model import Model
+    from llamatune.optimizer import optimizer_step
+    from llamatune.options import FinetuneOptions
+    from llamatune.params import ParamBuffer
+    t_load = time.perf_counter()
+    model = Model(path)
+    cfg = model.config
+    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    opts = FinetuneOptions(warmup=1)
+    base = FrozenBase(model)
+    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()})
+    planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
+                      model.dequantizer.nbytes, 0.0)
+    est = planner.estimate(1, ctx, mode)
+    graph = Graph(cfg, base, params, targets, 1, ctx, mode)
+    rng = np.random.default_rng(1)
+    inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
+    w = np.full((1, ctx), 1.0 / ctx, np.float32)
+    load_s = time.perf_counter() - t_load
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        params.zero_grad()
+        loss = graph.step(inputs, tg, w, (0, i, 0))
+        optimizer_step(params, i, opts)
+        times.append(time.perf_counter() - t)
+    return {"estimate": est.total, "runtime": est.runtime, "graph": est.graph, "model": est.model,
+            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss}
+
+
+def step_gflop(cfg: dict, ctx: int, mode: str) -> float:
+    """Matmul GFLOP of one step: forward, backward to inputs (frozen weights), recompute in layer mode, head."""
+    C, F, L, V = cfg["n_embd"], cfg["n_ff"], cfg["n_layer"], cfg["n_vocab"]
+    Ckv = cfg["n_head_kv"] * cfg["head_dim"]
+    per_token = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * F)               # one forward of a layer
+    passes = 3 if mode == "layer" else 2
+    attn = 2 * 2 * cfg["n_head"] * ctx * ctx * cfg["head_dim"] / 2 * (passes + 1.5) * L
+    return (ctx * per_token * L * passes + attn + 2 * 2 * ctx * C * V) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="llama2-7b,llama3-8b")
+    ap.add_argument("--ctx", default="512,2048")
+    ap.add_argument("--mode", default="layer")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-real"))
+    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.one:
+        print(json.dumps(run_one(Path(a.one[0]), int(a.one[1]), a.one[2], a.steps)))
+        return
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
+    print(f"{'shape':10} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'GFLOP/s':>8}")
+    for shape in a.shapes.split(","):
+        path = a.workdir / f"random-{shape}.Q4_K.gguf"
+        t = time.perf_counter()
+        build(path, shape)
+        print(f"# {path} ready ({time.perf_counter() - t:.0f} s)", flush=True)
+        for ctx in map(int, a.ctx.split(",")):
+            out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                print(f"{shape:10} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+                continue
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            g = 2**30
+            steps = "/".join(f"{s:.0f}" for s in r["step_s"])
+            print(f"{shape:10} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
+                  f"{steps:>12} {step_gflop(SHAPES[shape], ctx, a.mode) / r['step_s'][-1]:8.1f}  "
+                  f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
+                  f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

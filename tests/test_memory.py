@@ -1,0 +1,151 @@
+"""Memory: the graph allocates exactly the buffers its plan lists (what the estimate
+counts), layer mode keeps only one (N, C) input per layer, `auto` picks the fastest
+mode that fits, a run that fits in no mode is refused with what would fit, and the
+old --use-checkpointing spelling still works."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamatune.errors import LlamatuneError
+from llamatune.graph import DenseWeights, FrozenBase, Graph, buffer_plan, plan_bytes
+from llamatune.lora import init_lora, lora_specs, lora_targets
+from llamatune.memory import Planner
+from llamatune.model import Model
+from llamatune.options import FinetuneOptions, build_options
+from llamatune.params import ParamBuffer, ParamSpec
+from llamatune.modelfile import tensor_names
+
+from conftest import tiny_config
+
+RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                        "token_embd", "output", "attn_norm")}
+
+
+def graph_arrays(g: Graph) -> list[np.ndarray]:
+    """Every distinct array the graph holds, found by walking its attributes."""
+    found: dict[int, np.ndarray] = {}
+
+    def add(v):
+        if isinstance(v, np.ndarray) and id(v) not in found:
+            found[id(v)] = v
+    for v in vars(g).values():
+        add(v)
+        for w in (v.values() if isinstance(v, dict) else []):
+            add(w)
+    for a in g.layers:
+        for v in vars(a).values():
+            add(v)
+    return list(found.values())
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return Model(tiny_model)
+
+
+@pytest.mark.parametrize("mode", ["layer", "selective", "none"])
+def test_allocated_buffers_are_the_plan(model, mode):
+    cfg = model.config
+    targets = lora_targets(cfg, RANKS, 2.0, tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    base = FrozenBase(model)
+    g = Graph(cfg, base, params, targets, 3, 16, mode)
+    plan = buffer_plan(cfg, targets, 3, 16, mode, base.head_rows, False)
+    arrays = graph_arrays(g)
+    assert len(arrays) == len(plan)
+    assert sum(a.nbytes for a in arrays) == plan_bytes(plan) == g.activation_bytes()
+    assert sorted(a.shape for a in arrays) == sorted(plan.values())
+
+
+def test_dense_graph_allocates_its_plan():
+    cfg = tiny_config(n_layer=3)
+    params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
+    g = Graph(cfg, DenseWeights(params), params, [], 2, 8, "layer")
+    assert sum(a.nbytes for a in graph_arrays(g)) == g.activation_bytes() == \
+        plan_bytes(buffer_plan(cfg, [], 2, 8, "layer", cfg.n_vocab, True))
+
+
+def test_layer_mode_keeps_one_input_per_layer():
+    """Only the layer inputs scale with layers x tokens: one more layer costs N*C floats."""
+    targets_of = lambda cfg: lora_targets(cfg, RANKS, 2.0, tied=False)  # noqa: E731
+    B, T = 2, 32
+    sizes = {}
+    for L in (2, 5):
+        cfg = tiny_config(n_layer=L)
+        sizes[L] = {m: plan_bytes(buffer_plan(cfg, targets_of(cfg), B, T, m, 64, False))
+                    for m in ("layer", "selective", "none")}
+    per_layer = {m: (sizes[5][m] - sizes[2][m]) // 3 for m in sizes[2]}
+    cfg = tiny_config()
+    assert per_layer["layer"] == B * T * cfg.n_embd * 4
+    assert per_layer["layer"] < per_layer["selective"] < per_layer["none"]
+
+
+def planner(model, runtime=100 << 20):
+    cfg = model.config
+    targets = lora_targets(cfg, RANKS, 2.0, tied=False)
+    return Planner(cfg, targets, FrozenBase(model), runtime, model.path.stat().st_size,
+                   model.dequantizer.nbytes, 0.0)
+
+
+def test_auto_picks_the_fastest_mode_that_fits(model):
+    p = planner(model)
+    e = {m: p.estimate(4, 64, m) for m in ("none", "selective", "layer")}
+    assert e["layer"].total < e["selective"].total < e["none"].total
+    assert e["none"].total == e["none"].runtime + e["none"].added
+    assert p.choose(4, 64, "auto", e["none"].added).mode == "none"
+    assert p.choose(4, 64, "auto", e["none"].added - 1).mode == "selective"
+    assert p.choose(4, 64, "auto", e["selective"].added - 1).mode == "layer"
+    assert p.choose(4, 64, "auto", 0).mode == "layer"
+    assert p.choose(4, 64, "selective", 0).mode == "selective"
+
+
+def test_refusal_says_what_would_fit(model, tmp_path, monkeypatch):
+    p = planner(model)
+    need = p.estimate(4, 64, "none").added
+    hint = p.what_fits(4, 64, "none", need - 1)
+    assert hint.startswith("would fit: --checkpointing layer")
+    assert "--ctx 32" in hint and "--batch 3" in hint
+    assert p.what_fits(4, 64, "none", 0) == "nothing smaller fits either"
+
+    import llamatune.trainer as trainer
+    from llamatune.finetune import finetune
+    from conftest import TEXT
+    data = tmp_path / "d.txt"
+    data.write_text(TEXT)
+    monkeypatch.setattr(trainer, "available_memory", lambda: 20000)
+    o = FinetuneOptions(model_base=model.path, train_data=data, ctx=32, batch=2, adam_iter=1,
+                        checkpointing="none", checkpoint_out=tmp_path / "c-ITERATION.gguf",
+                        lora_out=tmp_path / "a-ITERATION.gguf")
+    with pytest.raises(LlamatuneError, match=r"^training needs about [\d.]+ GiB but only 0.00 GiB is available "
+                                             r"\(besides [\d.]+ GiB in use; --checkpointing none\): "):
+        finetune(o, quiet=True)
+
+
+def test_checkpointing_option_and_its_old_spelling(tmp_path):
+    assert FinetuneOptions().checkpointing_mode() == "auto"
+    assert build_options(FinetuneOptions, {"use_checkpointing": True}).checkpointing_mode() == "selective"
+    assert build_options(FinetuneOptions, {"use_checkpointing": False}).checkpointing_mode() == "none"
+    assert build_options(FinetuneOptions, {"use_checkpointing": False,
+                                           "checkpointing": "layer"}).checkpointing_mode() == "layer"
+    preset = tmp_path / "p.toml"
+    preset.write_text("use_checkpointing = true\n")              # older presets and checkpoints
+    assert build_options(FinetuneOptions, {}, preset).checkpointing_mode() == "selective"
+    with pytest.raises(LlamatuneError, match=r"^--checkpointing 'some': choose auto, layer, selective, none$"):
+        build_options(FinetuneOptions, {"checkpointing": "some"})
+
+
+def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
+    import mmap
+    from llamatune.memory import resident_bytes, touch
+    region = mmap.mmap(-1, 64 << 20)                         # fresh zero pages: not resident until written
+    a = np.frombuffer(region, np.uint8)
+    before, _ = resident_bytes()
+    touch(a)
+    after, _ = resident_bytes()
+    assert after - before >= 60 << 20
+    t = model.weights.layers[0].mats["attn_q"]
+    float(np.asarray(t.data, np.float32).sum())              # read the tensor's pages
+    total, in_model = resident_bytes(model.path)
+    assert t.nbytes <= in_model <= model.path.stat().st_size + 4096 and total > in_model
+    assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
