@@ -319,7 +319,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             else:
                 state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
                 losses.append(loss)
-                t_first = time.perf_counter() if len(losses) == 1 else t_first
+                first_seconds = time.perf_counter() - t0 if len(losses) == 1 else first_seconds
             elapsed = time.perf_counter() - t0
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
             metrics.step(state, loss, lr, gnorm, n_targets)
@@ -339,5 +339,6 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         write_plot(metrics.path, quiet)
     if world.size > 1 and not quiet:
         notice(distributed.summary(world, len(losses) * tokens_per_step / max(seconds, 1e-9)))
-    steady = (len(losses) - 1) * tokens_per_step / max(time.perf_counter() - t_first, 1e-9) if len(losses) > 1 else 0.0
+    # after the first step (compilation, first page-in); evaluations are not training time
+    steady = (len(losses) - 1) * tokens_per_step / max(seconds - first_seconds, 1e-9) if len(losses) > 1 else 0.0
     return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9), steady)
