@@ -45,7 +45,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
                            pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
                            save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
-                           lora_out=workdir / "chat-adapter-ITERATION.gguf")
+                           lora_out=workdir / "chat-adapter-ITERATION.gguf",
+                           metrics_out=workdir / "chat-metrics.jsonl")
     model = Model(base)
     tok = model.tokenizer
     tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
@@ -95,7 +96,8 @@ def run(workdir: Path) -> None:
                                layer=4, ctx=128, batch=8, adam_iter=150, warmup=10, cos_decay_steps=150,
                                adam_alpha=3e-3, save_every=0, outtype="q8_0",
                                checkpoint_out=workdir / "scratch-chk-ITERATION.gguf",
-                               model_out=workdir / "base-ITERATION.Q8_0.gguf")
+                               model_out=workdir / "base-ITERATION.Q8_0.gguf",
+                               metrics_out=workdir / "scratch-metrics.jsonl")
     train_from_scratch(base_opts)
     base = workdir / "base-LATEST.Q8_0.gguf"
 
@@ -103,7 +105,8 @@ def run(workdir: Path) -> None:
     ft = finetune(FinetuneOptions(model_base=base, train_data=workdir / "finetune-text.txt", ctx=128, batch=8,
                                   lora_r=8, adam_iter=60, warmup=5, cos_decay_steps=60, adam_alpha=3e-3,
                                   save_every=20, checkpoint_out=workdir / "chk-ITERATION.gguf",
-                                  lora_out=workdir / "adapter-ITERATION.gguf"))
+                                  lora_out=workdir / "adapter-ITERATION.gguf",
+                                  metrics_out=workdir / "finetune-metrics.jsonl"))
     adapter = workdir / "adapter-LATEST.gguf"
     out.print(f"   loss {ft.losses[0]:.3f} -> {ft.losses[-1]:.3f} in {len(ft.losses)} steps "
               f"({ft.tokens_per_second:,.0f} tokens/s)")
