@@ -337,8 +337,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     seconds = time.perf_counter() - t0
     if o.plot and world.is_root:
         write_plot(metrics.path, quiet)
+    tokens_per_second = len(losses) * tokens_per_step / max(seconds, 1e-9)
     if world.size > 1 and not quiet:
-        notice(distributed.summary(world, len(losses) * tokens_per_step / max(seconds, 1e-9)))
+        notice(distributed.summary(world, tokens_per_second))
     # after the first step (compilation, first page-in); evaluations are not training time
     steady = (len(losses) - 1) * tokens_per_step / max(seconds - first_seconds, 1e-9) if len(losses) > 1 else 0.0
-    return TrainResult(state, losses, files, seconds, len(losses) * tokens_per_step / max(seconds, 1e-9), steady)
+    return TrainResult(state, losses, files, seconds, tokens_per_second, steady)
