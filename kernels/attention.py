@@ -48,7 +48,12 @@ item:
   expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
   vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
   ns per score instead of 0.45); the forward leaves P unnormalized and scales the
-  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities.
+  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities;
+* soft-capping is a separate pass (`_softcap_scores_kernel`) that turns the raw
+  scores into s (and, for the backward, ds/d(q.k) into a third score buffer);
+  the softmax kernels then run on s with scale 1, and the backward multiplies
+  their dS by ds/d(q.k). The default path calls the softmax kernels exactly as
+  before the options existed (same signature, no extra argument to dispatch).
 Threading: the items are dealt to numba.get_num_threads() threads of one pool,
 each running single-threaded BLAS (threadpoolctl) and serial kernels, so one call
 has one fork-join. Before, every one of the many small matmuls ran multi-threaded
@@ -140,9 +145,8 @@ def _row_max(a, lo, hi):
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _softmax_causal_kernel(att, rinv, lse, sc, cap, kcap, lo, hi):
-    # att (G, TQ, S): raw scores q.k in; out exp(s - max s), 0 outside [lo[i], hi[i]),
-    # s = q.k*sc, or cap > 0: s = cap*tanh(q.k*kcap) (kcap = scale/cap, and sc = 1)
+def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in; out exp(s*scale - max), 0 outside [lo[i], hi[i])
     # rinv (G, TQ) out: 1 / rowsum (the caller scales the P.v rows by it); lse (G, TQ) out
     NH, TQ, S = att.shape
     for r in range(NH * TQ):
@@ -150,13 +154,10 @@ def _softmax_causal_kernel(att, rinv, lse, sc, cap, kcap, lo, hi):
         i = r % TQ
         row = att[h, i]
         a, n = np.uint64(lo[i]), np.uint64(hi[i])  # unsigned: see _row_max
-        if cap > 0:
-            for j in range(a, n):
-                row[j] = cap * np.tanh(row[j] * kcap)
-        mx = _row_max(row, a, n) * sc  # sc > 0: the max of the scaled scores
-        tot = sc * 0  # a float64 zero: the row sum is accumulated in float64
+        mx = _row_max(row, a, n) * scale  # scale > 0: the max of the scaled scores
+        tot = scale * 0  # zero of the array's type
         for j in range(a, n):
-            e = _exp(row[j] * sc - mx)
+            e = _exp(row[j] * scale - mx)
             row[j] = e
             tot += e
         for j in range(a):
@@ -168,10 +169,9 @@ def _softmax_causal_kernel(att, rinv, lse, sc, cap, kcap, lo, hi):
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, cap, kcap, lo, hi):
-    # att (G, TQ, S): raw scores q.k in, P out; dp (G, TQ, S): dout.v in, dS out
-    # (dL/d(q.k)); lse (G, TQ); out, dout (TQ, G, HS): this block's rows; visible keys
-    # [lo[i], hi[i]); cap > 0: soft-capped scores as in the forward
+def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in, P out; dp (G, TQ, S): dout.v in, dS*scale out
+    # lse (G, TQ); out, dout (TQ, G, HS): this block's rows; visible keys [lo[i], hi[i])
     NH, TQ, S = att.shape
     HS = out.shape[2]
     for r in range(NH * TQ):
@@ -183,23 +183,40 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, cap, kcap, l
             d += dout[i, h, c] * out[i, h, c]
         lse_i = lse[h, i]
         row, drow = att[h, i], dp[h, i]
-        if cap > 0:
-            for j in range(a, n):
-                t = np.tanh(row[j] * kcap)
-                p = _exp(cap * t - lse_i)
-                row[j] = p
-                drow[j] = p * (drow[j] - d) * (scale - scale * t * t)  # ds/d(q.k)
-        else:
-            for j in range(a, n):
-                p = _exp(row[j] * scale - lse_i)
-                row[j] = p
-                drow[j] = p * (drow[j] - d) * scale
+        for j in range(a, n):
+            p = _exp(row[j] * scale - lse_i)
+            row[j] = p
+            drow[j] = p * (drow[j] - d) * scale
         for j in range(a):
             row[j] = 0.0
             drow[j] = 0.0
         for j in range(n, np.uint64(S)):
             row[j] = 0.0
             drow[j] = 0.0
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in; out s = cap*tanh(q.k*kcap) (kcap = scale/cap) on
+    # each row's visible keys [lo[i], hi[i]), the rest untouched (the softmax kernels
+    # never read it); deriv: None, or (G, TQ, S) out: ds/d(q.k) = scale*(1 - tanh^2)
+    # there and 0 elsewhere. The softmax kernels then run on s with scale 1.
+    NH, TQ, S = att.shape
+    for r in range(NH * TQ):
+        h = r // TQ
+        i = r % TQ
+        row = att[h, i]
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])
+        for j in range(a, n):
+            t = np.tanh(row[j] * kcap)
+            row[j] = cap * t
+            if deriv is not None:
+                deriv[h, i, j] = scale - scale * t * t
+        if deriv is not None:
+            for j in range(a):
+                deriv[h, i, j] = 0.0
+            for j in range(n, np.uint64(S)):
+                deriv[h, i, j] = 0.0
 
 
 def _check(name, a, shape, dtype, rows_only=False):
@@ -365,8 +382,9 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
                 TQ, W = i1 - i0, n_past + i1 - j0
                 att = scratch[: G * TQ * W].reshape(G, TQ, W)
                 np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
-                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], row_scale, cap,
-                                       kcap, lo, hi)
+                if cap:  # s = cap*tanh(q.k*kcap) in place, then softmax(s * 1)
+                    _softcap_scores_kernel(att, None, cap, kcap, scale, lo, hi)
+                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], row_scale, lo, hi)
                 ob = out[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) view
                 np.matmul(att, vb[j0:j0 + W], out=ob)
                 ob *= rinv[:, :TQ, None]
@@ -390,6 +408,7 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     _check("dv", dv, k.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
     scale, cap, kcap = attention_options(q.dtype, HS, scale, softcap, window)
+    row_scale = q.dtype.type(1) if softcap > 0 else scale  # capped rows are scaled already
     starts = _starts(segments, B, T, 0)
     blocks = [_blocks(T, 0, starts[b], window) for b in range(B)]
     G, QB = NH // NKV, min(T, _QBLOCK)
@@ -397,7 +416,7 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     dv[...] = 0.0
 
     def work(items):
-        scratch = np.empty((2, G * QB * T), q.dtype)  # P and dS blocks, reused
+        scratch = np.empty((3 if cap else 2, G * QB * T), q.dtype)  # P, dS (, ds/dqk) blocks
         for item in items:
             b, kvh = divmod(item, NKV)
             hs = slice(kvh * G, kvh * G + G)
@@ -410,8 +429,13 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                 dp = scratch[1, : G * TQ * W].reshape(G, TQ, W)
                 np.matmul(qb, kb[j0:i1].T, out=att)
                 np.matmul(dob, vb[j0:i1].T, out=dp)
+                if cap:  # the capped scores s and ds/d(q.k) (deriv), then dS = dS(s) * deriv
+                    deriv = scratch[2, : G * TQ * W].reshape(G, TQ, W)
+                    _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi)
                 _softmax_causal_backward_kernel(att, dp, lse[b, hs, i0:i1], out[b, i0:i1, hs],
-                                                dout[b, i0:i1, hs], scale, cap, kcap, lo, hi)
+                                                dout[b, i0:i1, hs], row_scale, lo, hi)
+                if cap:
+                    dp *= deriv
                 # dq rows of this block are complete: the block saw all their keys
                 np.matmul(dp, kb[j0:i1], out=dq[b, i0:i1, hs].transpose(1, 0, 2))
                 # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
