@@ -27,7 +27,8 @@ from llamatune.errors import LlamatuneError
 from llamatune.commands.finetune import finetune
 from llamatune.formats.gguf_io import GGUFFile, kv
 from llamatune.models.infer import Runner
-from llamatune.models.model import Model, matrix_shape
+from llamatune.models.arch import tensor_shape
+from llamatune.models.model import Model
 from llamatune.models.modelfile import random_weights, tensor_names, write_model
 from llamatune.options import FinetuneOptions
 from llamatune.train.params import ParamBuffer, ParamSpec
@@ -297,7 +298,7 @@ def write_peft(path: Path, cfg, seed=0, r=4, alpha=8.0) -> dict:
           "ffn_down": "mlp.down_proj"}
     for i in range(cfg.n_layer):
         for kind, mod in hf.items():
-            n_out, n_in = matrix_shape(cfg, kind)
+            n_out, n_in = tensor_shape(cfg, kind)
             modules[f"model.layers.{i}.{mod}"] = (f"blk.{i}.{kind}.weight", n_in, n_out)
     tensors, truth = {}, {}
     for mod, (weight, n_in, n_out) in modules.items():

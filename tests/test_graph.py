@@ -154,7 +154,7 @@ def test_qwen2_bias_and_neox_rope(qwen2_model):
     numpy forward of the same weights; the graph agrees and its gradient is exact."""
     m = qwen2_model
     cfg = m.config
-    assert cfg.rope_mode == 2 and cfg.has_qkv_bias
+    assert cfg.rope_mode == 2 and cfg.spec.biases == ("attn_q", "attn_k", "attn_v")
     tokens = np.array([[1, 7, 30, 2, 99]])
     logits = Runner(m).forward(tokens)[0]
     W = {n: np.array(t.data, np.float64).reshape(t.shape) for n, t in m.file.tensors.items()}

@@ -1,27 +1,22 @@
 """Model hyperparameters: one frozen dataclass, built only from GGUF metadata.
 
-Mirrors llama.cpp's llm_load_hparams for the architectures we run: `llama`
-(Llama 1/2/3, TinyLlama, Mistral, SmolLM; NORM rope) and `qwen2` (q/k/v biases,
-NEOX rope). Derived values are properties; `__post_init__` validates.
+Mirrors llama.cpp's llm_load_hparams: the keys every llama-family model has are read
+here; what an architecture adds is read by its declaration (models/archs/<arch>.py,
+`Arch.read_hparams`). Derived values are properties; `__post_init__` validates.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from ..errors import LlamatuneError
 from ..formats.gguf_io import check_float, check_int, describe
+from .arch import Arch, get_arch
 
 MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
-
-# architecture -> (rope mode, has q/k/v bias). Rope modes as in ggml: 0 NORM, 2 NEOX.
-ARCHITECTURES: dict[str, tuple[int, bool]] = {
-    "llama": (0, False),
-    "qwen2": (2, True),
-}
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -43,8 +38,7 @@ class ModelConfig:
         # llama.cpp holds these as float32: round them the same way, once
         for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
-        if self.arch not in ARCHITECTURES:
-            raise LlamatuneError(f"architecture '{self.arch}' is not supported (supported: {', '.join(ARCHITECTURES)})")
+        get_arch(self.arch)
         for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
             if getattr(self, name) <= 0:
                 raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be positive")
@@ -70,12 +64,13 @@ class ModelConfig:
         return self.n_head // self.n_head_kv
 
     @property
-    def rope_mode(self) -> int:
-        return ARCHITECTURES[self.arch][0]
+    def spec(self) -> Arch:
+        """The architecture's declaration (models/archs/<arch>.py)."""
+        return get_arch(self.arch)
 
     @property
-    def has_qkv_bias(self) -> bool:
-        return ARCHITECTURES[self.arch][1]
+    def rope_mode(self) -> int:
+        return self.spec.rope_mode
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
@@ -86,9 +81,10 @@ class ModelConfig:
         if not isinstance(arch, str):
             raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
                                  "expected a string")
-        if arch not in ARCHITECTURES:
-            raise LlamatuneError(f"{source}: architecture '{arch}' is not supported "
-                                 f"(supported: {', '.join(ARCHITECTURES)})")
+        try:
+            spec = get_arch(arch)
+        except LlamatuneError as e:
+            raise LlamatuneError(f"{source}: {e}") from None
 
         def count(key: str, default: Any = None) -> int:
             """A positive integer hyperparameter `{arch}.key` (llama.cpp holds them as int32)."""
@@ -137,6 +133,9 @@ class ModelConfig:
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
+        if spec.read_hparams is not None:
+            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, raw=lambda key, default=None:
+                                                        md.get(f"{arch}.{key}", default)))
         try:
             return cls(**values)
         except LlamatuneError as e:
@@ -162,4 +161,6 @@ class ModelConfig:
         if self.rope_freq_scale != 1.0:
             md[f"{a}.rope.scaling.type"] = "linear"
             md[f"{a}.rope.scaling.factor"] = float(1.0 / self.rope_freq_scale)
+        if self.spec.hparams_metadata is not None:
+            md |= self.spec.hparams_metadata(self)
         return md

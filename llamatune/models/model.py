@@ -21,29 +21,15 @@ from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, Tensor
 from ..formats.tensors import check_finite, check_type
 from ..kernels import dequant
+from .arch import tensor_shape
 from .config import ModelConfig
-
-# Per-layer weights, llama.cpp names. Matrices (n_out, n_in) and which config dims they have.
-LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-LAYER_NORMS = ("attn_norm", "ffn_norm")
-
-
-def matrix_shape(cfg: ModelConfig, kind: str) -> tuple[int, int]:
-    """(n_out, n_in) of a weight kind, as the architecture requires it."""
-    C, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab
-    return {
-        "attn_q": (cfg.n_embd_q, C), "attn_k": (cfg.n_embd_kv, C), "attn_v": (cfg.n_embd_kv, C),
-        "attn_output": (C, cfg.n_embd_q), "ffn_gate": (F, C), "ffn_up": (F, C), "ffn_down": (C, F),
-        "token_embd": (V, C), "output": (V, C),
-    }[kind]
 
 
 @dataclass
 class Layer:
-    attn_norm: np.ndarray        # (C,) f32
-    ffn_norm: np.ndarray         # (C,) f32
-    mats: dict[str, Tensor]      # LAYER_MATRICES -> frozen weight (n_out, n_in), as stored
-    biases: dict[str, np.ndarray]  # qwen2: attn_q/k/v -> (n_out,) f32
+    norms: dict[str, np.ndarray]   # Arch.norms -> (n,) f32
+    mats: dict[str, Tensor]        # Arch.matrices -> frozen weight (n_out, n_in), as stored
+    biases: dict[str, np.ndarray]  # Arch.biases -> (n_out,) f32
 
 
 @dataclass
@@ -80,19 +66,17 @@ def _matrix(f: GGUFFile, name: str, shape: tuple[int, int]) -> Tensor:
 
 
 def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
-    """Map every tensor of the model, checking names and shapes against `cfg`."""
+    """Map every tensor the architecture declares, checking names and shapes against `cfg`."""
+    spec = cfg.spec
     layers = []
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
-        mats = {k: _matrix(f, f"{p}{k}.weight", matrix_shape(cfg, k)) for k in LAYER_MATRICES}
-        biases = {}
-        if cfg.has_qkv_bias:
-            for k in ("attn_q", "attn_k", "attn_v"):
-                biases[k] = _vector(f, f"{p}{k}.bias", matrix_shape(cfg, k)[0])
-        layers.append(Layer(_vector(f, f"{p}attn_norm.weight", cfg.n_embd),
-                            _vector(f, f"{p}ffn_norm.weight", cfg.n_embd), mats, biases))
-    token_embd = _matrix(f, "token_embd.weight", matrix_shape(cfg, "token_embd"))
-    output = _matrix(f, "output.weight", matrix_shape(cfg, "output")) if "output.weight" in f else token_embd
+        layers.append(Layer(
+            {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices},
+            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases}))
+    token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
+    output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if "output.weight" in f else token_embd
     rope_freqs = _vector(f, "rope_freqs.weight", cfg.n_rot // 2) if "rope_freqs.weight" in f else None
     return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers, rope_freqs)
 
@@ -166,9 +150,7 @@ class Model:
         """(name, Tensor) of every weight the model computes with (the tied output once)."""
         names = {"output_norm.weight", "rope_freqs.weight"} | {n for n, _ in self.weights.all_matrices()}
         for i in range(self.config.n_layer):
-            names |= {f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"}
-            if self.config.has_qkv_bias:
-                names |= {f"blk.{i}.{k}.bias" for k in ("attn_q", "attn_k", "attn_v")}
+            names |= set(self.config.spec.layer_tensors(i))
         return [(n, t) for n, t in self.file.tensors.items() if n in names]
 
     @cached_property

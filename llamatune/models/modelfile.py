@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as QType
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.gguf_io import KV, GGUFFile, TensorOut, kv, write_gguf
+from .arch import tensor_shape
 from .config import ModelConfig
-from .model import LAYER_MATRICES, matrix_shape
 
 # llama.cpp's LLAMA_FTYPE for a file whose matrices are all of one type
 FILE_TYPE = {QType.F32: 0, QType.F16: 1, QType.Q4_0: 2, QType.Q4_1: 3, QType.Q8_0: 7, QType.Q5_0: 8,
@@ -39,18 +39,13 @@ def parse_outtype(name: str) -> QType:
 
 def tensor_names(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[int, ...]]:
     """Every tensor of a model with `cfg`, llama.cpp names -> numpy shape, in llama.cpp's order."""
-    names: dict[str, tuple[int, ...]] = {"token_embd.weight": matrix_shape(cfg, "token_embd"),
+    names: dict[str, tuple[int, ...]] = {"token_embd.weight": tensor_shape(cfg, "token_embd"),
                                          "output_norm.weight": (cfg.n_embd,)}
     if not tied:
-        names["output.weight"] = matrix_shape(cfg, "output")
+        names["output.weight"] = tensor_shape(cfg, "output")
     for i in range(cfg.n_layer):
-        p = f"blk.{i}."
-        names[p + "attn_norm.weight"] = (cfg.n_embd,)
-        for k in LAYER_MATRICES:
-            names[f"{p}{k}.weight"] = matrix_shape(cfg, k)
-            if cfg.has_qkv_bias and k in ("attn_q", "attn_k", "attn_v"):
-                names[f"{p}{k}.bias"] = (matrix_shape(cfg, k)[0],)
-        names[p + "ffn_norm.weight"] = (cfg.n_embd,)
+        for kind, name in zip(cfg.spec.layer, cfg.spec.layer_tensors(i)):
+            names[name] = tensor_shape(cfg, kind)
     return names
 
 

@@ -29,8 +29,8 @@ class FrozenBase:
         self.tensors = dict(w.all_matrices())
         vectors = {"output_norm.weight": w.output_norm}
         for i, layer in enumerate(w.layers):
-            vectors[f"blk.{i}.attn_norm.weight"] = layer.attn_norm
-            vectors[f"blk.{i}.ffn_norm.weight"] = layer.ffn_norm
+            for k, v in layer.norms.items():
+                vectors[f"blk.{i}.{k}.weight"] = v
             for k, b in layer.biases.items():
                 vectors[f"blk.{i}.{k}.bias"] = b
         self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}

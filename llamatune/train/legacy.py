@@ -55,8 +55,8 @@ import numpy as np
 from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, kv
 from ..formats.tensors import float_array
+from ..models.arch import tensor_shape
 from ..models.config import ModelConfig
-from ..models.model import matrix_shape
 from ..models.modelfile import tensor_names, vocab_kvs
 from ..options import FinetuneOptions
 from . import checkpoint as ckpt
@@ -84,7 +84,7 @@ def kind_of(weight: str) -> str:
 def base_shape(cfg: ModelConfig, weight: str) -> tuple[int, int]:
     """(n_out, n_in) of a base weight; norms (C,) count as (1, C)."""
     kind = kind_of(weight)
-    return (1, cfg.n_embd) if kind.endswith("norm") else matrix_shape(cfg, kind)
+    return (1, cfg.n_embd) if kind.endswith("norm") else tensor_shape(cfg, kind)
 
 
 # --------------------------------------------------------------------------- 2023 files

@@ -21,8 +21,8 @@ import numpy as np
 
 from ..errors import LlamatuneError
 from ..formats.adapter import LoraAdapter, expected_shapes
+from ..models.arch import tensor_shape
 from ..models.config import ModelConfig
-from ..models.model import LAYER_MATRICES, matrix_shape
 from .params import ParamBuffer, ParamSpec
 
 
@@ -50,14 +50,12 @@ def lora_targets(cfg: ModelConfig, ranks: dict[str, int], alpha: float, tied: bo
         raise LlamatuneError("this model ties output and token_embd (one tensor): llama.cpp would apply a "
                              "token_embd or output adapter to both, so --rank-tok-embd/--rank-out must be 0")
     names: list[tuple[str, str, tuple[int, ...]]] = [
-        ("token_embd.weight", "token_embd", matrix_shape(cfg, "token_embd")),
+        ("token_embd.weight", "token_embd", tensor_shape(cfg, "token_embd")),
         ("output_norm.weight", "output_norm", (cfg.n_embd,)),
-        ("output.weight", "output", matrix_shape(cfg, "output")),
+        ("output.weight", "output", tensor_shape(cfg, "output")),
     ]
-    for i in range(cfg.n_layer):
-        names.append((f"blk.{i}.attn_norm.weight", "attn_norm", (cfg.n_embd,)))
-        names += [(f"blk.{i}.{k}.weight", k, matrix_shape(cfg, k)) for k in LAYER_MATRICES]
-        names.append((f"blk.{i}.ffn_norm.weight", "ffn_norm", (cfg.n_embd,)))
+    for i in range(cfg.n_layer):                                   # the architecture's layer tensors, file order
+        names += [(f"blk.{i}.{k}.weight", k, tensor_shape(cfg, k)) for k in cfg.spec.layer if "." not in k]
     targets = []
     for weight, kind, shape in names:
         r = ranks.get(kind, 0)
