@@ -160,13 +160,13 @@ def test_lora_gradients_every_kind(model):
     cfg = model.config
     ranks = all_ranks(cfg, tied=TIED[cfg.arch])
     assert set(cfg.spec.norms) <= set(ranks)
-    assert check_lora_gradients(model, ranks, "selective") < 1e-5
+    assert check_lora_gradients(model, ranks, "selective", n_probe=150) < 1e-5
 
 
-@pytest.mark.parametrize("mode", ["layer", "none"])
-def test_lora_gradients_other_modes_packed(model, mode):
+def test_lora_gradients_packed_rows_layer_mode(model):
+    """Packed rows: the sliding window counts within each sample."""
     cfg = model.config
-    assert check_lora_gradients(model, all_ranks(cfg, tied=TIED[cfg.arch]), mode, n_probe=120, packed=True) < 1e-5
+    assert check_lora_gradients(model, all_ranks(cfg, tied=TIED[cfg.arch]), "layer", n_probe=60, packed=True) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -179,4 +179,4 @@ def test_checkpointing_modes_identical(model, dtype):
 def test_dense_gradients(arch):
     small = dict(n_embd=16, n_ff=24, n_head=2, n_head_kv=1, head_dim=6, n_rot=6, n_vocab=40)
     cfg = tiny_config(arch, **(CONFIGS[arch] | small))
-    assert check_dense_gradients(cfg, tied=TIED[arch]) < 1e-5
+    assert check_dense_gradients(cfg, tied=TIED[arch], n_probe=100) < 1e-5

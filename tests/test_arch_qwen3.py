@@ -43,11 +43,10 @@ def test_forward_matches_numpy(qwen3):
     check_forward(qwen3, BLOCK)
 
 
-@pytest.mark.parametrize("mode", ["selective", "layer"])
-def test_lora_gradients_every_kind(qwen3, mode):
+def test_lora_gradients_every_kind(qwen3):
     ranks = all_ranks(qwen3.config, tied=False)
     assert {"attn_q_norm", "attn_k_norm", "output", "token_embd"} <= set(ranks)
-    assert check_lora_gradients(qwen3, ranks, mode) < 1e-5
+    assert check_lora_gradients(qwen3, ranks, "layer", n_probe=150) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -57,4 +56,4 @@ def test_checkpointing_modes_identical(qwen3, dtype):
 
 def test_dense_gradients():
     cfg = tiny_config("qwen3", n_embd=16, n_ff=24, n_head=2, n_head_kv=1, head_dim=6, n_rot=6, n_vocab=40)
-    assert check_dense_gradients(cfg, tied=False) < 1e-5
+    assert check_dense_gradients(cfg, tied=False, n_probe=100) < 1e-5
