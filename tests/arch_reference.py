@@ -248,3 +248,58 @@ def check_modes_identical(model, ranks, dtype, packed=False):
     for mode in ("layer", "none"):
         assert out[mode][0] == loss, mode
         np.testing.assert_array_equal(out[mode][1], grad, err_msg=mode)
+
+
+# --------------------------------------------------------------------------- llama.cpp figures
+# tiny seeded models whose llama-perplexity bench/arch_crosscheck.py --record writes to
+# tests/fixtures/arch_llamacpp.json (test_arch_llamacpp.py rebuilds them and compares)
+LLAMACPP_SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
+                      n_rot=16, n_layer=2, norm_eps=1e-6)
+LLAMACPP_MODELS = {
+    "qwen3": dict(LLAMACPP_SHAPE, head_dim=24, n_rot=24, rope_freq_base=1e6),
+    "gemma": dict(LLAMACPP_SHAPE),
+    "gemma2": dict(LLAMACPP_SHAPE, n_layer=3, attn_softcap=5.0, final_softcap=8.0, sliding_window=8, swa_pattern=2),
+    # 5:1 sliding-window layers with base 10000; the global one with base 1e6 and linear scaling x2
+    "gemma3": dict(LLAMACPP_SHAPE, n_layer=6, sliding_window=8, swa_pattern=6, rope_freq_base=1e6,
+                   rope_freq_scale=0.5, rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0),
+}
+LLAMACPP_TIED = {"qwen3": False, "gemma": True, "gemma2": True, "gemma3": True}
+
+
+@dataclass
+class LlamacppCase:
+    name: str            # key in arch_llamacpp.json
+    model: object        # Path
+    adapter: object      # Path or None
+    exact: bool          # F32: llama.cpp without activation rounding (-fa off, F32 KV)
+
+
+def llamacpp_models(work, archs=None) -> list[LlamacppCase]:
+    """Write the tiny models (F32 and Q8_0) and a seeded adapter per architecture into `work`."""
+    from pathlib import Path
+
+    from gguf import GGMLQuantizationType as QType
+    from conftest import TEXT
+    from llamatune.formats.adapter import LoraAdapter, write_adapter
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import tensor_names, train_spm_vocab, write_model
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    vocab = train_spm_vocab(TEXT, 400)
+    cases = []
+    for arch in archs or LLAMACPP_MODELS:
+        cfg = ModelConfig(arch=arch, **LLAMACPP_MODELS[arch])
+        w = random_model_weights(cfg, seed=21, std=0.1, tied=LLAMACPP_TIED[arch])
+        rng = np.random.default_rng(22)
+        adapter = LoraAdapter(arch, 8.0)
+        for name, shape in tensor_names(cfg, tied=LLAMACPP_TIED[arch]).items():
+            if name.startswith("blk.") and len(shape) == 2:
+                adapter.pairs[name] = (rng.normal(0, 0.2, (4, shape[1])).astype(np.float32),
+                                       rng.normal(0, 0.2, (shape[0], 4)).astype(np.float32))
+        write_adapter(work / f"{arch}-adapter.gguf", adapter)
+        for qtype, exact in ((QType.F32, True), (QType.Q8_0, False)):
+            path = work / f"{arch}-{qtype.name}.gguf"
+            write_model(path, cfg, w, vocab, qtype)
+            cases += [LlamacppCase(f"{arch} {qtype.name}", path, None, exact),
+                      LlamacppCase(f"{arch} {qtype.name} +adapter", path, work / f"{arch}-adapter.gguf", exact)]
+    return cases
