@@ -198,6 +198,7 @@ class Graph:
             self.rope_host.append((cos, sin))
             self.rope_rows.append((dcos, dsin))
         self.ropes = self.rope_rows                    # the step's tables, per rope set
+        self.rope_buffers = {k: v for k, v in buf.items() if k.startswith("rope_")}
         self.segments = None
         self.step_key = (0,)
 
@@ -205,6 +206,15 @@ class Graph:
     @property
     def checkpointing(self) -> bool:
         return self.mode != "none"
+
+    @property
+    def cos(self) -> np.ndarray:
+        """The step's rope cos table of the first rope set (every layer's, for most models)."""
+        return self.ropes[0][0]
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self.ropes[0][1]
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
