@@ -10,6 +10,7 @@ import pytest
 
 from arch_reference import all_ranks, lora_setup, write_arch_model
 from conftest import tiny_config
+from test_cuda_e2e import cuda  # noqa: F401  (the fixture: the CUDA backend, or a skip)
 
 pytestmark = pytest.mark.cuda
 
@@ -20,16 +21,6 @@ CONFIGS = {
     "gemma3": dict(MICRO, sliding_window=3, swa_pattern=2, rope_freq_base=1e6, rope_freq_scale=0.5,
                    rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0),
 }
-
-
-@pytest.fixture(scope="module")
-def cuda():
-    from llamatune.backend import get_backend
-    from llamatune.errors import LlamatuneError
-    try:
-        return get_backend("cuda")
-    except LlamatuneError as e:
-        pytest.skip(f"no CUDA device or simulator: {e}")
 
 
 @pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.slow),
