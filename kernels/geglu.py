@@ -29,7 +29,7 @@ it is written, so h may be g or u, and dg/du may alias dh, g or u element for el
 import numpy as np
 from numba import njit, prange
 
-from ._checks import check_array
+from ._checks import check_gate
 
 # float32 constants keep float32 maths in float32 and promote exactly under float64
 _HALF = np.float32(0.5)
@@ -39,6 +39,12 @@ _COEF_A = np.float32(0.044715)  # ggml's GELU_COEF_A
 _COEF_3A = np.float32(3 * 0.044715)  # d/dx of x * (1 + A x^2)
 
 
+@njit(inline="always")
+def _tanh_of(x):
+    # t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)), ggml_gelu_f32's operation order
+    return np.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
+
+
 @njit(cache=True, parallel=True)
 def _geglu_forward_kernel(h, g, u):
     # h, g, u (N, F)
@@ -46,8 +52,7 @@ def _geglu_forward_kernel(h, g, u):
     for n in prange(N):
         for f in range(F):
             x = g[n, f]
-            t = np.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
-            h[n, f] = _HALF * x * (_ONE + t) * u[n, f]
+            h[n, f] = _HALF * x * (_ONE + _tanh_of(x)) * u[n, f]
 
 
 @njit(cache=True, parallel=True)
@@ -57,7 +62,7 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
     for n in prange(N):
         for f in range(F):
             x = g[n, f]
-            t = np.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
+            t = _tanh_of(x)
             d = dh[n, f]
             dgelu = _HALF * (_ONE + t) + _HALF * x * (_ONE - t * t) * _SQRT_2_OVER_PI * (
                 _ONE + _COEF_3A * x * x)
@@ -65,23 +70,15 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
             du[n, f] = d * (_HALF * x * (_ONE + t))
 
 
-def _check_all(**arrays):
-    g = arrays["g"]
-    if not isinstance(g, np.ndarray) or g.ndim != 2 or g.dtype not in (np.float32, np.float64):
-        raise ValueError("geglu: g must be a 2-D float32 or float64 array (N, F)")
-    for name, a in arrays.items():
-        check_array("geglu", name, a, g.shape, g.dtype)
-
-
 def geglu_forward(h, g, u):
     """h (N, F) = gelu_tanh(g) * u (overwritten); g, u (N, F)."""
-    _check_all(h=h, g=g, u=u)
+    check_gate("geglu", dict(h=h, g=g, u=u))
     _geglu_forward_kernel(h, g, u)
 
 
 def geglu_backward(dg, du, dh, g, u):
     """dg, du (N, F) = dL/dg, dL/du (overwritten); dh, g, u (N, F)."""
-    _check_all(dg=dg, du=du, dh=dh, g=g, u=u)
+    check_gate("geglu", dict(dg=dg, du=du, dh=dh, g=g, u=u))
     _geglu_backward_kernel(dg, du, dh, g, u)
 
 

@@ -40,17 +40,23 @@ def _softcap_backward_kernel(dx, dy, y, inv):
         dx[i] = dy[i] * (_ONE - t * t)
 
 
+def cap_scalars(cap, dtype):
+    """(cap, 1/cap) as dtype scalars (1/cap rounded from the rounded cap, as ggml);
+    ValueError unless cap is a finite number > 0."""
+    if not (isinstance(cap, (int, float, np.floating, np.integer)) and math.isfinite(cap)
+            and cap > 0):
+        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
+    dt = np.dtype(dtype).type
+    return dt(cap), dt(1) / dt(cap)
+
+
 def _check_all(cap, **arrays):
     first = next(iter(arrays.values()))
     if not isinstance(first, np.ndarray) or first.dtype not in (np.float32, np.float64):
         raise ValueError(f"softcap: {next(iter(arrays))} must be a float32 or float64 array")
     for name, a in arrays.items():
         check_array("softcap", name, a, first.shape, first.dtype)
-    if not (isinstance(cap, (int, float, np.floating, np.integer)) and math.isfinite(cap)
-            and cap > 0):
-        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
-    dt = first.dtype.type
-    return dt(cap), dt(1) / dt(cap)
+    return cap_scalars(cap, first.dtype)
 
 
 def softcap_forward(y, x, cap):

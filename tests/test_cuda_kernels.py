@@ -234,26 +234,32 @@ def test_rope_argument_checks():
         kc.rope.rope_forward(x, x, dev(np.zeros((2, 2, 2), F32)), cs, 4, rope.ROPE_NORM)
 
 
-# --------------------------------------------------------------------- swiglu
-def test_swiglu():
+# ------------------------------------------------------------- swiglu, geglu
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gate(name):
+    """The elementwise gates (same calling convention): silu(g) * u and gelu_tanh(g) * u."""
+    cpu, gpu = globals()[name], getattr(kc, name)
+    forward, backward = getattr(gpu, name + "_forward"), getattr(gpu, name + "_backward")
     rng = np.random.default_rng(4)
     N, F = 3, 21
     g, u, dout = 4 * randn(rng, N, F), randn(rng, N, F), randn(rng, N, F)
     want = np.zeros((N, F), F32)
-    swiglu.swiglu_forward_ref(want, g, u)
+    getattr(cpu, name + "_forward_ref")(want, g, u)
     out = nan_dev((N, F))
-    kc.swiglu.swiglu_forward(out, dev(g), dev(u))
+    forward(out, dev(g), dev(u))
     np.testing.assert_allclose(host(out), want, **TOL32)
     dg_ref, du_ref = np.zeros((N, F), F32), np.zeros((N, F), F32)
-    swiglu.swiglu_backward_ref(dg_ref, du_ref, dout, g, u)
+    getattr(cpu, name + "_backward_ref")(dg_ref, du_ref, dout, g, u)
     dg, du = nan_dev((N, F)), nan_dev((N, F))
-    kc.swiglu.swiglu_backward(dg, du, dev(dout), dev(g), dev(u))
+    backward(dg, du, dev(dout), dev(g), dev(u))
     np.testing.assert_allclose(host(dg), dg_ref, **TOL32)
     np.testing.assert_allclose(host(du), du_ref, **TOL32)
     gd, ud = dev(g), dev(u)  # in place: dg over g, du over u
-    kc.swiglu.swiglu_backward(gd, ud, dev(dout), gd, ud)
+    backward(gd, ud, dev(dout), gd, ud)
     np.testing.assert_array_equal(host(gd), host(dg))
     np.testing.assert_array_equal(host(ud), host(du))
+    with pytest.raises(ValueError, match=f"{name}: u must be a C-contiguous float32 device array"):
+        forward(out, dev(g), dev(u[:, :5]))
 
 
 # -------------------------------------------------------------- cross-entropy
@@ -437,29 +443,6 @@ def test_attention_argument_checks():
 
 
 # ------------------------------------------- ops of the newer architectures
-def test_geglu():
-    rng = np.random.default_rng(30)
-    N, F = 3, 21
-    g, u, dh = 4 * randn(rng, N, F), randn(rng, N, F), randn(rng, N, F)
-    want = np.zeros((N, F), F32)
-    geglu.geglu_forward_ref(want, g, u)
-    h = nan_dev((N, F))
-    kc.geglu.geglu_forward(h, dev(g), dev(u))
-    np.testing.assert_allclose(host(h), want, **TOL32)
-    dg_ref, du_ref = np.zeros((N, F), F32), np.zeros((N, F), F32)
-    geglu.geglu_backward_ref(dg_ref, du_ref, dh, g, u)
-    dg, du = nan_dev((N, F)), nan_dev((N, F))
-    kc.geglu.geglu_backward(dg, du, dev(dh), dev(g), dev(u))
-    np.testing.assert_allclose(host(dg), dg_ref, **TOL32)
-    np.testing.assert_allclose(host(du), du_ref, **TOL32)
-    gd, ud = dev(g), dev(u)  # in place: dg over g, du over u
-    kc.geglu.geglu_backward(gd, ud, dev(dh), gd, ud)
-    np.testing.assert_array_equal(host(gd), host(dg))
-    np.testing.assert_array_equal(host(ud), host(du))
-    with pytest.raises(ValueError, match="geglu: u must be"):
-        kc.geglu.geglu_forward(h, dev(g), dev(u[:, :5]))
-
-
 def test_softcap():
     rng = np.random.default_rng(31)
     N, V, cap = 2, 300, 30.0  # 600 values: three blocks, the last partial

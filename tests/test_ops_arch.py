@@ -9,6 +9,7 @@ The CUDA twins are tested in test_cuda_kernels.py."""
 import numpy as np
 import pytest
 from fdcheck import fd_check
+from test_kernels import impls, qkv, randn
 
 from llamatune.kernels import attention, geglu, rmsnorm, softcap
 
@@ -18,16 +19,6 @@ FD_TOL = dict(rtol=1e-6, atol=1e-8)  # finite differences in float64
 # attention: float32 gradients that should be 0 (a token alone in its window) come out
 # as the rounding of dP - rowsum(P dP), ~1e-6
 TOL_ATT = dict(rtol=1e-5, atol=2e-6)
-
-
-def randn(rng, *shape, dtype=F32):
-    return rng.standard_normal(shape).astype(dtype)
-
-
-def impls(module, *names):
-    """(numba wrapper, numpy reference) pairs, one pytest param per implementation."""
-    return [pytest.param(tuple(getattr(module, n + sfx) for n in names), id=tag)
-            for sfx, tag in (("", "numba"), ("_ref", "ref"))]
 
 
 # ---------------------------------------------------------------------------- geglu
@@ -158,14 +149,6 @@ def test_softcap_fd(fns):
 
 
 # ------------------------------------------------------------------------ attention
-
-def qkv(rng, B, T, NH, NKV, HS, n_past=0, dtype=F32):
-    S = n_past + T
-    q = randn(rng, B, T, NH, HS, dtype=dtype)
-    k_cache = randn(rng, B, S + 3, NKV, HS, dtype=dtype)  # longer cache, sliced
-    v_cache = randn(rng, B, S + 3, NKV, HS, dtype=dtype)
-    return q, k_cache[:, :S], v_cache[:, :S]
-
 
 def run_attention(fwd, bwd, q, k, v, n_past=0, segments=None, dout=None, **opts):
     """[out, lse] and, with dout, [dq, dk, dv] (outputs prefilled with NaN)."""

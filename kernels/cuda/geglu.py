@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from ._common import cdiv, check, check_ndim, cuda
+from ._common import cdiv, check_gate, cuda
 
 _THREADS = 256
 _HALF = np.float32(0.5)
@@ -29,6 +29,12 @@ _COEF_3A = np.float32(3 * 0.044715)
 __all__ = ["geglu_forward", "geglu_backward"]
 
 
+@cuda.jit(device=True)
+def _tanh_of(x):
+    # t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)), ggml_gelu_f32's operation order
+    return np.float32(math.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x)))
+
+
 @cuda.jit
 def _geglu_forward_kernel(h, g, u):
     # h, g, u (N, F)
@@ -38,8 +44,7 @@ def _geglu_forward_kernel(h, g, u):
         n = idx // F
         f = idx % F
         x = g[n, f]
-        t = np.float32(math.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x)))
-        h[n, f] = _HALF * x * (_ONE + t) * u[n, f]
+        h[n, f] = _HALF * x * (_ONE + _tanh_of(x)) * u[n, f]
 
 
 @cuda.jit
@@ -52,29 +57,22 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
         x = g[n, f]
         uu = u[n, f]
         d = dh[n, f]
-        t = np.float32(math.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x)))
+        t = _tanh_of(x)
         dgelu = _HALF * (_ONE + t) + _HALF * x * (_ONE - t * t) * _SQRT_2_OVER_PI * (
             _ONE + _COEF_3A * x * x)
         dg[n, f] = d * uu * dgelu
         du[n, f] = d * (_HALF * x * (_ONE + t))
 
 
-def _check_all(**arrays):
-    shape = check_ndim("geglu", "g", arrays["g"], 2, np.float32)
-    for name, a in arrays.items():
-        check("geglu", name, a, shape, np.float32)
-    return shape
-
-
 def geglu_forward(h, g, u) -> None:
     """h (N, F) = gelu_tanh(g) * u (overwritten); g, u (N, F); float32 device arrays."""
-    N, F = _check_all(h=h, g=g, u=u)
+    N, F = check_gate("geglu", dict(h=h, g=g, u=u))
     if N * F:
         _geglu_forward_kernel[cdiv(N * F, _THREADS), _THREADS](h, g, u)
 
 
 def geglu_backward(dg, du, dh, g, u) -> None:
     """dg, du (N, F) = dL/dg, dL/du (overwritten); dh, g, u (N, F)."""
-    N, F = _check_all(dg=dg, du=du, dh=dh, g=g, u=u)
+    N, F = check_gate("geglu", dict(dg=dg, du=du, dh=dh, g=g, u=u))
     if N * F:
         _geglu_backward_kernel[cdiv(N * F, _THREADS), _THREADS](dg, du, dh, g, u)

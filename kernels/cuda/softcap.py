@@ -13,7 +13,8 @@ import math
 
 import numpy as np
 
-from ._common import cdiv, check, describe, is_device_array, cuda
+from ..softcap import cap_scalars
+from ._common import cdiv, check, cuda, describe, is_device_array
 
 _THREADS = 256
 _ONE = np.float32(1.0)
@@ -44,11 +45,7 @@ def _check_all(cap, **arrays):
         raise ValueError(f"softcap: {name} must be a float32 device array, got {describe(first)}")
     for name, a in arrays.items():
         check("softcap", name, a, first.shape, np.float32)
-    if not (isinstance(cap, (int, float, np.floating, np.integer)) and math.isfinite(cap)
-            and cap > 0):
-        raise ValueError(f"softcap: cap must be a finite number > 0, got {cap!r}")
-    n = int(np.prod(first.shape))
-    return n, np.float32(cap), np.float32(1) / np.float32(cap)
+    return (int(np.prod(first.shape)), *cap_scalars(cap, np.float32))
 
 
 def softcap_forward(y, x, cap) -> None:
