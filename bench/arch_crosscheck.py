@@ -11,7 +11,7 @@ Two parts, per architecture:
   B. a model with some structure: a random model (vocabulary: SentencePiece trained on
      shakespeare.txt) is finetuned by llamatune (LoRA, every matrix, high rate) and the
      adapter merged in (export-lora): that is the base. A second adapter is trained on it.
-     Perplexity of shakespeare-eval.txt (llama-perplexity protocol) in both tools,
+     Perplexity of the first EVAL_CHARS of shakespeare-eval.txt (-c 128) in both tools,
      F32 exactly (no activation rounding: -fa off, F32 KV cache) and Q8_0 (llama.cpp
      rounds activations to 8 bits), with and without the adapter (llama-perplexity
      --lora), and the greedy text of both tools for one prompt.
@@ -41,6 +41,7 @@ RECORD = HERE.parent / "tests" / "fixtures" / "arch_llamacpp.json"
 PROMPT = "ROMEO:"
 TOL_EXACT = 2e-4          # F32, no activation rounding (ggml's CPU gelu is a float16 table: see kernels/geglu.py)
 TOL_Q8 = 5e-3             # Q8_0: llama.cpp rounds activations to 8 bits
+EVAL_CHARS = 12000        # part B scores the first characters of shakespeare-eval.txt
 
 # the structured models of part B: small, but every option of the family in use
 SHAPE = dict(n_vocab=1000, n_ctx_train=256, n_embd=128, n_ff=256, n_head=4, n_head_kv=2, head_dim=32, n_rot=32,
@@ -142,12 +143,17 @@ def structured(c: lc.Ctx, arch: str, vocab: list) -> None:
     tensors = {n: np.array(t.data, np.float32).reshape(t.shape) for n, t in f.tensors.items()}   # F32 base
     write_model(q8, ModelConfig.from_metadata(f.metadata, str(base)), tensors, vocab_kvs(f), QType.Q8_0)
 
+    text = d / "eval-part.txt"
+    text.write_text(lc.EVAL.read_text(encoding="utf-8")[:EVAL_CHARS], encoding="utf-8")
     for label, model, exact in (("F32 exact", base, True), ("Q8_0", q8, False)):
         for with_lora in (False, True):
             lora = ["--lora", adapter] if with_lora else []
             name = f"{arch} {label}" + (" +adapter" if with_lora else "")
-            cpp = lc.cpp_ppl(c, f"llama-perplexity {name}", model, 128, lora, exact=exact)
-            lt = lc.lt_ppl(c, f"llamatune perplexity {name}", model, 128, lora)
+            cpp = lc.ppl_of(lc.run_cpp_complete(c, f"llama-perplexity {name}", [
+                c.cpp("llama-perplexity"), "-m", model, "-f", text, "-c", 128, "-b", 128, "-t", c.threads, *lora,
+                *(lc.CPP_EXACT if exact else [])], lc.PPL_RE), name)
+            lt = lc.ppl_of(c.lt(f"llamatune perplexity {name}", "perplexity", "-m", model, "-f", text, "-c", 128,
+                                "-b", 128, *lora), name)
             tol = TOL_EXACT if exact else TOL_Q8
             c.add("B", f"ppl {name}", f"{lt:.4f}", f"{cpp:.4f}", f"{lc.rel(lt, cpp):+.2e}", abs(lc.rel(lt, cpp)) < tol)
     for with_lora in (False, True):
