@@ -180,3 +180,24 @@ def test_dense_gradients(arch):
     small = dict(n_embd=16, n_ff=24, n_head=2, n_head_kv=1, head_dim=6, n_rot=6, n_vocab=40)
     cfg = tiny_config(arch, **(CONFIGS[arch] | small))
     assert check_dense_gradients(cfg, tied=TIED[arch], n_probe=100) < 1e-5
+
+
+def test_packed_rows_equal_samples_alone(model):
+    """Two samples packed in one row give the per-token losses they give alone: rope
+    positions (both rope caches) restart, attention (sliding window included) stays in each."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.params import ParamBuffer
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(0, cfg.n_vocab, 5), rng.integers(0, cfg.n_vocab, 6)
+    ta, tb = rng.integers(0, cfg.n_vocab, 5), rng.integers(0, cfg.n_vocab, 6)
+    alone = []
+    for x, t in ((a, ta), (b, tb)):
+        g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, len(x), dtype=np.float64)
+        g.loss(x[None], t[None], np.ones((1, len(x))))
+        alone.append(g.losses.copy())
+    g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, 11, dtype=np.float64)
+    g.loss(np.concatenate([a, b])[None], np.concatenate([ta, tb])[None], np.ones((1, 11)),
+           positions=np.concatenate([np.arange(5), np.arange(6)])[None], segments=np.array([[0] * 5 + [1] * 6]))
+    np.testing.assert_allclose(g.losses, np.concatenate(alone), rtol=1e-12, atol=1e-12)
