@@ -201,3 +201,18 @@ def test_packed_rows_equal_samples_alone(model):
     g.loss(np.concatenate([a, b])[None], np.concatenate([ta, tb])[None], np.ones((1, 11)),
            positions=np.concatenate([np.arange(5), np.arange(6)])[None], segments=np.array([[0] * 5 + [1] * 6]))
     np.testing.assert_allclose(g.losses, np.concatenate(alone), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3", "qwen3"])
+def test_new_model_of_a_family_round_trips(arch, tmp_path, tiny_vocab):
+    """ModelConfig.new (train-from-scratch) gives the family's defaults, and the file the
+    writer makes of it reads back as the same config."""
+    from llamatune.models.modelfile import random_weights, write_model
+    cfg = ModelConfig.new(arch, n_vocab=400, n_ctx_train=64, n_embd=32, n_layer=2, n_ff=64, n_head=4,
+                          n_head_kv=2, head_dim=8, n_rot=8, norm_eps=1e-6)
+    write_model(tmp_path / "m.gguf", cfg, random_weights(cfg), tiny_vocab)
+    assert Model(tmp_path / "m.gguf").config == cfg
+    if arch == "gemma2":
+        assert (cfg.attn_softcap, cfg.final_softcap, cfg.sliding_window, cfg.swa_pattern) == (50.0, 30.0, 4096, 2)
+    if arch == "gemma3":
+        assert cfg.rope_params(0) == (10000.0, 1.0) and cfg.rope_params(5) == (1e6, 1.0)

@@ -58,6 +58,9 @@ class Arch:
     activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma
     tied: bool = False                # the head is always token_embd (llama.cpp never reads `output`)
+    # ModelConfig values a new model of the family gets (train-from-scratch: ModelConfig.new),
+    # the same numbers read_hparams falls back to, as llama.cpp's defaults for absent keys
+    defaults: tuple[tuple[str, Any], ...] = ()
     # attention scale, soft-capping, sliding windows and per-layer rope come from
     # ModelConfig fields (read_hparams fills them); their defaults are llama's
 

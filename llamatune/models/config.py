@@ -119,6 +119,12 @@ class ModelConfig:
         return self.spec.rope_mode
 
     @classmethod
+    def new(cls, arch: str, **values) -> "ModelConfig":
+        """A config for a new model of `arch` (train-from-scratch): the family's defaults
+        (Arch.defaults: gemma2's soft-caps and window, ...) overridden by `values`."""
+        return cls(arch=arch, **(dict(get_arch(arch).defaults) | values))
+
+    @classmethod
     def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
         """Build from a GGUF metadata dict; `source` (the file name) prefixes every error."""
         arch = md.get("general.architecture")

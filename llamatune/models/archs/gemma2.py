@@ -36,11 +36,14 @@ def swa_pattern(read, default: int) -> int:
     return default if value is None else read.count("attention.sliding_window_pattern")
 
 
+DEFAULTS = dict(attn_softcap=50.0, final_softcap=30.0, sliding_window=4096, swa_pattern=2)   # llama.cpp's
+
+
 def read_hparams(read) -> dict:
-    values = dict(attn_softcap=read.number("attn_logit_softcapping", 50.0),
-                  final_softcap=read.number("final_logit_softcapping", 30.0),
-                  sliding_window=read.count("attention.sliding_window", 4096),
-                  swa_pattern=swa_pattern(read, 2))
+    values = dict(attn_softcap=read.number("attn_logit_softcapping", DEFAULTS["attn_softcap"]),
+                  final_softcap=read.number("final_logit_softcapping", DEFAULTS["final_softcap"]),
+                  sliding_window=read.count("attention.sliding_window", DEFAULTS["sliding_window"]),
+                  swa_pattern=swa_pattern(read, DEFAULTS["swa_pattern"]))
     if read.raw("rope.freq_base_swa") is not None:
         values["rope_freq_base_swa"] = read.number("rope.freq_base_swa")
     return values | big_model_scale(read, BIG_MODEL_LAYERS)
@@ -50,7 +53,7 @@ def hparams_metadata(cfg) -> dict:
     a = cfg.arch
     md = {f"{a}.attn_logit_softcapping": cfg.attn_softcap, f"{a}.final_logit_softcapping": cfg.final_softcap,
           f"{a}.attention.sliding_window": cfg.sliding_window}
-    if cfg.swa_pattern != 2:
+    if cfg.swa_pattern != DEFAULTS["swa_pattern"]:
         md[f"{a}.attention.sliding_window_pattern"] = cfg.swa_pattern
     if cfg.rope_freq_base_swa:
         md[f"{a}.rope.freq_base_swa"] = cfg.rope_freq_base_swa
@@ -58,4 +61,5 @@ def hparams_metadata(cfg) -> dict:
 
 
 ARCH = Arch(name="gemma2", rope_mode=NEOX, layer=block_layer(post_norms=True), activation="gelu",
-            embd_scale=True, tied=True, read_hparams=read_hparams, hparams_metadata=hparams_metadata)
+            embd_scale=True, tied=True, read_hparams=read_hparams, hparams_metadata=hparams_metadata,
+            defaults=tuple(DEFAULTS.items()))

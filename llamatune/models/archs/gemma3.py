@@ -18,6 +18,10 @@ from .gemma2 import big_model_scale, swa_pattern
 
 BIG_MODEL_LAYERS = 62       # llama.cpp's LLM_TYPE_27B for gemma3
 LOCAL_ROPE_BASE = 10000.0   # llama.cpp's rope_freq_base_train_swa default
+PATTERN = 6                 # llama.cpp's load_swa_pattern(ml, 6)
+# a new gemma3 (train-from-scratch): Gemma 3 1B's window and global rope base
+DEFAULTS = dict(sliding_window=512, swa_pattern=PATTERN, rope_freq_base=1e6,
+                rope_freq_base_swa=LOCAL_ROPE_BASE, rope_freq_scale_swa=1.0)
 
 
 def read_hparams(read) -> dict:
@@ -25,7 +29,8 @@ def read_hparams(read) -> dict:
     if read.raw("final_logit_softcapping"):
         values["final_softcap"] = read.number("final_logit_softcapping")
     if read.raw("attention.sliding_window"):
-        values |= dict(sliding_window=read.count("attention.sliding_window"), swa_pattern=swa_pattern(read, 6),
+        values |= dict(sliding_window=read.count("attention.sliding_window"),
+                       swa_pattern=swa_pattern(read, PATTERN),
                        rope_freq_base_swa=read.number("rope.freq_base_swa", LOCAL_ROPE_BASE),
                        rope_freq_scale_swa=1.0)
     return values
@@ -37,7 +42,7 @@ def hparams_metadata(cfg) -> dict:
         md[f"{a}.final_logit_softcapping"] = cfg.final_softcap
     if cfg.sliding_window:
         md[f"{a}.attention.sliding_window"] = cfg.sliding_window
-        if cfg.swa_pattern != 6:
+        if cfg.swa_pattern != PATTERN:
             md[f"{a}.attention.sliding_window_pattern"] = cfg.swa_pattern
         if cfg.rope_freq_base_swa != LOCAL_ROPE_BASE:
             md[f"{a}.rope.freq_base_swa"] = cfg.rope_freq_base_swa
@@ -45,4 +50,5 @@ def hparams_metadata(cfg) -> dict:
 
 
 ARCH = Arch(name="gemma3", rope_mode=NEOX, layer=block_layer(qk_norm=True, post_norms=True), activation="gelu",
-            embd_scale=True, read_hparams=read_hparams, hparams_metadata=hparams_metadata)
+            embd_scale=True, read_hparams=read_hparams, hparams_metadata=hparams_metadata,
+            defaults=tuple(DEFAULTS.items()))
