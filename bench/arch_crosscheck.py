@@ -18,7 +18,7 @@ Two parts, per architecture:
 
     python bench/arch_crosscheck.py [--arch qwen3,gemma,gemma2,gemma3] [--record]
         [--llama-bin /work/llamacpp/build/bin] [--workdir /tmp/llamatune-arch-crosscheck]
-        [--iters 40] [--threads 2]
+        [--iters 120] [--threads 2]
 
 Exit status: 0 every check within tolerance, 1 some check failed, 2 aborted.
 """
@@ -130,13 +130,13 @@ def structured(c: lc.Ctx, arch: str, vocab: list) -> None:
     if not (c.reuse and base.exists()):
         write_model(init, cfg, random_model_weights(cfg, seed=7, std=0.05), vocab, QType.F32)
         c.lt(f"{arch}: structure (finetune)", "finetune", "--model-base", init, *train, "--lora-r", 32,
-             "--adam-iter", c.iters, "--adam-alpha", 3e-3, "--rank-att-norm", 4, "--rank-ffn-norm", 4,
+             "--adam-iter", c.iters, "--adam-alpha", 1e-2, "--rank-att-norm", 4, "--rank-ffn-norm", 4,
              "--checkpoint-out", d / "s-chk-ITERATION.gguf", "--lora-out", d / "s-adapter-ITERATION.gguf")
         c.lt(f"{arch}: merge structure", "export-lora", "-m", init, "--lora", d / "s-adapter-LATEST.gguf", "-o", base)
     adapter = d / "adapter-LATEST.gguf"
     if not (c.reuse and adapter.exists()):
         c.lt(f"{arch}: adapter (finetune)", "finetune", "--model-base", base, *train, "--lora-r", 8,
-             "--adam-iter", max(1, c.iters // 2), "--adam-alpha", 2e-3,
+             "--adam-iter", max(1, c.iters // 4), "--adam-alpha", 3e-3,
              "--checkpoint-out", d / "chk-ITERATION.gguf", "--lora-out", d / "adapter-ITERATION.gguf")
     q8 = d / "base-q8_0.gguf"
     f = GGUFFile(base)
@@ -172,7 +172,7 @@ def main() -> int:
     ap.add_argument("--no-structured", action="store_true", help="skip part B")
     ap.add_argument("--llama-bin", default="/work/llamacpp/build/bin")
     ap.add_argument("--workdir", default="/tmp/llamatune-arch-crosscheck")
-    ap.add_argument("--iters", type=int, default=40, help="finetune steps that give the base its structure")
+    ap.add_argument("--iters", type=int, default=120, help="finetune steps that give the base its structure")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--reuse", action="store_true", help="keep the trained models and adapters in the workdir")
