@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 import struct
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import LlamatuneError
 
@@ -55,6 +55,8 @@ _CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
+           r"|\s+(?!\S)|\s+")
 _CASE = r"((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"   # tekken / gpt-4o: upper* lower+
 _CASE2 = r"((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"  # upper+ lower*
 _TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}|\p{{N}}"
@@ -83,37 +85,93 @@ _DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
               r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
 _STARCODER = [r"\p{N}", _GPT2]
+_SPARK = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+          r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+          r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"]
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
+          "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+          rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+          rf"{_CONTRACTIONS}?|\p{{N}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CASE_M = r"((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"     # granite-embed-multi-97m
+_CASE2_M = r"((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
+_GRANITE_MULTI = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE_M}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2_M}{_CONTRACTIONS}?"
+                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_TINY_AYA = [r"\d{1,3}(?=(?:\d{3})*\b)",
+             rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
+             rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+            r"|\s*[\r\n]|\s+(?!\S)|\s+")
+_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+_UFAKZEKA = _QWEN2[len(_CONTRACTIONS) + 1:]       # qwen2 without the English contractions
+_EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
+               r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
+_JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+          + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"|\s{1,2}(?!\S)|\s{1}")
+_MINICPM5 = [r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
+             r"|\s*[\r\n]+|\s+(?!\S)|\s+"]
+_CHAMELEON = ["<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\\t\\n]|    |  )", r"\p{N}",
+              r"[\p{P}!-/:-@\[-`{-~]", _GPT2]
+_LINES = r"[^\n]+|[\n]+"                           # SPM-style BPE (gemma4, sarvam-moe): lines only
 
-# pre name -> (regexes, clean_spaces, ignore_merges, add_bos default), as in llama_vocab::impl::load
-_PRE: dict[str, tuple[list[str], bool, bool, bool]] = {}
+
+class _Pre(NamedTuple):
+    """One `tokenizer.ggml.pre` setting of llama_vocab::impl::load and llm_tokenizer_bpe."""
+    regexes: list[str]
+    clean_spaces: bool = True       # detokenize's clean-up passes
+    ignore_merges: bool = False     # a pre-token that is a whole token is taken as it is
+    add_bos: bool = False           # default of tokenizer.ggml.add_bos_token
+    spm_style: bool = False         # spaces -> U+2581, raw UTF-8 pieces, <0xXX> byte fallback
+    gemma4: bool = False            # BOS added whatever the GGUF says; a newline run that is a token stays whole
 
 
-def _pre(names: str, regexes: list[str], clean: bool = True, ignore_merges: bool = False,
-         add_bos: bool = False) -> None:
+_PRE: dict[str, _Pre] = {}
+
+
+def _pre(names: str, regexes: list[str], **flags) -> None:
     for name in names.split():
-        _PRE[name] = (regexes, clean, ignore_merges, add_bos)
+        _PRE[name] = _Pre(regexes, **flags)
 
 
 _pre("default", [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"])
 _pre("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", [_LLAMA3],
      ignore_merges=True, add_bos=True)
-_pre("dbrx smaug-bpe glm4 chatglm-bpe", [_LLAMA3])
-_pre("deepseek-llm", _DEEPSEEK_LLM, clean=False)
-_pre("deepseek-coder", _DEEPSEEK_CODER, clean=False)
-_pre("deepseek-v3", _DEEPSEEK3, clean=False)
+_pre("dbrx smaug-bpe chatglm-bpe", [_LLAMA3])
+_pre("glm4 glm5", [_LLAMA3], ignore_merges=True)
+_pre("minicpm5", _MINICPM5, ignore_merges=True)
+_pre("deepseek-llm", _DEEPSEEK_LLM, clean_spaces=False)
+_pre("deepseek-coder", _DEEPSEEK_CODER, clean_spaces=False)
+_pre("deepseek-v3 hunyuan-dense hy_v4 joyai-llm", _DEEPSEEK3, clean_spaces=False)
+_pre("spark2_5", _SPARK, clean_spaces=False)
+_pre("youtu", [_YOUTU[0], _YOUTU[1]], clean_spaces=False, ignore_merges=True)
 _pre("falcon", [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"])
-_pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum exaone4 mpt olmo jais",
-     [_GPT2])
-_pre("trillion", [_GPT2], clean=False)
-_pre("starcoder refact codeshell exaone minerva-7b", _STARCODER)
-_pre("command-r smollm", _STARCODER, clean=False)
-_pre("qwen2 deepseek-r1-qwen", [_QWEN2], clean=False)
+_pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo jais "
+     "jina-v1-en jina-v2-code roberta-bpe", [_GPT2])
+_pre("jais-2", [_JAIS2])
+_pre("trillion granite-docling", [_GPT2], clean_spaces=False)
+_pre("starcoder refact codeshell exaone minerva-7b mellum2", _STARCODER)
+_pre("command-r smollm", _STARCODER, clean_spaces=False)
+_pre("qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open grok-2", [_QWEN2], clean_spaces=False)
+_pre("qwen35", [_QWEN35], clean_spaces=False)
 _pre("stablelm2 megrez", [_QWEN2])
+_pre("ufakzeka", [_UFAKZEKA], clean_spaces=False)
+_pre("laguna", [r"[^\n]+|[\n]+", _QWEN2], clean_spaces=False)
+_pre("exaone-moe", [_EXAONE_MOE])
 _pre("bloom gpt3-finnish", [_PORO])
-_pre("poro-chat", [_PORO], clean=False)
-_pre("viking", [_PORO, r"\p{N}"], clean=False)
-_pre("tekken", [_TEKKEN], clean=False, ignore_merges=True, add_bos=True)
-_pre("gpt-4o llama4", [_GPT4O], clean=False)
+_pre("poro-chat", [_PORO], clean_spaces=False)
+_pre("viking", [_PORO, r"\p{N}"], clean_spaces=False)
+_pre("tekken", [_TEKKEN], clean_spaces=False, ignore_merges=True, add_bos=True)
+_pre("chameleon", _CHAMELEON, clean_spaces=False, add_bos=True)
+_pre("gpt-4o llama4 kanana2 talkie minimax-m2", [_GPT4O], clean_spaces=False)
+_pre("granite-embed-multi-97m", [_GRANITE_MULTI], clean_spaces=False, ignore_merges=True)
+_pre("tiny_aya cohere2moe", _TINY_AYA, clean_spaces=False)
+_pre("bailingmoe bailingmoe2 llada-moe", [_BAILING], clean_spaces=False)
+_pre("seed-coder", [_SEED_CODER], clean_spaces=False)
+_pre("gemma4 granite-embed-multi-311m", [_LINES], spm_style=True, gemma4=True)
+_pre("sarvam-moe", [_LINES], spm_style=True, clean_spaces=False)
+# Not here: kimi-k2 and afmoe (digit and Han splitting hand-coded in llama.cpp's unicode.cpp),
+# superbpe (a zero-width split), whitespace/hybriddna (tokenizer models of their own).
 
 
 # GPT-2's printable character -> byte map of byte-level BPE vocabularies (printable bytes
@@ -175,9 +233,9 @@ class Tokenizer:
         model = f.get("tokenizer.ggml.model")
         if model is None:
             self._fail("no tokenizer metadata (missing 'tokenizer.ggml.model')")
-        if model not in ("llama", "gpt2"):
-            self._fail(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
-                       "supported: 'llama' (SentencePiece) and 'gpt2' (byte-level BPE)")
+        if model not in ("llama", "gpt2", "gemma4"):
+            self._fail(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'llama' "
+                       "(SentencePiece), 'gpt2' (byte-level BPE) and 'gemma4' (BPE on SentencePiece-style pieces)")
         self._spm = model == "llama"
         tokens = self._array(f, "tokenizer.ggml.tokens", str, required=True)
         n = self.n_vocab = len(tokens)
@@ -208,27 +266,34 @@ class Tokenizer:
 
         # defaults of load(), then overridden by the GGUF keys
         pre = f.get("tokenizer.ggml.pre")
+        setting = _Pre([])
+        self._spm_style = False     # BPE on U+2581-escaped raw UTF-8 (gemma4), not GPT-2 byte-level
         if self._spm:
             bos, eos, self.add_bos, self.add_eos, self._clean_spaces = 1, 2, True, False, False
-            self._add_space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
         else:
-            if pre is None:
+            bos = eos = 11
+            if model == "gemma4":   # load() ignores tokenizer.ggml.pre and has no default special ids
+                pre, bos, eos = "gemma4", None, None
+            elif pre is None:
                 warnings.warn(f"{self._path}: no 'tokenizer.ggml.pre', using llama.cpp's 'default' "
                               "pre-tokenizer (generation quality may degrade)")
                 pre = "default"
+            elif pre in ("glm4", "glm5", "chatglm-bpe"):
+                bos = None
             if pre not in _PRE:
                 self._fail(f"unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(sorted(_PRE))}")
-            regexes, self._clean_spaces, ignore_merges, self.add_bos = _PRE[pre]
-            bos, eos, self.add_eos, self._add_space_prefix = 11, 11, False, False
-            if pre in ("glm4", "chatglm-bpe"):
-                bos = None
+            setting = _PRE[pre]
+            self._clean_spaces, self.add_bos, self._spm_style = setting.clean_spaces, setting.add_bos, setting.spm_style
+            self.add_eos = False
+        # read for every model: detokenize() drops one leading space of the first piece when set
+        self._add_space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", self._spm))
         self.bos_id = self._special_id(f, "bos", bos)
         self.eos_id = self._special_id(f, "eos", eos)
         template = f.get("tokenizer.chat_template")
         self.chat_template = template if isinstance(template, str) and template.strip() else None
         self.unk_id = self._special_id(f, "unknown", None)
         self.pad_id = self._special_id(f, "padding", None)
-        self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos))
+        self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos)) or setting.gemma4
         self.add_eos = bool(f.get("tokenizer.ggml.add_eos_token", self.add_eos))
         for flag, tid, name in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
             if flag and tid is None:
@@ -258,7 +323,7 @@ class Tokenizer:
         if self._spm:
             self._build_spm(scores)
         else:
-            self._build_bpe(f, regexes, ignore_merges)
+            self._build_bpe(f, setting)
         return self
 
     # ---- construction helpers ----
@@ -300,7 +365,7 @@ class Tokenizer:
         except RuntimeError as e:
             self._fail(f"SentencePiece rejected the vocabulary ({e})")
 
-    def _build_bpe(self, f: Any, regexes: list[str], ignore_merges: bool) -> None:
+    def _build_bpe(self, f: Any, setting: _Pre) -> None:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -314,11 +379,18 @@ class Tokenizer:
             if pos > 0 and pair not in seen and pair[0] in ids and pair[1] in ids and pair[0] + pair[1] in ids:
                 seen.add(pair)
                 merges.append(pair)
-        hf = HFTokenizer(models.BPE(ids, merges, ignore_merges=ignore_merges))
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        # SPM-style pieces are raw UTF-8 and fall back to <0xXX> tokens; byte-level ones are
+        # GPT-2's printable characters, so every byte is a token
+        hf = HFTokenizer(models.BPE(ids, merges, ignore_merges=setting.ignore_merges,
+                                    byte_fallback=setting.spm_style))
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in setting.regexes]
+        if not setting.spm_style:
+            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(splits)
         self._hf = hf
+        # gemma4 (llm_tokenizer_bpe_session::tokenize): a run of newlines that is a token is
+        # taken whole, without merges
+        self._newline_runs = setting.gemma4
 
     # ---- encoding ----
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
@@ -380,9 +452,21 @@ class Tokenizer:
                 out += ids if self.n_vocab not in ids else self._byte_fallback(fr, ids)
                 prev_special = False
             else:
-                out += self._hf.encode(fr, add_special_tokens=False).ids
+                out += self._encode_bpe(fr)
         if add_special and self.add_eos:
             out.append(self.eos_id)
+        return out
+
+    def _encode_bpe(self, text: str) -> list[int]:
+        if not self._spm_style:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        text = text.replace(" ", "\u2581")
+        if not self._newline_runs:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for run in re.findall(r"\n+|[^\n]+", text):
+            whole = self._ids.get(run) if run[0] == "\n" else None
+            out += [whole] if whole is not None else self._hf.encode(run, add_special_tokens=False).ids
         return out
 
     def has_special_text(self, text: str) -> bool:
