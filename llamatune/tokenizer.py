@@ -306,7 +306,9 @@ class Tokenizer:
         self._special_order = special
         self._user_order = [i for i in special if i not in self._control and self._types[i] != _UNKNOWN]
         name = str(f.get("general.name", "")).lower()
-        if any(s in str(pre or "") for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")):
+        arch = str(f.get("general.architecture", ""))
+        if any(s in str(pre or "") for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+                any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
             self._lstrip = {ids[t] for t in ["<mask>"] if t in ids}
         elif "phi-3" in name or "phi3" in name:
             self._rstrip = set(special) | {ids[t] for t in ["</s>"] if t in ids}
@@ -530,7 +532,7 @@ class Tokenizer:
             return text.encode("utf-8") if special else b""
         if ttype == _USER_DEFINED:
             return text.encode("utf-8")
-        if ttype == _NORMAL and self._spm:
+        if ttype == _NORMAL and (self._spm or self._spm_style):   # SentencePiece-style pieces
             return text.replace("\u2581", " ").encode("utf-8")
         if ttype == _NORMAL:
             dec = _BYTE_DECODER
