@@ -16,7 +16,12 @@ The last two need llama.cpp's library: a small C program (`REFERENCE_C`, below) 
 compiled against LLAMA_CPP/build/bin/libllama.so. Tokenizer models llamatune does not
 implement (WordPiece "bert", Unigram "t5") are listed as out of scope.
 
-    python bench/vocab_suites.py [--llama-cpp /work/llamacpp] [NAME ...]
+--pre-tokenizers checks every `tokenizer.ggml.pre` name of llamatune's table, most of which
+no suite uses: llama-bpe's vocabulary (gemma-4's for the SentencePiece-style ones) is
+written again with that name, and llama.cpp and llamatune tokenize the suite texts plus
+some digit, CJK and Hangul texts with it; the ids must agree.
+
+    python bench/vocab_suites.py [--llama-cpp /work/llamacpp] [--pre-tokenizers] [NAME ...]
 
 Exit status: 0 when every in-scope suite passes everything it could check, 1 otherwise.
 """
@@ -171,10 +176,46 @@ def check(path: Path, llama: LlamaCpp, spm_texts: list[str]) -> tuple[str, bool]
     return f"{line}  load {load_s:.1f}s  {'OK' if ok else 'FAIL'}", ok
 
 
+EXTRA_TEXTS = ["1234567 12,345,678 3.14159 0x1F 2024-06-01", "한국어 텍스트 ㄱㄴㄷ ㄅㄆ", "日本語のテキスト、カタカナ！",
+               "Ünïcödé ÀÉÎ ǅungla e\u0301 HTTPServer's XMLHttpRequest I'M SHOUTING", "<sentinel:12> IMGIMGABZ",
+               "tabs\t\tand\r\nnewlines\n\n\n  spaces   end  ", "中文，标点。English—mix…‘quoted’"]
+
+
+def check_pre_tokenizers(llama: LlamaCpp, models: Path, texts: list[str]) -> bool:
+    """Every pre-tokenizer name of the table on a real vocabulary, llamatune vs llama.cpp."""
+    from llamatune.gguf_io import GGUFFile, write_gguf
+    from llamatune.pretokenizers import PRE_TOKENIZERS
+    from llamatune.tokenizer import Tokenizer
+
+    if llama.exe is None:
+        print(f"--pre-tokenizers needs llama.cpp's library: {llama.problem}")
+        return False
+    sources = {False: GGUFFile(models / "ggml-vocab-llama-bpe.gguf"), True: GGUFFile(models / "ggml-vocab-gemma-4.gguf")}
+    work = Path(tempfile.mkdtemp(prefix="llamatune-pre-"))
+    all_ok = True
+    for name, setting in sorted(PRE_TOKENIZERS.items()):
+        src = sources[setting.spm_style]
+        kvs = [item for key, item in src.kvs.items()
+               if key not in ("tokenizer.ggml.pre", "tokenizer.ggml.model") and not key.startswith("tokenizer.chat")]
+        kvs += [src.kvs["general.name"]._replace(key="tokenizer.ggml.model", value="gpt2"),
+                src.kvs["general.name"]._replace(key="tokenizer.ggml.pre", value=name)]
+        path = work / "vocab.gguf"
+        write_gguf(path, src.get("general.architecture"), kvs, [])
+        tok = Tokenizer.from_gguf(GGUFFile(path))
+        ref = llama.run(path, texts, False, False)
+        wrong = [t for t, r in zip(texts, ref) if tok.encode(t, add_special=False) != r.ids]
+        print(f"pre {name:26s} {len(texts) - len(wrong)}/{len(texts)}"
+              + (f"  first difference: {wrong[0][:40]!r}" if wrong else ""), flush=True)
+        all_ok &= not wrong
+    return all_ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--llama-cpp", type=Path, default=Path("/work/llamacpp"),
                     help="llama.cpp checkout with src/ (source tree) and build/bin (its build)")
+    ap.add_argument("--pre-tokenizers", action="store_true",
+                    help="check every pre-tokenizer name on a real vocabulary instead of the suites")
     ap.add_argument("names", nargs="*", help="only these suites (e.g. qwen35 gemma-4)")
     args = ap.parse_args()
     models = args.llama_cpp / "src" / "models"
@@ -186,6 +227,10 @@ def main() -> int:
     if llama.exe is None:
         print(f"decode/special columns skipped: {llama.problem}")
     spm = read_suite(models / "ggml-vocab-llama-spm.gguf") or []
+    if args.pre_tokenizers:
+        qwen35 = read_suite(models / "ggml-vocab-qwen35.gguf") or []
+        texts = list(dict.fromkeys([t for t, _ in spm + qwen35] + EXTRA_TEXTS))
+        return 0 if check_pre_tokenizers(llama, models, texts) else 1
     all_ok = True
     for path in paths:
         if args.names and path.name[len("ggml-vocab-"):-len(".gguf")] not in args.names:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import re
 import struct
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 from .errors import LlamatuneError
+from .pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
 # GGUF token types (same numbering as sentencepiece's ModelProto.SentencePiece.Type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -49,130 +50,6 @@ _CONTROL_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endo
 _EOG_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <|eom_id|>
     <EOT> _<EOT> <｜end▁of▁sentence｜> <end_of_utterance> <|return|> <|call|> <turn|>""".split())
 _GPT_OSS_USER_DEFINED = frozenset(["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"])
-
-# ---- BPE pre-tokenizer regexes (llm_tokenizer_bpe constructor) ----
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+"
-           r"|\s+(?!\S)|\s+")
-_CASE = r"((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"   # tekken / gpt-4o: upper* lower+
-_CASE2 = r"((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"  # upper+ lower*
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}|\p{{N}}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}{_CONTRACTIONS}?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
-_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
-# deepseek-llm's cased-letter class, as code points (the literal characters include
-# singletons such as U+2126 OHM SIGN that Unicode normalization would silently change)
-_DS_LETTERS = "".join(
-    "-".join(chr(int(h, 16)) for h in r.split("-")) for r in """0041-005A 0061-007A 00B5 00C0-00D6
-    00D8-00F6 00F8-01BA 01BC-01BF 01C4-0293 0295-02AF 0370-0373 0376 0377 037B-037D 037F 0386
-    0388-038A 038C 038E-03A1 03A3-03F5 03F7-0481 048A-052F 0531-0556 10A0-10C5 13A0-13F5 13F8-13FD
-    1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77 1D79-1D9A 1E00-1F15 1F18-1F1D 1F20-1F45 1F48-1F4D
-    1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE 1FC2-1FC4 1FC6-1FCC 1FD0-1FD3
-    1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115 2119-211D 2124 2126 2128
-    212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B 2C7E-2CE4 2CEB-2CEE 2CF2
-    2CF3 A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF FB00-FB06 FB13-FB17 FF21-FF3A
-    FF41-FF5A 10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2 10CC0-10CF2 118A0-118DF
-    1E900-1E943""".split())
-_DEEPSEEK_LLM = [r"[\r\n]", rf"\s?[{_DS_LETTERS}]+",
-                 "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK, r"\p{N}+"]
-_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"]
-_DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
-_STARCODER = [r"\p{N}", _GPT2]
-_SPARK = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-          r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-          r"| ?[\p{P}\p{S}]+|[\r\n]|\s+(?!\S)|\s+", r"\p{N}"]
-_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
-_YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
-          "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-          rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-          rf"{_CONTRACTIONS}?|\p{{N}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_CASE_M = r"((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"     # granite-embed-multi-97m
-_CASE2_M = r"((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
-_GRANITE_MULTI = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE_M}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2_M}{_CONTRACTIONS}?"
-                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_TINY_AYA = [r"\d{1,3}(?=(?:\d{3})*\b)",
-             rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-             rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
-_BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-            r"|\s*[\r\n]|\s+(?!\S)|\s+")
-_SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
-               r"|\s+(?!\S)|\s+")
-_UFAKZEKA = _QWEN2[len(_CONTRACTIONS) + 1:]       # qwen2 without the English contractions
-_EXAONE_MOE = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?(?:\p{L}\p{M}*(?: \p{L}\p{M}*)*)+|\p{N}"
-               r"| ?[^\s\p{L}\p{N}]+[\r\n/]?|\s*[\r\n]|\s+(?!\S)|\s+")
-_JAIS2 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-          + "".join(rf"|\s{{{n}}}(?!\S)" for n in (512, 256, 128, 64, 32, 16, 8, 4)) + r"|\s{1,2}(?!\S)|\s{1}")
-_MINICPM5 = [r"\p{N}{1,3}", _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}+| ?[^\s\p{L}\p{N}]+[\r\n]*"
-             r"|\s*[\r\n]+|\s+(?!\S)|\s+"]
-_CHAMELEON = ["<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\\t\\n]|    |  )", r"\p{N}",
-              r"[\p{P}!-/:-@\[-`{-~]", _GPT2]
-_LINES = r"[^\n]+|[\n]+"                           # SPM-style BPE (gemma4, sarvam-moe): lines only
-
-
-class _Pre(NamedTuple):
-    """One `tokenizer.ggml.pre` setting of llama_vocab::impl::load and llm_tokenizer_bpe."""
-    regexes: list[str]
-    clean_spaces: bool = True       # detokenize's clean-up passes
-    ignore_merges: bool = False     # a pre-token that is a whole token is taken as it is
-    add_bos: bool = False           # default of tokenizer.ggml.add_bos_token
-    spm_style: bool = False         # spaces -> U+2581, raw UTF-8 pieces, <0xXX> byte fallback
-    gemma4: bool = False            # BOS added whatever the GGUF says; a newline run that is a token stays whole
-
-
-_PRE: dict[str, _Pre] = {}
-
-
-def _pre(names: str, regexes: list[str], **flags) -> None:
-    for name in names.split():
-        _PRE[name] = _Pre(regexes, **flags)
-
-
-_pre("default", [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"])
-_pre("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", [_LLAMA3],
-     ignore_merges=True, add_bos=True)
-_pre("dbrx smaug-bpe chatglm-bpe", [_LLAMA3])
-_pre("glm4 glm5", [_LLAMA3], ignore_merges=True)
-_pre("minicpm5", _MINICPM5, ignore_merges=True)
-_pre("deepseek-llm", _DEEPSEEK_LLM, clean_spaces=False)
-_pre("deepseek-coder", _DEEPSEEK_CODER, clean_spaces=False)
-_pre("deepseek-v3 hunyuan-dense hy_v4 joyai-llm", _DEEPSEEK3, clean_spaces=False)
-_pre("spark2_5", _SPARK, clean_spaces=False)
-_pre("youtu", [_YOUTU[0], _YOUTU[1]], clean_spaces=False, ignore_merges=True)
-_pre("falcon", [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"])
-_pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo jais "
-     "jina-v1-en jina-v2-code roberta-bpe", [_GPT2])
-_pre("jais-2", [_JAIS2])
-_pre("trillion granite-docling", [_GPT2], clean_spaces=False)
-_pre("starcoder refact codeshell exaone minerva-7b mellum2", _STARCODER)
-_pre("command-r smollm", _STARCODER, clean_spaces=False)
-_pre("qwen2 deepseek-r1-qwen kormo f2llmv2 hunyuan solar-open grok-2", [_QWEN2], clean_spaces=False)
-_pre("qwen35", [_QWEN35], clean_spaces=False)
-_pre("stablelm2 megrez", [_QWEN2])
-_pre("ufakzeka", [_UFAKZEKA], clean_spaces=False)
-_pre("laguna", [r"[^\n]+|[\n]+", _QWEN2], clean_spaces=False)
-_pre("exaone-moe", [_EXAONE_MOE])
-_pre("bloom gpt3-finnish", [_PORO])
-_pre("poro-chat", [_PORO], clean_spaces=False)
-_pre("viking", [_PORO, r"\p{N}"], clean_spaces=False)
-_pre("tekken", [_TEKKEN], clean_spaces=False, ignore_merges=True, add_bos=True)
-_pre("chameleon", _CHAMELEON, clean_spaces=False, add_bos=True)
-_pre("gpt-4o llama4 kanana2 talkie minimax-m2", [_GPT4O], clean_spaces=False)
-_pre("granite-embed-multi-97m", [_GRANITE_MULTI], clean_spaces=False, ignore_merges=True)
-_pre("tiny_aya cohere2moe", _TINY_AYA, clean_spaces=False)
-_pre("bailingmoe bailingmoe2 llada-moe", [_BAILING], clean_spaces=False)
-_pre("seed-coder", [_SEED_CODER], clean_spaces=False)
-_pre("gemma4 granite-embed-multi-311m", [_LINES], spm_style=True, gemma4=True)
-_pre("sarvam-moe", [_LINES], spm_style=True, clean_spaces=False)
-# Not here: kimi-k2 and afmoe (digit and Han splitting hand-coded in llama.cpp's unicode.cpp),
-# superbpe (a zero-width split), whitespace/hybriddna (tokenizer models of their own).
-
 
 # GPT-2's printable character -> byte map of byte-level BPE vocabularies (printable bytes
 # stand for themselves, the other 68 bytes for U+0100, U+0101, ... in byte order)
@@ -266,7 +143,7 @@ class Tokenizer:
 
         # defaults of load(), then overridden by the GGUF keys
         pre = f.get("tokenizer.ggml.pre")
-        setting = _Pre([])
+        setting = PreTokenizer([])
         self._spm_style = False     # BPE on U+2581-escaped raw UTF-8 (gemma4), not GPT-2 byte-level
         if self._spm:
             bos, eos, self.add_bos, self.add_eos, self._clean_spaces = 1, 2, True, False, False
@@ -280,9 +157,9 @@ class Tokenizer:
                 pre = "default"
             elif pre in ("glm4", "glm5", "chatglm-bpe"):
                 bos = None
-            if pre not in _PRE:
-                self._fail(f"unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(sorted(_PRE))}")
-            setting = _PRE[pre]
+            if pre not in PRE_TOKENIZERS:
+                self._fail(f"unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(sorted(PRE_TOKENIZERS))}")
+            setting = PRE_TOKENIZERS[pre]
             self._clean_spaces, self.add_bos, self._spm_style = setting.clean_spaces, setting.add_bos, setting.spm_style
             self.add_eos = False
         # read for every model: detokenize() drops one leading space of the first piece when set
@@ -367,7 +244,7 @@ class Tokenizer:
         except RuntimeError as e:
             self._fail(f"SentencePiece rejected the vocabulary ({e})")
 
-    def _build_bpe(self, f: Any, setting: _Pre) -> None:
+    def _build_bpe(self, f: Any, setting: PreTokenizer) -> None:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 

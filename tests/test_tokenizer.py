@@ -17,7 +17,8 @@ import pytest
 
 from llamatune.errors import LlamatuneError
 from llamatune.gguf_io import GGUFFile
-from llamatune.tokenizer import _PRE, Tokenizer
+from llamatune.pretokenizers import PRE_TOKENIZERS
+from llamatune.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vocab"
 VOCABS = sorted(p.name[:-len(".json")] for p in FIXTURES.glob("*.json") if p.name != "gemma-spm.json")
@@ -305,7 +306,7 @@ def test_every_pre_tokenizer_regex_splits():
     into pieces that cover it exactly (a typo in a character class would fail here)."""
     from tokenizers import Regex, pre_tokenizers
     text = "Hello World's 12345 naïve ÀB cd\t\n\n  x<sentinel:3> 日本語 한국어 …！ e\u0301 -- ok"
-    for name, setting in _PRE.items():
+    for name, setting in PRE_TOKENIZERS.items():
         split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
                                          for r in setting.regexes])
         pieces = [p for p, _ in split.pre_tokenize_str(text)]
