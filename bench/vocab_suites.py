@@ -17,7 +17,7 @@ compiled against LLAMA_CPP/build/bin/libllama.so. Tokenizer models llamatune doe
 implement (WordPiece "bert", Unigram "t5") are listed as out of scope.
 
 --pre-tokenizers checks every `tokenizer.ggml.pre` name of llamatune's table, most of which
-no suite uses: llama-bpe's vocabulary (gemma-4's for the SentencePiece-style ones) is
+no suite uses: qwen35's vocabulary (gemma-4's for the SentencePiece-style ones) is
 written again with that name, and llama.cpp and llamatune tokenize the suite texts plus
 some digit, CJK and Hangul texts with it; the ids must agree.
 
@@ -178,7 +178,8 @@ def check(path: Path, llama: LlamaCpp, spm_texts: list[str]) -> tuple[str, bool]
 
 EXTRA_TEXTS = ["1234567 12,345,678 3.14159 0x1F 2024-06-01", "한국어 텍스트 ㄱㄴㄷ ㄅㄆ", "日本語のテキスト、カタカナ！",
                "Ünïcödé ÀÉÎ ǅungla e\u0301 HTTPServer's XMLHttpRequest I'M SHOUTING", "<sentinel:12> IMGIMGABZ",
-               "tabs\t\tand\r\nnewlines\n\n\n  spaces   end  ", "中文，标点。English—mix…‘quoted’"]
+               "tabs\t\tand\r\nnewlines\n\n\n  spaces   end  ", "中文，标点。English—mix…‘quoted’",
+               "हिन्दी भाषा नमस्ते", "ภาษาไทย สวัสดี", "العربية مَرْحَبًا", "cafe\u0301 re\u0301sume\u0301 n\u0303o"]
 
 
 def check_pre_tokenizers(llama: LlamaCpp, models: Path, texts: list[str]) -> bool:
@@ -190,7 +191,8 @@ def check_pre_tokenizers(llama: LlamaCpp, models: Path, texts: list[str]) -> boo
     if llama.exe is None:
         print(f"--pre-tokenizers needs llama.cpp's library: {llama.problem}")
         return False
-    sources = {False: GGUFFile(models / "ggml-vocab-llama-bpe.gguf"), True: GGUFFile(models / "ggml-vocab-gemma-4.gguf")}
+    # qwen35's multilingual merges tell marks from letters (Thai, Arabic vowel signs)
+    sources = {False: GGUFFile(models / "ggml-vocab-qwen35.gguf"), True: GGUFFile(models / "ggml-vocab-gemma-4.gguf")}
     work = Path(tempfile.mkdtemp(prefix="llamatune-pre-"))
     all_ok = True
     for name, setting in sorted(PRE_TOKENIZERS.items()):

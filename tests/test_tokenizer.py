@@ -21,7 +21,9 @@ from llamatune.pretokenizers import PRE_TOKENIZERS
 from llamatune.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vocab"
-VOCABS = sorted(p.name[:-len(".json")] for p in FIXTURES.glob("*.json") if p.name != "gemma-spm.json")
+# llama.cpp's suites: NAME.json + NAME.gguf.xz (gemma-spm and the pre-tokenizer cases have their own tests)
+VOCABS = sorted(p.name[:-len(".json")] for p in FIXTURES.glob("*.json")
+                if p.name not in ("gemma-spm.json", "pre-tokenizers.json"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,16 +32,21 @@ def _unpacked() -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def tok(name: str) -> Tokenizer:
+def vocab_file(name: str) -> GGUFFile:
     """The fixture vocabulary NAME (decompressed once per session); skips when it is missing."""
     packed = FIXTURES / f"{name}.gguf.xz"
     if not packed.exists():
         pytest.skip(f"vocabulary fixture {packed} is missing (tests/fixtures/make_vocab_fixtures.py writes it)")
     path = _unpacked() / f"{name}.gguf"
     path.write_bytes(lzma.decompress(packed.read_bytes()))
+    return GGUFFile(path)
+
+
+@functools.lru_cache(maxsize=None)
+def tok(name: str) -> Tokenizer:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # aquila has no tokenizer.ggml.pre, as llama.cpp warns
-        return Tokenizer.from_gguf(GGUFFile(path))
+        return Tokenizer.from_gguf(vocab_file(name))
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,6 +85,42 @@ def test_suite_fixtures_cover_every_code_path():
     kinds = {"spm" if tok(n)._spm else "spm-style bpe" if tok(n)._spm_style else "byte-level bpe" for n in VOCABS}
     assert kinds == {"spm", "spm-style bpe", "byte-level bpe"}
     assert {"qwen35", "gemma-4", "llama-bpe", "deepseek-llm", "aquila"} <= set(VOCABS)
+
+
+# ---- every pre-tokenizer of the table, on qwen35's and gemma-4's vocabularies ----
+@functools.lru_cache(maxsize=None)
+def pre_cases() -> dict:
+    path = FIXTURES / "pre-tokenizers.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"texts": [], "ids": {}}
+
+
+class _WithPre:
+    """A vocabulary file read as if its tokenizer.ggml.pre were `pre`."""
+
+    def __init__(self, f: GGUFFile, pre: str):
+        self.path, self._f, self._pre = f.path, f, pre
+
+    def get(self, key, default=None):
+        return self._pre if key == "tokenizer.ggml.pre" else self._f.get(key, default)
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_pre_tokenizer_matches_llama_cpp(pre):
+    """llama.cpp's ids for suite texts plus digit, CJK and Hangul texts under each
+    `tokenizer.ggml.pre` name (make_vocab_fixtures.py: pre_tokenizer_fixture)."""
+    if pre not in pre_cases()["ids"]:
+        pytest.fail(f"no llama.cpp ids recorded for pre-tokenizer {pre!r}: run tests/fixtures/make_vocab_fixtures.py")
+    base = "pre-spm-style" if PRE_TOKENIZERS[pre].spm_style else "pre-bpe"
+    t = Tokenizer.from_gguf(_WithPre(vocab_file(base), pre))
+    got = [t.encode(text, add_special=False) for text in pre_cases()["texts"]]
+    wrong = [text for text, ids, want in zip(pre_cases()["texts"], got, pre_cases()["ids"][pre]) if ids != want]
+    assert wrong == [], f"{len(wrong)} texts tokenize differently, first: {wrong[0]!r}"
+
+
+def test_pre_tokenizer_fixture_lists_the_table():
+    if not pre_cases()["ids"]:
+        pytest.skip(f"{FIXTURES / 'pre-tokenizers.json'} is missing")
+    assert sorted(pre_cases()["ids"]) == sorted(PRE_TOKENIZERS)
 
 
 # ---- Gemma 1/2/3: SentencePiece without the dummy prefix, user-defined whitespace runs ----
