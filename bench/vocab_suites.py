@@ -142,8 +142,8 @@ def read_suite(gguf: Path) -> list[tuple[str, list[int]]] | None:
 
 
 def check(path: Path, llama: LlamaCpp, spm_texts: list[str]) -> tuple[str, bool]:
-    from llamatune.gguf_io import GGUFFile
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.tokenizer import Tokenizer
 
     f = GGUFFile(path)
     model, pre = f.get("tokenizer.ggml.model"), f.get("tokenizer.ggml.pre")
@@ -184,9 +184,9 @@ EXTRA_TEXTS = ["1234567 12,345,678 3.14159 0x1F 2024-06-01", "한국어 텍스�
 
 def check_pre_tokenizers(llama: LlamaCpp, models: Path, texts: list[str]) -> bool:
     """Every pre-tokenizer name of the table on a real vocabulary, llamatune vs llama.cpp."""
-    from llamatune.gguf_io import GGUFFile, write_gguf
-    from llamatune.pretokenizers import PRE_TOKENIZERS
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile, write_gguf
+    from llamatune.models.pretokenizers import PRE_TOKENIZERS
+    from llamatune.models.tokenizer import Tokenizer
 
     if llama.exe is None:
         print(f"--pre-tokenizers needs llama.cpp's library: {llama.problem}")

@@ -64,8 +64,9 @@ class Backend:
 
 
 def _cpu() -> Backend:
-    from . import kernels  # noqa: F401
     import importlib
+
+    from . import kernels  # noqa: F401
     ops = SimpleNamespace(**{n: importlib.import_module(f"llamatune.kernels.{n}") for n in OPS})
     return Backend("cpu", np, ops)
 

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import LlamatuneError
-from .metrics import metrics_path
 
 ITERATION = "ITERATION"
 
@@ -137,6 +136,7 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     named `*_out` is an output (ITERATION forms included), every other one an input;
     with --save-best also the BEST forms, and the metrics log and its plot."""
     from dataclasses import fields
+
     from .options import cli_flag
     inputs: list[tuple[str, Path | None]] = [("--config", preset)]
     outputs: list[Out] = []
@@ -181,3 +181,11 @@ def check_free_space(needs: Iterable[tuple[Path, int]]) -> None:
             raise LlamatuneError(f"{where}: {free / 2**20:,.1f} MiB free, but the first save writes about "
                                  f"{total / 2**20:,.1f} MiB there (checkpoint and outputs, each with its LATEST "
                                  "copy): free some space or choose another directory")
+
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def metrics_path(opts) -> Path:
+    """--metrics-out, or metrics.jsonl in the directory of the checkpoints."""
+    return Path(opts.metrics_out) if opts.metrics_out is not None else Path(opts.checkpoint_out).parent / METRICS_NAME

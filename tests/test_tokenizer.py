@@ -16,9 +16,9 @@ import gguf
 import pytest
 
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile
-from llamatune.pretokenizers import PRE_TOKENIZERS
-from llamatune.tokenizer import Tokenizer
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.pretokenizers import PRE_TOKENIZERS
+from llamatune.models.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vocab"
 # llama.cpp's suites: NAME.json + NAME.gguf.xz (gemma-spm and the pre-tokenizer cases have their own tests)

@@ -1,0 +1,120 @@
+"""All trainable parameters in one flat f32 buffer, llm.c style.
+
+`ParamBuffer` owns four flat arrays of the same length: the parameters, their
+gradients and the two AdamW moments. Each named tensor is a view into them, so
+the optimizer runs over contiguous memory and a checkpoint is four arrays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str                 # e.g. "blk.0.attn_q.weight.lora_a" or "blk.0.attn_q.weight"
+    shape: tuple[int, ...]    # numpy order
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+class ParamBuffer:
+    def __init__(self, specs: list[ParamSpec], dtype=np.float32):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate parameter names")
+        self.specs = list(specs)
+        self.by_name = {s.name: s for s in self.specs}
+        self.offsets: dict[str, tuple[int, int]] = {}
+        off = 0
+        for s in self.specs:
+            self.offsets[s.name] = (off, off + s.size)
+            off += s.size
+        self.size = off
+        # float64 only for finite-difference tests; training is float32
+        self.data = np.zeros(off, dtype)          # (P,) parameters
+        self.grad = np.zeros(off, dtype)          # (P,) gradients, accumulated by backward
+        self.m = np.zeros(off, dtype)             # (P,) AdamW first moments
+        self.v = np.zeros(off, dtype)             # (P,) AdamW second moments
+
+    def _view(self, flat: np.ndarray, name: str) -> np.ndarray:
+        lo, hi = self.offsets[name]
+        return flat[lo:hi].reshape(self.spec(name).shape)
+
+    def spec(self, name: str) -> ParamSpec:
+        return self.by_name[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.offsets
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._view(self.data, name)
+
+    def grad_of(self, name: str) -> np.ndarray:
+        return self._view(self.grad, name)
+
+    def slices(self):
+        """(spec, lo, hi) for every tensor, in buffer order."""
+        for s in self.specs:
+            lo, hi = self.offsets[s.name]
+            yield s, lo, hi
+
+    def zero_grad(self) -> None:
+        self.grad.fill(0.0)
+
+    def to_device(self, backend) -> None:
+        """Move the four flat arrays to the backend's device (initialize and load
+        checkpoints on the host first; the optimizer then runs where they are)."""
+        self.backend = backend
+        for attr in ("data", "grad", "m", "v"):
+            setattr(self, attr, backend.to_device(getattr(self, attr)))
+
+    def host(self, flat) -> np.ndarray:
+        """A host (numpy) copy or view of one of the flat arrays."""
+        backend = getattr(self, "backend", None)
+        return flat if backend is None else backend.to_host(flat)
+
+    def host_views(self, flat) -> dict[str, np.ndarray]:
+        """Named host views of a flat array's host copy (for writing files)."""
+        h = self.host(flat)
+        return {s.name: h[lo:hi].reshape(s.shape) for s, lo, hi in self.slices()}
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.data.nbytes
+
+
+class DenseWeights:
+    """Every weight is a parameter (train-from-scratch); arrays live wherever params do."""
+    trainable = True
+    rope_freqs = None
+
+    def __init__(self, params: ParamBuffer, tied: bool = False):
+        self.params = params
+        self.tied = tied
+
+    def _name(self, name: str) -> str:
+        return "token_embd.weight" if self.tied and name == "output.weight" else name
+
+    @property
+    def head_rows(self) -> int:
+        """The head is a parameter already in f32: one block."""
+        return self.params.spec(self._name("output.weight")).shape[0]
+
+    def matrix(self, name: str):
+        return self.params[self._name(name)]
+
+    def matrix_rows(self, name: str, lo: int, hi: int):
+        return self.params[self._name(name)][lo:hi]
+
+    def vector(self, name: str):
+        return self.params[name] if name in self.params else None
+
+    def embed(self, ids, out) -> None:
+        out[...] = self.params["token_embd.weight"][ids]
+
+    def grad(self, name: str):
+        return self.params.grad_of(self._name(name))
