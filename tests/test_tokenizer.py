@@ -26,12 +26,12 @@ VOCABS = sorted(p.name[:-len(".json")] for p in FIXTURES.glob("*.json")
                 if p.name not in ("gemma-spm.json", "pre-tokenizers.json"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _unpacked() -> Path:
     return Path(tempfile.mkdtemp(prefix="llamatune-vocab-"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def vocab_file(name: str) -> GGUFFile:
     """The fixture vocabulary NAME (decompressed once per session); skips when it is missing."""
     packed = FIXTURES / f"{name}.gguf.xz"
@@ -42,14 +42,14 @@ def vocab_file(name: str) -> GGUFFile:
     return GGUFFile(path)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tok(name: str) -> Tokenizer:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")         # aquila has no tokenizer.ggml.pre, as llama.cpp warns
         return Tokenizer.from_gguf(vocab_file(name))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def cases(name: str) -> list:
     """[text, ids, decoded] per case: ids from llama.cpp's suite (no special tokens added or
     parsed), decoded = llama_detokenize(ids, remove_special=false, unparse_special=false)."""
@@ -88,7 +88,7 @@ def test_suite_fixtures_cover_every_code_path():
 
 
 # ---- every pre-tokenizer of the table, on qwen35's and gemma-4's vocabularies ----
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def pre_cases() -> dict:
     path = FIXTURES / "pre-tokenizers.json"
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"texts": [], "ids": {}}
@@ -124,7 +124,7 @@ def test_pre_tokenizer_fixture_lists_the_table():
 
 
 # ---- Gemma 1/2/3: SentencePiece without the dummy prefix, user-defined whitespace runs ----
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def gemma_cases() -> list[dict]:
     return json.loads((FIXTURES / "gemma-spm.json").read_text(encoding="utf-8"))["cases"]
 

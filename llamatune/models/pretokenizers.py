@@ -19,10 +19,17 @@ _QWEN35 = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\
            r"|\s+(?!\S)|\s+")
 _CASE = r"((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"   # tekken / gpt-4o: upper* lower+
 _CASE2 = r"((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"  # upper+ lower*
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}|\p{{N}}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}{_CONTRACTIONS}?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_PUNCT_SPACES = r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"   # tail of the cased-word regexes
+
+
+def _cased(upper_lower: str, lower_upper: str, suffix: str, digits: str) -> str:
+    """Words as "upper* lower+" or "upper+ lower*" (each with `suffix`), then digits, punctuation, spaces."""
+    word = r"[^\r\n\p{L}\p{N}]?"
+    return f"{word}{upper_lower}{suffix}|{word}{lower_upper}{suffix}|{digits}{_PUNCT_SPACES}"
+
+
+_TEKKEN = _cased(_CASE, _CASE2, "", r"\p{N}")
+_GPT4O = _cased(_CASE, _CASE2, _CONTRACTIONS + "?", r"\p{N}{1,3}")
 _PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 # deepseek-llm's cased-letter class, as code points (the literal characters include
@@ -42,26 +49,23 @@ _DEEPSEEK_LLM = [r"[\r\n]", rf"\s?[{_DS_LETTERS}]+",
                  "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK, r"\p{N}+"]
 _DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"]
 _DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+              (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+               r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")]
 _STARCODER = [r"\p{N}", _GPT2]
 _SPARK = [*_DEEPSEEK3[:2], _DEEPSEEK3[2].replace(r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+", r"| ?[\p{P}\p{S}]+|[\r\n]"),
           r"\p{N}"]
 # llama.cpp reads \p{Lu}, \p{Ll}, \p{Lt}, \p{Lm} and \p{Lo} all as \p{L} (unicode.cpp's k_ucat_enum),
 # so youtu's and tiny_aya's "upper* lower+" classes are letters-or-marks there: "XMLHttpRequest" is one piece
 _UPPER = _LOWER = r"[\p{L}\p{M}]"
-_YOUTU = ("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c\u3001-\u303f"
-          "\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-          rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-          rf"{_CONTRACTIONS}?|\p{{N}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_YOUTU = [("[\uac00-\ud7a3\u3131-\u318e]+|[\uff01\u2026\u201c\u201d\u2018\u2019\u2014\uff1a\uff1b\uff0c"
+           "\u3001-\u303f\ufe30-\ufe4f]+|[\u3105-\u312f]+|[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"),
+          _cased(f"{_UPPER}*{_LOWER}+", f"{_UPPER}+{_LOWER}*", _CONTRACTIONS + "?", r"\p{N}")]
 _CASE_M = r"((?=[\p{L}\p{M}])([^a-z]))*((?=[\p{L}\p{M}])([^A-Z]))+"     # granite-embed-multi-97m
 _CASE2_M = r"((?=[\p{L}\p{M}])([^a-z]))+((?=[\p{L}\p{M}])([^A-Z]))*"
-_GRANITE_MULTI = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE_M}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2_M}{_CONTRACTIONS}?"
-                  r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_GRANITE_MULTI = _cased(_CASE_M, _CASE2_M, _CONTRACTIONS + "?", r"\p{N}{1,3}")
 # "\d{1,3}(?=(?:\d{3})*\b)" runs in std::wregex there, where \d and \b are ASCII: digits in threes from the right
 _TINY_AYA = [r"[0-9]{1,3}(?=(?:[0-9]{3})*(?![0-9A-Za-z_]))",
-             rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
-             rf"{_CONTRACTIONS}?|\p{{N}}{{1,3}}| ?[^\s\p{{L}}\p{{N}}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
+             _cased(f"{_UPPER}*{_LOWER}+", f"{_UPPER}+{_LOWER}*", _CONTRACTIONS + "?", r"\p{N}{1,3}")]
 _BAILING = (r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
             r"|\s*[\r\n]|\s+(?!\S)|\s+")
 _SEED_CODER = (_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+|\s*[\r\n]+"
@@ -106,7 +110,7 @@ _pre("deepseek-llm", _DEEPSEEK_LLM, clean_spaces=False)
 _pre("deepseek-coder", _DEEPSEEK_CODER, clean_spaces=False)
 _pre("deepseek-v3 hunyuan-dense hy_v4 joyai-llm", _DEEPSEEK3, clean_spaces=False)
 _pre("spark2_5", _SPARK, clean_spaces=False)
-_pre("youtu", list(_YOUTU), clean_spaces=False, ignore_merges=True)
+_pre("youtu", _YOUTU, clean_spaces=False, ignore_merges=True)
 _pre("falcon", [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"])
 _pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum modern-bert exaone4 mpt olmo jais "
      "jina-v1-en jina-v2-code roberta-bpe", [_GPT2])
