@@ -1,4 +1,4 @@
-"""`llamatune train-from-scratch`: a new llama model, every parameter trained.
+"""`llamatune train-from-scratch`: a new model (`--arch`, default llama), every parameter trained.
 
 Same training loop, data, optimizer and checkpoints as `finetune` (trainer.py);
 only the job differs: the weights are dense f32 parameters (graph.DenseWeights),
@@ -19,6 +19,7 @@ from ..backend import get_backend
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, kv
+from ..models.arch import get_arch, supported
 from ..models.config import ModelConfig
 from ..models.model import Model
 from ..models.modelfile import (
@@ -70,6 +71,14 @@ def _model_init(path: Path, cfg: ModelConfig):
     return weights
 
 
+def scratch_arch(name: str) -> str:
+    """`--arch`: a declared architecture that trains from scratch (Arch.scratch)."""
+    names = [a for a in supported() if get_arch(a).scratch]
+    if name not in names:
+        raise LlamatuneError(f"--arch {name}: train-from-scratch builds {', '.join(names)}")
+    return name
+
+
 def build_job(o: ScratchOptions) -> Job:
     check_training_paths(o)
     text = read_training_text(o.train_data)
@@ -77,7 +86,7 @@ def build_job(o: ScratchOptions) -> Job:
     n_head_kv = o.head_kv or o.head
     if o.embd % o.head:
         raise LlamatuneError(f"--embd {o.embd} is not a multiple of --head {o.head}")
-    cfg = ModelConfig(arch="llama", n_vocab=tok.n_vocab, n_ctx_train=o.ctx, n_embd=o.embd, n_layer=o.layer,
+    cfg = ModelConfig(arch=scratch_arch(o.arch), n_vocab=tok.n_vocab, n_ctx_train=o.ctx, n_embd=o.embd, n_layer=o.layer,
                       n_ff=o.ff or llama_ff(o.embd), n_head=o.head, n_head_kv=n_head_kv,
                       head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
                       rope_freq_base=o.rope_freq_base)

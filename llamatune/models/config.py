@@ -33,10 +33,13 @@ class ModelConfig:
     norm_eps: float
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0   # 1/linear scaling factor, as llama.cpp stores it in cparams
+    n_ctx_orig: int = 0            # rope.scaling.original_context_length (0: n_ctx_train): contexts above it
+    #                                rotate with rope_factors_long, the others with rope_factors_short
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin are multiplied by it (ggml_rope_ext)
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
         get_arch(self.arch)
         for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
@@ -46,7 +49,7 @@ class ModelConfig:
             raise LlamatuneError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise LlamatuneError(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor"):
             value = getattr(self, name)
             if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
@@ -62,6 +65,11 @@ class ModelConfig:
     @property
     def n_group(self) -> int:
         return self.n_head // self.n_head_kv
+
+    @property
+    def n_ctx_orig_rope(self) -> int:
+        """The context length that decides between long and short rope factors."""
+        return self.n_ctx_orig or self.n_ctx_train
 
     @property
     def spec(self) -> Arch:

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
-from ..kernels import rope as host_rope
 from .model import Model
+from .rope import rope_cache
 from .weights import FrozenBase
 
 
@@ -64,6 +64,23 @@ class Runner:
             y += (s * (x @ a.T)) @ b.T
         return y
 
+    def qkv(self, xn, p: str):
+        """q (N, Cq), k, v (N, Ckv): three projections, or one fused attn_qkv split by rows."""
+        cfg = self.cfg
+        if not cfg.spec.fused_qkv:
+            return tuple(self.linear(xn, f"{p}attn_{c}.weight") for c in "qkv")
+        qkv = self.linear(xn, p + "attn_qkv.weight")
+        Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
+        return tuple(self.xp.ascontiguousarray(qkv[:, lo:hi]) for lo, hi in
+                     ((0, Cq), (Cq, Cq + Ckv), (Cq + Ckv, Cq + 2 * Ckv)))
+
+    def gate_up(self, xn, p: str):
+        """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
+        if not self.cfg.spec.fused_gate_up:
+            return self.linear(xn, p + "ffn_gate.weight"), self.linear(xn, p + "ffn_up.weight")
+        gu, F = self.linear(xn, p + "ffn_up.weight"), self.cfg.n_ff
+        return self.xp.ascontiguousarray(gu[:, :F]), self.xp.ascontiguousarray(gu[:, F:])
+
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
         V, R = self.cfg.n_vocab, self.base.head_rows
@@ -96,10 +113,8 @@ class Runner:
         if cache is not None and n_past + T > cache.n_ctx:
             raise ValueError(f"KV cache overflow: {n_past} + {T} > {cache.n_ctx}")
 
-        cos = np.empty((T, cfg.n_rot // 2), np.float32)
-        sin = np.empty_like(cos)
-        host_rope.rope_cache(cos, sin, np.arange(n_past, n_past + T, dtype=np.int64), cfg.n_rot,
-                             cfg.rope_freq_base, cfg.rope_freq_scale, self.base.rope_freqs)
+        cos, sin = rope_cache(cfg, self.base, np.arange(n_past, n_past + T, dtype=np.int64),
+                              cache.n_ctx if cache is not None else T)
         cos, sin = self.backend.to_device(cos), self.backend.to_device(sin)
 
         x = self.embed(self.backend.to_device(tokens.reshape(-1)))   # (N, C) residual stream
@@ -111,9 +126,8 @@ class Runner:
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "attn_norm.weight"), cfg.norm_eps)
-            q = self.linear(xn, p + "attn_q.weight").reshape(B, T, NH, HS)
-            k = self.linear(xn, p + "attn_k.weight").reshape(B, T, NKV, HS)
-            v = self.linear(xn, p + "attn_v.weight").reshape(B, T, NKV, HS)
+            q, k, v = self.qkv(xn, p)
+            q, k, v = q.reshape(B, T, NH, HS), k.reshape(B, T, NKV, HS), v.reshape(B, T, NKV, HS)
             ops.rope.rope_forward(q, q, cos, sin, cfg.n_rot, cfg.rope_mode)
             ops.rope.rope_forward(k, k, cos, sin, cfg.n_rot, cfg.rope_mode)
             if cache is not None:
@@ -125,8 +139,7 @@ class Runner:
             x += self.linear(att.reshape(N, NH * HS), p + "attn_output.weight")
 
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "ffn_norm.weight"), cfg.norm_eps)
-            g = self.linear(xn, p + "ffn_gate.weight")
-            u = self.linear(xn, p + "ffn_up.weight")
+            g, u = self.gate_up(xn, p)
             ops.swiglu.swiglu_forward(h, g, u)
             x += self.linear(h, p + "ffn_down.weight")
 

@@ -39,7 +39,9 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
+from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
+from ..models.rope import rope_cache
 from ..models.weights import FrozenBase  # noqa: F401
 from .lora import LoraTarget
 from .params import (
@@ -106,16 +108,19 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
         if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
     chunk = head_chunk(N, V)
+    mats = layer_matrix_shapes(cfg)
     plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C), "dg": (N, F), "du": (N, F),
              "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv), "datt": (N, Cq),
-             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "logits": (chunk, V), "losses": (N,),
-             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "logits": (chunk, V),
+             "losses": (N,), "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    fused = [w for on, w in ((cfg.spec.fused_qkv, Cq + 2 * Ckv), (cfg.spec.fused_gate_up, 2 * F)) if on]
+    if fused:                                                      # a fused product, or its gradient,
+        plan["fused"] = (N * max(fused),)                          # before it is split / after it is joined
     head_tmp = 0                                                   # products added to a block in the head
     if any(t.kind == "output" for t in targets):
         head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
     if trainable:                                                  # weight gradients before they are added
-        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in (
-            (Cq, C), (Ckv, C), (C, Cq), (F, C), (C, F))))
+        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in mats))
     if head_tmp:
         plan["head_tmp"] = (head_tmp,)
     return plan
@@ -158,9 +163,8 @@ class Graph:
         self.logits, self.losses = buf["logits"], buf["losses"]
         self.chunk = self.logits.shape[0]
         self.head_tmp = buf.get("head_tmp")
-        cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
-        host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
-                             cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
+        self.fused = buf.get("fused")
+        cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T)    # in f32, as llama.cpp
         self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
         self.cos[...] = self.backend.to_device(cos.astype(dtype))
         self.sin[...] = self.backend.to_device(sin.astype(dtype))
@@ -194,10 +198,8 @@ class Graph:
             positions = positions.astype(np.int64)
             cos, sin = self.rope_host
             if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
-                n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
-                cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
-                host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
-                                     self.cfg.rope_freq_base, self.cfg.rope_freq_scale, self.base.rope_freqs)
+                n = int(positions.max()) + 1
+                cos, sin = rope_cache(self.cfg, self.base, np.arange(n, dtype=np.int64), self.T)
                 self.rope_host = (cos, sin)
             dtype = self.tmp.dtype
             self.cos, self.sin = (self.backend.to_device(a.astype(dtype))
@@ -288,6 +290,53 @@ class Graph:
             dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
             dx += dxd if mask is None else dxd * mask
 
+    # ------------------------------------------------------------------ projections
+    # q/k/v and gate/up: separate matmuls, or one fused matmul (Arch.fused_qkv /
+    # fused_gate_up) whose product is split into the same activations; backward joins
+    # their gradients into one dy for the fused weight (and its LoRA pair).
+    def _fused_rows(self, width: int) -> np.ndarray:
+        return self.fused[: self.N * width].reshape(self.N, width)
+
+    def _qkv_forward(self, a: LayerActs, xn: np.ndarray, p: str) -> None:
+        if not self.cfg.spec.fused_qkv:
+            for c, y in (("q", a.q), ("k", a.k), ("v", a.v)):
+                self.linear(y, xn, f"{p}attn_{c}.weight")
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        qkv = self.linear(self._fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
+        a.q[...], a.k[...], a.v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
+
+    def _qkv_backward(self, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from dq, dk, dv."""
+        if not self.cfg.spec.fused_qkv:
+            for j, (c, dy) in enumerate((("q", self.dq), ("k", self.dk), ("v", self.dv))):
+                self.linear_backward(self.dxn, dy, xn, f"{p}attn_{c}.weight", accumulate=j > 0)
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        dqkv = self._fused_rows(Cq + 2 * Ckv)
+        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = self.dq, self.dk, self.dv
+        self.linear_backward(self.dxn, dqkv, xn, p + "attn_qkv.weight", accumulate=False)
+
+    def _gate_up_forward(self, a: LayerActs, xn: np.ndarray, p: str) -> None:
+        if not self.cfg.spec.fused_gate_up:
+            self.linear(a.g, xn, p + "ffn_gate.weight")
+            self.linear(a.u, xn, p + "ffn_up.weight")
+            return
+        F = self.cfg.n_ff
+        gu = self.linear(self._fused_rows(2 * F), xn, p + "ffn_up.weight")
+        a.g[...], a.u[...] = gu[:, :F], gu[:, F:]
+
+    def _gate_up_backward(self, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from dg, du."""
+        if not self.cfg.spec.fused_gate_up:
+            self.linear_backward(self.dxn, self.dg, xn, p + "ffn_gate.weight", accumulate=False)
+            self.linear_backward(self.dxn, self.du, xn, p + "ffn_up.weight", accumulate=True)
+            return
+        F = self.cfg.n_ff
+        dgu = self._fused_rows(2 * F)
+        dgu[:, :F], dgu[:, F:] = self.dg, self.du
+        self.linear_backward(self.dxn, dgu, xn, p + "ffn_up.weight", accumulate=False)
+
     # ------------------------------------------------------------------ forward
     def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         self.base.embed(tokens, x)
@@ -300,9 +349,7 @@ class Graph:
         B, T = self.B, self.T
         xn = self.xn if a.xn1 is None else a.xn1
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
-        self.linear(a.q, xn, p + "attn_q.weight")
-        self.linear(a.k, xn, p + "attn_k.weight")
-        self.linear(a.v, xn, p + "attn_v.weight")
+        self._qkv_forward(a, xn, p)
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         self.ops.rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
@@ -313,8 +360,7 @@ class Graph:
         a.x_mid += a.x
         xn = self.xn if a.xn2 is None else a.xn2
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
-        self.linear(a.g, xn, p + "ffn_gate.weight")
-        self.linear(a.u, xn, p + "ffn_up.weight")
+        self._gate_up_forward(a, xn, p)
         h = self.h if a.h is None else a.h
         self.ops.swiglu.swiglu_forward(h, a.g, a.u)
         self.linear(x_out, h, p + "ffn_down.weight")
@@ -385,8 +431,7 @@ class Graph:
         if a.xn2 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
-        self.linear_backward(self.dxn, self.dg, xn2, p + "ffn_gate.weight", accumulate=False)
-        self.linear_backward(self.dxn, self.du, xn2, p + "ffn_up.weight", accumulate=True)
+        self._gate_up_backward(xn2, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
         self._norm_grad(p + "ffn_norm.weight", self.dnorm)
@@ -406,9 +451,7 @@ class Graph:
         if a.xn1 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
-        self.linear_backward(self.dxn, self.dq, xn1, p + "attn_q.weight", accumulate=False)
-        self.linear_backward(self.dxn, self.dk, xn1, p + "attn_k.weight", accumulate=True)
-        self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
+        self._qkv_backward(xn1, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
         self._norm_grad(p + "attn_norm.weight", self.dnorm)

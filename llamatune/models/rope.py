@@ -1,0 +1,37 @@
+"""A model's rope tables: which frequency factors and which attention factor apply.
+
+Mirrors what llama.cpp passes to ggml_rope_ext (kernels/rope.py computes the angles):
+  - frequency factors (theta_i /= f_i): Llama 3.1's `rope_freqs`; else Phi-3's su/longrope
+    `rope_factors_long` when the context is longer than `rope.scaling.original_context_length`
+    and `rope_factors_short` otherwise (llama_model::get_rope_factors, by n_ctx_seq);
+  - `rope.scaling.attn_factor`: ggml's rope_yarn returns cosf(theta) * mscale and
+    sinf(theta) * mscale, so the rotated dimensions of q and k are scaled by it (the
+    pass-through dimensions are not). The float32 tables are multiplied once, here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kernels import rope as host_rope
+
+
+def rope_factors(cfg, base, n_ctx: int) -> np.ndarray | None:
+    """The (n_rot/2,) f32 frequency factors for a context of n_ctx tokens, or None."""
+    if base.rope_freqs is not None:
+        return base.rope_freqs
+    if base.rope_long is None:
+        return None
+    return base.rope_long if n_ctx > cfg.n_ctx_orig_rope else base.rope_short
+
+
+def rope_cache(cfg, base, positions: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin (len(positions), n_rot/2) f32 for int64 positions in a context of n_ctx tokens;
+    `base` holds the model's factor vectors (rope_freqs, rope_long, rope_short)."""
+    cos = np.empty((positions.shape[0], cfg.n_rot // 2), np.float32)
+    sin = np.empty_like(cos)
+    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, cfg.rope_freq_base, cfg.rope_freq_scale,
+                         rope_factors(cfg, base, n_ctx))
+    if cfg.rope_attn_factor != 1.0:
+        cos *= np.float32(cfg.rope_attn_factor)
+        sin *= np.float32(cfg.rope_attn_factor)
+    return cos, sin
