@@ -240,3 +240,74 @@ def test_checkpointing_modes_give_bit_identical_gradients(phi3):
         grads.append(params.grad.copy())
     np.testing.assert_array_equal(grads[0], grads[1])
     np.testing.assert_array_equal(grads[0], grads[2])
+
+
+# ----------------------------------------------------------------------------- commands
+
+@pytest.fixture(scope="module")
+def phi3_q8(tmp_path_factory, tiny_vocab):
+    """A Q8_0 phi3 (rows of 32 and 64 fit Q8_0 blocks), rope factors and attention factor."""
+    from gguf import GGMLQuantizationType as QType
+    cfg = phi3_config(n_ff=64, n_ctx_train=32)
+    path = tmp_path_factory.mktemp("phi3q") / "phi3-q8_0.gguf"
+    write_model(path, cfg, phi3_weights(cfg, seed=7), tiny_vocab, QType.Q8_0)
+    return path
+
+
+def _finetune_options(tmp, model, **over):
+    from llamatune.options import FinetuneOptions
+    (tmp / "train.txt").write_text(TEXT)
+    base = dict(model_base=model, train_data=tmp / "train.txt", ctx=16, batch=2, lora_r=2, adam_iter=4,
+                save_every=0, warmup=1, adam_alpha=2e-2, lora_dropout=0.1, rank_att_norm=1,
+                checkpoint_out=tmp / "chk-ITERATION.gguf", lora_out=tmp / "adapter-ITERATION.gguf")
+    return FinetuneOptions(**(base | over))
+
+
+def test_finetune_resumes_exactly_and_the_adapter_works_in_every_command(tmp_path, phi3_q8):
+    from gguf import GGUFReader
+    from llamatune.commands.finetune import finetune
+    from test_safety import cli_here
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    finetune(_finetune_options(one, phi3_q8), quiet=True)
+    finetune(_finetune_options(two, phi3_q8, adam_iter=2), quiet=True)
+    finetune(_finetune_options(two, phi3_q8, checkpoint_in=two / "chk-LATEST.gguf"), quiet=True)
+    adapter = one / "adapter-LATEST.gguf"
+    a = {t.name: np.array(t.data) for t in GGUFReader(adapter).tensors}
+    b = {t.name: np.array(t.data) for t in GGUFReader(two / "adapter-LATEST.gguf").tensors}
+    assert "blk.0.attn_qkv.weight.lora_b" in a and "blk.1.ffn_up.weight.lora_a" in a
+    assert a.keys() == b.keys() and all(np.array_equal(a[n], b[n]) for n in a)
+
+    text = tmp_path / "eval.txt"
+    text.write_text(TEXT)
+    base_ppl = cli_here("perplexity", "-m", phi3_q8, "-f", text, "-c", "16")
+    lora_ppl = cli_here("perplexity", "-m", phi3_q8, "-f", text, "-c", "16", "--lora", adapter)
+    assert base_ppl.returncode == 0 and lora_ppl.returncode == 0, base_ppl.stderr + lora_ppl.stderr
+    ppl = [float(r.stdout.split("PPL = ")[1].split()[0]) for r in (base_ppl, lora_ppl)]
+    assert ppl[0] != ppl[1]
+    gen = cli_here("generate", "-m", phi3_q8, "-p", "First Citizen", "-n", "6", "--temp", "0", "--lora", adapter)
+    assert gen.returncode == 0 and gen.stdout.startswith("First Citizen"), gen.stderr
+
+    merged = tmp_path / "merged.gguf"
+    assert cli_here("export-lora", "-m", phi3_q8, "--lora", adapter, "-o", merged).returncode == 0
+    types = {t.name: t.tensor_type for t in GGUFReader(phi3_q8).tensors}
+    assert {t.name: t.tensor_type for t in GGUFReader(merged).tensors} == types   # merged keep their types
+    merged_ppl = cli_here("perplexity", "-m", merged, "-f", text, "-c", "16")
+    assert float(merged_ppl.stdout.split("PPL = ")[1].split()[0]) == pytest.approx(ppl[1], rel=2e-2)
+
+
+def test_train_from_scratch_arch_phi3(tmp_path):
+    from llamatune.commands.scratch import train_from_scratch
+    from llamatune.options import ScratchOptions
+    (tmp_path / "t.txt").write_text(TEXT)
+    o = ScratchOptions(arch="phi3", train_data=tmp_path / "t.txt", vocab_size=300, embd=32, head=4, head_kv=2,
+                       layer=1, ff=32, ctx=16, batch=2, adam_iter=3, warmup=1, save_every=0,
+                       checkpoint_out=tmp_path / "chk-ITERATION.gguf", model_out=tmp_path / "model-ITERATION.gguf")
+    res = train_from_scratch(o, quiet=True)
+    m = Model(tmp_path / "model-LATEST.gguf")
+    assert m.config.arch == "phi3" and "blk.0.attn_qkv.weight" in m.file.tensors
+    assert m.file.metadata["phi3.rope.scaling.original_context_length"] == 16
+    assert np.isfinite(res.losses).all()
+    o.arch = "gemma9"
+    with pytest.raises(LlamatuneError, match=r"--arch gemma9: train-from-scratch builds .*llama.*phi3.*qwen2"):
+        train_from_scratch(o, quiet=True)
