@@ -156,6 +156,8 @@ def test_inference_matches_numpy_with_short_and_long_rope_factors(tmp_path, tiny
     want = reference_logits(model, tokens, 12)
     np.testing.assert_allclose(np.concatenate([first, rest]), want, rtol=1e-4, atol=1e-4)
     assert np.abs(want - reference_logits(model, tokens, 7)).max() > 1e-2   # the factors matter
+    sized = KVCache.empty(model, 1, 7, context=12)             # generate's cache: -c decides, not its size
+    np.testing.assert_allclose(runner.forward(tokens[None], sized)[0], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("T", [6, 12], ids=["short", "long"])
@@ -311,3 +313,36 @@ def test_train_from_scratch_arch_phi3(tmp_path):
     o.arch = "gemma9"
     with pytest.raises(LlamatuneError, match=r"--arch gemma9: train-from-scratch builds .*llama.*phi3.*qwen2"):
         train_from_scratch(o, quiet=True)
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+@pytest.mark.cuda
+def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
+    """Inference logits and a LoRA training step (every fused target) on the CUDA backend
+    (numba's simulator without a GPU) equal the CPU's."""
+    from llamatune.backend import cpu, get_backend
+    try:
+        cuda = get_backend("cuda")
+    except LlamatuneError as e:
+        pytest.skip(f"no CUDA device or simulator: {e}")
+    cfg = phi3_config(n_embd=16, n_ff=24, head_dim=4, n_rot=2, n_layer=1)
+    write_model(tmp_path / "micro.gguf", cfg, phi3_weights(cfg), tiny_vocab)
+    model = Model(tmp_path / "micro.gguf")
+    tokens = np.array([[1, 5, 9, 33, 7, 2, 11, 4, 8, 3]])                 # 10 > n_ctx_orig: long factors
+    np.testing.assert_allclose(cuda.to_host(Runner(model, backend=cuda).forward(tokens)),
+                               Runner(model).forward(tokens), rtol=1e-4, atol=1e-5)
+    targets = lora_targets(cfg, {"attn_qkv": 2, "ffn_up": 2, "attn_output": 2, "ffn_down": 2}, 2.0, tied=False)
+    labels, w = np.roll(tokens, -1), np.full(tokens.shape, 0.1, np.float32)
+    results = []
+    for backend in (cpu(), cuda):
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(1))
+        params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
+        if backend is not cpu():
+            params.to_device(backend)
+        loss = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 10, "layer", backend=backend).step(
+            tokens, labels, w)
+        results.append((loss, params.host(params.grad).copy()))
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)

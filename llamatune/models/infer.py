@@ -28,13 +28,15 @@ class KVCache:
     k: list[np.ndarray]   # per layer (B, S_max, NKV, HS)
     v: list[np.ndarray]   # per layer (B, S_max, NKV, HS)
     n_past: int = 0
+    context: int = 0      # the context size rope factors are chosen for (llama.cpp's n_ctx); 0: n_ctx
 
     @classmethod
-    def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None) -> "KVCache":
+    def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None,
+              context: int = 0) -> "KVCache":
         c, xp = model.config, (backend or cpu()).xp
         shape = (batch, n_ctx, c.n_head_kv, c.head_dim)
         return cls([xp.zeros(shape, np.float32) for _ in range(c.n_layer)],
-                   [xp.zeros(shape, np.float32) for _ in range(c.n_layer)])
+                   [xp.zeros(shape, np.float32) for _ in range(c.n_layer)], context=context)
 
     @property
     def n_ctx(self) -> int:
@@ -114,7 +116,7 @@ class Runner:
             raise ValueError(f"KV cache overflow: {n_past} + {T} > {cache.n_ctx}")
 
         cos, sin = rope_cache(cfg, self.base, np.arange(n_past, n_past + T, dtype=np.int64),
-                              cache.n_ctx if cache is not None else T)
+                              (cache.context or cache.n_ctx) if cache is not None else T)
         cos, sin = self.backend.to_device(cos), self.backend.to_device(sin)
 
         x = self.embed(self.backend.to_device(tokens.reshape(-1)))   # (N, C) residual stream
