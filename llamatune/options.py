@@ -147,7 +147,7 @@ class FinetuneOptions(TrainOptions):
 
 @dataclass
 class ScratchOptions(TrainOptions):
-    """`llamatune train-from-scratch`: a new llama model, all parameters trained."""
+    """`llamatune train-from-scratch`: a new model (`--arch`), all parameters trained."""
     vocab_model: Optional[Path] = opt(None, "Copy the vocabulary from this GGUF (vocab-only or full model).", G_IO)
     vocab_size: int = opt(4096, "Without --vocab-model: train a SentencePiece vocabulary of this size on the data.", G_MODEL, frozen=True)
     model_out: Path = opt(Path("model-ITERATION.gguf"), "Model output GGUF.", G_IO)

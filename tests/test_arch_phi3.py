@@ -210,23 +210,27 @@ def test_lora_gradient_matches_finite_differences(phi3, mode):
     assert err < 1e-5
 
 
-def test_dense_gradient_matches_finite_differences():
-    """train-from-scratch on phi3: every weight (fused ones included) a parameter."""
-    cfg = phi3_config(n_embd=16, n_ff=24, head_dim=4, n_rot=4, rope_attn_factor=1.0, n_ctx_orig=0)
+@pytest.mark.parametrize("arch", ["phi3", "qwen2"])
+def test_dense_gradient_matches_finite_differences(arch):
+    """train-from-scratch --arch: every weight a parameter (phi3's fused ones, qwen2's biases)."""
+    cfg = tiny_config(arch, n_embd=16, n_ff=24, head_dim=4, n_rot=4)
     shapes = tensor_names(cfg)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()], np.float64)
+    rng = np.random.default_rng(2)
     for n, a in random_weights(cfg, seed=3, std=0.2).items():
-        params[n][...] = a
+        params[n][...] = a + (rng.normal(0, 0.2, a.shape) if n.endswith(".bias") else 0)
     g = Graph(cfg, DenseWeights(params), params, [], 2, 4, "layer", dtype=np.float64)
     rng = np.random.default_rng(5)
     inputs, labels = rng.integers(0, cfg.n_vocab, (2, 4)), rng.integers(0, cfg.n_vocab, (2, 4))
 
-    def loss(p):
+    def loss(**_):
         params.zero_grad()
         return g.step(inputs, labels, np.full((2, 4), 0.125))
-    loss(params.data)
-    analytic = params.grad.copy()
-    err = fd_check(loss, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=400)
+    loss()
+    fused_and_biases = [n for n in shapes if n.endswith(".bias") or n.startswith("blk.0.attn_qkv")]
+    analytic = {"p": params.grad.copy()} | {n: params.grad_of(n).copy() for n in fused_and_biases}
+    inputs_ = {"p": params.data} | {n: params[n] for n in fused_and_biases}
+    err = fd_check(loss, inputs_, analytic, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=120)   # biases: all
     assert err < 1e-5
 
 

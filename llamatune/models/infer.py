@@ -1,10 +1,12 @@
 """Inference forward pass with a KV cache: tokens (B, T) -> logits (B, T, V) in f32.
 
-Mirrors llama.cpp's llm_build_llama / llm_build_qwen2 graph:
+Mirrors llama.cpp's llama / qwen2 / phi3 graphs (src/models/*.cpp):
     x = token_embd[tokens]
     per layer:  x += Wo · attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x))     n = RMSNorm(attn_norm)
                 x += Wdown · (silu(Wgate·n(x)) * Wup·n(x))                 n = RMSNorm(ffn_norm)
     logits = Wout · RMSNorm(x, output_norm)
+q/k/v and gate/up come from one fused matmul split by rows where the architecture
+declares it (phi3's attn_qkv, ffn_up; `qkv`, `gate_up`).
 Matmuls run on one weight at a time dequantized into a scratch buffer
 (weights.FrozenBase), the output head in row blocks; everything elementwise runs in the backend's kernels (numba
 on the CPU, numba-cuda on a GPU). Runtime LoRA adapters (as llama.cpp applies them

@@ -28,6 +28,8 @@ Per layer, with xn = RMSNorm(x):
     x_mid   = x + attn(q, k, v) Wo^T
     g, u    = n2 Wg^T, n2 Wu^T           n2 = RMSNorm(x_mid)
     x_out   = x_mid + (silu(g) * u) Wd^T
+Fused projections (Arch.fused_qkv / fused_gate_up, phi3) compute q|k|v or g|u in one
+matmul (one LoRA pair on the whole product) and split it into the same activations.
 """
 from __future__ import annotations
 
@@ -274,6 +276,9 @@ class Graph:
         if self.base.trainable:
             dW = self.base.grad(name)
             dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
+            bias = name.replace(".weight", ".bias")
+            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
+                self.base.grad(bias)[...] += dy.sum(axis=0)
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
