@@ -38,6 +38,7 @@ from llamacpp_crosscheck import (  # noqa: E402
     EVAL,
     PPL_RE,
     PROMPT,
+    SHARED,
     TOL_EXACT_PPL_REL,
     TOL_PPL_REL,
     TRAIN,
@@ -93,13 +94,49 @@ def scratch_model(c: Ctx, arch: str, *options) -> Path:
 
 # ------------------------------------------------------------------------------------ architectures
 
+def longrope(cfg):
+    """`cfg` given Phi-3.5's kind of rope (phi3_model), and its two factor vectors."""
+    n_ctx_train, n_ctx_orig, n_rot = 512, 256, cfg.head_dim * 3 // 4
+    cfg = dataclasses.replace(cfg, n_ctx_train=n_ctx_train, n_ctx_orig=n_ctx_orig, n_rot=n_rot,
+                              rope_attn_factor=math.sqrt(1 + math.log(n_ctx_train / n_ctx_orig) / math.log(n_ctx_orig)))
+    return cfg, {"rope_factors_long.weight": np.geomspace(1.0, 8.0, n_rot // 2).astype(np.float32),
+                 "rope_factors_short.weight": np.linspace(1.0, 1.2, n_rot // 2).astype(np.float32)}
+
+
+def seeded_phi3(d: Path, vocab: Path) -> tuple[Path, Path]:
+    """A phi3 of seeded random weights with longrope (as phi3_model) and Phi-3's vocabulary,
+    and a seeded random adapter on attn_qkv, attn_output, ffn_up and ffn_down: rebuilt
+    bit for bit anywhere from numpy's seeded generator, so tests/test_arch_phi3.py checks
+    llamatune against the llama.cpp figures recorded for it without llama.cpp."""
+    from llamatune.formats.adapter import LoraAdapter, write_adapter
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.arch import tensor_shape
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import random_weights, vocab_kvs, write_model
+    f = GGUFFile(vocab)
+    cfg, factors = longrope(ModelConfig(arch="phi3", n_vocab=len(f.metadata["tokenizer.ggml.tokens"]),
+                                        n_ctx_train=512, n_embd=64, n_layer=2, n_ff=128, n_head=4, n_head_kv=2,
+                                        head_dim=16, n_rot=16, norm_eps=1e-5))
+    model, adapter = d / "phi3-seeded-f32.gguf", d / "phi3-seeded-adapter.gguf"
+    write_model(model, cfg, random_weights(cfg, seed=11, std=0.3) | factors, vocab_kvs(f), name="seeded test model")
+    rng, lora = np.random.default_rng(12), LoraAdapter("phi3", 8.0)
+    for i in range(cfg.n_layer):
+        for kind in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
+            n_out, n_in = tensor_shape(cfg, kind)
+            lora.pairs[f"blk.{i}.{kind}.weight"] = (rng.normal(0, 0.2, (4, n_in)).astype(np.float32),
+                                                    rng.normal(0, 0.2, (n_out, 4)).astype(np.float32))
+    write_adapter(adapter, lora)
+    return model, adapter
+
+
 def phi3_model(c: Ctx) -> Path:
     """phi3 from scratch (fused attn_qkv / ffn_up, NEOX), then given Phi-3.5 / Phi-4-mini's
     rope: su/longrope factors (rope_factors_long / _short), attention factor
     sqrt(1 + ln(scale) / ln(n_ctx_orig)) as the converter computes it, an original context
-    of 32 (so -c 32 rotates with the short factors and -c 64 with the long ones) and 3/4
-    of each head rotated. The rope change is applied after training: the adapter
-    finetuned on it by check_arch relearns some of what it breaks."""
+    of 256 in a context length of 512 (llama.cpp pads -c to a multiple of 256, so -c 64
+    rotates with the short factors and -c 320 with the long ones) and 3/4 of each head
+    rotated. The rope change is applied after training: the adapter finetuned on it by
+    check_arch relearns some of what it breaks."""
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.kernels import dequant
     from llamatune.models.config import ModelConfig
@@ -110,19 +147,16 @@ def phi3_model(c: Ctx) -> Path:
     src = scratch_model(c, "phi3", "--embd", "256", "--head", "8", "--head-kv", "4", "--layer", "2", "--ff", "512")
     f = GGUFFile(src)
     cfg = ModelConfig.from_metadata(f.metadata, str(src))
-    n_ctx_orig, n_rot = 32, cfg.head_dim * 3 // 4
-    cfg = dataclasses.replace(cfg, n_ctx_orig=n_ctx_orig, n_rot=n_rot,
-                              rope_attn_factor=math.sqrt(1 + math.log(cfg.n_ctx_train / n_ctx_orig)
-                                                         / math.log(n_ctx_orig)))
     w = {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape) for n, t in f.tensors.items()}
-    w["rope_factors_long.weight"] = np.geomspace(1.0, 8.0, n_rot // 2).astype(np.float32)
-    w["rope_factors_short.weight"] = np.linspace(1.0, 1.2, n_rot // 2).astype(np.float32)
-    write_model(out, cfg, w, vocab_kvs(f), name="longrope test model")   # a "phi3" name makes llama.cpp
+    cfg, factors = longrope(cfg)
+    write_model(out, cfg, w | factors, vocab_kvs(f), name="longrope test model")   # a "phi3" name makes llama.cpp
     #                                      look for Phi-3 chat tokens (llama-vocab.cpp) this vocabulary lacks
     return out
 
 
-ARCHS = {"phi3": (phi3_model, (32, 64))}      # name -> (model builder, contexts to score)
+# name -> (model builder, contexts to score, seeded model builder or None)
+ARCHS = {"phi3": (phi3_model, (64, 320), lambda d: seeded_phi3(d, SHARED / "vocab" / "ggml-vocab-phi-3.gguf"))}
+SEEDED_CHARS = 4000         # the seeded models' text: the first characters of shakespeare-eval.txt
 
 
 # ------------------------------------------------------------------------------------ the checks
@@ -173,20 +207,45 @@ def check_arch(c: Ctx, arch: str, build, contexts) -> dict:
                                    "llama_cpp": round(p_cpp, 4), "exact": name == "f32"})
 
     print(f"{arch}: greedy text", flush=True)
-    for lora in (False, True):
-        extra = ["--lora", adapter] if lora else []
-        out = run_cpp_complete(c, f"llama-completion {arch}{' +lora' if lora else ''}",
-                               [c.cpp("llama-completion"), "-m", f32, "-p", PROMPT, "-n", 24, "--temp", 0, "-no-cnv",
-                                "-t", c.threads, "--no-warmup", "-c", 64, *extra, *CPP_EXACT],
-                               COMPLETION_DONE_RE, stdout_only=True)
-        g_cpp = completion_text(out)
-        g_lt = generate_text(c.lt(f"llamatune generate {arch}", "generate", "-m", f32, "-p", PROMPT, "-n", 24,
-                                  "--temp", 0, "-c", 64, *extra, stdout_only=True))
-        same = g_lt == g_cpp
-        c.add(arch, f"greedy 24 tokens from {PROMPT!r}{' +lora' if lora else ''}", repr(g_lt[:40]), repr(g_cpp[:40]),
-              "identical" if same else f"differ after {common_prefix(g_lt, g_cpp)} chars", same)
-        figures["greedy"].append({"lora": lora, "llamatune": g_lt, "llama_cpp": g_cpp})
+    for n_ctx in contexts:
+        for lora in (False, True):
+            label = f"{arch}{' +lora' if lora else ''} c={n_ctx}"
+            extra = ["--lora", adapter] if lora else []
+            out = run_cpp_complete(c, f"llama-completion {label}",
+                                   [c.cpp("llama-completion"), "-m", f32, "-p", PROMPT, "-n", 24, "--temp", 0,
+                                    "-no-cnv", "-t", c.threads, "--no-warmup", "-c", n_ctx, *extra, *CPP_EXACT],
+                                   COMPLETION_DONE_RE, stdout_only=True)
+            g_cpp = completion_text(out)
+            g_lt = generate_text(c.lt(f"llamatune generate {label}", "generate", "-m", f32, "-p", PROMPT, "-n", 24,
+                                      "--temp", 0, "-c", n_ctx, *extra, stdout_only=True))
+            same = g_lt == g_cpp
+            c.add(arch, f"greedy 24 tokens from {PROMPT!r}, {label}", repr(g_lt[:40]), repr(g_cpp[:40]),
+                  "identical" if same else f"differ after {common_prefix(g_lt, g_cpp)} chars", same)
+            figures["greedy"].append({"lora": lora, "n_ctx": n_ctx, "llamatune": g_lt, "llama_cpp": g_cpp})
     return figures
+
+
+def check_seeded(c: Ctx, arch: str, build, contexts) -> list[dict]:
+    """F32 perplexity of the seeded model (exact settings), without and with its adapter."""
+    d = c.work / arch / "seeded"
+    d.mkdir(parents=True, exist_ok=True)
+    model, adapter = build(d)
+    text = d / "eval-seeded.txt"
+    text.write_text(EVAL.read_text(encoding="utf-8")[:SEEDED_CHARS], encoding="utf-8")
+    rows = []
+    for n_ctx in contexts:
+        for lora in (False, True):
+            label = f"{arch} seeded{' +lora' if lora else ''} c={n_ctx}"
+            extra = ["--lora", adapter] if lora else []
+            p_lt = ppl_of(c.lt(f"llamatune ppl {label}", "perplexity", "-m", model, "-f", text, "-c", n_ctx,
+                               "-b", n_ctx, *extra), label)
+            p_cpp = ppl_of(run_cpp_complete(c, f"llama-perplexity {label}", [
+                c.cpp("llama-perplexity"), "-m", model, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", c.threads,
+                *extra, *CPP_EXACT], PPL_RE), label)
+            c.add(arch, f"PPL {label} (llama.cpp exact)", f"{p_lt:.4f}", f"{p_cpp:.4f}",
+                  f"{rel(p_lt, p_cpp):+.2e} rel", abs(rel(p_lt, p_cpp)) < TOL_EXACT_PPL_REL)
+            rows.append({"lora": lora, "n_ctx": n_ctx, "llamatune": round(p_lt, 4), "llama_cpp": round(p_cpp, 4)})
+    return rows
 
 
 def record(arch: str, figures: dict) -> None:
@@ -214,8 +273,9 @@ def main() -> int:
     c.log_shim, note = build_log_shim(work)
     print(note)
     for arch in a.arch or sorted(ARCHS):
-        build, contexts = ARCHS[arch]
-        record(arch, check_arch(c, arch, build, contexts))
+        build, contexts, seeded = ARCHS[arch]
+        figures = {"seeded": check_seeded(c, arch, seeded, contexts)} if seeded else {}
+        record(arch, figures | check_arch(c, arch, build, contexts))
     print_table(c)
     return 0 if all(r.ok is not False for r in c.rows) else 1
 

@@ -21,7 +21,7 @@ from llamatune.train.graph import DenseWeights, FrozenBase, Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer, ParamSpec
 
-N_CTX_ORIG = 8                      # contexts above it rotate with rope_factors_long
+N_CTX_ORIG = 256                    # contexts above it (after llama.cpp's padding to 256) rotate with the long factors
 ATTN_FACTOR = 1.25
 ALL_RANKS = {k: 2 for k in ("attn_qkv", "attn_output", "ffn_up", "ffn_down", "token_embd", "output",
                             "attn_norm", "ffn_norm", "output_norm")}
@@ -29,7 +29,8 @@ ALL_RANKS = {k: 2 for k in ("attn_qkv", "attn_output", "ffn_up", "ffn_down", "to
 
 def phi3_config(**over):
     # head_dim 8 with 6 rotated dimensions (Phi-4-mini rotates 3/4 of each head), GQA 4/2
-    base = dict(n_embd=32, n_ff=48, head_dim=8, n_rot=6, n_ctx_orig=N_CTX_ORIG, rope_attn_factor=ATTN_FACTOR)
+    base = dict(n_embd=32, n_ff=48, head_dim=8, n_rot=6, n_ctx_train=1024, n_ctx_orig=N_CTX_ORIG,
+                rope_attn_factor=ATTN_FACTOR)
     return tiny_config("phi3", **(base | over))
 
 
@@ -68,7 +69,8 @@ def reference_logits(model: Model, tokens: np.ndarray, n_ctx: int) -> np.ndarray
     T, NH, NKV, HS, F, Cq, Ckv = len(tokens), cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff, \
         cfg.n_embd_q, cfg.n_embd_kv
     half = cfg.n_rot // 2
-    ff = W["rope_factors_long.weight" if n_ctx > N_CTX_ORIG else "rope_factors_short.weight"]
+    padded = -(-n_ctx // 256) * 256                       # llama.cpp's n_ctx_seq
+    ff = W["rope_factors_long.weight" if padded > N_CTX_ORIG else "rope_factors_short.weight"]
     theta = np.arange(T)[:, None] * cfg.rope_freq_base ** (-2 * np.arange(half) / cfg.n_rot) / ff
     c, s = np.cos(theta)[:, None] * ATTN_FACTOR, np.sin(theta)[:, None] * ATTN_FACTOR
 
@@ -148,30 +150,32 @@ def test_inference_matches_numpy_with_short_and_long_rope_factors(tmp_path, tiny
     model = Model(tmp_path / "m.gguf")
     tokens = np.array([1, 7, 30, 2, 99, 5, 12])
     runner = Runner(model)
-    short = runner.forward(tokens[None])[0]                     # context 7 <= 8: short factors
+    short = runner.forward(tokens[None])[0]                     # context 7 (256 in llama.cpp): short factors
     np.testing.assert_allclose(short, reference_logits(model, tokens, 7), rtol=1e-4, atol=1e-4)
-    cache = KVCache.empty(model, 1, 12)                         # context 12 > 8: long factors
+    cache = KVCache.empty(model, 1, 257)                        # context 257 (512) > 256: long factors
     first = runner.forward(tokens[None, :4], cache)[0]
     rest = runner.forward(tokens[None, 4:], cache)[0]
-    want = reference_logits(model, tokens, 12)
+    want = reference_logits(model, tokens, 257)
     np.testing.assert_allclose(np.concatenate([first, rest]), want, rtol=1e-4, atol=1e-4)
-    assert np.abs(want - reference_logits(model, tokens, 7)).max() > 1e-2   # the factors matter
-    sized = KVCache.empty(model, 1, 7, context=12)             # generate's cache: -c decides, not its size
+    assert np.abs(want - short).max() > 1e-2                    # the factors matter
+    sized = KVCache.empty(model, 1, 7, context=300)            # generate's cache: -c decides, not its size
     np.testing.assert_allclose(runner.forward(tokens[None], sized)[0], want, rtol=1e-4, atol=1e-4)
+    at_256 = KVCache.empty(model, 1, 7, context=256)           # 256 is not above the original context
+    np.testing.assert_allclose(runner.forward(tokens[None], at_256)[0], short, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("T", [6, 12], ids=["short", "long"])
-def test_graph_forward_matches_numpy(phi3, T):
+@pytest.mark.parametrize("B, T", [(2, 6), (1, 257)], ids=["short", "long"])
+def test_graph_forward_matches_numpy(phi3, B, T):
     cfg = phi3.config
     targets = lora_targets(cfg, ALL_RANKS, alpha=4.0, tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))       # B A = 0: the base model
     rng = np.random.default_rng(3)
-    inputs, labels = rng.integers(0, cfg.n_vocab, (2, T)), rng.integers(0, cfg.n_vocab, (2, T))
-    g = Graph(cfg, FrozenBase(phi3), params, targets, 2, T)
-    g.step(inputs, labels, np.full((2, T), 1 / (2 * T), np.float32))
+    inputs, labels = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    g = Graph(cfg, FrozenBase(phi3), params, targets, B, T)
+    g.step(inputs, labels, np.full((B, T), 1 / (B * T), np.float32))
     logits = np.concatenate([reference_logits(phi3, row, T) for row in inputs])
-    want = np.empty(2 * T, np.float32)
+    want = np.empty(B * T, np.float32)
     cross_entropy.cross_entropy_forward(want, logits.astype(np.float32), labels.reshape(-1))
     np.testing.assert_allclose(g.losses, want, rtol=1e-4, atol=1e-4)
 
@@ -254,7 +258,7 @@ def test_checkpointing_modes_give_bit_identical_gradients(phi3):
 def phi3_q8(tmp_path_factory, tiny_vocab):
     """A Q8_0 phi3 (rows of 32 and 64 fit Q8_0 blocks), rope factors and attention factor."""
     from gguf import GGMLQuantizationType as QType
-    cfg = phi3_config(n_ff=64, n_ctx_train=32)
+    cfg = phi3_config(n_ff=64)
     path = tmp_path_factory.mktemp("phi3q") / "phi3-q8_0.gguf"
     write_model(path, cfg, phi3_weights(cfg, seed=7), tiny_vocab, QType.Q8_0)
     return path
@@ -330,10 +334,10 @@ def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
         cuda = get_backend("cuda")
     except LlamatuneError as e:
         pytest.skip(f"no CUDA device or simulator: {e}")
-    cfg = phi3_config(n_embd=16, n_ff=24, head_dim=4, n_rot=2, n_layer=1)
+    cfg = phi3_config(n_embd=16, n_ff=24, head_dim=4, n_rot=2, n_layer=1, n_ctx_orig=8)   # long factors
     write_model(tmp_path / "micro.gguf", cfg, phi3_weights(cfg), tiny_vocab)
     model = Model(tmp_path / "micro.gguf")
-    tokens = np.array([[1, 5, 9, 33, 7, 2, 11, 4, 8, 3]])                 # 10 > n_ctx_orig: long factors
+    tokens = np.array([[1, 5, 9, 33, 7, 2, 11, 4, 8, 3]])
     np.testing.assert_allclose(cuda.to_host(Runner(model, backend=cuda).forward(tokens)),
                                Runner(model).forward(tokens), rtol=1e-4, atol=1e-5)
     targets = lora_targets(cfg, {"attn_qkv": 2, "ffn_up": 2, "attn_output": 2, "ffn_down": 2}, 2.0, tied=False)
@@ -350,3 +354,29 @@ def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- llama.cpp's figures
+
+def test_perplexity_equals_llama_cpps_recorded_figures(tmp_path):
+    """The seeded phi3 of bench/arch_crosscheck.py (random weights from numpy's seeded generator,
+    longrope, 3/4 of each head rotated, Phi-3's vocabulary, a seeded adapter on every fused
+    tensor) scored by llamatune equals llama-perplexity's figures recorded by that script
+    (F32, no activation rounding: -fa off, F32 KV), with the short (-c 64) and the long
+    (-c 320) rope factors, without and with the adapter."""
+    import json
+    import sys
+    from conftest import DATA, REPO, VOCAB, need
+    from llamatune.commands.perplexity import perplexity
+    from llamatune.formats.adapter import load_runtime_adapters
+    sys.path.insert(0, str(REPO / "bench"))
+    from arch_crosscheck import SEEDED_CHARS, seeded_phi3
+    figures = json.loads((REPO / "tests" / "fixtures" / "arch_crosscheck.json").read_text())["phi3"]["seeded"]
+    model_path, adapter = seeded_phi3(tmp_path, need(VOCAB / "ggml-vocab-phi-3.gguf"))
+    text = need(DATA / "shakespeare-eval.txt").read_text(encoding="utf-8")[:SEEDED_CHARS]
+    model = Model(model_path)
+    assert {(f["n_ctx"], f["lora"]) for f in figures} == {(64, False), (64, True), (320, False), (320, True)}
+    for f in figures:
+        adapters = load_runtime_adapters(model, [(str(adapter), 1.0)]) if f["lora"] else None
+        ppl = perplexity(Runner(model, adapters), text, f["n_ctx"], 4096).ppl
+        assert ppl == pytest.approx(f["llama_cpp"], rel=2e-5), f
