@@ -25,7 +25,8 @@ import numpy as np
 
 from .errors import LlamatuneError
 
-OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "cross_entropy", "optim")
+OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "geglu", "softcap", "cross_entropy",
+       "optim")
 
 
 @dataclass(frozen=True)
