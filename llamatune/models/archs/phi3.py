@@ -11,8 +11,9 @@ whole product before the split, as llama.cpp's build_lora_mm does.
 Rope scaling `su` / `longrope` (Phi-3 128k, Phi-3.5, Phi-4-mini) comes as the
 `rope_factors_long` / `rope_factors_short` tensors (frequency factors, theta_i /= f_i)
 and `rope.scaling.attn_factor` (cos and sin multiplied by it); as llama.cpp's
-get_rope_factors, a context above `rope.scaling.original_context_length` rotates with
-the long factors, any other with the short ones (models/rope.py).
+get_rope_factors, a context above `rope.scaling.original_context_length` (after llama.cpp
+rounds it up to a multiple of 256) rotates with the long factors, any other with the
+short ones (models/rope.py).
 
 `attention.sliding_window` is read and ignored: llama.cpp disables Phi-3's sliding
 window ("Phi SWA is currently disabled", llama_model_phi3::load_arch_hparams), so
