@@ -359,23 +359,22 @@ def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
 # ----------------------------------------------------------------------------- llama.cpp's figures
 
 def test_perplexity_equals_llama_cpps_recorded_figures(tmp_path):
-    """The seeded phi3 of bench/arch_crosscheck.py (random weights from numpy's seeded generator,
-    longrope, 3/4 of each head rotated, Phi-3's vocabulary, a seeded adapter on every fused
-    tensor) scored by llamatune equals llama-perplexity's figures recorded by that script
-    (F32, no activation rounding: -fa off, F32 KV), with the short (-c 64) and the long
-    (-c 320) rope factors, without and with the adapter."""
+    """The seeded phi3 of arch_reference.seeded_phi3 (random weights from numpy's seeded
+    generator, longrope, 3/4 of each head rotated, Phi-3's vocabulary, a seeded adapter on
+    every fused tensor) scored by llamatune equals llama-perplexity's figures recorded by
+    `bench/arch_crosscheck.py --record --arch phi3` (F32, no activation rounding: -fa off,
+    F32 KV), with the short (-c 64) and the long (-c 320) rope factors, without and with
+    the adapter."""
     import json
-    import sys
+    from arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
     from conftest import DATA, REPO, VOCAB, need
     from llamatune.commands.perplexity import perplexity
     from llamatune.formats.adapter import load_runtime_adapters
-    sys.path.insert(0, str(REPO / "bench"))
-    from arch_crosscheck import SEEDED_CHARS, seeded_phi3
-    figures = json.loads((REPO / "tests" / "fixtures" / "arch_crosscheck.json").read_text())["phi3"]["seeded"]
+    figures = json.loads((REPO / "tests" / "fixtures" / "arch_llamacpp_phi3.json").read_text())
     model_path, adapter = seeded_phi3(tmp_path, need(VOCAB / "ggml-vocab-phi-3.gguf"))
-    text = need(DATA / "shakespeare-eval.txt").read_text(encoding="utf-8")[:SEEDED_CHARS]
+    text = need(DATA / "shakespeare-eval.txt").read_text(encoding="utf-8")[:PHI3_SEEDED_CHARS]
     model = Model(model_path)
-    assert {(f["n_ctx"], f["lora"]) for f in figures} == {(64, False), (64, True), (320, False), (320, True)}
+    assert {(f["n_ctx"], f["lora"]) for f in figures} == {(n, lora) for n in PHI3_CONTEXTS for lora in (False, True)}
     for f in figures:
         adapters = load_runtime_adapters(model, [(str(adapter), 1.0)]) if f["lora"] else None
         ppl = perplexity(Runner(model, adapters), text, f["n_ctx"], 4096).ppl
