@@ -312,12 +312,15 @@ def main() -> int:
     try:
         families = [a for a in archs if a in FAMILIES]
         if a.record:
-            record(c, families)
+            if families:
+                record(c, families)
             if "phi3" in archs:
                 phi3_record(c)
         if not a.no_structured:
-            from llamatune.models.modelfile import train_spm_vocab
-            vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"], str(lc.TRAIN))
+            if families:
+                from llamatune.models.modelfile import train_spm_vocab
+                vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"],
+                                        str(lc.TRAIN))
             for arch in families:
                 structured(c, arch, vocab)
             if "phi3" in archs:
