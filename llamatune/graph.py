@@ -44,7 +44,7 @@ from .lora import LoraTarget
 from .params import ParamBuffer
 from .weights import DenseWeights, FrozenBase  # noqa: F401  (re-exported: the graph's weight providers)
 
-HEAD_CHUNK_BYTES = 32 << 20   # logits computed this many bytes at a time
+HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
 LORA_VECTOR_KINDS = ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")   # no (N, r) x A^T buffer
 
@@ -77,9 +77,21 @@ def checkpointing_mode(checkpointing) -> str:
     return checkpointing
 
 
-def head_chunk(N: int, n_vocab: int) -> int:
-    """Token rows of logits computed at a time."""
-    return max(1, min(N, HEAD_CHUNK_BYTES // (4 * n_vocab)))
+def grad_scratch(cfg: ModelConfig, N: int) -> dict[str, tuple[int, int]]:
+    """The layer backward's gradient scratch, (N, *) each. The output head runs before
+    any layer backward (and evaluation runs no backward), so its logits overlay these
+    in one shared buffer: a larger token chunk at no cost in memory."""
+    F, Cq, Ckv = cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
+    return {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
+            "datt": (N, Cq)}
+
+
+def head_chunk(N: int, n_vocab: int, room: int = 0) -> int:
+    """Token rows of logits computed at a time: as many as fill `room` floats (the
+    gradient scratch they overlay) or HEAD_CHUNK_BYTES, whichever holds more, at most N.
+    Every chunk expands the quantized head twice (logits, gradient to its input), so
+    fewer, larger chunks expand it less often and multiply it in better-shaped products."""
+    return max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // n_vocab))
 
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
@@ -102,10 +114,11 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     for t in targets:                                              # x A^T of each adapter (shared per kind
         if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
-    chunk = head_chunk(N, V)
-    plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C), "dg": (N, F), "du": (N, F),
-             "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv), "datt": (N, Cq),
-             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "logits": (chunk, V), "losses": (N,),
+    grads = sum(n * m for n, m in grad_scratch(cfg, N).values())
+    chunk = head_chunk(N, V, grads)
+    plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C),
+             "grads_logits": (max(grads, chunk * V),),               # grad_scratch, or the head's (chunk, V) logits
+             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
     head_tmp = 0                                                   # products added to a block in the head
     if any(t.kind == "output" for t in targets):
@@ -149,11 +162,13 @@ class Graph:
         # scratch, reused by every layer
         self.xn, self.h = buf["xn"], buf["h"]
         self.dx, self.dx2, self.dxn = buf["dx"], buf["dx2"], buf["dxn"]
-        self.dg, self.du, self.dh = buf["dg"], buf["du"], buf["dh"]
-        self.dq, self.dk, self.dv, self.datt = buf["dq"], buf["dk"], buf["dv"], buf["datt"]
-        self.tmp, self.dnorm = buf["tmp"], buf["dnorm"]
-        self.logits, self.losses = buf["logits"], buf["losses"]
-        self.chunk = self.logits.shape[0]
+        shared, at = buf["grads_logits"], 0
+        for name, (n, m) in grad_scratch(cfg, self.N).items():          # views of the shared buffer
+            setattr(self, name, shared[at: at + n * m].reshape(n, m))
+            at += n * m
+        self.chunk = head_chunk(self.N, cfg.n_vocab, at)
+        self.logits = shared[: self.chunk * cfg.n_vocab].reshape(self.chunk, cfg.n_vocab)
+        self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
         host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
@@ -280,7 +295,8 @@ class Graph:
         A, B = self.params[t.a], self.params[t.b]
         self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
         dxa = t.scale * (dy @ B)                                       # (N, r)
-        self.params.grad_of(t.a)[...] += dxa.T @ xd
+        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
+        #                                   to 50x longer with the r-row transposed operand on the left
         if dx is not None:
             dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
             dx += dxd if mask is None else dxd * mask
@@ -346,10 +362,11 @@ class Graph:
                 xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
                 if t is not None:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
-            self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
             if not backward:
+                self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
                 continue
-            self.ops.cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
+            self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], logits, logits,
+                                                                  targets[lo:hi], weights[lo:hi])
             for j, (vlo, vhi) in enumerate(reversed(blocks)):
                 W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
                 if j == 0:

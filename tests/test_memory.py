@@ -23,10 +23,13 @@ RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
 
 
 def graph_arrays(g: Graph) -> list[np.ndarray]:
-    """Every distinct array the graph holds, found by walking its attributes."""
+    """Every distinct buffer the graph holds, found by walking its attributes (a view,
+    e.g. of the shared gradient / logits buffer, counts as the buffer it views)."""
     found: dict[int, np.ndarray] = {}
 
     def add(v):
+        while isinstance(v, np.ndarray) and v.base is not None:
+            v = v.base
         if isinstance(v, np.ndarray) and id(v) not in found:
             found[id(v)] = v
     for v in vars(g).values():
