@@ -83,7 +83,8 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
 def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu",
                 allow_nonfinite: bool = False):
     from llamatune.backend import get_backend
-    from llamatune.model import Model, NonFiniteError
+    from llamatune.model import Model
+    from llamatune.tensors import NonFiniteError
     from llamatune.infer import Runner
     specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)

@@ -23,7 +23,7 @@ from .console import notice
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
 from .kernels import dequant
-from .model import check_finite, check_type
+from .tensors import check_finite, check_type
 
 
 @dataclass
@@ -121,10 +121,23 @@ def write_adapter(path: str | Path, adapter: LoraAdapter, extra: list[KV] | None
     write_gguf(path, adapter.arch, kvs, tensors)
 
 
+@dataclass
+class RuntimeAdapters:
+    """LoRA adapters applied at run time: weight name -> [(A (r, n_in), B (n_out, r), scale)].
+    `token_embd.weight` entries use llama.cpp's flipped layout: A (V, r), B (C, r)."""
+    by_weight: dict[str, list[tuple[np.ndarray, np.ndarray, float]]] = field(default_factory=dict)
+
+    def add(self, name: str, a: np.ndarray, b: np.ndarray, scale: float) -> None:
+        self.by_weight.setdefault(name, []).append((a, b, scale))
+
+    def __bool__(self) -> bool:
+        return bool(self.by_weight)
+
+
+
 def load_runtime_adapters(model, specs: list[tuple[str, float]], allow_nonfinite: bool = False):
     """Adapters to apply at run time, as llama.cpp's --lora / --lora-scaled do
     (norm adapters are skipped, as llama.cpp skips them)."""
-    from .infer import RuntimeAdapters
     runtime = RuntimeAdapters()
     for path, user_scale in specs:
         adapter = read_adapter(path, model.file, allow_nonfinite)

@@ -37,7 +37,7 @@ from gguf import GGUFValueType as VType
 
 from .errors import LlamatuneError
 from .gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
-from .model import check_finite
+from .tensors import check_finite
 from .params import ParamBuffer
 from .validation import ValidationState
 

@@ -41,7 +41,7 @@ from .config import ModelConfig
 from .convert_peft import Heads, peft_files, read_peft
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, atomic_path, check_float, kv, write_error
-from .model import float_array
+from .tensors import float_array
 from .modelfile import tensor_names, vocab_kvs, write_model
 from .outputs import Out, check_paths
 

@@ -57,7 +57,8 @@ from .config import ModelConfig
 from .errors import LlamatuneError
 from .gguf_io import GGUFFile, kv
 from .lora import lora_specs, lora_targets
-from .model import float_array, matrix_shape
+from .model import matrix_shape
+from .tensors import float_array
 from .modelfile import tensor_names, vocab_kvs
 from .options import FinetuneOptions
 from .params import ParamBuffer, ParamSpec

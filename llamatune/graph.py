@@ -42,7 +42,8 @@ from .kernels import attention as host_attention
 from .kernels import rope as host_rope
 from .lora import LoraTarget
 from .params import ParamBuffer
-from .weights import DenseWeights, FrozenBase  # noqa: F401  (re-exported: the graph's weight providers)
+from .params import DenseWeights  # noqa: F401  (re-exported: the graph's weight providers)
+from .weights import FrozenBase  # noqa: F401
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first

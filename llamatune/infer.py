@@ -12,27 +12,15 @@ with --lora) add `scale · (x A^T) B^T` to each matmul.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
+from .adapter import RuntimeAdapters
 from .backend import Backend, cpu
 from .kernels import rope as host_rope
 from .model import Model
 from .weights import FrozenBase
-
-
-@dataclass
-class RuntimeAdapters:
-    """LoRA adapters applied at run time: weight name -> [(A (r, n_in), B (n_out, r), scale)].
-    `token_embd.weight` entries use llama.cpp's flipped layout: A (V, r), B (C, r)."""
-    by_weight: dict[str, list[tuple[np.ndarray, np.ndarray, float]]] = field(default_factory=dict)
-
-    def add(self, name: str, a: np.ndarray, b: np.ndarray, scale: float) -> None:
-        self.by_weight.setdefault(name, []).append((a, b, scale))
-
-    def __bool__(self) -> bool:
-        return bool(self.by_weight)
 
 
 @dataclass

@@ -161,7 +161,7 @@ def compile_kernels(backend, opts, qtypes=()) -> None:
     from .modelfile import random_weights, tensor_names
     from .optimizer import optimizer_step
     from .params import ParamBuffer, ParamSpec
-    from .weights import DenseWeights
+    from .params import DenseWeights
     if backend.name != "cpu":
         return
     cfg = ModelConfig(arch="llama", n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=1, n_ff=64, n_head=2,

@@ -21,12 +21,6 @@ from pathlib import Path
 
 from .gguf_io import atomic_path
 
-DEFAULT_NAME = "metrics.jsonl"
-
-
-def metrics_path(opts) -> Path:
-    """--metrics-out, or metrics.jsonl in the directory of the checkpoints."""
-    return Path(opts.metrics_out) if opts.metrics_out is not None else Path(opts.checkpoint_out).parent / DEFAULT_NAME
 
 
 def _parse(line: str) -> dict | None:

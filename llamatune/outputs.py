@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import LlamatuneError
-from .metrics import metrics_path
 
 ITERATION = "ITERATION"
 
@@ -181,3 +180,11 @@ def check_free_space(needs: Iterable[tuple[Path, int]]) -> None:
             raise LlamatuneError(f"{where}: {free / 2**20:,.1f} MiB free, but the first save writes about "
                                  f"{total / 2**20:,.1f} MiB there (checkpoint and outputs, each with its LATEST "
                                  "copy): free some space or choose another directory")
+
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def metrics_path(opts) -> Path:
+    """--metrics-out, or metrics.jsonl in the directory of the checkpoints."""
+    return Path(opts.metrics_out) if opts.metrics_out is not None else Path(opts.checkpoint_out).parent / METRICS_NAME

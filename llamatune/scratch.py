@@ -23,7 +23,7 @@ from .console import notice
 from .errors import LlamatuneError
 from .finetune import check_packing, read_training_text, train_and_validation
 from .gguf_io import GGUFFile, kv
-from .weights import DenseWeights
+from .params import DenseWeights
 from .model import Model
 from .modelfile import parse_outtype, random_weights, tensor_names, train_spm_vocab, vocab_kvs, write_model
 from .options import ScratchOptions

@@ -31,10 +31,10 @@ from .graph import Graph
 from .memory import Estimate, Planner, available_memory, compile_kernels, gib, measure_runtime
 from .lora import LoraTarget
 from .guard import Guard
-from .metrics import MetricsLog, metrics_path
+from .metrics import MetricsLog
 from .optimizer import apply_update, gradient_norm, learning_rate
 from .options import TrainOptions
-from .outputs import check_free_space
+from .outputs import check_free_space, metrics_path
 from .params import ParamBuffer
 from .validation import Validator
 
@@ -112,11 +112,6 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
         notice(f"{path} does not exist: starting a fresh run")
     job.init_params(np.random.default_rng(o.seed))
     return ckpt.TrainState()
-
-
-def packing(b) -> dict:
-    """Graph.step's packed-row arguments (contract: positions, segments) when the batch has them."""
-    return {} if b.positions is None else {"positions": b.positions, "segments": b.segments}
 
 
 def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dict | None = None) -> list[Path]:

@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType as QType
 
 from .backend import Backend, cpu
 from .model import Model
-from .params import ParamBuffer
 
 
 class FrozenBase:
@@ -91,36 +90,3 @@ class FrozenBase:
         else:
             host = self.model.dequantizer.rows(t, self.backend.to_host(ids), np.empty(out.shape, np.float32))
             out[...] = self.backend.to_device(host)
-
-
-class DenseWeights:
-    """Every weight is a parameter (train-from-scratch); arrays live wherever params do."""
-    trainable = True
-    rope_freqs = None
-
-    def __init__(self, params: ParamBuffer, tied: bool = False):
-        self.params = params
-        self.tied = tied
-
-    def _name(self, name: str) -> str:
-        return "token_embd.weight" if self.tied and name == "output.weight" else name
-
-    @property
-    def head_rows(self) -> int:
-        """The head is a parameter already in f32: one block."""
-        return self.params.spec(self._name("output.weight")).shape[0]
-
-    def matrix(self, name: str):
-        return self.params[self._name(name)]
-
-    def matrix_rows(self, name: str, lo: int, hi: int):
-        return self.params[self._name(name)][lo:hi]
-
-    def vector(self, name: str):
-        return self.params[name] if name in self.params else None
-
-    def embed(self, ids, out) -> None:
-        out[...] = self.params["token_embd.weight"][ids]
-
-    def grad(self, name: str):
-        return self.params.grad_of(self._name(name))

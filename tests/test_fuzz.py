@@ -18,7 +18,8 @@ from llamatune.adapter import read_adapter
 from llamatune.config import ModelConfig
 from llamatune.errors import LlamatuneError
 from llamatune.gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
-from llamatune.model import Model, NonFiniteError
+from llamatune.model import Model
+from llamatune.tensors import NonFiniteError
 
 from conftest import REPO, TEXT, write_tiny_model
 
