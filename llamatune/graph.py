@@ -88,11 +88,13 @@ def grad_scratch(cfg: ModelConfig, N: int) -> dict[str, tuple[int, int]]:
 
 
 def head_chunk(N: int, n_vocab: int, room: int = 0) -> int:
-    """Token rows of logits computed at a time: as many as fill `room` floats (the
-    gradient scratch they overlay) or HEAD_CHUNK_BYTES, whichever holds more, at most N.
-    Every chunk expands the quantized head twice (logits, gradient to its input), so
-    fewer, larger chunks expand it less often and multiply it in better-shaped products."""
-    return max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // n_vocab))
+    """Token rows of logits computed at a time: the N tokens in as few chunks as fit
+    `room` floats (the gradient scratch they overlay) or HEAD_CHUNK_BYTES, whichever
+    holds more, all of about the same size. Every chunk expands the quantized head twice
+    (logits, gradient to its input), so fewer, larger chunks expand it less often and
+    multiply it in better-shaped products."""
+    most = max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // n_vocab))
+    return -(-N // -(-N // most))                                  # ceil(N / ceil(N / most))
 
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
@@ -446,6 +448,16 @@ class Graph:
         ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
         whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
         None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
+        return self._forward_backward(inputs, targets, weights, key, positions, segments)
+
+    def warm_up(self) -> None:
+        """Run every kernel of a step once (compiling it, or loading it from numba's disk
+        cache) on token ids 0..; it is no training step: the gradients it adds are cleared."""
+        ids = np.arange(self.N).reshape(self.B, self.T) % self.cfg.n_vocab
+        self._forward_backward(ids, ids, np.full((self.B, self.T), 1 / self.N, np.float32), (0, 0, 0), None, None)
+        self.params.zero_grad()
+
+    def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
         loss = self._head(tg, w)
