@@ -5,15 +5,19 @@ of random bytes whose scales are set so the weights are zero-mean with std about
 0.02 (quantizing 7-8 billion f32 weights would take longer than the step itself),
 F32 norms, a dummy vocabulary.
 
-    llama2-7b   32 layers, embd 4096, 32 heads (MHA), ffn 11008, vocab 32000
-    llama3-8b   32 layers, embd 4096, 32/8 heads (GQA), ffn 14336, vocab 128256
+    llama2-7b     32 layers, embd 4096, 32 heads (MHA), ffn 11008, vocab 32000, Q4_K
+    llama3-8b     32 layers, embd 4096, 32/8 heads (GQA), ffn 14336, vocab 128256, Q4_K
+    qwen2.5-1.5b  28 layers, embd 1536, 12/2 heads, ffn 8960, vocab 151936, tied head,
+                  q/k/v biases, Q4_K_M as llama.cpp mixes it (Q6_K for the tied
+                  embedding/head and for attn_v and ffn_down of the layers that get
+                  more bits, Q4_K elsewhere)
 
 Each (shape, ctx, mode) runs in a fresh process: load, estimate (memory.Planner, as
 the trainer computes it), one step (batch 1, LoRA r 8 on q,k,v,o,gate,up,down,
 AdamW), peak RSS (VmHWM). The first step is also the first touch of the model's
 pages; run it twice (`--steps 2`) to see a warm step.
 
-    python bench/real_size.py [--shapes llama2-7b,llama3-8b] [--ctx 512,2048] [--mode layer]
+    python bench/real_size.py [--shapes llama2-7b,llama3-8b,qwen2.5-1.5b] [--ctx 512,2048] [--mode layer]
         [--steps 1] [--workdir /tmp/llamatune-real]
 """
 from __future__ import annotations
@@ -34,7 +38,11 @@ SHAPES = {
                       n_head=32, n_head_kv=32, head_dim=128, n_rot=128, norm_eps=1e-5),
     "llama3-8b": dict(arch="llama", n_vocab=128256, n_ctx_train=8192, n_embd=4096, n_layer=32, n_ff=14336,
                       n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
+    "qwen2.5-1.5b": dict(arch="qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,
+                         n_head=12, n_head_kv=2, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
 }
+TIED = {"qwen2.5-1.5b"}
+MIXED = {"qwen2.5-1.5b"}               # Q4_K_M; the others all Q4_K
 R = 8
 
 
@@ -52,6 +60,35 @@ def random_q4_k(shape: tuple[int, int], seed: int):
     return raw.reshape(rows, -1)
 
 
+def random_q6_k(shape: tuple[int, int], seed: int):
+    """(n_rows, row_bytes) uint8 Q6_K blocks of random bytes: w = d*sc*(q - 32) with q
+    6-bit uniform, sc int8 in [1, 32]; d chosen for std about 0.02."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+    block, size = GGML_QUANT_SIZES[QType.Q6_K]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    raw[:, 192:208] = rng.integers(1, 33, (raw.shape[0], 16), dtype=np.uint8)   # scales
+    d = 5.7e-5                                    # std(sc * (q - 32)) ~ 19 * 18.5
+    raw[:, 208:210] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def q4_k_m_type(name: str, n_layer: int):
+    """llama.cpp's Q4_K_M choice for a matrix (llama_tensor_get_type): Q6_K for the
+    output head (the embedding, when tied) and for attn_v / ffn_down of the first and
+    last eighth of the layers and every third one between; Q4_K elsewhere."""
+    from gguf import GGMLQuantizationType as QType
+    if name in ("output.weight", "token_embd.weight"):
+        return QType.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        more = i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+        return QType.Q6_K if more else QType.Q4_K
+    return QType.Q4_K
+
+
 def build(path: Path, shape: str) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType as QType
@@ -62,13 +99,17 @@ def build(path: Path, shape: str) -> None:
         return
     cfg = ModelConfig(**SHAPES[shape])
     tensors = []
-    for i, (name, s) in enumerate(tensor_names(cfg).items()):
+    for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
-            tensors.append(TensorOut(name, s, QType.F32, lambda s=s: np.ones(s, np.float32)))
+            fill = 0.0 if name.endswith(".bias") else 1.0
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s, v=fill: np.full(s, v, np.float32)))
         else:
-            tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k(s, i)))
+            q = q4_k_m_type(name, cfg.n_layer) if shape in MIXED else QType.Q4_K
+            make = random_q6_k if q == QType.Q6_K else random_q4_k
+            tensors.append(TensorOut(name, s, q, lambda s=s, i=i, make=make: make(s, i)))
+    file_type = 15 if shape in MIXED else 14        # llama.cpp's MOSTLY_Q4_K_M / MOSTLY_Q4_K_S
     kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
-    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 15)] + dummy_vocab(cfg.n_vocab)
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", file_type)] + dummy_vocab(cfg.n_vocab)
     write_gguf(path, cfg.arch, kvs, tensors)
 
 
@@ -86,7 +127,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     t_load = time.perf_counter()
     model = Model(path)
     cfg = model.config
-    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=False)
+    tied = model.weights.output is model.weights.token_embd
+    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
@@ -137,7 +179,7 @@ def main() -> None:
     print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
     print(f"{'shape':10} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'GFLOP/s':>8}")
     for shape in a.shapes.split(","):
-        path = a.workdir / f"random-{shape}.Q4_K.gguf"
+        path = a.workdir / f"random-{shape}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
         t = time.perf_counter()
         build(path, shape)
         print(f"# {path} ready ({time.perf_counter() - t:.0f} s)", flush=True)

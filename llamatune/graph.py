@@ -119,7 +119,9 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
     grads = sum(n * m for n, m in grad_scratch(cfg, N).values())
     chunk = head_chunk(N, V, grads)
-    plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C),
+    if mode != "none":                                             # SwiGLU output, recomputed (none keeps it)
+        plan["h"] = (N, F)
+    plan |= {"xn": (N, C), "dx": (N, C), "dx2": (N, C), "dxn": (N, C),
              "grads_logits": (max(grads, chunk * V),),               # grad_scratch, or the head's (chunk, V) logits
              "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
@@ -163,7 +165,7 @@ class Graph:
                    for t in targets if t.kind not in LORA_VECTOR_KINDS}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
-        self.xn, self.h = buf["xn"], buf["h"]
+        self.xn, self.h = buf["xn"], buf.get("h")
         self.dx, self.dx2, self.dxn = buf["dx"], buf["dx2"], buf["dxn"]
         shared, at = buf["grads_logits"], 0
         for name, (n, m) in grad_scratch(cfg, self.N).items():          # views of the shared buffer
