@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import TARGETS, dummy_vocab  # noqa: E402
+from finetune_step import TARGETS, dummy_vocab, sgemm_gflops  # noqa: E402
 
 SHAPES = {
     "llama2-7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
@@ -150,7 +150,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
     return {"estimate": est.total, "runtime": est.runtime, "graph": est.graph, "model": est.model,
-            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss}
+            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss,
+            "sgemm_gflops": sgemm_gflops()}
 
 
 def step_gflop(cfg: dict, ctx: int, mode: str) -> float:
@@ -177,7 +178,8 @@ def main() -> None:
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
-    print(f"{'shape':10} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'GFLOP/s':>8}")
+    print(f"{'shape':12} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
+          f"{'GFLOP/s':>8} {'sgemm':>6} {'share':>6}")
     for shape in a.shapes.split(","):
         path = a.workdir / f"random-{shape}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
         t = time.perf_counter()
@@ -187,13 +189,15 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode],
                                  capture_output=True, text=True)
             if out.returncode:
-                print(f"{shape:10} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+                print(f"{shape:12} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             g = 2**30
             steps = "/".join(f"{s:.0f}" for s in r["step_s"])
-            print(f"{shape:10} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
-                  f"{steps:>12} {step_gflop(SHAPES[shape], ctx, a.mode) / r['step_s'][-1]:8.1f}  "
+            rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
+            print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
+                  f"{steps:>12} {ctx / r['step_s'][-1]:6.1f} {rate:8.1f} {r['sgemm_gflops']:6.1f} "
+                  f"{rate / r['sgemm_gflops']:6.1%}  "
                   f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
                   f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
 
