@@ -19,7 +19,8 @@ import numpy as np
 class Phases:
     """Exclusive wall seconds and calls per label."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock                      # perf_counter, or process_time for CPU seconds
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self._stack: list[list] = []            # [label, seconds of timed callees]
@@ -28,11 +29,11 @@ class Phases:
         def call(*args, **kwargs):
             name = label() if callable(label) else label
             self._stack.append([name, 0.0])
-            t = time.perf_counter()
+            t = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - t
+                spent = self.clock() - t
                 _, inner = self._stack.pop()
                 self.seconds[name] += spent - inner
                 self.calls[name] += 1

@@ -78,13 +78,17 @@ def checkpointing_mode(checkpointing) -> str:
     return checkpointing
 
 
-def grad_scratch(cfg: ModelConfig, N: int) -> dict[str, tuple[int, int]]:
-    """The layer backward's gradient scratch, (N, *) each. The output head runs before
-    any layer backward (and evaluation runs no backward), so its logits overlay these
-    in one shared buffer: a larger token chunk at no cost in memory."""
+def grad_scratch(cfg: ModelConfig, N: int, mode: str) -> dict[str, tuple[int, int]]:
+    """Scratch of the layer backward (gradients, dx2) and the SwiGLU output that backward
+    recomputes (not in mode none, whose layers keep theirs), (N, *) each. The output head
+    uses none of them and runs before any layer backward (evaluation runs none), so its
+    logits overlay them all in one shared buffer: a larger token chunk at no memory cost."""
     F, Cq, Ckv = cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
-    return {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
-            "datt": (N, Cq)}
+    views = {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
+             "datt": (N, Cq), "dx2": (N, cfg.n_embd)}
+    if checkpointing_mode(mode) != "none":
+        views["h"] = (N, F)
+    return views
 
 
 def head_chunk(N: int, n_vocab: int, room: int = 0) -> int:
@@ -117,12 +121,10 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     for t in targets:                                              # x A^T of each adapter (shared per kind
         if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
-    grads = sum(n * m for n, m in grad_scratch(cfg, N).values())
-    chunk = head_chunk(N, V, grads)
-    if mode != "none":                                             # SwiGLU output, recomputed (none keeps it)
-        plan["h"] = (N, F)
-    plan |= {"xn": (N, C), "dx": (N, C), "dx2": (N, C), "dxn": (N, C),
-             "grads_logits": (max(grads, chunk * V),),               # grad_scratch, or the head's (chunk, V) logits
+    room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
+    chunk = head_chunk(N, V, room)
+    plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
+             "grads_logits": (max(room, chunk * V),),                # grad_scratch, or the head's (chunk, V) logits
              "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
     head_tmp = 0                                                   # products added to a block in the head
@@ -165,10 +167,9 @@ class Graph:
                    for t in targets if t.kind not in LORA_VECTOR_KINDS}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
-        self.xn, self.h = buf["xn"], buf.get("h")
-        self.dx, self.dx2, self.dxn = buf["dx"], buf["dx2"], buf["dxn"]
+        self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
         shared, at = buf["grads_logits"], 0
-        for name, (n, m) in grad_scratch(cfg, self.N).items():          # views of the shared buffer
+        for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
             setattr(self, name, shared[at: at + n * m].reshape(n, m))
             at += n * m
         self.chunk = head_chunk(self.N, cfg.n_vocab, at)
