@@ -133,7 +133,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
     base = FrozenBase(model)
-    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()})
+    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg)
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
                       model.dequantizer.nbytes, 0.0)
     est = planner.estimate(1, ctx, mode)

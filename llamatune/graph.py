@@ -453,11 +453,19 @@ class Graph:
         None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
         return self._forward_backward(inputs, targets, weights, key, positions, segments)
 
-    def warm_up(self) -> None:
-        """Run every kernel of a step once (compiling it, or loading it from numba's disk
-        cache) on token ids 0..; it is no training step: the gradients it adds are cleared."""
-        ids = np.arange(self.N).reshape(self.B, self.T) % self.cfg.n_vocab
-        self._forward_backward(ids, ids, np.full((self.B, self.T), 1 / self.N, np.float32), (0, 0, 0), None, None)
+    def warm_up(self, packed: bool = False) -> None:
+        """Run every kernel of a step and of an evaluation once (compiling it, or loading it
+        from numba's disk cache) on token ids 0..; with `packed`, also their packed-rows
+        variants. It is no training step: the gradients it adds are cleared."""
+        shape = (self.B, self.T)
+        ids = np.arange(self.N).reshape(shape) % self.cfg.n_vocab
+        w = np.full(shape, 1 / self.N, np.float32)
+        packing = [(None, None)]
+        if packed:                                  # one sample per row, given as packed rows
+            packing.append((np.broadcast_to(np.arange(self.T), shape), np.zeros(shape, np.int32)))
+        for positions, segments in packing:
+            self._forward_backward(ids, ids, w, (0, 0, 0), positions, segments)
+            self.loss(ids, ids, w, positions, segments)
         self.params.zero_grad()
 
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:

@@ -152,3 +152,34 @@ def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
     total, in_model = resident_bytes(model.path)
     assert t.nbytes <= in_model <= model.path.stat().st_size + 4096 and total > in_model
     assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
+
+
+def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab):
+    """After compile_kernels, a LoRA step and an evaluation on a quantized model (packed
+    rows, read-only memory-mapped weights) add no numba specialization: nothing is
+    compiled or loaded after the runtime was measured."""
+    from gguf import GGMLQuantizationType as QType
+    from numba.core.registry import CPUDispatcher
+    from conftest import write_tiny_model
+    from llamatune.backend import cpu
+    from llamatune.memory import compile_kernels
+    m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0))
+    backend = cpu()
+    compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config)
+
+    def signatures():
+        return {(op, name): len(k.signatures) for op, mod in vars(backend.ops).items()
+                for name, k in vars(mod).items() if isinstance(k, CPUDispatcher)}
+    before = signatures()
+    cfg = m.config
+    targets = lora_targets(cfg, RANKS, 2.0, tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    g = Graph(cfg, FrozenBase(m), params, targets, 2, 8, "layer")
+    ids = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 8))
+    w = np.full((2, 8), 1 / 16, np.float32)
+    positions, segments = np.tile(np.r_[0:4, 0:4], (2, 1)), np.tile(np.r_[[0] * 4, [1] * 4], (2, 1)).astype(np.int32)
+    g.step(ids, ids, w, (0, 1, 0), positions, segments)
+    g.loss(ids, ids, w)
+    assert signatures() == before
+    assert sum(before.values()) > 10
