@@ -36,7 +36,7 @@ TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "f
 
 def dummy_vocab(n: int):
     from gguf import GGUFValueType as V
-    from llamatune.gguf_io import KV, kv
+    from llamatune.formats.gguf_io import KV, kv
     tokens = ["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(3, n)]
     return [kv("tokenizer.ggml.model", "llama"), KV("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
             KV("tokenizer.ggml.scores", [0.0] * n, V.ARRAY, V.FLOAT32),
@@ -45,8 +45,8 @@ def dummy_vocab(n: int):
 
 
 def build(path: Path, qtype: str) -> None:
-    from llamatune.config import ModelConfig
-    from llamatune.modelfile import parse_outtype, random_weights, write_model
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import parse_outtype, random_weights, write_model
     if path.exists():
         return
     cfg = ModelConfig(**SHAPE)
@@ -88,12 +88,12 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
-    from llamatune.graph import FrozenBase, Graph
-    from llamatune.lora import init_lora, lora_specs, lora_targets
-    from llamatune.model import Model
-    from llamatune.optimizer import optimizer_step
+    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.models.model import Model
+    from llamatune.train.optimizer import optimizer_step
     from llamatune.options import FinetuneOptions
-    from llamatune.params import ParamBuffer
+    from llamatune.train.params import ParamBuffer
     model = Model(path)
     cfg = model.config
     ranks = {k: R for k in TARGETS}

@@ -11,8 +11,8 @@ import time
 import llamatune  # noqa: F401  (first: threading policy before numpy loads)
 import numpy as np
 
-from llamatune.infer import Runner
-from llamatune.model import Model
+from llamatune.models.infer import Runner
+from llamatune.models.model import Model
 
 
 def main() -> None:

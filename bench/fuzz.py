@@ -62,8 +62,8 @@ class Readers:
     """Runs one reader on a mutant; seed files stay loaded between cases."""
 
     def __init__(self, corpus: dict[str, Path], workdir: Path):
-        from llamatune.gguf_io import GGUFFile
-        from llamatune.model import Model
+        from llamatune.formats.gguf_io import GGUFFile
+        from llamatune.models.model import Model
         self.corpus, self.workdir = corpus, workdir
         self.base = Model(corpus["model-f32"])
         self.base_q8 = corpus["model-q8"]
@@ -77,30 +77,30 @@ class Readers:
             t.raw_rows().sum()
 
     def model(self, path: Path) -> None:
-        from llamatune.infer import Runner
-        from llamatune.model import Model
+        from llamatune.models.infer import Runner
+        from llamatune.models.model import Model
         m = Model(path)
         m.tokenizer.encode("First Citizen", add_special=True)
         Runner(m).forward(self.tokens)
 
     def adapter(self, path: Path) -> None:
-        from llamatune.adapter import load_runtime_adapters, read_adapter
-        from llamatune.infer import Runner
+        from llamatune.formats.adapter import load_runtime_adapters, read_adapter
+        from llamatune.models.infer import Runner
         read_adapter(path, self.base.file)
         Runner(self.base, load_runtime_adapters(self.base, [(str(path), 0.5)])).forward(self.tokens)
 
     def checkpoint(self, path: Path) -> None:
-        from llamatune import checkpoint as ckpt
-        from llamatune.lora import lora_specs, lora_targets
+        from llamatune.train import checkpoint as ckpt
+        from llamatune.train.lora import lora_specs, lora_targets
         from llamatune.options import FinetuneOptions
-        from llamatune.params import ParamBuffer
+        from llamatune.train.params import ParamBuffer
         c = ckpt.load(path)
         opts = FinetuneOptions(**CKPT_OPTIONS)
         ckpt.check_frozen_options(c, opts)
         c.load_into(ParamBuffer(lora_specs(lora_targets(self.base.config, opts.ranks(), 4.0, tied=False))))
 
     def convert(self, path: Path, seed_name: str) -> None:
-        from llamatune.convert import convert
+        from llamatune.commands.convert import convert
         out = self.workdir / ("out-peft" if seed_name == "adapter" else "out.gguf")
         to = {"checkpoint": "gguf-adapter", "adapter": "peft", "peft": "gguf-adapter", "ggla": "gguf-adapter"}
         try:
@@ -113,7 +113,7 @@ class Readers:
             out.unlink(missing_ok=True)
 
     def export(self, path: Path, seed_name: str) -> None:
-        from llamatune.export import export_lora
+        from llamatune.commands.export import export_lora
         out = self.workdir / "merged.gguf"
         if seed_name == "adapter":
             export_lora(self.base_q8, [(path, 1.0)], out)

@@ -27,13 +27,13 @@ TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n
 def make_corpus(out: Path) -> dict[str, Path]:
     """Write the seed files into `out` (the project's own writer) and return them by name."""
     from gguf import GGMLQuantizationType as QType
-    from llamatune import checkpoint as ckpt
-    from llamatune.adapter import LoraAdapter, write_adapter
-    from llamatune.config import ModelConfig
-    from llamatune.lora import lora_specs, lora_targets
-    from llamatune.modelfile import random_weights, train_spm_vocab, write_model
+    from llamatune.train import checkpoint as ckpt
+    from llamatune.formats.adapter import LoraAdapter, write_adapter
+    from llamatune.models.config import ModelConfig
+    from llamatune.train.lora import lora_specs, lora_targets
+    from llamatune.models.modelfile import random_weights, train_spm_vocab, write_model
     from llamatune.options import FinetuneOptions
-    from llamatune.params import ParamBuffer
+    from llamatune.train.params import ParamBuffer
 
     out.mkdir(parents=True, exist_ok=True)
     vocab = train_spm_vocab(TEXT, 300)
@@ -55,12 +55,12 @@ def make_corpus(out: Path) -> dict[str, Path]:
     params.data[...] = rng.standard_normal(params.size).astype(np.float32) * 0.1
     params.m[...] = rng.standard_normal(params.size).astype(np.float32) * 0.01
     params.v[...] = rng.random(params.size).astype(np.float32) * 0.01
-    from llamatune.gguf_io import kv
+    from llamatune.formats.gguf_io import kv
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in opts.ranks().items()] + [kv("training.lora.alpha", 4.0)]
     model_kvs += [kv(k, v) for k, v in small.metadata().items()]
     ckpt.save(files["checkpoint"], ckpt.KIND_LORA, "llama", opts, params, ckpt.TrainState(3, 24, 768, 0, 5.0),
               model_kvs)
-    from llamatune.convert import convert
+    from llamatune.commands.convert import convert
     files["peft"] = out / "peft"
     convert(files["adapter"], files["peft"], "peft", files["model-f32"])
     files["ggla"] = out / "adapter.bin"

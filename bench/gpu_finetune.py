@@ -62,9 +62,9 @@ def build(path: Path, shape: dict, qtype_name: str, seed: int = 0) -> None:
         return
     import numpy as np
     from gguf import GGMLQuantizationType as Q
-    from llamatune.config import ModelConfig
-    from llamatune.gguf_io import TensorOut, kv, write_gguf
-    from llamatune.modelfile import FILE_TYPE, encode_tensor, fit_type, parse_outtype, tensor_names
+    from llamatune.models.config import ModelConfig
+    from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
+    from llamatune.models.modelfile import FILE_TYPE, encode_tensor, fit_type, parse_outtype, tensor_names
     from finetune_step import dummy_vocab       # bench/ is sys.path[0] when run as a script
     cfg, qtype, t0 = ModelConfig(**shape), parse_outtype(qtype_name), time.perf_counter()
     fallback = []
@@ -139,13 +139,13 @@ def run_llamatune(spec: dict) -> dict:
     import llamatune  # noqa: F401  (first: threading policy)
     import numpy as np
     from llamatune.backend import get_backend
-    from llamatune.graph import Graph
-    from llamatune.lora import init_lora, lora_specs, lora_targets
-    from llamatune.model import Model
-    from llamatune.optimizer import optimizer_step
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.models.model import Model
+    from llamatune.train.optimizer import optimizer_step
     from llamatune.options import FinetuneOptions
-    from llamatune.params import ParamBuffer
-    from llamatune.weights import FrozenBase
+    from llamatune.train.params import ParamBuffer
+    from llamatune.models.weights import FrozenBase
     backend = get_backend("cuda")
     xp = backend.xp
     if backend.on_host:                       # the simulator: numpy arrays are the device memory

@@ -153,7 +153,7 @@ def rel(a: float, b: float) -> float:
 
 
 def n_tensors(path: Path) -> int:
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     return len(GGUFFile(path).tensors)
 
 
@@ -233,7 +233,7 @@ def dequant_f32(t) -> np.ndarray:
 
 def step0_f32_base(c: Ctx) -> None:
     print("step 0: F32 copy of the base by llama-quantize (for the exact rows)", flush=True)
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     c.f32_base = c.work / "tiny-F32-from-Q4_K_M.gguf"
     c.f32_base.unlink(missing_ok=True)
     c.run("llama-quantize Q4_K_M -> F32", [c.cpp("llama-quantize"), "--allow-requantize", BASE, c.f32_base, "F32",
@@ -246,7 +246,7 @@ def step0_f32_base(c: Ctx) -> None:
 
 def step1_train(c: Ctx) -> dict[str, Path]:
     print("step 1: finetune adapters", flush=True)
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     out = {}
     for name, extra in (("A1", []), ("A2", ["--rank-out", "4", "--rank-tok-embd", "4"])):
         d = c.work / name
@@ -304,7 +304,7 @@ def compare_merged_tensors(a_path: Path, b_path: Path, stems: list[str],
                            base_path: Path | None = None) -> tuple[int, int, float, float, float]:
     """(values that differ, values, max abs diff, max diff in units of the last place of
     b's type (F16) or 0, max |merged - base| of b, i.e. the size of what was merged)."""
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     fa, fb = GGUFFile(a_path), GGUFFile(b_path)
     fbase = GGUFFile(base_path) if base_path else None
     n_diff = n_tot = 0
@@ -326,7 +326,7 @@ def compare_merged_tensors(a_path: Path, b_path: Path, stems: list[str],
 
 def step3_merged(c: Ctx, adapters: dict[str, Path], ppl: dict[str, tuple[float, float]]) -> None:
     print("step 3: merged models", flush=True)
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     d = c.work / "merged"
     d.mkdir(exist_ok=True)
     for name, path in adapters.items():
@@ -419,7 +419,7 @@ def emulating_runner(base_path: Path):
     (adapters still see the f32 input, as in llama.cpp's build_lora_mm)."""
     import gguf
     from gguf import GGMLQuantizationType as Q
-    from llamatune.infer import Runner
+    from llamatune.models.infer import Runner
     reader = gguf.GGUFReader(str(base_path))
     tensors = {t.name: t for t in reader.tensors}
     kquants = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -440,9 +440,9 @@ def emulating_runner(base_path: Path):
 
 def step4_logits(c: Ctx, adapters: dict[str, Path]) -> None:
     print("step 4: logits of a 64-token window (bindings, flash_attn off) and generation", flush=True)
-    from llamatune.adapter import load_runtime_adapters
-    from llamatune.infer import Runner
-    from llamatune.model import Model
+    from llamatune.formats.adapter import load_runtime_adapters
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
     n = 64
     d = c.work / "logits"
     if d.exists():
@@ -602,8 +602,8 @@ def step5_scratch(c: Ctx) -> None:
 
 def step6_peft(c: Ctx, adapters: dict[str, Path], ppl: dict[str, tuple[float, float]]) -> None:
     print("step 6: checkpoint -> PEFT -> GGUF adapter round trip", flush=True)
-    from llamatune.adapter import read_adapter
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.adapter import read_adapter
+    from llamatune.formats.gguf_io import GGUFFile
     base = GGUFFile(BASE)
     for name, path in adapters.items():
         d = c.work / name
@@ -637,7 +637,7 @@ def step7_norm_adapters(c: Ctx) -> None:
     apply) but never applies them (only build_lora_mm and the token_embd lookup consult
     adapters); llama-export-lora merges them, as llamatune's export-lora does."""
     print("step 7: norm adapters", flush=True)
-    from llamatune.gguf_io import GGUFFile
+    from llamatune.formats.gguf_io import GGUFFile
     d = c.work / "A3"
     adapter = d / "adapter-LATEST.gguf"
     if not (c.reuse and adapter.exists()):

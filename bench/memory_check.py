@@ -21,9 +21,9 @@ DEFAULT_TEXT = REPO / "llamatune" / "assets" / "shakespeare-sample.txt"
 
 
 def run_one(model: Path, mode: str, ctx: int, batch: int, steps: int, text: Path, extra: dict) -> dict:
-    import llamatune.trainer as trainer
-    from llamatune.finetune import finetune
-    from llamatune.memory import peak_resident_bytes
+    import llamatune.train.trainer as trainer
+    from llamatune.commands.finetune import finetune
+    from llamatune.train.memory import peak_resident_bytes
     from llamatune.options import FinetuneOptions
     seen = {}
     estimate = trainer.memory_estimate

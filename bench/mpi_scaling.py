@@ -36,7 +36,7 @@ def byte_vocab(n: int):
     """finetune_step's dummy vocabulary plus the 256 byte tokens, so any text tokenizes
     (byte by byte: the training cost does not depend on which tokens they are)."""
     from gguf import GGUFValueType as V
-    from llamatune.gguf_io import KV, kv
+    from llamatune.formats.gguf_io import KV, kv
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [f"t{i}" for i in range(259, n)]
     return [kv("tokenizer.ggml.model", "llama"), KV("tokenizer.ggml.tokens", tokens, V.ARRAY, V.STRING),
             KV("tokenizer.ggml.scores", [0.0] * n, V.ARRAY, V.FLOAT32),
@@ -46,8 +46,8 @@ def byte_vocab(n: int):
 
 def build(workdir: Path) -> tuple[Path, Path]:
     import numpy as np
-    from llamatune.config import ModelConfig
-    from llamatune.modelfile import parse_outtype, random_weights, write_model
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import parse_outtype, random_weights, write_model
     model, text = workdir / "bench-512x8-bytes.q8_0.gguf", workdir / "random-words.txt"
     if not model.exists():
         cfg = ModelConfig(**SHAPE)
@@ -82,9 +82,9 @@ def fold_cost(model: Path) -> tuple[int, float]:
     """(P, seconds) of GradientSum's extra work per micro-batch in one process: copy or
     add the micro-batch gradient into the running sum and zero it (plus the final copy)."""
     import numpy as np
-    from llamatune.lora import lora_specs, lora_targets
-    from llamatune.model import Model
-    from llamatune.params import ParamBuffer
+    from llamatune.train.lora import lora_specs, lora_targets
+    from llamatune.models.model import Model
+    from llamatune.train.params import ParamBuffer
     cfg = Model(model).config
     targets = lora_targets(cfg, {k: R for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                                                  "ffn_up", "ffn_down")}, float(R), tied=False)

@@ -92,9 +92,9 @@ def q4_k_m_type(name: str, n_layer: int):
 def build(path: Path, shape: str) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType as QType
-    from llamatune.config import ModelConfig
-    from llamatune.gguf_io import TensorOut, kv, write_gguf
-    from llamatune.modelfile import tensor_names
+    from llamatune.models.config import ModelConfig
+    from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
+    from llamatune.models.modelfile import tensor_names
     if path.exists():
         return
     cfg = ModelConfig(**SHAPES[shape])
@@ -117,13 +117,13 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     import llamatune  # noqa: F401  (first: threading policy before numpy loads)
     import numpy as np
     from llamatune.backend import cpu
-    from llamatune.graph import FrozenBase, Graph
-    from llamatune.lora import init_lora, lora_specs, lora_targets
-    from llamatune.memory import Planner, compile_kernels, measure_runtime, peak_resident_bytes
-    from llamatune.model import Model
-    from llamatune.optimizer import optimizer_step
+    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.memory import Planner, compile_kernels, measure_runtime, peak_resident_bytes
+    from llamatune.models.model import Model
+    from llamatune.train.optimizer import optimizer_step
     from llamatune.options import FinetuneOptions
-    from llamatune.params import ParamBuffer
+    from llamatune.train.params import ParamBuffer
     t_load = time.perf_counter()
     model = Model(path)
     cfg = model.config

@@ -13,7 +13,7 @@ from typing import List, Optional
 
 import typer
 
-from llamatune.plot import SMOOTH   # light: plot.py imports matplotlib only when drawing
+from llamatune.train.plot import SMOOTH   # light: plot.py imports matplotlib only when drawing
 
 from .help import App
 
@@ -48,20 +48,20 @@ def friendly_errors(fn):
 
 def _rank() -> str:
     """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
-    mod = sys.modules.get("llamatune.distributed")
+    mod = sys.modules.get("llamatune.train.distributed")
     return mod.error_prefix() if mod else ""
 
 
 def _end_job(code: int):
     """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
-    mod = sys.modules.get("llamatune.distributed")
+    mod = sys.modules.get("llamatune.train.distributed")
     if mod:
         mod.abort_job(code)
     raise typer.Exit(code)
 
 
 def read_text(path: Path) -> str:
-    from llamatune.data import read_text as read
+    from llamatune.train.data import read_text as read
     return read(path)
 
 
@@ -83,16 +83,16 @@ def parse_scaled(values: List[str]) -> list[tuple[str, float]]:
 def make_runner(model_path: Path, lora: List[Path], lora_scaled: List[str], device: str = "cpu",
                 allow_nonfinite: bool = False):
     from llamatune.backend import get_backend
-    from llamatune.model import Model
-    from llamatune.tensors import NonFiniteError
-    from llamatune.infer import Runner
+    from llamatune.models.model import Model
+    from llamatune.formats.tensors import NonFiniteError
+    from llamatune.models.infer import Runner
     specs = [(str(p), 1.0) for p in lora] + parse_scaled(lora_scaled)      # checked before anything loads
     backend = get_backend(device)
     try:
         model = Model(model_path, allow_nonfinite)
         adapters = None
         if specs:
-            from llamatune.adapter import load_runtime_adapters
+            from llamatune.formats.adapter import load_runtime_adapters
             adapters = load_runtime_adapters(model, specs, allow_nonfinite)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
@@ -125,8 +125,8 @@ def tokenize(
 ):
     """Tokenize text with the model's own vocabulary, like llama-tokenize."""
     from llamatune.errors import LlamatuneError
-    from llamatune.gguf_io import GGUFFile
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.tokenizer import Tokenizer
     if (prompt is None) == (file is None):
         raise LlamatuneError("give exactly one of -p/--prompt and -f/--file")
     text = prompt if prompt is not None else read_text(file)
@@ -154,7 +154,7 @@ def perplexity(
     """Perplexity of a text, with llama-perplexity's protocol (second half of each window scored)."""
     from llamatune.console import out
     from llamatune.options import check_number
-    from llamatune.perplexity import perplexity as run_perplexity
+    from llamatune.commands.perplexity import perplexity as run_perplexity
     from llamatune.progress import progress_bar
     check_number("-b/--batch", batch, 1)
     text = read_text(file)
@@ -185,7 +185,7 @@ def generate(
     allow_nonfinite: bool = typer.Option(False, "--allow-nonfinite", help=NONFINITE_HELP),
 ):
     """Generate text from a prompt (KV-cached), optionally with LoRA adapters applied."""
-    from llamatune.generate import check_sampling, generate as run_generate, stream_text
+    from llamatune.commands.generate import check_sampling, generate as run_generate, stream_text
     check_sampling(n_predict, temp, top_k, top_p, seed, ctx)
     runner = make_runner(model, lora, lora_scaled, device, allow_nonfinite)
     sys.stdout.write(prompt)
@@ -206,7 +206,7 @@ def export_lora(
 ):
     """Merge LoRA adapters into a base model: W' = W + sum s*(alpha/r)*B@A, quant types kept."""
     from llamatune.console import out
-    from llamatune.export import export_lora as run_export
+    from llamatune.commands.export import export_lora as run_export
     specs = [(Path(p), 1.0) for p in lora] + [(Path(p), s) for p, s in parse_scaled(lora_scaled)]
     report = run_export(model_base, specs, output, outtype)
     types = sorted(set(report.merged.values()))
@@ -226,7 +226,7 @@ def convert_checkpoint(
 ):
     """Convert between llamatune checkpoints, GGUF adapters, PEFT adapters and llama.cpp's 2023 formats."""
     from llamatune.console import out
-    from llamatune.convert import convert
+    from llamatune.commands.convert import convert
     out.print(convert(input, output, to, model_base))
 
 
@@ -236,7 +236,7 @@ def quickstart(
     workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),
 ):
     """Run the whole tool on built-in data: no downloads, a few minutes on a laptop CPU."""
-    from llamatune.quickstart import run
+    from llamatune.commands.quickstart import run
     run(workdir)
 
 
@@ -255,7 +255,7 @@ def preview_data(
     skip_bad_rows: Optional[bool] = typer.Option(None, "--skip-bad-rows", help="Skip malformed rows."),
 ):
     """Show the first samples as the trainer sees them, trained tokens highlighted."""
-    from llamatune.datasets import show_preview
+    from llamatune.train.datasets import show_preview
     from llamatune.options import FinetuneOptions, build_options
     given = dict(model_base=model_base, train_data=train_data, ctx=ctx, data_format=data_format,
                  chat_template=chat_template, train_on_prompt=train_on_prompt, drop_long=drop_long,
@@ -282,7 +282,7 @@ def chat(
     device: str = DEVICE,
 ):
     """Chat with a model through its chat template: one turn with -p, else an interactive loop."""
-    from llamatune.chat import Sampling, run_chat
+    from llamatune.commands.chat import Sampling, run_chat
     runner = make_runner(model, lora, lora_scaled, device)
     run_chat(runner, chat_template, prompt, system, Sampling(n_predict, temp, top_k, top_p, seed, ctx))
 
@@ -300,7 +300,7 @@ def plot(
 ):
     """Draw training loss (raw and smoothed) and validation loss against steps (needs matplotlib)."""
     from llamatune.console import out
-    from llamatune.plot import plot_metrics
+    from llamatune.train.plot import plot_metrics
     out.print(f"wrote {plot_metrics(metrics, output or metrics.with_suffix('.png'), smooth, log_y, title)}")
 
 
@@ -321,12 +321,12 @@ def _report(name: str, res) -> None:
 
 
 def _finetune(opts) -> None:
-    from llamatune.finetune import finetune
+    from llamatune.commands.finetune import finetune
     _report("finetune", finetune(opts))
 
 
 def _train_from_scratch(opts) -> None:
-    from llamatune.scratch import train_from_scratch
+    from llamatune.commands.scratch import train_from_scratch
     _report("train-from-scratch", train_from_scratch(opts))
 
 

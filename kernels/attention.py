@@ -1,12 +1,26 @@
 """Causal grouped-query softmax attention, forward and backward (BLAS + numba + numpy refs).
 
-    out_i = sum_j P_ij v_j,   P_ij = softmax_j(q_i . k_j * scale),   scale = 1/sqrt(HS)
+    out_i = sum_j P_ij v_j,   P_ij = softmax_j(s_ij),   s_ij = q_i . k_j * scale
 
 over keys j <= n_past + i (query i sits at absolute position n_past + i). Query head
 h reads kv head h // (NH // NKV), ggml's broadcast rule for GQA. This is what
 llama.cpp builds in `llm_graph_context::build_attn_mha` (llama-graph.cpp) from
 ggml_mul_mat(k, q), `ggml_soft_max_ext` with the causal KQ mask and scale
 (ggml-cpu ops.cpp `ggml_compute_forward_soft_max_f32`) and ggml_mul_mat(v, kq).
+
+Options of the newer architectures (keyword arguments; their defaults give the
+plain path above bit for bit):
+* scale: the q.k multiplier; None is 1/sqrt(HS) (gemma3 passes its own).
+* softcap > 0 (gemma2): scores are soft-capped before the mask and the softmax,
+  s_ij = softcap * tanh(q_i . k_j * scale / softcap), as ggml_flash_attn_ext does
+  (ops.cpp: `scale /= logit_softcap`, then `s = logit_softcap*tanhf(s*scale)`; the
+  unfused graph of build_attn_mha computes the same with q pre-scaled). The
+  backward multiplies dS by ds/d(q.k) = scale * (1 - tanh^2).
+* window > 0: sliding-window causal mask, llama.cpp's LLAMA_SWA_TYPE_STANDARD
+  (`llama_hparams::is_masked_swa`: masked when p1 - p0 >= n_swa): query i also
+  needs n_past + i - j < window, so it sees at most the last `window` keys, itself
+  included. With packed segments the window counts within the sample (positions
+  restart at each sample, and a sample's tokens are adjacent).
 
 Packed rows (training, n_past = 0): an optional `segments` (B, T) int32 gives the
 sample id of each token of a row holding several samples; query i then sees key j
@@ -22,8 +36,9 @@ kv head): the G = NH // NKV query heads of a kv head share its K and V, so K and
 are never repeated and the items write disjoint parts of every output. Within an
 item:
 * queries go in blocks of _QBLOCK rows; block [i0, i1) only meets keys
-  [start_i0, n_past + i1), which skips most of the masked upper triangle (and, for
-  packed rows, the keys of earlier samples) and bounds the score buffer to
+  [lo_i0, n_past + i1), lo_i0 the first key its first row sees, which skips most
+  of the masked upper triangle (and, for packed rows, the keys of earlier samples;
+  with a window, the keys that slid out of it) and bounds the score buffer to
   (G, _QBLOCK, S), allocated once per worker and call;
 * the T x S products are batched `np.matmul` calls over (G, TQ, HS) views (no
   copies, except the q/dout blocks of the dk/dv products);
@@ -33,7 +48,12 @@ item:
   expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
   vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
   ns per score instead of 0.45); the forward leaves P unnormalized and scales the
-  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities.
+  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities;
+* soft-capping is a separate pass (`_softcap_scores_kernel`) that turns the raw
+  scores into s (and, for the backward, ds/d(q.k) into a third score buffer);
+  the softmax kernels then run on s with scale 1, and the backward multiplies
+  their dS by ds/d(q.k). The default path calls the softmax kernels exactly as
+  before the options existed (same signature, no extra argument to dispatch).
 Threading: the items are dealt to numba.get_num_threads() threads of one pool,
 each running single-threaded BLAS (threadpoolctl) and serial kernels, so one call
 has one fork-join. Before, every one of the many small matmuls ran multi-threaded
@@ -43,10 +63,11 @@ joins waited for a descheduled thread, and the attention of the bench shape
 0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 now (bench/attention.py).
 Results do not depend on the thread count.
 
-The backward is flash-attention style: it recomputes P = exp(q.k*scale - lse) from
-the saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
-    dP = dout v^T;  dS = P * (dP - rowsum(dout * out));  dq = dS k * scale
-    dk = dS^T q * scale;  dv = P^T dout          (dk, dv summed over each group)
+The backward is flash-attention style: it recomputes P = exp(s - lse) from the
+saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
+    dP = dout v^T;  dS = P * (dP - rowsum(dout * out)) * ds/d(q.k)
+    dq = dS k;  dk = dS^T q;  dv = P^T dout      (dk, dv summed over each group)
+with ds/d(q.k) = scale, or scale * (1 - (s/softcap)^2) when soft-capped.
 All gradients are overwritten.
 """
 
@@ -174,6 +195,30 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
             drow[j] = 0.0
 
 
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in; out s = cap*tanh(q.k*kcap) (kcap = scale/cap) on
+    # each row's visible keys [lo[i], hi[i]), the rest untouched (the softmax kernels
+    # never read it); deriv: None, or (G, TQ, S) out: ds/d(q.k) = scale*(1 - tanh^2)
+    # there and 0 elsewhere. The softmax kernels then run on s with scale 1.
+    NH, TQ, S = att.shape
+    for r in range(NH * TQ):
+        h = r // TQ
+        i = r % TQ
+        row = att[h, i]
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])
+        for j in range(a, n):
+            t = np.tanh(row[j] * kcap)
+            row[j] = cap * t
+            if deriv is not None:
+                deriv[h, i, j] = scale - scale * t * t
+        if deriv is not None:
+            for j in range(a):
+                deriv[h, i, j] = 0.0
+            for j in range(n, np.uint64(S)):
+                deriv[h, i, j] = 0.0
+
+
 def _check(name, a, shape, dtype, rows_only=False):
     # rows_only: k, v may be [:, :S] slices of a cache, contiguous per batch element
     ok = isinstance(a, np.ndarray) and a.dtype == dtype and a.shape == shape
@@ -229,18 +274,20 @@ def segment_starts(segments, shape) -> np.ndarray:
     return np.maximum.accumulate(np.where(new, np.arange(T), 0), axis=1)
 
 
-def _blocks(T, n_past, starts):
+def _blocks(T, n_past, starts, window):
     """[(i0, i1, j0, lo, hi)] per query block: keys [j0, n_past + i1) are computed,
-    row i sees block-local keys [lo[i], hi[i])."""
+    row i sees block-local keys [lo[i], hi[i]). starts: None or the (T,) sample
+    starts of one row; window: 0 or the sliding window."""
+    first = np.zeros(T, np.int64) if starts is None else starts  # first visible key
+    if window:
+        first = np.maximum(first, n_past + np.arange(T, dtype=np.int64) - (window - 1))
     blocks = []
     for i0 in range(0, T, _QBLOCK):
         i1 = min(i0 + _QBLOCK, T)
         hi = n_past + np.arange(i0, i1, dtype=np.int64) + 1
-        if starts is None:
-            blocks.append((i0, i1, 0, np.zeros(i1 - i0, np.int64), hi))
-        else:  # starts never decrease along a row: the block's first row has the lowest
-            j0 = int(starts[i0])
-            blocks.append((i0, i1, j0, starts[i0:i1] - j0, hi - j0))
+        # first never decreases along a row: the block's first row has the lowest
+        j0 = int(first[i0])
+        blocks.append((i0, i1, j0, first[i0:i1] - j0, hi - j0))
     return blocks
 
 
@@ -250,6 +297,24 @@ def _starts(segments, B, T, n_past):
     if n_past:
         raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
     return segment_starts(segments, (B, T))
+
+
+def attention_options(dtype, HS, scale, softcap, window):
+    """(scale, cap, kcap) in dtype: the q.k multiplier, the soft cap (0: none) and
+    scale / cap; ValueError for a bad scale, softcap or window."""
+    if scale is None:
+        scale = 1.0 / np.sqrt(HS)
+    elif not (isinstance(scale, (int, float, np.number)) and np.isfinite(scale) and scale > 0):
+        raise ValueError(f"attention: scale must be None or a finite number > 0, got {scale!r}")
+    if not (isinstance(softcap, (int, float, np.number)) and np.isfinite(softcap)
+            and softcap >= 0):
+        raise ValueError(f"attention: softcap must be a finite number >= 0, got {softcap!r}")
+    if not (isinstance(window, (int, np.integer)) and window >= 0):
+        raise ValueError(f"attention: window must be an integer >= 0 (0: no window), "
+                         f"got {window!r}")
+    dt = np.dtype(dtype).type
+    cap = dt(softcap)
+    return dt(scale), cap, (dt(scale) / cap if softcap > 0 else dt(0))
 
 
 _POOL = None
@@ -283,12 +348,16 @@ def _run_items(work, n_items):
             f.result()
 
 
-def attention_forward(out, lse, q, k, v, n_past, segments=None):
+def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
+                      window=0):
     """Causal GQA attention for T new queries after n_past cached positions.
 
     out (B, T, NH, HS); lse (B, NH, T) saved log-sum-exp; q (B, T, NH, HS);
     k, v (B, S, NKV, HS) with S = n_past + T (may be [:, :S] slices of a cache);
-    segments: None, or (B, T) int32 sample ids of packed rows (n_past = 0).
+    segments: None, or (B, T) int32 sample ids of packed rows (n_past = 0);
+    scale: q.k multiplier (None: 1/sqrt(HS)); softcap > 0: scores
+    softcap * tanh(q.k * scale / softcap); window > 0: sliding-window mask
+    (module docstring).
     """
     if n_past < 0:
         raise ValueError(f"attention: n_past must be >= 0, got {n_past}")
@@ -296,9 +365,10 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None):
     B, T, NH, NKV, HS = _check_qkv(q, k, v, n_past + T)
     _check("out", out, q.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
+    scale, cap, kcap = attention_options(q.dtype, HS, scale, softcap, window)
+    row_scale = q.dtype.type(1) if softcap > 0 else scale  # capped rows are scaled already
     starts = _starts(segments, B, T, n_past)
-    blocks = [_blocks(T, n_past, starts[b]) for b in range(B)]
-    scale = q.dtype.type(1.0 / np.sqrt(HS))
+    blocks = [_blocks(T, n_past, starts[b], window) for b in range(B)]
     G, QB = NH // NKV, min(T, _QBLOCK)
 
     def work(items):
@@ -312,7 +382,9 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None):
                 TQ, W = i1 - i0, n_past + i1 - j0
                 att = scratch[: G * TQ * W].reshape(G, TQ, W)
                 np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
-                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], scale, lo, hi)
+                if cap:  # s = cap*tanh(q.k*kcap) in place, then softmax(s * 1)
+                    _softcap_scores_kernel(att, None, cap, kcap, scale, lo, hi)
+                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], row_scale, lo, hi)
                 ob = out[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) view
                 np.matmul(att, vb[j0:j0 + W], out=ob)
                 ob *= rinv[:, :TQ, None]
@@ -320,12 +392,13 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None):
     _run_items(work, B * NKV)
 
 
-def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
+def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
+                       softcap=0.0, window=0):
     """Gradients of causal GQA attention for training (n_past = 0, S = T), overwritten.
 
     dq (B, T, NH, HS); dk, dv (B, T, NKV, HS) summed over each kv head's query heads;
     dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T) from the forward;
-    segments as in the forward.
+    segments, scale, softcap, window as in the forward.
     """
     T = q.shape[1] if isinstance(q, np.ndarray) and q.ndim == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, T)
@@ -334,15 +407,16 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
     _check("dk", dk, k.shape, q.dtype)
     _check("dv", dv, k.shape, q.dtype)
     _check("lse", lse, (B, NH, T), q.dtype)
+    scale, cap, kcap = attention_options(q.dtype, HS, scale, softcap, window)
+    row_scale = q.dtype.type(1) if softcap > 0 else scale  # capped rows are scaled already
     starts = _starts(segments, B, T, 0)
-    blocks = [_blocks(T, 0, starts[b]) for b in range(B)]
-    scale = q.dtype.type(1.0 / np.sqrt(HS))
+    blocks = [_blocks(T, 0, starts[b], window) for b in range(B)]
     G, QB = NH // NKV, min(T, _QBLOCK)
     dk[...] = 0.0  # the query blocks add their share below
     dv[...] = 0.0
 
     def work(items):
-        scratch = np.empty((2, G * QB * T), q.dtype)  # P and dS blocks, reused
+        scratch = np.empty((3 if cap else 2, G * QB * T), q.dtype)  # P, dS (, ds/dqk) blocks
         for item in items:
             b, kvh = divmod(item, NKV)
             hs = slice(kvh * G, kvh * G + G)
@@ -355,8 +429,13 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
                 dp = scratch[1, : G * TQ * W].reshape(G, TQ, W)
                 np.matmul(qb, kb[j0:i1].T, out=att)
                 np.matmul(dob, vb[j0:i1].T, out=dp)
+                if cap:  # the capped scores s and ds/d(q.k) (deriv), then dS = dS(s) * deriv
+                    deriv = scratch[2, : G * TQ * W].reshape(G, TQ, W)
+                    _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi)
                 _softmax_causal_backward_kernel(att, dp, lse[b, hs, i0:i1], out[b, i0:i1, hs],
-                                                dout[b, i0:i1, hs], scale, lo, hi)
+                                                dout[b, i0:i1, hs], row_scale, lo, hi)
+                if cap:
+                    dp *= deriv
                 # dq rows of this block are complete: the block saw all their keys
                 np.matmul(dp, kb[j0:i1], out=dq[b, i0:i1, hs].transpose(1, 0, 2))
                 # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
@@ -368,40 +447,54 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
 
 # ----------------------------------------------------------------------------
 # numpy references: same arguments and contract as the kernels, no checks; plain
-# per-head loops with a full masked (T, S) softmax; segments mask by id equality
+# per-head loops with a full masked (T, S) softmax; segments mask by id equality,
+# the window by position difference
 
 
-def _probs_ref(q, k, b, h, kvh, n_past, segments=None):
+def _probs_ref(q, k, b, h, kvh, n_past, segments=None, scale=None, softcap=0.0, window=0):
+    """P (T, S), lse (T,) and ds/d(q.k) (T, S) of one head."""
     T, S = q.shape[1], k.shape[1]
-    s = q[b, :, h] @ k[b, :, kvh].T / np.sqrt(q.shape[3])  # (T, S)
-    visible = np.arange(S)[None, :] <= n_past + np.arange(T)[:, None]
+    scale = 1 / np.sqrt(q.shape[3]) if scale is None else scale
+    s = q[b, :, h] @ k[b, :, kvh].T * scale  # (T, S)
+    ds = np.full_like(s, scale)
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s = softcap * t
+        ds *= 1 - t * t
+    p1, p0 = n_past + np.arange(T)[:, None], np.arange(S)[None, :]  # query, key positions
+    visible = p0 <= p1
+    if window > 0:
+        visible &= p1 - p0 < window
     if segments is not None:
         visible &= segments[b][None, :] == segments[b][:, None]
     s = np.where(visible, s, -np.inf)
     mx = s.max(axis=1, keepdims=True)
     e = np.exp(s - mx)
-    return e / e.sum(axis=1, keepdims=True), (mx + np.log(e.sum(axis=1, keepdims=True)))[:, 0]
+    return e / e.sum(axis=1, keepdims=True), (mx + np.log(e.sum(axis=1, keepdims=True)))[:, 0], ds
 
 
-def attention_forward_ref(out, lse, q, k, v, n_past, segments=None):
+def attention_forward_ref(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
+                          window=0):
     B, T, NH, HS = q.shape
     G = NH // k.shape[2]
     for b in range(B):
         for h in range(NH):
-            P, lse[b, h] = _probs_ref(q, k, b, h, h // G, n_past, segments)
+            P, lse[b, h], _ = _probs_ref(q, k, b, h, h // G, n_past, segments, scale, softcap,
+                                         window)
             out[b, :, h] = P @ v[b, :, h // G]
 
 
-def attention_backward_ref(dq, dk, dv, dout, q, k, v, out, lse, segments=None):
+def attention_backward_ref(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
+                           softcap=0.0, window=0):
     B, T, NH, HS = q.shape
     G = NH // k.shape[2]
     dk[...] = 0.0
     dv[...] = 0.0
     for b in range(B):
         for h in range(NH):
-            P, _ = _probs_ref(q, k, b, h, h // G, 0, segments)
+            P, _, ds = _probs_ref(q, k, b, h, h // G, 0, segments, scale, softcap, window)
             dP = dout[b, :, h] @ v[b, :, h // G].T
-            dS = P * (dP - np.sum(P * dP, axis=1, keepdims=True)) / np.sqrt(HS)
+            dS = P * (dP - np.sum(P * dP, axis=1, keepdims=True)) * ds
             dq[b, :, h] = dS @ k[b, :, h // G]
             dk[b, :, h // G] += dS.T @ q[b, :, h]
             dv[b, :, h // G] += P.T @ dout[b, :, h]

@@ -15,6 +15,8 @@ Backward (both overwritten):
 import numpy as np
 from numba import njit, prange
 
+from ._checks import check_gate
+
 # A float32 one keeps float32 maths in float32 and promotes exactly under float64.
 _ONE = np.float32(1.0)
 
@@ -42,27 +44,15 @@ def _swiglu_backward_kernel(dg, du, dout, g, u):
             du[n, f] = d * x * s
 
 
-def _check_all(**arrays):
-    g = arrays["g"]
-    if not isinstance(g, np.ndarray) or g.ndim != 2 or g.dtype not in (np.float32, np.float64):
-        raise ValueError("swiglu: g must be a 2-D float32 or float64 array (N, F)")
-    for name, a in arrays.items():
-        if not (isinstance(a, np.ndarray) and a.dtype == g.dtype and a.shape == g.shape
-                and a.flags.c_contiguous):
-            got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise ValueError(f"swiglu: {name} must be a C-contiguous {g.dtype} array of "
-                             f"shape {g.shape}, got {got}")
-
-
 def swiglu_forward(out, g, u):
     """out (N, F) = silu(g) * u; g, u (N, F)."""
-    _check_all(out=out, g=g, u=u)
+    check_gate("swiglu", dict(out=out, g=g, u=u))
     _swiglu_forward_kernel(out, g, u)
 
 
 def swiglu_backward(dg, du, dout, g, u):
     """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F)."""
-    _check_all(dg=dg, du=du, dout=dout, g=g, u=u)
+    check_gate("swiglu", dict(dg=dg, du=du, dout=dout, g=g, u=u))
     _swiglu_backward_kernel(dg, du, dout, g, u)
 
 

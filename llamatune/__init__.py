@@ -16,7 +16,7 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
-from .distributed import share_cores  # noqa: E402  (imports nothing heavy)
+from .train.distributed import share_cores  # noqa: E402  (imports nothing heavy)
 
 share_cores()
 

@@ -25,7 +25,8 @@ import numpy as np
 
 from .errors import LlamatuneError
 
-OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "cross_entropy", "optim")
+OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "geglu", "softcap", "cross_entropy",
+       "optim")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,9 @@ class Backend:
 
 
 def _cpu() -> Backend:
-    from . import kernels  # noqa: F401
     import importlib
+
+    from . import kernels  # noqa: F401
     ops = SimpleNamespace(**{n: importlib.import_module(f"llamatune.kernels.{n}") for n in OPS})
     return Backend("cpu", np, ops)
 

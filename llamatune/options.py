@@ -9,10 +9,11 @@ spellings (`--lora-r`, `--adam-iter`, `--sample-start`, ...).
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Optional
+
+import tomllib
 
 from .errors import LlamatuneError
 

@@ -136,6 +136,7 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     named `*_out` is an output (ITERATION forms included), every other one an input;
     with --save-best also the BEST forms, and the metrics log and its plot."""
     from dataclasses import fields
+
     from .options import cli_flag
     inputs: list[tuple[str, Path | None]] = [("--config", preset)]
     outputs: list[Out] = []

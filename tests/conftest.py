@@ -52,7 +52,7 @@ def need(path: Path) -> Path:
 
 
 def tiny_config(arch: str = "llama", **over):
-    from llamatune.config import ModelConfig
+    from llamatune.models.config import ModelConfig
     base = dict(arch=arch, n_vocab=400, n_ctx_train=64, n_embd=64, n_layer=2, n_ff=96, n_head=4,
                 n_head_kv=2, head_dim=16, n_rot=16, norm_eps=1e-5)
     base.update(over)
@@ -61,13 +61,13 @@ def tiny_config(arch: str = "llama", **over):
 
 @pytest.fixture(scope="session")
 def tiny_vocab():
-    from llamatune.modelfile import train_spm_vocab
+    from llamatune.models.modelfile import train_spm_vocab
     return train_spm_vocab(TEXT, 400)
 
 
 def write_tiny_model(path: Path, vocab, outtype=None, seed: int = 0, arch: str = "llama", tied=False, **over) -> Path:
     from gguf import GGMLQuantizationType as QType
-    from llamatune.modelfile import random_weights, write_model
+    from llamatune.models.modelfile import random_weights, write_model
     cfg = tiny_config(arch, **over)
     w = random_weights(cfg, seed=seed, std=0.08, tied=tied)
     write_model(path, cfg, w, vocab, outtype or QType.F32)
@@ -91,6 +91,6 @@ def qwen_vocab(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer(qwen_vocab):
-    from llamatune.gguf_io import GGUFFile
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.tokenizer import Tokenizer
     return Tokenizer.from_gguf(GGUFFile(qwen_vocab))

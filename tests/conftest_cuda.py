@@ -71,8 +71,8 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
 
     dispatcher.get_current_device = lambda: _Dev()
 
-    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, optim, rmsnorm,
-                                        rope, swiglu)
+    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, geglu, optim,
+                                        rmsnorm, rope, softcap, swiglu)
     assert not _common.SIM, "compile_all_ptx needs numba.cuda without the simulator"
     f32, f64, i64, u8, b1 = t.float32, t.float64, t.int64, t.uint8, t.boolean
 
@@ -93,6 +93,10 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("rope", rope._rope_kernel, (A(f32, 4), A(f32, 4), A(f32, 3), A(f32, 3), i64, b1, b1)),
         ("swiglu forward", swiglu._swiglu_forward_kernel, (A(f32, 2),) * 3),
         ("swiglu backward", swiglu._swiglu_backward_kernel, (A(f32, 2),) * 5),
+        ("geglu forward", geglu._geglu_forward_kernel, (A(f32, 2),) * 3),
+        ("geglu backward", geglu._geglu_backward_kernel, (A(f32, 2),) * 5),
+        ("softcap forward", softcap._softcap_forward_kernel, (A(f32, 1),) * 2 + (f32, f32)),
+        ("softcap backward", softcap._softcap_backward_kernel, (A(f32, 1),) * 3 + (f32,)),
         ("cross_entropy forward", cross_entropy._ce_forward_kernel,
          (A(f32, 1), A(f32, 2), A(i64, 1))),
         ("cross_entropy backward", cross_entropy._ce_backward_kernel,
@@ -106,15 +110,17 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("scale", optim._scale_kernel, (A(f32, 1), f32)),
         ("clip", optim._clip_kernel, (A(f32, 1), A(f64, 1), f64)),
     ]
+    opts = (f32, f32, f32, i64)  # scale, softcap, scale / softcap, window
     for HS in (64, 128, 256):
         (br, bc), (br2, bc2) = attention.tiles(HS)
         for seg, tag in ((t.none, ""), (A(t.int32, 2), " segments")):
             jobs += [
                 (f"attention forward HS={HS}{tag}", attention._forward_kernel(HS, br, bc),
-                 (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), seg, i64, f32)),
+                 (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), seg, i64)
+                 + opts),
                 (f"attention dq HS={HS}{tag}", attention._dq_kernel(HS, br, bc),
-                 (A(f32, 4),) * 6 + (A(f32, 3), seg, f32)),
+                 (A(f32, 4),) * 6 + (A(f32, 3), seg) + opts),
                 (f"attention dkdv HS={HS}{tag}", attention._dkdv_kernel(HS, br2, bc2),
-                 (A(f32, 4),) * 7 + (A(f32, 3), seg, f32)),
+                 (A(f32, 4),) * 7 + (A(f32, 3), seg) + opts),
             ]
     return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

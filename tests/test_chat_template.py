@@ -10,10 +10,10 @@ import pytest
 from conftest import VOCAB, need
 from numpy.testing import assert_array_equal
 
-from llamatune.chat_template import BUILTIN, ChatTemplate, load_template
+from llamatune.models.chat_template import BUILTIN, ChatTemplate, load_template
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile
-from llamatune.tokenizer import Tokenizer
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN = json.loads((FIXTURES / "chat_golden.json").read_text(encoding="utf-8"))

@@ -26,7 +26,7 @@ def run_process(*args):
 def test_help_imports_nothing_heavy():
     """`llamatune --help` must not import numpy/numba/gguf (and so compiles nothing)."""
     code = ("import sys; from llamatune.cli.main import app; "
-            "print(sorted(m for m in ('numpy', 'numba', 'gguf', 'llamatune.model') if m in sys.modules))")
+            "print(sorted(m for m in ('numpy', 'numba', 'gguf', 'llamatune.models.model') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -39,8 +39,8 @@ def test_help_lists_commands():
 
 
 def test_tokenize_ids(tiny_model):
-    from llamatune.gguf_io import GGUFFile
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.tokenizer import Tokenizer
     tok = Tokenizer.from_gguf(GGUFFile(tiny_model))
     r = run("tokenize", "-m", tiny_model, "-p", "Speak, speak.", "--ids")
     assert r.exit_code == 0, r.output
@@ -55,8 +55,8 @@ def test_tokenize_file_exact_text_on_vocab_only_gguf(tmp_path):
     (tmp_path / "t.txt").write_text(text)
     r = run("tokenize", "-m", vocab, "-f", tmp_path / "t.txt", "--ids", "--no-bos")
     assert r.exit_code == 0, r.output
-    from llamatune.gguf_io import GGUFFile
-    from llamatune.tokenizer import Tokenizer
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.tokenizer import Tokenizer
     assert r.output.strip() == str(Tokenizer.from_gguf(GGUFFile(vocab)).encode(text, add_special=False))
 
 

@@ -19,18 +19,19 @@ import pytest
 from gguf import GGUFValueType as V
 from safetensors.numpy import load_file, save_file
 
-from llamatune import checkpoint as ckpt
-from llamatune.adapter import load_runtime_adapters, read_adapter
-from llamatune.convert import convert
-from llamatune.convert_legacy import ORDER_LABELS, choose_order, param_orders
+from llamatune.train import checkpoint as ckpt
+from llamatune.formats.adapter import load_runtime_adapters, read_adapter
+from llamatune.commands.convert import convert
+from llamatune.train.legacy import ORDER_LABELS, choose_order, param_orders
 from llamatune.errors import LlamatuneError
-from llamatune.finetune import finetune
-from llamatune.gguf_io import GGUFFile, kv
-from llamatune.infer import Runner
-from llamatune.model import Model, matrix_shape
-from llamatune.modelfile import random_weights, tensor_names, write_model
+from llamatune.commands.finetune import finetune
+from llamatune.formats.gguf_io import GGUFFile, kv
+from llamatune.models.infer import Runner
+from llamatune.models.arch import tensor_shape
+from llamatune.models.model import Model
+from llamatune.models.modelfile import random_weights, tensor_names, write_model
 from llamatune.options import FinetuneOptions
-from llamatune.params import ParamBuffer, ParamSpec
+from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import TEXT, tiny_config, write_tiny_model
 
@@ -297,7 +298,7 @@ def write_peft(path: Path, cfg, seed=0, r=4, alpha=8.0) -> dict:
           "ffn_down": "mlp.down_proj"}
     for i in range(cfg.n_layer):
         for kind, mod in hf.items():
-            n_out, n_in = matrix_shape(cfg, kind)
+            n_out, n_in = tensor_shape(cfg, kind)
             modules[f"model.layers.{i}.{mod}"] = (f"blk.{i}.{kind}.weight", n_in, n_out)
     tensors, truth = {}, {}
     for mod, (weight, n_in, n_out) in modules.items():

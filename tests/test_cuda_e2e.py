@@ -30,8 +30,8 @@ def micro_model(tmp_path_factory, tiny_vocab):
 
 
 def test_runner_logits_match_cpu(cuda, micro_model):
-    from llamatune.infer import Runner
-    from llamatune.model import Model
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
     model = Model(micro_model)
     tokens = np.array([[1, 5, 9, 33, 7]])
     want = Runner(model).forward(tokens)
@@ -45,12 +45,12 @@ PACKED = dict(positions=np.array([[0, 1, 2, 0, 1, 0]]), segments=np.array([[0, 0
 
 @pytest.mark.parametrize("packing", [{}, PACKED], ids=["rows", "packed"])
 def test_training_step_matches_cpu(cuda, micro_model, packing):
-    from llamatune.graph import Graph
+    from llamatune.train.graph import Graph
     from llamatune.backend import cpu
-    from llamatune.lora import init_lora, lora_specs, lora_targets
-    from llamatune.model import Model
-    from llamatune.params import ParamBuffer
-    from llamatune.weights import FrozenBase
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.models.model import Model
+    from llamatune.train.params import ParamBuffer
+    from llamatune.models.weights import FrozenBase
     model = Model(micro_model)
     cfg = model.config
     ranks = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
@@ -76,7 +76,7 @@ def test_training_step_matches_cpu(cuda, micro_model, packing):
 
 
 def test_finetune_on_cuda_resumes_on_cpu(cuda, micro_model, tmp_path):
-    from llamatune.finetune import finetune
+    from llamatune.commands.finetune import finetune
     from llamatune.options import FinetuneOptions
     (tmp_path / "t.txt").write_text(TEXT)
     common = dict(model_base=micro_model, train_data=tmp_path / "t.txt", ctx=6, batch=1, lora_r=2, warmup=1,

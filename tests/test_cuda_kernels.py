@@ -28,7 +28,8 @@ if not cuda.is_available():
 import gguf  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
-from llamatune.kernels import attention, cross_entropy, dequant, optim, rmsnorm, rope, swiglu  # noqa: E402
+from llamatune.kernels import (attention, cross_entropy, dequant, geglu, optim, rmsnorm, rope,  # noqa: E402
+                               softcap, swiglu)
 from llamatune.kernels import cuda as kc  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -233,26 +234,32 @@ def test_rope_argument_checks():
         kc.rope.rope_forward(x, x, dev(np.zeros((2, 2, 2), F32)), cs, 4, rope.ROPE_NORM)
 
 
-# --------------------------------------------------------------------- swiglu
-def test_swiglu():
+# ------------------------------------------------------------- swiglu, geglu
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gate(name):
+    """The elementwise gates (same calling convention): silu(g) * u and gelu_tanh(g) * u."""
+    cpu, gpu = globals()[name], getattr(kc, name)
+    forward, backward = getattr(gpu, name + "_forward"), getattr(gpu, name + "_backward")
     rng = np.random.default_rng(4)
     N, F = 3, 21
     g, u, dout = 4 * randn(rng, N, F), randn(rng, N, F), randn(rng, N, F)
     want = np.zeros((N, F), F32)
-    swiglu.swiglu_forward_ref(want, g, u)
+    getattr(cpu, name + "_forward_ref")(want, g, u)
     out = nan_dev((N, F))
-    kc.swiglu.swiglu_forward(out, dev(g), dev(u))
+    forward(out, dev(g), dev(u))
     np.testing.assert_allclose(host(out), want, **TOL32)
     dg_ref, du_ref = np.zeros((N, F), F32), np.zeros((N, F), F32)
-    swiglu.swiglu_backward_ref(dg_ref, du_ref, dout, g, u)
+    getattr(cpu, name + "_backward_ref")(dg_ref, du_ref, dout, g, u)
     dg, du = nan_dev((N, F)), nan_dev((N, F))
-    kc.swiglu.swiglu_backward(dg, du, dev(dout), dev(g), dev(u))
+    backward(dg, du, dev(dout), dev(g), dev(u))
     np.testing.assert_allclose(host(dg), dg_ref, **TOL32)
     np.testing.assert_allclose(host(du), du_ref, **TOL32)
     gd, ud = dev(g), dev(u)  # in place: dg over g, du over u
-    kc.swiglu.swiglu_backward(gd, ud, dev(dout), gd, ud)
+    backward(gd, ud, dev(dout), gd, ud)
     np.testing.assert_array_equal(host(gd), host(dg))
     np.testing.assert_array_equal(host(ud), host(du))
+    with pytest.raises(ValueError, match=f"{name}: u must be a C-contiguous float32 device array"):
+        forward(out, dev(g), dev(u[:, :5]))
 
 
 # -------------------------------------------------------------- cross-entropy
@@ -439,6 +446,170 @@ def test_attention_argument_checks():
                                        dev(np.zeros((1, 1), np.int32)))
 
 
+# ------------------------------------------- ops of the newer architectures
+def test_softcap():
+    rng = np.random.default_rng(31)
+    N, V, cap = 2, 300, 30.0  # 600 values: three blocks, the last partial
+    x, dy = 50 * randn(rng, N, V), randn(rng, N, V)
+    want, dx_ref = np.zeros_like(x), np.zeros_like(x)
+    softcap.softcap_forward_ref(want, x, cap)
+    softcap.softcap_backward_ref(dx_ref, dy, want, cap)
+    y, dx = nan_dev((N, V)), nan_dev((N, V))
+    kc.softcap.softcap_forward(y, dev(x), cap)
+    np.testing.assert_allclose(host(y), want, **TOL32)
+    kc.softcap.softcap_backward(dx, dev(dy), y, cap)
+    np.testing.assert_allclose(host(dx), dx_ref, **TOL32)
+    xd, dyd = dev(x), dev(dy)  # in place, as on the logits chunk
+    kc.softcap.softcap_forward(xd, xd, cap)
+    np.testing.assert_array_equal(host(xd), host(y))
+    kc.softcap.softcap_backward(dyd, dyd, xd, cap)
+    np.testing.assert_array_equal(host(dyd), host(dx))
+    with pytest.raises(ValueError, match="softcap: cap must be a finite number > 0"):
+        kc.softcap.softcap_forward(y, xd, -1.0)
+    with pytest.raises(ValueError, match="softcap: x must be a C-contiguous float32 device array"):
+        kc.softcap.softcap_forward(y, x, cap)  # host array
+    with pytest.raises(ValueError, match="softcap: y must be a float32 device array"):
+        kc.softcap.softcap_forward(dev(np.zeros((N, V))), xd, cap)
+
+
+def test_per_head_rmsnorm_on_the_head_view():
+    """qwen3/gemma3 q/k norm: rmsnorm on q (N, n_head, head_dim) viewed as
+    (N * n_head, head_dim) with a (head_dim,) weight, against the per-head formula."""
+    rng = np.random.default_rng(32)
+    N, NH, HD, eps = 3, 4, 8, 1e-6
+    x, w, dout = randn(rng, N, NH, HD), randn(rng, HD), randn(rng, N, NH, HD)
+    x64 = x.astype(np.float64)
+    r = 1 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + eps)
+    out, rstd = nan_dev((N * NH, HD)), nan_dev(N * NH)
+    kc.rmsnorm.rmsnorm_forward(out, rstd, dev(x.reshape(N * NH, HD)), dev(w), eps)
+    np.testing.assert_allclose(host(out).reshape(N, NH, HD), x64 * r * w, **TOL32)
+    dx_ref, dw_ref = np.zeros((N * NH, HD), F32), np.zeros(HD, F32)
+    rmsnorm.rmsnorm_backward_ref(dx_ref, dw_ref, dout.reshape(N * NH, HD), x.reshape(N * NH, HD),
+                                 w, host(rstd))
+    dx, dw = nan_dev((N * NH, HD)), dev(np.zeros(HD, F32))
+    kc.rmsnorm.rmsnorm_backward(dx, dw, dev(dout.reshape(N * NH, HD)), dev(x.reshape(N * NH, HD)),
+                                dev(w), rstd)
+    np.testing.assert_allclose(host(dx), dx_ref, **TOL32)
+    np.testing.assert_allclose(host(dw), np.sum(dout * x64 * r, axis=(0, 1)), **TOL32)
+
+
+# scale / softcap / window alone and together; windows of 1, across tiles, >= S
+ATT_OPTIONS = [dict(window=1), dict(window=3, softcap=2.0), dict(scale=0.4, softcap=1.5),
+               dict(scale=0.6, softcap=2.5, window=2)]
+ATT_OPT_IDS = ["w1", "w3-cap", "scale-cap", "all"]
+
+
+def _att_ref(q, k, v, n_past, dout=None, segments=None, **opts):
+    out, lse = np.zeros_like(q), np.zeros((q.shape[0], q.shape[2], q.shape[1]), F32)
+    attention.attention_forward_ref(out, lse, q, k, v, n_past, segments, **opts)
+    res = [out, lse]
+    if dout is not None:
+        grads = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
+        attention.attention_backward_ref(*grads, dout, q, k, v, out, lse, segments, **opts)
+        res += grads
+    return res
+
+
+@pytest.mark.parametrize("tiles", [(None, None), (2, 3)], ids=["default", "2x3"])
+@pytest.mark.parametrize("opts", ATT_OPTIONS, ids=ATT_OPT_IDS)
+def test_attention_options(opts, tiles):
+    """Forward after a cache (n_past = 3) and forward + backward (n_past = 0) with the
+    gemma options, whole tensors against the reference."""
+    rng = np.random.default_rng(33)
+    B, T, NH, NKV, HS = 1, 5, 2, 1, 4
+    kw = dict(block_q=tiles[0], block_k=tiles[1], threads=32, **opts)
+    q, kc_, vc_, S = qkv(rng, B, T, NH, NKV, HS, 3)
+    q *= 2  # large scores, so that the cap matters
+    out_ref, lse_ref = _att_ref(q, kc_[:, :S], vc_[:, :S], 3, **opts)
+    out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
+    kc.attention.attention_forward(out, lse, dev(q), dev(kc_)[:, :S], dev(vc_)[:, :S], 3, **kw)
+    np.testing.assert_allclose(host(out), out_ref, **TOL_ATT)
+    np.testing.assert_allclose(host(lse), lse_ref, **TOL_ATT)
+
+    k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
+    dout = randn(rng, B, T, NH, HS)
+    want = _att_ref(q, k, v, 0, dout, **opts)
+    out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
+    kc.attention.attention_forward(out, lse, dev(q), dev(k), dev(v), 0, **kw)
+    grads = [nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)]
+    kc.attention.attention_backward(*grads, dev(dout), dev(q), dev(k), dev(v), dev(want[0]),
+                                    dev(want[1]), **kw)
+    for got, ref in zip([out, lse, *grads], want):
+        np.testing.assert_allclose(host(got), ref, **TOL_ATT)
+
+
+def test_attention_options_with_segments():
+    """Packed rows with a window and soft-capping: the window counts within each
+    sample; small tiles put window edges and sample starts inside and across tiles."""
+    rng = np.random.default_rng(34)
+    B, T, NH, NKV, HS = 2, 8, 2, 1, 3
+    opts = dict(scale=0.8, softcap=2.0, window=2)
+    q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
+    k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
+    dout = randn(rng, B, T, NH, HS)
+    want = _att_ref(q, k, v, 0, dout, SEGMENTS, **opts)
+    kw = dict(block_q=2, block_k=2, threads=32, **opts)
+    seg = dev(SEGMENTS)
+    out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
+    kc.attention.attention_forward(out, lse, dev(q), dev(k), dev(v), 0, seg, **kw)
+    grads = [nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)]
+    kc.attention.attention_backward(*grads, dev(dout), dev(q), dev(k), dev(v), dev(want[0]),
+                                    dev(want[1]), seg, **kw)
+    for got, ref in zip([out, lse, *grads], want):
+        np.testing.assert_allclose(host(got), ref, **TOL_ATT)
+
+
+def test_attention_option_defaults_are_the_plain_path():
+    """scale = 1/sqrt(HS) given, softcap 0 and a window >= S run the default
+    arithmetic: the same bits as no options."""
+    rng = np.random.default_rng(35)
+    B, T, NH, NKV, HS = 1, 4, 2, 1, 4
+    q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
+    k, v, dout = dev(kc_[:, :T]), dev(vc_[:, :T]), dev(randn(rng, B, T, NH, HS))
+    results = []
+    for opts in ({}, dict(scale=0.5, softcap=0.0, window=T)):
+        out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
+        kc.attention.attention_forward(out, lse, dev(q), k, v, 0, block_q=2, block_k=2,
+                                       threads=32, **opts)
+        grads = [nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)]
+        kc.attention.attention_backward(*grads, dout, dev(q), k, v, out, lse, block_q=2,
+                                        block_k=2, threads=32, **opts)
+        results.append([host(a) for a in (out, lse, *grads)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_attention_option_checks():
+    q, k = dev(np.zeros((1, 2, 2, 4), F32)), dev(np.zeros((1, 2, 1, 4), F32))
+    out, lse = nan_dev((1, 2, 2, 4)), nan_dev((1, 2, 2))
+    with pytest.raises(ValueError, match="attention: scale must be None or a finite number > 0"):
+        kc.attention.attention_forward(out, lse, q, k, k, 0, scale=-1.0)
+    with pytest.raises(ValueError, match="attention: softcap must be a finite number >= 0"):
+        kc.attention.attention_forward(out, lse, q, k, k, 0, softcap=float("inf"))
+    with pytest.raises(ValueError, match=r"attention: window must be an integer >= 0"):
+        kc.attention.attention_backward(q, k, k, q, q, k, k, q, lse, window=-2)
+
+
+def test_backend_registers_geglu_and_softcap():
+    """The CUDA backend exposes the new families as ops.geglu and ops.softcap; in the
+    simulator they work in place on the numpy arrays that serve as device memory."""
+    from llamatune.backend import OPS, get_backend
+    assert {"geglu", "softcap"} <= set(OPS)
+    if not kc.simulator_enabled():
+        pytest.skip("a real GPU: the backend's arrays are CuPy arrays (test_cuda_e2e)")
+    ops = get_backend("cuda").ops
+    rng = np.random.default_rng(36)
+    x = 20 * randn(rng, 2, 40)
+    want = np.zeros_like(x)
+    softcap.softcap_forward_ref(want, x, 10.0)
+    ops.softcap.softcap_forward(x, x, 10.0)
+    np.testing.assert_allclose(x, want, **TOL32)
+    g, u = randn(rng, 2, 40), randn(rng, 2, 40)
+    geglu.geglu_forward_ref(want, g, u)
+    ops.geglu.geglu_forward(g, g, u)
+    np.testing.assert_allclose(g, want, **TOL32)
+
+
 # ------------------------------------------------- the real (non-simulated) compiler
 _PTX_SCRIPT = """
 import re, sys
@@ -477,7 +648,7 @@ def test_kernels_compile_to_ptx_without_fma_in_dequant():
     if res.stdout.startswith("NO-TOOLKIT"):
         pytest.skip(f"no CUDA compiler libraries to build PTX with: {res.stdout.strip()}")
     rows = [line.split(" | ") for line in res.stdout.strip().splitlines()]
-    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 14 + 18
+    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 18 + 18
     for name, n_fma, n_mul in rows:
         if name.startswith("dequant"):
             assert n_fma == "0", name

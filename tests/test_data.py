@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from llamatune import data
-from llamatune.data import Batcher, Samples, describe, load_samples, process_escapes
+from llamatune.train import data
+from llamatune.train.data import Batcher, Samples, describe, load_samples, process_escapes
 from llamatune.errors import LlamatuneError
 from llamatune.options import TrainOptions
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from llamatune import datasets
-from llamatune.data import load_samples
-from llamatune.datasets import load_dataset, preview
+from llamatune.train import datasets
+from llamatune.train.data import load_samples
+from llamatune.train.datasets import load_dataset, preview
 from llamatune.errors import LlamatuneError
 from llamatune.options import FinetuneOptions
 
@@ -73,7 +73,7 @@ def test_every_row_format(tmp_path, qwen_tokenizer):
     assert_array_equal(pc, head + tok.encode(" 4") + [tok.eos_id])
     assert_array_equal(pc_mask, [0] * len(head) + [1] * (len(pc) - len(head)))
     alpaca, alpaca_mask = sample(s, 3)
-    from llamatune.chat_template import load_template
+    from llamatune.models.chat_template import load_template
     ref = load_template(tok, None).encode([{"role": "user", "content": "Add.\n\n2 + 2"},
                                           {"role": "assistant", "content": "4"}])
     assert_array_equal(alpaca, ref.tokens)

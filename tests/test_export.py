@@ -10,14 +10,14 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from conftest import MODELS, need, write_tiny_model
-from llamatune.adapter import LoraAdapter, expected_shapes, load_runtime_adapters, write_adapter
+from llamatune.formats.adapter import LoraAdapter, expected_shapes, load_runtime_adapters, write_adapter
 from llamatune.errors import LlamatuneError
-from llamatune.export import export_lora
-from llamatune.gguf_io import GGUFFile, TensorOut, kv, tensor_out, write_gguf
-from llamatune.infer import Runner
+from llamatune.commands.export import export_lora
+from llamatune.formats.gguf_io import GGUFFile, TensorOut, kv, tensor_out, write_gguf
+from llamatune.models.infer import Runner
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
-from llamatune.model import Model
+from llamatune.models.model import Model
 
 # K-quants need every row length to be a multiple of 256
 KCFG = dict(n_embd=256, n_ff=512, head_dim=64, n_rot=64, n_head=4, n_head_kv=2, n_layer=1)

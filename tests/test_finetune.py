@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatune import checkpoint as ckpt
+from llamatune.train import checkpoint as ckpt
 from llamatune.errors import LlamatuneError
-from llamatune.finetune import finetune
-from llamatune.gguf_io import GGUFFile
+from llamatune.commands.finetune import finetune
+from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 
 from conftest import REPO, TEXT
@@ -147,10 +147,10 @@ def test_every_option_is_reachable_from_the_cli(command, cls):
 
 def test_runtime_adapter_changes_generation_as_merge_does(tmp_path, tiny_model):
     """An adapter applied at run time gives the logits of the merged f32 model."""
-    from llamatune.adapter import load_runtime_adapters
-    from llamatune.export import export_lora
-    from llamatune.infer import Runner
-    from llamatune.model import Model
+    from llamatune.formats.adapter import load_runtime_adapters
+    from llamatune.commands.export import export_lora
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
     finetune(options(tmp_path, tiny_model, adam_iter=3, rank_att_norm=0, lora_dropout=0.0), quiet=True)
     adapter = tmp_path / "adapter-LATEST.gguf"
     export_lora(tiny_model, [(adapter, 1.0)], tmp_path / "merged.gguf")
@@ -166,7 +166,7 @@ def test_runtime_adapter_changes_generation_as_merge_does(tmp_path, tiny_model):
 @pytest.mark.parametrize("pack", [False, True])
 def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
     """Conversations (answers-only targets, padded or packed rows): 3 steps == 2 steps + resume + 1 step."""
-    from llamatune.quickstart import chat_sample
+    from llamatune.commands.quickstart import chat_sample
     chat = dict(train_data=chat_sample(), chat_template="chatml", ctx=64, batch=3, rank_out=0, rank_att_norm=0,
                 pack=pack)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -182,9 +182,9 @@ def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
 
 
 def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
-    from llamatune import finetune as ft
-    from llamatune.data import Samples
-    from llamatune.graph import Graph
+    from llamatune.commands import finetune as ft
+    from llamatune.train.data import Samples
+    from llamatune.train.graph import Graph
     rows = Samples([1, 2, 3], [0], [3], [0, 1, 1])
     monkeypatch.setattr(Graph, "step", lambda self, inputs, targets, weights, key=(0,): 0.0)
     with pytest.raises(LlamatuneError, match="--pack: this build's attention cannot confine packed samples"):

@@ -13,13 +13,13 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
-from llamatune import checkpoint as ckpt
-from llamatune.adapter import read_adapter
-from llamatune.config import ModelConfig
+from llamatune.train import checkpoint as ckpt
+from llamatune.formats.adapter import read_adapter
+from llamatune.models.config import ModelConfig
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
-from llamatune.model import Model
-from llamatune.tensors import NonFiniteError
+from llamatune.formats.gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
+from llamatune.models.model import Model
+from llamatune.formats.tensors import NonFiniteError
 
 from conftest import REPO, TEXT, write_tiny_model
 
@@ -245,8 +245,8 @@ def test_perplexity_cli_nonfinite(tmp_path, tiny_model):
 
 
 def test_huge_norm_weights_give_an_error_not_overflow(tmp_path, tiny_model):
-    from llamatune.infer import Runner
-    from llamatune.perplexity import perplexity
+    from llamatune.models.infer import Runner
+    from llamatune.commands.perplexity import perplexity
     p = _with_tensor(tiny_model, tmp_path / "big.gguf", "output_norm.weight",
                      lambda n, a: tensor_out(n, np.full(64, 3e38, np.float32)))
     with pytest.raises(LlamatuneError, match=r"perplexity is (inf|nan) from window 1 on .*big\.gguf"):
@@ -254,7 +254,7 @@ def test_huge_norm_weights_give_an_error_not_overflow(tmp_path, tiny_model):
 
 
 def _adapter(tmp_path, tiny_model, name, change):
-    from llamatune.adapter import LoraAdapter, write_adapter
+    from llamatune.formats.adapter import LoraAdapter, write_adapter
     rng = np.random.default_rng(0)
     a = LoraAdapter("llama", 2.0, {"blk.0.attn_q.weight": (rng.standard_normal((2, 64)).astype(np.float32),
                                                           rng.standard_normal((64, 2)).astype(np.float32))})
@@ -291,9 +291,9 @@ def corpus(tmp_path_factory):
 
 
 def _params():
-    from llamatune.lora import lora_specs, lora_targets
+    from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.options import FinetuneOptions
-    from llamatune.params import ParamBuffer
+    from llamatune.train.params import ParamBuffer
     cfg = ModelConfig("llama", 300, 64, 64, 2, 96, 4, 2, 16, 16, 1e-5)
     return ParamBuffer(lora_specs(lora_targets(cfg, FinetuneOptions(**fm.CKPT_OPTIONS).ranks(), 4.0, False)))
 
@@ -341,7 +341,7 @@ def test_checkpoint_rank_must_match_recorded_rank(tmp_path, corpus):
 ])
 def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
     """Loading for a resume, and converting to an adapter (which reads the alpha)."""
-    from llamatune.convert import convert
+    from llamatune.commands.convert import convert
     p = _rewrite(corpus["checkpoint"], tmp_path / "c.gguf", {key: value})
     with pytest.raises(LlamatuneError, match=r"c\.gguf: metadata key " + match):
         ckpt.load(p)
@@ -350,7 +350,7 @@ def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
 
 
 def test_sampling_refuses_nonfinite_logits():
-    from llamatune.generate import sample
+    from llamatune.commands.generate import sample
     rng = np.random.default_rng(0)
     assert sample(np.array([0.0, 2.0, 1.0], np.float32), rng, 0.8, 40, 0.95) in (0, 1, 2)
     with pytest.raises(LlamatuneError, match=r"cannot sample: the model's logits are not finite"):

@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from llamatune.config import ModelConfig
+from llamatune.models.config import ModelConfig
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile, kv, tensor_out, write_gguf
-from llamatune.model import Model
+from llamatune.formats.gguf_io import GGUFFile, kv, tensor_out, write_gguf
+from llamatune.models.model import Model
 
 from conftest import tiny_config, write_tiny_model
 
@@ -35,7 +35,7 @@ def test_write_is_atomic(tmp_path):
 
     def boom():
         raise RuntimeError("producer failed")
-    from llamatune.gguf_io import TensorOut
+    from llamatune.formats.gguf_io import TensorOut
     with pytest.raises(RuntimeError, match="producer failed"):
         write_gguf(path, "llama", [], [TensorOut("x", (4,), QType.F32, boom)])
     assert path.read_bytes() == b"previous"

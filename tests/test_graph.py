@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from fdcheck import fd_check
-from llamatune.graph import DenseWeights, FrozenBase, Graph
-from llamatune.infer import Runner
+from llamatune.train.graph import DenseWeights, FrozenBase, Graph
+from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
-from llamatune.lora import init_lora, lora_specs, lora_targets
-from llamatune.model import Model
-from llamatune.modelfile import random_weights, tensor_names
-from llamatune.params import ParamBuffer, ParamSpec
+from llamatune.train.lora import init_lora, lora_specs, lora_targets
+from llamatune.models.model import Model
+from llamatune.models.modelfile import random_weights, tensor_names
+from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import tiny_config, write_tiny_model
 
@@ -137,7 +137,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_model):
 def qwen2_model(tmp_path_factory, tiny_vocab):
     """qwen2: q/k/v biases (nonzero here) and NEOX rope."""
     from gguf import GGMLQuantizationType as QType
-    from llamatune.modelfile import write_model
+    from llamatune.models.modelfile import write_model
     cfg = tiny_config("qwen2", n_embd=32, n_ff=48, head_dim=8, n_rot=8)
     w = random_weights(cfg, seed=4, std=0.1)
     rng = np.random.default_rng(5)
@@ -154,7 +154,7 @@ def test_qwen2_bias_and_neox_rope(qwen2_model):
     numpy forward of the same weights; the graph agrees and its gradient is exact."""
     m = qwen2_model
     cfg = m.config
-    assert cfg.rope_mode == 2 and cfg.has_qkv_bias
+    assert cfg.rope_mode == 2 and cfg.spec.biases == ("attn_q", "attn_k", "attn_v")
     tokens = np.array([[1, 7, 30, 2, 99]])
     logits = Runner(m).forward(tokens)[0]
     W = {n: np.array(t.data, np.float64).reshape(t.shape) for n, t in m.file.tensors.items()}
@@ -313,7 +313,7 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
 
 def test_head_chunk_sizes():
     """As few chunks as fit the room (or HEAD_CHUNK_BYTES), all about the same size."""
-    from llamatune.graph import HEAD_CHUNK_BYTES, head_chunk
+    from llamatune.train.graph import HEAD_CHUNK_BYTES, head_chunk
     V = HEAD_CHUNK_BYTES // 4 // 4                        # HEAD_CHUNK_BYTES hold 4 rows of logits
     assert head_chunk(9, V) == 3                          # 3 chunks of 3, not 4 + 4 + 1
     assert head_chunk(9, V, 5 * V) == 5                   # the room holds 5: 2 chunks
@@ -324,7 +324,7 @@ def test_head_chunk_sizes():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_overlay_the_gradient_scratch_and_chunking_changes_nothing(small_model, mode):
-    from llamatune.graph import grad_scratch
+    from llamatune.train.graph import grad_scratch
     """The head's logits live in the layer backward's scratch (one buffer); a
     step with one token per chunk equals one with every token in one chunk (LoRA on
     the head too), in float64 to the last few bits."""

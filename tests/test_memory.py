@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from llamatune.errors import LlamatuneError
-from llamatune.graph import DenseWeights, FrozenBase, Graph, buffer_plan, plan_bytes
-from llamatune.lora import init_lora, lora_specs, lora_targets
-from llamatune.memory import Planner
-from llamatune.model import Model
+from llamatune.train.graph import DenseWeights, FrozenBase, Graph, buffer_plan, plan_bytes
+from llamatune.train.lora import init_lora, lora_specs, lora_targets
+from llamatune.train.memory import Planner
+from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, build_options
-from llamatune.params import ParamBuffer, ParamSpec
-from llamatune.modelfile import tensor_names
+from llamatune.train.params import ParamBuffer, ParamSpec
+from llamatune.models.modelfile import tensor_names
 
 from conftest import tiny_config
 
@@ -111,8 +111,8 @@ def test_refusal_says_what_would_fit(model, tmp_path, monkeypatch):
     assert "--ctx 32" in hint and "--batch 3" in hint
     assert p.what_fits(4, 64, "none", 0) == "nothing smaller fits either"
 
-    import llamatune.trainer as trainer
-    from llamatune.finetune import finetune
+    import llamatune.train.trainer as trainer
+    from llamatune.commands.finetune import finetune
     from conftest import TEXT
     data = tmp_path / "d.txt"
     data.write_text(TEXT)
@@ -140,7 +140,7 @@ def test_checkpointing_option_and_its_old_spelling(tmp_path):
 
 def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
     import mmap
-    from llamatune.memory import resident_bytes, touch
+    from llamatune.train.memory import resident_bytes, touch
     region = mmap.mmap(-1, 64 << 20)                         # fresh zero pages: not resident until written
     a = np.frombuffer(region, np.uint8)
     before, _ = resident_bytes()
@@ -162,7 +162,7 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab):
     from numba.core.registry import CPUDispatcher
     from conftest import write_tiny_model
     from llamatune.backend import cpu
-    from llamatune.memory import compile_kernels
+    from llamatune.train.memory import compile_kernels
     m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0))
     backend = cpu()
     compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config)

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatune import checkpoint as ckpt
-from llamatune import distributed
+from llamatune.train import checkpoint as ckpt
+from llamatune.train import distributed
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile
+from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions
 
 from conftest import TEXT
@@ -216,9 +216,9 @@ def test_a_hung_rank_ends_the_job_after_mpi_timeout(tmp_path, tiny_model, launch
 def test_grad_acc_sums_separately_computed_micro_batch_gradients(tmp_path, tiny_model):
     """One process with --grad-acc 2: the step's gradient is g0 + g1 of the two micro-batches,
     each computed from zero (the order K ranks reproduce), not one buffer accumulated across both."""
-    from llamatune.finetune import build_job
-    from llamatune.graph import Graph
-    from llamatune.data import Batcher
+    from llamatune.commands.finetune import build_job
+    from llamatune.train.graph import Graph
+    from llamatune.train.data import Batcher
     (tmp_path / "t.txt").write_text(TEXT)
     o = FinetuneOptions(model_base=tiny_model, train_data=tmp_path / "t.txt", ctx=16, batch=2, lora_r=2,
                         rank_out=2, rank_att_norm=1, grad_acc=2)
@@ -243,7 +243,7 @@ def test_grad_acc_sums_separately_computed_micro_batch_gradients(tmp_path, tiny_
 
 
 def test_resume_freezes_the_global_batch_not_grad_acc(tmp_path):
-    from llamatune.params import ParamBuffer, ParamSpec
+    from llamatune.train.params import ParamBuffer, ParamSpec
     params = ParamBuffer([ParamSpec("w", (2, 3))])
     path = tmp_path / "chk.gguf"
     ckpt.save(path, ckpt.KIND_LORA, "llama", FinetuneOptions(grad_acc=1), params, ckpt.TrainState(ranks=2), [])
@@ -286,7 +286,7 @@ def test_mpi_options_are_validated():
 
 def test_parameters_that_drift_apart_stop_training(tmp_path):
     """The comparisons, with a stand-in communicator whose rank 1 holds other parameters or options."""
-    from llamatune.params import ParamBuffer, ParamSpec
+    from llamatune.train.params import ParamBuffer, ParamSpec
 
     class Drifted:
         def allgather(self, value):

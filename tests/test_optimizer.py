@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from llamatune.errors import LlamatuneError
-from llamatune.optimizer import cosine_decay_restart, learning_rate, schedule
+from llamatune.train.optimizer import cosine_decay_restart, learning_rate, schedule
 from llamatune.options import FinetuneOptions
 
 from test_finetune import options
@@ -30,15 +30,15 @@ def test_cosine_restarts_grow():
 
 
 def test_sgd_trains(tmp_path, tiny_model):
-    from llamatune.finetune import finetune
+    from llamatune.commands.finetune import finetune
     res = finetune(options(tmp_path, tiny_model, optimizer="sgd", adam_iter=10, adam_alpha=0.5, lora_dropout=0.0,
                            rank_out=0, rank_att_norm=0), quiet=True)
     assert np.mean(res.losses[-3:]) < res.losses[0]
 
 
 def test_memory_estimate_refuses_what_does_not_fit(tmp_path, tiny_model, monkeypatch):
-    import llamatune.trainer as trainer
-    from llamatune.finetune import finetune
+    import llamatune.train.trainer as trainer
+    from llamatune.commands.finetune import finetune
     monkeypatch.setattr(trainer, "available_memory", lambda: 1000)
     with pytest.raises(LlamatuneError, match=r"training needs about .* GiB but only 0.00 GiB is available"):
         finetune(options(tmp_path, tiny_model), quiet=True)

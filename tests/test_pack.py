@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llamatune.graph import DenseWeights, FrozenBase, Graph
-from llamatune.lora import init_lora, lora_specs, lora_targets
-from llamatune.model import Model
-from llamatune.modelfile import random_weights, tensor_names
-from llamatune.params import ParamBuffer, ParamSpec
+from llamatune.train.graph import DenseWeights, FrozenBase, Graph
+from llamatune.train.lora import init_lora, lora_specs, lora_targets
+from llamatune.models.model import Model
+from llamatune.models.modelfile import random_weights, tensor_names
+from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import tiny_config, write_tiny_model
 

@@ -13,9 +13,9 @@ LLAMA_CPP_PPL = {"tiny-Q8_0.gguf": 79.4875, "tiny-Q4_K_M.gguf": 79.5978, "tiny-Q
 
 @pytest.mark.parametrize("name", sorted(LLAMA_CPP_PPL))
 def test_perplexity_matches_llama_cpp(name):
-    from llamatune.infer import Runner
-    from llamatune.model import Model
-    from llamatune.perplexity import perplexity
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
+    from llamatune.commands.perplexity import perplexity
     model = Model(need(MODELS / name))
     text = need(DATA / "shakespeare-eval.txt").read_text(encoding="utf-8")
     res = perplexity(Runner(model), text, 256, 4096)

@@ -19,11 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatune import checkpoint as ckpt
+from llamatune.train import checkpoint as ckpt
 from llamatune.errors import LlamatuneError
-from llamatune.finetune import finetune
-from llamatune.gguf_io import GGUFFile
-from llamatune.guard import Guard
+from llamatune.commands.finetune import finetune
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.train.guard import Guard
 from llamatune.options import FinetuneOptions
 from llamatune.outputs import Out, check_paths
 
@@ -273,9 +273,9 @@ def test_numbers_out_of_range(work, args, match, process):
 def test_generate_n_minus_one_runs_until_eos_or_full_context(tiny_model):
     p = cli("generate", "-m", tiny_model, "-p", "First", "-n", "-1", "--temp", "0", "-c", "24")
     assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
-    from llamatune.generate import generate
-    from llamatune.infer import Runner
-    from llamatune.model import Model
+    from llamatune.commands.generate import generate
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
     runner = Runner(Model(tiny_model))
     ids = list(generate(runner, "First", -1, temp=0, n_ctx=24, stop_at_eos=False))
     assert len(ids) == 24 - len(runner.model.tokenizer.encode("First", add_special=True))
@@ -323,7 +323,7 @@ def test_huge_learning_rate_leaves_no_diverged_latest_and_a_sane_one_resumes(wor
 
 def poisoned_step(monkeypatch, bad_steps: dict[int, float]):
     """Graph.step returns `value` at the given 0-based optimizer steps (a corrupted batch)."""
-    from llamatune.graph import Graph
+    from llamatune.train.graph import Graph
     real = Graph.step
 
     def step(self, inputs, targets, weights, key=(0,), **kw):
@@ -369,7 +369,7 @@ def test_save_waits_for_a_healthy_step_and_resumes_exactly(work, monkeypatch):
 def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypatch):
     """No later step verifies the last update, so the loss of its batches is recomputed
     (the 4th forward of a 3-step run): when that is not sane, LATEST stays at iteration 2."""
-    from llamatune.graph import Graph
+    from llamatune.train.graph import Graph
     real, calls = Graph.step, []
 
     def step(self, *args, **kw):

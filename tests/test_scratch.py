@@ -7,10 +7,10 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile
-from llamatune.model import Model
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.model import Model
 from llamatune.options import ScratchOptions
-from llamatune.scratch import llama_ff, train_from_scratch
+from llamatune.commands.scratch import llama_ff, train_from_scratch
 
 from conftest import TEXT
 
@@ -31,8 +31,8 @@ def test_trained_vocabulary_model_loads_and_scores(tmp_path):
     assert (m.config.n_embd, m.config.n_layer, m.config.n_vocab) == (32, 1, 300)
     ids = m.tokenizer.encode("First Citizen:", add_special=False)
     assert m.tokenizer.decode(ids) == "First Citizen:"
-    from llamatune.infer import Runner
-    from llamatune.perplexity import perplexity
+    from llamatune.models.infer import Runner
+    from llamatune.commands.perplexity import perplexity
     assert np.isfinite(perplexity(Runner(m), TEXT, 16, 64).ppl)
 
 

@@ -11,8 +11,8 @@ import gguf
 import pytest
 
 from llamatune.errors import LlamatuneError
-from llamatune.gguf_io import GGUFFile
-from llamatune.tokenizer import Tokenizer
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.tokenizer import Tokenizer
 
 VOCAB_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
 SEP = "\n__ggml_vocab_test__\n"

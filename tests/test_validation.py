@@ -12,22 +12,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatune import checkpoint as ckpt
-from llamatune.adapter import load_runtime_adapters
-from llamatune.data import Samples, load_samples
+from llamatune.train import checkpoint as ckpt
+from llamatune.formats.adapter import load_runtime_adapters
+from llamatune.train.data import Samples, load_samples
 from llamatune.errors import LlamatuneError
-from llamatune.finetune import finetune
-from llamatune.gguf_io import GGUFFile
-from llamatune.graph import FrozenBase, Graph
-from llamatune.infer import Runner
+from llamatune.commands.finetune import finetune
+from llamatune.formats.gguf_io import GGUFFile
+from llamatune.train.graph import FrozenBase, Graph
+from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
-from llamatune.lora import init_lora, lora_specs, lora_targets
-from llamatune.metrics import MetricsLog
-from llamatune.model import Model
+from llamatune.train.lora import init_lora, lora_specs, lora_targets
+from llamatune.train.metrics import MetricsLog
+from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
-from llamatune.params import ParamBuffer, ParamSpec
-from llamatune.plot import read_metrics, smoothed
-from llamatune.validation import ValidationState, eval_pieces, split_samples
+from llamatune.train.params import ParamBuffer, ParamSpec
+from llamatune.train.plot import read_metrics, smoothed
+from llamatune.train.validation import ValidationState, eval_pieces, split_samples
 
 from conftest import TEXT
 
@@ -308,7 +308,7 @@ def test_bad_metrics_files(tmp_path, content, match):
 
 
 def test_plot_errors(tmp_path, monkeypatch):
-    from llamatune.plot import plot_metrics
+    from llamatune.train.plot import plot_metrics
     with pytest.raises(LlamatuneError, match=r"nope.jsonl: metrics file not found"):
         plot_metrics(tmp_path / "nope.jsonl", tmp_path / "x.png")
     (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
@@ -328,7 +328,7 @@ def test_training_without_matplotlib_gives_one_notice(tmp_path, tiny_model, monk
 
 def test_end_of_training_line_shows_the_validation_loss(capsys):
     from llamatune.cli.main import _report
-    from llamatune.trainer import TrainResult
+    from llamatune.train.trainer import TrainResult
     state = ckpt.TrainState(iteration=6, validation=ValidationState(2.5, 3, 1, 2.75, 6, 0))
     _report("finetune", TrainResult(state, [3.0, 2.0], [], 1.0, 10.0))
     assert "validation loss 2.7500 at step 6, best 2.5000 at step 3" in capsys.readouterr().out
@@ -350,7 +350,7 @@ def test_progress_line_shows_the_validation_loss():
 
 
 def test_train_from_scratch_keeps_the_best_model(tmp_path, tiny_model):
-    from llamatune.scratch import train_from_scratch
+    from llamatune.commands.scratch import train_from_scratch
     (tmp_path / "t.txt").write_text(TEXT)
     res = train_from_scratch(ScratchOptions(train_data=tmp_path / "t.txt", vocab_model=tiny_model, embd=16, head=2,
                                             layer=1, ctx=16, batch=2, adam_iter=3, save_every=1, plot=False,
@@ -410,7 +410,7 @@ def test_validation_and_metrics_files_are_checked_before_training(tmp_path, tiny
 
 
 def test_corrupt_validation_state_in_a_checkpoint(tmp_path, tiny_model):
-    from llamatune.gguf_io import kv
+    from llamatune.formats.gguf_io import kv
     finetune(options(tmp_path, tiny_model, adam_iter=1), quiet=True)
     c = ckpt.load(tmp_path / "chk-LATEST.gguf")
     c.state.validation = None

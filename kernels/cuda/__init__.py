@@ -1,9 +1,10 @@
 """CUDA kernels (numba.cuda) for every op of the CPU path: dequantization,
-rmsnorm, rope, swiglu, attention, cross-entropy and the optimizer updates.
+rmsnorm, rope, swiglu, geglu, softcap, attention, cross-entropy and the optimizer
+updates.
 
 One module per op family, named as its CPU twin in ``llamatune.kernels``:
-``dequant``, ``rmsnorm``, ``rope``, ``swiglu``, ``attention``, ``cross_entropy``,
-``optim``. Each takes float32 device arrays (numba DeviceNDArray, CuPy arrays or
+``dequant``, ``rmsnorm``, ``rope``, ``swiglu``, ``geglu``, ``softcap``,
+``attention``, ``cross_entropy``, ``optim``. Each takes float32 device arrays (numba DeviceNDArray, CuPy arrays or
 anything exporting ``__cuda_array_interface__``; numpy host arrays are refused),
 never allocates, and is checked against the numpy references of its CPU twin.
 
@@ -23,7 +24,8 @@ import importlib
 import os
 import sys
 
-_MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "attention", "cross_entropy", "optim")
+_MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "geglu", "softcap", "attention",
+            "cross_entropy", "optim")
 
 __all__ = [*_MODULES, "is_available", "simulator_enabled"]
 

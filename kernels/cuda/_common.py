@@ -151,6 +151,15 @@ def check(op: str, name: str, a, shape, dtype, contiguous: bool = True) -> None:
                          f"shape {tuple(shape)}, got {describe(a)}")
 
 
+def check_gate(op: str, arrays: dict) -> tuple:
+    """The operands of an elementwise gate (swiglu, geglu): arrays["g"] a 2-D float32
+    device array, every array (name -> array) C-contiguous of its shape; returns it."""
+    shape = check_ndim(op, "g", arrays["g"], 2, np.float32)
+    for name, a in arrays.items():
+        check(op, name, a, shape, np.float32)
+    return shape
+
+
 def check_ndim(op: str, name: str, a, ndim: int, dtype) -> tuple:
     """Check a's kind, rank and dtype; return its shape."""
     if not (is_device_array(a) and len(a.shape) == ndim and np.dtype(a.dtype) == np.dtype(dtype)):

@@ -2,9 +2,16 @@
 the flash-attention way (float32; CPU twin and numpy references:
 ``llamatune.kernels.attention``).
 
-    out_i = sum_j P_ij v_j,  P_ij = softmax_j(q_i . k_j * scale),  scale = 1/sqrt(HS)
+    out_i = sum_j P_ij v_j,  P_ij = softmax_j(s_ij),  s_ij = q_i . k_j * scale
 
-over keys j <= n_past + i; query head h reads kv head h // (NH // NKV). Packed rows
+over keys j <= n_past + i; query head h reads kv head h // (NH // NKV). The options
+of the CPU twin (see its docstring) are here too: `scale` (None: 1/sqrt(HS)),
+`softcap` > 0 (s_ij = softcap * tanh(q_i . k_j * scale / softcap), and dS times
+scale * (1 - tanh^2) in the backward) and `window` > 0 (sliding window: also
+n_past + i - j < window; the forward and dq kernels start at the first key tile
+the window reaches, the dk/dv kernel stops at the last query tile that reaches its
+keys). They are runtime arguments: the default path runs the same arithmetic as
+before they existed. Packed rows
 (training): with `segments` (B, T) int32 sample ids, whose runs must be contiguous
 (the CPU twin's `segment_starts` checks that on the host), query i sees the keys
 [start_i, i], start_i the first token of its sample; a token always sees itself,
@@ -49,6 +56,7 @@ import numpy as np
 
 from numba import int32
 
+from ..attention import attention_options
 from ._common import cdiv, check, check_ndim, cuda, float32
 
 NTHREADS = 128
@@ -96,8 +104,9 @@ def _forward_kernel(HS: int, BR: int, BC: int):
     NEG_INF = -math.inf
 
     @cuda.jit
-    def kernel(out, lse, q, k, v, seg, n_past, scale):
-        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32
+    def kernel(out, lse, q, k, v, seg, n_past, scale, cap, kcap, window):
+        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32;
+        # cap > 0: soft-capped scores (kcap = scale / cap); window > 0: sliding window
         T, NH = q.shape[1], q.shape[2]
         S, NKV = k.shape[1], k.shape[2]
         G = NH // NKV
@@ -123,6 +132,8 @@ def _forward_kernel(HS: int, BR: int, BC: int):
                 _tile_starts(sst, seg, b, i0, T, BR, -1)
             cuda.syncthreads()
             jlo = (sst[0] // BC) * BC
+        if window > 0:  # the first row's window starts at n_past + i0 - window + 1
+            jlo = max(jlo, (max(n_past + i0 - window + 1, 0) // BC) * BC)
         for e in range(tid, BR * HS, nt):
             r = e // HS
             d = e % HS
@@ -151,13 +162,18 @@ def _forward_kernel(HS: int, BR: int, BC: int):
                 i = i0 + r
                 j = j0 + c
                 visible = i < T and j <= n_past + i
+                if window > 0:
+                    visible = visible and n_past + i - j < window
                 if seg is not None:
                     visible = visible and j >= sst[r]
                 if visible:
                     acc = float32(0.0)
                     for d in range(HS):
                         acc += sq[r, d] * sk[c, d]
-                    ss[r, c] = acc * scale
+                    if cap > 0:
+                        ss[r, c] = cap * float32(math.tanh(acc * kcap))
+                    else:
+                        ss[r, c] = acc * scale
                 else:
                     ss[r, c] = NEG_INF
             cuda.syncthreads()
@@ -263,15 +279,18 @@ def _tile_starts(sst, seg, b, i0, T, BR, prev):
 
 @cuda.jit(device=True)
 def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC, scale,
-                  tid, nt):
-    """sp = P, sds = dS = P * (dout.v - D) * scale on the (BR, BC) tile (0 where masked;
-    with seg, keys before sst[r] are masked too)."""
+                  cap, kcap, window, tid, nt):
+    """sp = P, sds = dS = P * (dout.v - D) * ds/d(q.k) on the (BR, BC) tile (0 where
+    masked; with seg, keys before sst[r] are masked too, with a window the keys
+    i - j >= window); ds/d(q.k) = scale, or scale * (1 - t^2) when soft-capped."""
     for e in range(tid, BR * BC, nt):
         r = e // BC
         c = e % BC
         i = i0 + r
         j = j0 + c
         visible = i < T and j <= i
+        if window > 0:
+            visible = visible and i - j < window
         if seg is not None:
             visible = visible and j >= sst[r]
         if visible:
@@ -280,9 +299,15 @@ def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, 
             for d in range(HS):
                 s += sq[r, d] * sk[c, d]
                 dp += sdo[r, d] * sv[c, d]
-            p = float32(math.exp(s * scale - slse[r]))
-            sp[r, c] = p
-            sds[r, c] = p * (dp - sdd[r]) * scale
+            if cap > 0:
+                t = float32(math.tanh(s * kcap))
+                p = float32(math.exp(cap * t - slse[r]))
+                sp[r, c] = p
+                sds[r, c] = p * (dp - sdd[r]) * (scale - scale * t * t)
+            else:
+                p = float32(math.exp(s * scale - slse[r]))
+                sp[r, c] = p
+                sds[r, c] = p * (dp - sdd[r]) * scale
         else:
             sp[r, c] = 0.0
             sds[r, c] = 0.0
@@ -293,7 +318,7 @@ def _dq_kernel(HS: int, BR: int, BC: int):
     HP = HS + 1
 
     @cuda.jit
-    def kernel(dq, dout, q, k, v, out, lse, seg, scale):
+    def kernel(dq, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
         # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32
         T, NH = q.shape[1], q.shape[2]
         G = NH // k.shape[2]
@@ -323,13 +348,15 @@ def _dq_kernel(HS: int, BR: int, BC: int):
                 _tile_starts(sst, seg, b, i0, T, BR, -1)
             cuda.syncthreads()
             jlo = (sst[0] // BC) * BC
+        if window > 0:
+            jlo = max(jlo, (max(i0 - window + 1, 0) // BC) * BC)
         n_keys = min(i0 + BR, T)
         for j0 in range(jlo, n_keys, BC):
             cuda.syncthreads()
             _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
             cuda.syncthreads()
             _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC,
-                          scale, tid, nt)
+                          scale, cap, kcap, window, tid, nt)
             cuda.syncthreads()
             for e in range(tid, BR * HS, nt):
                 r = e // HS
@@ -353,7 +380,7 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
     HP = HS + 1
 
     @cuda.jit
-    def kernel(dk, dv, dout, q, k, v, out, lse, seg, scale):
+    def kernel(dk, dv, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
         # grid (ceil(T / BC), B * NKV), block NTHREADS; seg None or (B, T) int32
         T, NH = q.shape[1], q.shape[2]
         NKV = k.shape[2]
@@ -380,9 +407,12 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
             sdk[e // HS, e % HS] = 0.0
             sdv[e // HS, e % HS] = 0.0
         first = (j0 // BR) * BR  # first query tile with a row i >= j0
+        i_end = T  # past the last row that sees a key of this tile
+        if window > 0:  # row i sees key j0 + BC - 1 while i - (j0 + BC - 1) < window
+            i_end = min(T, j0 + BC - 1 + window)
         for g in range(G):
             h = kvh * G + g
-            for i0 in range(first, T, BR):
+            for i0 in range(first, i_end, BR):
                 cuda.syncthreads()
                 if seg is not None:
                     if tid == 0:  # sst[BR - 1] is row i0 - 1's start after the first tile
@@ -393,7 +423,7 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
                 _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
                 cuda.syncthreads()
                 _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR,
-                              BC, scale, tid, nt)
+                              BC, scale, cap, kcap, window, tid, nt)
                 cuda.syncthreads()
                 for e in range(tid, BC * HS, nt):
                     c = e // HS
@@ -443,14 +473,16 @@ def _check_segments(segments, B, T, n_past):
     check("attention", "segments", segments, (B, T), np.int32)
 
 
-def attention_forward(out, lse, q, k, v, n_past, segments=None, *, block_q=None, block_k=None,
-                      threads=None) -> None:
+def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
+                      window=0, block_q=None, block_k=None, threads=None) -> None:
     """Causal GQA attention for T new queries after n_past cached positions.
 
     out (B, T, NH, HS); lse (B, NH, T) saved log-sum-exp; q (B, T, NH, HS);
     k, v (B, S, NKV, HS) with S = n_past + T (may be [:, :S] slices of a cache:
     any strides). float32 device arrays. segments: None, or (B, T) int32 sample
     ids of packed rows (n_past = 0; contiguous runs, see the module docstring).
+    scale (None: 1/sqrt(HS)), softcap (> 0: tanh soft-capping of the scores) and
+    window (> 0: sliding-window mask) as in the CPU twin.
     block_q / block_k / threads override the tile sizes and the block size
     (tests: small tiles exercise the tile loops on tiny shapes)."""
     if n_past < 0:
@@ -460,22 +492,25 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, block_q=None,
     check("attention", "out", out, (B, T, NH, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
     _check_segments(segments, B, T, n_past)
+    scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
     (BR, BC), _ = _tiles(HS, block_q, block_k)
     kernel = _forward_kernel(HS, BR, BC)
     kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, segments,
-                                                       np.int64(n_past),
-                                                       np.float32(1.0 / math.sqrt(HS)))
+                                                       np.int64(n_past), scale, cap, kcap,
+                                                       np.int64(window))
 
 
-def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, block_q=None,
-                       block_k=None, threads=None) -> None:
+def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
+                       softcap=0.0, window=0, block_q=None, block_k=None,
+                       threads=None) -> None:
     """Gradients of causal GQA attention for training (n_past = 0, S = T), overwritten.
 
     dq (B, T, NH, HS); dk, dv (B, T, NKV, HS) summed over each kv head's query
     heads; dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T);
-    all C-contiguous float32 device arrays; segments as in attention_forward.
+    all C-contiguous float32 device arrays; segments, scale, softcap and window as
+    in attention_forward.
     Overrides as attention_forward."""
     T = q.shape[1] if len(getattr(q, "shape", ())) == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, T)
@@ -485,12 +520,13 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, bl
     check("attention", "dv", dv, (B, T, NKV, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
     _check_segments(segments, B, T, 0)
+    scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
     (BR, BC), (BR2, BC2) = _tiles(HS, block_q, block_k)
-    scale = np.float32(1.0 / math.sqrt(HS))
     nt = threads or NTHREADS
+    opts = (scale, cap, kcap, np.int64(window))
     _dq_kernel(HS, BR, BC)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, segments,
-                                                      scale)
+                                                      *opts)
     _dkdv_kernel(HS, BR2, BC2)[(cdiv(T, BC2), B * NKV), nt](dk, dv, dout, q, k, v, out,
-                                                            lse, segments, scale)
+                                                            lse, segments, *opts)

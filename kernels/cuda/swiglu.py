@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from ._common import cdiv, check, check_ndim, cuda
+from ._common import cdiv, check_gate, cuda
 
 _THREADS = 256
 _ONE = np.float32(1.0)
@@ -51,22 +51,15 @@ def _swiglu_backward_kernel(dg, du, dout, g, u):
         du[n, f] = d * x * s
 
 
-def _check_all(**arrays):
-    shape = check_ndim("swiglu", "g", arrays["g"], 2, np.float32)
-    for name, a in arrays.items():
-        check("swiglu", name, a, shape, np.float32)
-    return shape
-
-
 def swiglu_forward(out, g, u) -> None:
     """out (N, F) = silu(g) * u; g, u (N, F); float32 device arrays."""
-    N, F = _check_all(out=out, g=g, u=u)
+    N, F = check_gate("swiglu", dict(out=out, g=g, u=u))
     if N * F:
         _swiglu_forward_kernel[cdiv(N * F, _THREADS), _THREADS](out, g, u)
 
 
 def swiglu_backward(dg, du, dout, g, u) -> None:
     """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F)."""
-    N, F = _check_all(dg=dg, du=du, dout=dout, g=g, u=u)
+    N, F = check_gate("swiglu", dict(dg=dg, du=du, dout=dout, g=g, u=u))
     if N * F:
         _swiglu_backward_kernel[cdiv(N * F, _THREADS), _THREADS](dg, du, dout, g, u)

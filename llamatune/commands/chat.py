@@ -1,0 +1,98 @@
+"""`llamatune chat`: talk to a model (optionally with LoRA adapters) through its chat template.
+
+Each turn renders the whole conversation with the template and its generation
+prompt (as llama.cpp's llama-cli / HF `apply_chat_template(add_generation_prompt=True)`),
+generates with the KV-cached path of generate.py, streams the answer and stops at
+any end-of-generation token (EOS, <|im_end|>, <|eot_id|>, <end_of_turn>, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..models.chat_template import ChatTemplate
+from ..models.infer import Runner
+from .generate import generate_ids
+
+
+@dataclass
+class Sampling:
+    n_predict: int = 256
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    seed: int = 0
+    n_ctx: int | None = None
+
+
+class Chat:
+    """A conversation with one model; `say` adds a user message and returns the answer."""
+
+    def __init__(self, runner: Runner, template: ChatTemplate, system: str | None = None,
+                 sampling: Sampling | None = None):
+        self.runner, self.template, self.sampling = runner, template, sampling or Sampling()
+        self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
+        tok = runner.model.tokenizer
+        self._stop = set(tok.eog_ids)
+
+    def say(self, text: str, write: Callable[[str], None] = lambda s: None) -> str:
+        self.messages.append({"role": "user", "content": text})
+        s = self.sampling
+        ids = self.template.prompt_tokens(self.messages)
+        answer = stream_ids(self.runner.model.tokenizer,
+                            generate_ids(self.runner, ids, s.n_predict, s.temp, s.top_k, s.top_p,
+                                         s.seed + len(self.messages), s.n_ctx, self._stop), write)
+        self.messages.append({"role": "assistant", "content": answer})
+        return answer
+
+
+def stream_ids(tok, token_ids, write: Callable[[str], None]) -> str:
+    """Write the decoded text of a token stream as it grows (waiting out partial UTF-8); return it."""
+    out: list[int] = []
+    shown = 0
+    text = ""
+    for t in token_ids:
+        out.append(t)
+        text = tok.decode(out)
+        if text.endswith("\ufffd"):
+            continue
+        write(text[shown:])
+        shown = len(text)
+    text = tok.decode(out)
+    if len(text) > shown:
+        write(text[shown:])
+    return text
+
+
+def run_chat(runner: Runner, template_override: str | None, prompt: str | None, system: str | None,
+             sampling: Sampling) -> None:
+    """One turn (`prompt`) or a read-answer loop on stdin until EOF or /exit."""
+    import sys
+
+    from ..errors import LlamatuneError
+    from ..models.chat_template import BUILTIN, load_template
+    tok = runner.model.tokenizer
+    template = load_template(tok, template_override, runner.model.path.name)
+    if template is None:
+        raise LlamatuneError(f"{runner.model.path.name}: the model has no chat template: pass --chat-template "
+                             f"with a file or one of {', '.join(BUILTIN)}")
+    chat = Chat(runner, template, system, sampling)
+
+    def write(s: str) -> None:
+        sys.stdout.write(s)
+        sys.stdout.flush()
+
+    if prompt is not None:
+        chat.say(prompt, write)
+        write("\n")
+        return
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            write("> ")
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        if line.strip():
+            chat.say(line.rstrip("\n"), write)
+            write("\n")

@@ -1,0 +1,197 @@
+"""Merge LoRA adapters into a GGUF model (`llamatune export-lora`).
+
+Mirrors llama.cpp's tools/export-lora (export-lora.cpp): every base weight W that
+an adapter touches becomes, in f32 and one tensor at a time,
+
+    W' = deq(W) + sum_i s_i · B_i A_i,    s_i = user_scale_i · alpha_i / r_i   (user_scale_i if alpha_i = 0)
+
+with A_i (r, n_in), B_i (n_out, r) in numpy order; tensors without adapters are
+copied byte for byte and every metadata key is kept with its type.
+
+Deliberate differences from llama.cpp:
+  - a merged tensor keeps its base type (a Q4_K weight is re-quantized to Q4_K);
+    llama.cpp writes merged quantized tensors as F16 and sets file_type F16.
+    `outtype` may instead name one type for every matrix (llama-quantize style);
+  - norm adapters (w (C,), A (r, C), B (1, r)) are merged: w' = w + s · (B A)[0]
+    (llama.cpp ignores them at run time and has no case for them here);
+  - token_embd uses llama.cpp's flipped run-time layout, A (V, r), B (C, r),
+    delta = s · A B^T (V, C); export-lora applies the plain formula to it;
+  - adapters may adapt different tensor sets (reported, not an error), and
+    quantized adapter tensors are dequantized rather than rejected;
+  - all problems of all adapters are collected into one error before anything is
+    written, and the output appears atomically (never half-written).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from ..console import notice
+from ..errors import LlamatuneError
+from ..formats.adapter import LoraAdapter, read_adapter
+from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
+from ..kernels import dequant
+from ..kernels.quantize import QUANTIZABLE, quantize
+from ..models.modelfile import FILE_TYPE, fit_type, parse_outtype
+from ..outputs import Out, check_paths
+
+TOKEN_EMBD = "token_embd.weight"
+
+# One adapter term for one weight: (A, B, s) as in the module docstring.
+Delta = tuple[np.ndarray, np.ndarray, float]
+
+
+@dataclass
+class ExportReport:
+    """What export_lora wrote."""
+    path: Path
+    merged: dict[str, str] = field(default_factory=dict)   # merged tensor name -> output type name
+    n_copied: int = 0        # tensors copied byte for byte
+    n_converted: int = 0     # tensors without adapters converted to an explicit outtype
+    notes: list[str] = field(default_factory=list)          # also printed as notices
+
+    @property
+    def n_merged(self) -> int:
+        return len(self.merged)
+
+
+def export_lora(model_base: str | Path, adapters: list[tuple[str | Path, float]], out: str | Path,
+                outtype: str = "same") -> ExportReport:
+    """Merge `adapters` [(path, user_scale)] into `model_base` and write `out`.
+    outtype "same" keeps each tensor's type; f32/f16/bf16/q8_0/.../q6_k converts
+    every matrix (1-D tensors stay F32). Raises LlamatuneError before writing."""
+    target = None if outtype.lower() == "same" else parse_outtype(outtype)
+    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters],
+                [Out("--output", Path(out))])
+    base = GGUFFile(model_base)
+    if base.get("general.type") == "adapter":
+        raise LlamatuneError(f"{base.path}: is a LoRA adapter, not a model (pass it with --lora)")
+    out = Path(out)
+    loaded = _load_adapters(base, adapters, out)
+    report = ExportReport(out, notes=_set_differences(loaded))
+
+    # Every adapter term per base weight, in the order the adapters were given.
+    deltas: dict[str, list[Delta]] = {}
+    for adapter, user_scale in loaded:
+        for name, (a, b) in adapter.pairs.items():
+            deltas.setdefault(name, []).append((a, b, adapter.scale(name, user_scale)))
+    if TOKEN_EMBD in deltas and "output.weight" not in base.tensors:
+        report.notes.append("the model ties output to token_embd: the merged token_embd adapter also changes "
+                            "the output projection (at run time llama.cpp applies it to the input only)")
+
+    tensors: list[TensorOut] = []
+    problems: list[str] = []
+    for t in base.tensors.values():
+        merge = deltas.get(t.name)
+        qtype = _out_type(t, target, merge is not None, report.notes)
+        if merge is None and (qtype == t.qtype or not _can_dequantize(t)):
+            if qtype != t.qtype:
+                report.notes.append(f"{t.name}: type {t.qtype.name} cannot be converted; copied unchanged")
+            tensors.append(TensorOut(t.name, t.shape, t.qtype, t.raw_rows))     # byte-for-byte copy
+            report.n_copied += 1
+            continue
+        if not _can_dequantize(t):
+            problems.append(f"{base.path}: tensor '{t.name}' has type {t.qtype.name}, which cannot be "
+                            "dequantized to merge an adapter into it")
+            continue
+        if merge is None:
+            report.n_converted += 1
+        else:
+            report.merged[t.name] = qtype.name
+        tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype)))
+    if problems:
+        raise LlamatuneError("cannot export: " + "; ".join(problems))
+    for note in report.notes:
+        notice(note)
+    write_gguf(out, base.arch, _metadata(base, target), tensors)
+    return report
+
+
+def _load_adapters(base: GGUFFile, adapters: list[tuple[str | Path, float]],
+                   out: Path) -> list[tuple[LoraAdapter, float]]:
+    """Read and validate every adapter against the base; one error lists all problems."""
+    if not adapters:
+        raise LlamatuneError("export-lora: no adapters given (use --lora or --lora-scaled)")
+    problems: list[str] = []
+    loaded = []
+    for path, user_scale in adapters:
+        if not math.isfinite(user_scale):
+            problems.append(f"{path}: scale {user_scale} is not a finite number")
+        try:
+            loaded.append((read_adapter(path, base), float(user_scale)))
+        except LlamatuneError as e:       # missing file, not an adapter, arch, names, shapes, halves
+            problems.append(str(e))
+    if problems:
+        numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+        raise LlamatuneError(f"export-lora: {len(problems)} problem(s), nothing written: {numbered}")
+    return loaded
+
+
+def _set_differences(loaded: list[tuple[LoraAdapter, float]]) -> list[str]:
+    """llama.cpp's export-lora requires one tensor set for all adapters; we merge each
+    adapter where it applies and only report the differences."""
+    sets = [set(adapter.pairs) for adapter, _ in loaded]
+    union = set().union(*sets)
+    notes = []
+    for (adapter, _), names in zip(loaded, sets):
+        missing = sorted(union - names)
+        if missing:
+            shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+            notes.append(f"{adapter.path.name} does not adapt {len(missing)} tensor(s) that other adapters "
+                         f"do ({shown}); merged where present (llama.cpp's export-lora would refuse)")
+    return notes
+
+
+def _out_type(t: Tensor, target: QType | None, merged: bool, notes: list[str]) -> QType:
+    """The type `t` is written in. "same" (target None) keeps the base type, falling
+    back to F16 (llama.cpp's choice) for a merged type we cannot re-quantize. An
+    explicit type applies to matrices; 1-D tensors stay F32 and a row length that is
+    not a multiple of the block size falls back as modelfile.encode_tensor does."""
+    if target is None:
+        if merged and t.qtype not in QUANTIZABLE:
+            notes.append(f"{t.name}: {t.qtype.name} cannot be re-quantized; the merged tensor is written as F16")
+            return QType.F16
+        return t.qtype
+    if len(t.shape) == 1:
+        return QType.F32
+    fitted = fit_type(t.n_cols, target)
+    if fitted != target:
+        notes.append(f"{t.name}: {t.n_cols} columns do not fit {target.name} blocks; writing {fitted.name}")
+    return fitted
+
+
+def _can_dequantize(t: Tensor) -> bool:
+    if t.qtype in dequant.NUMBA_TYPES:
+        return True
+    try:
+        dequant.dequantize(t.raw_rows()[:1], t.qtype, t.n_cols)
+        return True
+    except ValueError:
+        return False
+
+
+def _merge(t: Tensor, deltas: list[Delta], qtype: QType) -> np.ndarray:
+    """deq(W) + sum_i s_i · delta_i in f32 (rows, cols), encoded as `qtype`.
+    Called by the writer when it reaches `t`: one tensor is in memory at a time."""
+    w = dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols)       # fresh (rows, cols) f32; norms (1, C)
+    for a, b, s in deltas:
+        # token_embd: A (V, r), B (C, r) -> (V, C); others (incl. norms): B (n_out, r) @ A (r, n_in)
+        w += np.float32(s) * (a @ b.T if t.name == TOKEN_EMBD else b @ a)
+    return w if qtype == QType.F32 else quantize(w, qtype)
+
+
+def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:
+    """The base's KVs, exactly; general.file_type follows an explicit outtype."""
+    kvs = []
+    for item in base.kvs.values():
+        if item.key == "general.file_type" and target is not None:
+            item = item._replace(value=FILE_TYPE[target])
+        kvs.append(item)
+    if target is not None and "general.file_type" not in base.kvs:
+        kvs.append(kv("general.file_type", FILE_TYPE[target]))
+    return kvs

@@ -1,0 +1,305 @@
+"""Hugging Face PEFT LoRA adapters <-> llama.cpp GGUF adapters, without torch.
+
+A PEFT adapter is a directory with `adapter_config.json` and
+`adapter_model.safetensors`. Tensor names and layouts, against today's GGUF
+adapter (see adapter.py):
+
+  base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight   (r, n_in)   = blk.N.attn_q.weight.lora_a
+  base_model.model.model.layers.N.self_attn.q_proj.lora_B.weight   (n_out, r)  = blk.N.attn_q.weight.lora_b
+  k_proj/v_proj/o_proj -> attn_k/attn_v/attn_output; mlp.gate_proj/up_proj/down_proj -> ffn_gate/ffn_up/ffn_down;
+  lm_head -> output.weight;
+  base_model.model.model.embed_tokens.lora_embedding_A  (r, V)  -> token_embd.weight.lora_a = its transpose (V, r)
+  base_model.model.model.embed_tokens.lora_embedding_B  (C, r)  -> token_embd.weight.lora_b, unchanged
+
+Llama q/k rows: llama.cpp's convert_hf_to_gguf.py reorders the rows of q_proj
+and k_proj for its rope layout (`permute`, per head: HF row i and i + head_dim/2
+become GGUF rows 2i and 2i+1). An adapter's B rows follow the same reordering
+(A is untouched): `permute_rows` going to GGUF, `unpermute_rows` coming back.
+Qwen2 keeps the HF order.
+
+Scale: PEFT applies lora_alpha/r per module (`rank_pattern`/`alpha_pattern`
+override per module; `use_rslora` divides by sqrt(r)); a GGUF adapter has one
+alpha and uses alpha/r with each tensor's own rank. Ranks carry over as they
+are. When the modules' alphas differ, the GGUF alpha is the most common one
+and the B of every other module is rescaled so that scale·B·A is unchanged
+(exact for inference; the description lists them). Norm adapters (which PEFT
+cannot hold, and llama.cpp skips at run time) are left out of PEFT output.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import LlamatuneError
+from .adapter import LoraAdapter, is_norm
+
+PREFIX = "base_model.model."
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj"}
+_LAYER_BACK = {v: k for k, v in _LAYER.items()}
+_SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
+_NP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+Heads = tuple[int, int]      # (n_head, n_head_kv) of the base model, for the llama q/k row order
+
+
+# --------------------------------------------------------------------------- names and row order
+
+def hf_module(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj` (None when PEFT has no such module)."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens"
+    if gguf_name == "output.weight":
+        return "lm_head"
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
+    if m and m.group(2) in _LAYER:
+        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    return None
+
+
+def gguf_weight(module: str) -> str | None:
+    """The inverse of `hf_module`."""
+    if module == "model.embed_tokens":
+        return "token_embd.weight"
+    if module == "lm_head":
+        return "output.weight"
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.\w+)", module)
+    if m and m.group(2) in _LAYER_BACK:
+        return f"blk.{m.group(1)}.{_LAYER_BACK[m.group(2)]}.weight"
+    return None
+
+
+def _qk_heads(name: str, arch: str, heads: Heads | None) -> int | None:
+    """Head count whose row order must change for this weight, or None."""
+    if arch != "llama" or not name.endswith((".attn_q.weight", ".attn_k.weight")):
+        return None
+    if heads is None:
+        raise LlamatuneError("--model-base is required: llama attn_q/attn_k adapters need the base model's head "
+                             "counts to convert between the Hugging Face and GGUF row orders")
+    return heads[0] if name.endswith(".attn_q.weight") else heads[1]
+
+
+def _check_rows(w: np.ndarray, n_head: int, name: str) -> None:
+    if w.shape[0] % (2 * n_head):
+        raise LlamatuneError(f"{name}: {w.shape[0]} rows cannot be split into {n_head} heads of even size "
+                             "(does --model-base match this adapter?)")
+
+
+def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF -> GGUF row order of q/k (llama.cpp convert_hf_to_gguf.py `permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF -> HF row order of q/k: the inverse of `permute_rows`."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --------------------------------------------------------------------------- safetensors
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """All tensors of a .safetensors file as float32 (F64/F32/F16/BF16; numpy has no bfloat16,
+    so the file is parsed here rather than with safetensors.numpy)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 or n > len(raw) - 8:
+        raise LlamatuneError(f"{path}: not a safetensors file (header of {n} bytes in a file of {len(raw)})")
+    try:
+        header = json.loads(raw[8:8 + n])
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise LlamatuneError(f"{path}: not a safetensors file ({str(e)[:100]})") from None
+    if not isinstance(header, dict):
+        raise LlamatuneError(f"{path}: not a safetensors file (the header is not a JSON object)")
+    base = 8 + n
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, lo, hi = _entry(path, name, info, len(raw) - base)
+        buf = raw[base + lo:base + hi]
+        itemsize = 2 if dtype == "BF16" else np.dtype(_NP_DTYPES.get(dtype, np.uint8)).itemsize
+        if len(buf) != math.prod(shape) * itemsize:
+            raise LlamatuneError(f"{path}: tensor '{name}' data does not match its shape {shape} (truncated file?)")
+        if dtype == "BF16":
+            arr = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
+        elif dtype in _NP_DTYPES:
+            arr = np.frombuffer(buf, np.dtype(_NP_DTYPES[dtype]).newbyteorder("<")).astype(np.float32)
+        else:
+            raise LlamatuneError(f"{path}: tensor '{name}' has dtype {dtype}; only F32, F16, BF16 and F64 "
+                                 "are supported")
+        if not np.isfinite(arr).all():
+            raise LlamatuneError(f"{path}: tensor '{name}' holds non-finite values (inf or nan)")
+        out[name] = arr.reshape(shape)
+    return out
+
+
+def _entry(path: Path, name: str, info, n_data: int) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, lo, hi) of one safetensors header entry, checked against the data size."""
+    ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str) and isinstance(info.get("shape"), list)
+          and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in info["shape"])
+          and isinstance(info.get("data_offsets"), list) and len(info["data_offsets"]) == 2
+          and all(isinstance(o, int) and not isinstance(o, bool) for o in info["data_offsets"]))
+    if not ok or not name.isprintable():
+        raise LlamatuneError(f"{path}: tensor {name[:80]!r} has a malformed header entry {str(info)[:80]}")
+    lo, hi = info["data_offsets"]
+    if not 0 <= lo <= hi <= n_data:
+        raise LlamatuneError(f"{path}: tensor '{name}' data offsets [{lo}, {hi}] are outside the {n_data} data bytes")
+    return info["dtype"], tuple(info["shape"]), lo, hi
+
+
+# --------------------------------------------------------------------------- PEFT -> GGUF
+
+def _pattern_value(pattern: dict, module: str, default):
+    """PEFT's rank_pattern/alpha_pattern lookup: a key matches a module name or its dotted suffix."""
+    for key, value in (pattern or {}).items():
+        try:
+            hit = re.fullmatch(rf"(?:.*\.)?(?:{key})", module)
+        except re.error:
+            hit = module == key or module.endswith("." + key)
+        if hit:
+            return value
+    return default
+
+
+def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
+    """A PEFT LoRA directory as a GGUF-layout adapter for `arch`. Returns (adapter, notes, base model name)."""
+    try:
+        cfg = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise LlamatuneError(f"{path}: cannot read adapter_config.json ({e})") from None
+    where = f"{path}: PEFT adapter"
+    if not isinstance(cfg, dict):
+        raise LlamatuneError(f"{path}: adapter_config.json is not a JSON object")
+    for key in ("lora_alpha", "r"):
+        if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], (int, float))
+                           or not math.isfinite(cfg[key])):
+            raise LlamatuneError(f"{path}: adapter_config.json '{key}' is {str(cfg[key])[:40]!r}, expected a number")
+    for key in ("alpha_pattern", "rank_pattern"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise LlamatuneError(f"{path}: adapter_config.json '{key}' is not a JSON object")
+    if str(cfg.get("peft_type", "")).upper() != "LORA":
+        raise LlamatuneError(f"{where} has peft_type {cfg.get('peft_type')!r}; only LORA adapters can be converted")
+    for flag, why in (("use_dora", "DoRA magnitude vectors"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts")):
+        if cfg.get(flag):
+            raise LlamatuneError(f"{where} uses {flag}: {why} have no GGUF adapter equivalent")
+    lora_alpha = float(cfg.get("lora_alpha", 8))            # PEFT LoraConfig default
+    rslora = bool(cfg.get("use_rslora"))
+    tensors = read_safetensors(path / "adapter_model.safetensors")
+
+    halves: dict[str, dict[str, np.ndarray]] = {}
+    unknown = []
+    for key, arr in tensors.items():
+        name = key[len(PREFIX):] if key.startswith(PREFIX) else key
+        for suffix, half in _SUFFIXES.items():
+            if name.endswith(suffix):
+                halves.setdefault(name[:-len(suffix)], {})[half] = arr
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise LlamatuneError(f"{where} has tensors that are not LoRA A/B weights: {unknown[:4]} (full weights from "
+                             "modules_to_save, biases or DoRA vectors cannot go into a GGUF adapter)")
+    if not halves:
+        raise LlamatuneError(f"{where} holds no LoRA tensors")
+
+    pairs: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
+    for module, h in halves.items():
+        weight = gguf_weight(module)
+        if weight is None:
+            raise LlamatuneError(f"{where}: module '{module}' has no llama.cpp tensor (supported: q/k/v/o_proj, "
+                                 "gate/up/down_proj, embed_tokens, lm_head)")
+        if len(h) != 2:
+            raise LlamatuneError(f"{where}: module '{module}' has only lora_{next(iter(h))}")
+        a, b = h["A"], h["B"]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise LlamatuneError(f"{where}: module '{module}' has lora_A {a.shape} and lora_B {b.shape}, not a "
+                                 "rank-r pair")
+        r = a.shape[0]
+        alpha_m = _pattern_value(cfg.get("alpha_pattern"), module, lora_alpha)
+        if isinstance(alpha_m, bool) or not isinstance(alpha_m, (int, float)) or not math.isfinite(alpha_m):
+            raise LlamatuneError(f"{where}: alpha_pattern gives module '{module}' the alpha {str(alpha_m)[:40]!r}, "
+                                 "expected a number")
+        alpha_m = float(alpha_m)
+        # the alpha a GGUF adapter needs for this module's scale: alpha_m/r (rslora: alpha_m/sqrt(r)) == alpha/r
+        alpha_eq = alpha_m * math.sqrt(r) if rslora else alpha_m
+        if weight == "token_embd.weight":
+            a = a.T                                   # (V, r): llama.cpp's flipped embedding layout
+        else:
+            n_head = _qk_heads(weight, arch, heads)
+            if n_head:
+                _check_rows(b, n_head, module)
+                b = permute_rows(b, n_head)
+        pairs[weight] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32), alpha_eq)
+
+    alpha = Counter(p[2] for p in pairs.values()).most_common(1)[0][0]
+    if alpha == 0:
+        raise LlamatuneError(f"{where} has lora_alpha 0 (a zero scale): nothing to convert")
+    notes, rescaled = [], []
+    adapter = LoraAdapter(arch, alpha)
+    for weight, (a, b, alpha_eq) in pairs.items():
+        if alpha_eq != alpha:
+            b = (b * np.float32(alpha_eq / alpha)).astype(np.float32)
+            rescaled.append(weight)
+        adapter.pairs[weight] = (a, b)
+    if rescaled:
+        notes.append(f"{len(rescaled)} module(s) had their own alpha (alpha_pattern/use_rslora); their lora_b was "
+                     f"rescaled so that alpha {alpha:g}/r gives the same scale·B·A ({', '.join(rescaled[:3])}"
+                     f"{', ...' if len(rescaled) > 3 else ''})")
+    return adapter, notes, str(cfg.get("base_model_name_or_path") or "")
+
+
+# --------------------------------------------------------------------------- GGUF -> PEFT
+
+def peft_files(adapter: LoraAdapter, heads: Heads | None,
+               base_name: str = "") -> tuple[dict, dict[str, np.ndarray], list[str]]:
+    """(adapter_config, safetensors tensors, notes) for a GGUF-layout adapter."""
+    notes = []
+    norms = [n for n in adapter.pairs if is_norm(n)]
+    if norms:
+        notes.append(f"{len(norms)} norm adapter(s) left out: PEFT has no LoRA for norm weights "
+                     "(llama.cpp ignores them at run time as well)")
+    entries = []
+    for name, (a, b) in adapter.pairs.items():
+        if is_norm(name):
+            continue
+        module = hf_module(name)
+        if module is None:
+            raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT module")
+        entries.append((name, module, a, b, b.shape[-1]))
+    if not entries:
+        raise LlamatuneError("the adapter has no tensors PEFT can hold (only norm adapters)")
+
+    r = Counter(e[4] for e in entries).most_common(1)[0][0]
+    alpha = float(adapter.alpha) if adapter.alpha else float(r)
+    tensors: dict[str, np.ndarray] = {}
+    rank_pattern, alpha_pattern = {}, {}
+    for name, module, a, b, rank in entries:
+        if rank != r:
+            rank_pattern[module] = rank
+            if not adapter.alpha:              # alpha 0: llama.cpp scale is 1 for every tensor
+                alpha_pattern[module] = float(rank)
+        if name == "token_embd.weight":
+            tensors[f"{PREFIX}{module}.lora_embedding_A"] = np.ascontiguousarray(a.T, np.float32)
+            tensors[f"{PREFIX}{module}.lora_embedding_B"] = np.ascontiguousarray(b, np.float32)
+            continue
+        n_head = _qk_heads(name, adapter.arch, heads)
+        if n_head:
+            _check_rows(b, n_head, name)
+            b = unpermute_rows(b, n_head)
+        tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
+        tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
+
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name or None,
+        "r": int(r), "lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
+        "target_modules": sorted({e[1].rsplit(".", 1)[-1] for e in entries}),
+        "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
+    }
+    return config, tensors, notes

@@ -1,0 +1,166 @@
+"""Model hyperparameters: one frozen dataclass, built only from GGUF metadata.
+
+Mirrors llama.cpp's llm_load_hparams: the keys every llama-family model has are read
+here; what an architecture adds is read by its declaration (models/archs/<arch>.py,
+`Arch.read_hparams`). Derived values are properties; `__post_init__` validates.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ..errors import LlamatuneError
+from ..formats.gguf_io import check_float, check_int, describe
+from .arch import Arch, get_arch
+
+MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int          # context length the model was trained with
+    n_embd: int               # C
+    n_layer: int              # L
+    n_ff: int                 # F, SwiGLU hidden size
+    n_head: int               # NH
+    n_head_kv: int            # NKV (GQA: NH % NKV == 0)
+    head_dim: int             # HS
+    n_rot: int                # rotary dimensions per head (<= HS)
+    norm_eps: float
+    rope_freq_base: float = 10000.0
+    rope_freq_scale: float = 1.0   # 1/linear scaling factor, as llama.cpp stores it in cparams
+
+    def __post_init__(self):
+        # llama.cpp holds these as float32: round them the same way, once
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+            object.__setattr__(self, name, float(np.float32(getattr(self, name))))
+        get_arch(self.arch)
+        for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
+            if getattr(self, name) <= 0:
+                raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be positive")
+        if self.n_head % self.n_head_kv:
+            raise LlamatuneError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
+        if self.n_rot > self.head_dim or self.n_rot % 2:
+            raise LlamatuneError(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+            value = getattr(self, name)
+            if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
+                raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
+
+    @property
+    def n_embd_q(self) -> int:
+        return self.n_head * self.head_dim
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+    @property
+    def n_group(self) -> int:
+        return self.n_head // self.n_head_kv
+
+    @property
+    def spec(self) -> Arch:
+        """The architecture's declaration (models/archs/<arch>.py)."""
+        return get_arch(self.arch)
+
+    @property
+    def rope_mode(self) -> int:
+        return self.spec.rope_mode
+
+    @classmethod
+    def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
+        """Build from a GGUF metadata dict; `source` (the file name) prefixes every error."""
+        arch = md.get("general.architecture")
+        if arch is None:
+            raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
+        if not isinstance(arch, str):
+            raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
+                                 "expected a string")
+        try:
+            spec = get_arch(arch)
+        except LlamatuneError as e:
+            raise LlamatuneError(f"{source}: {e}") from None
+
+        def count(key: str, default: Any = None) -> int:
+            """A positive integer hyperparameter `{arch}.key` (llama.cpp holds them as int32)."""
+            full = f"{arch}.{key}"
+            if full not in md and default is None:
+                raise LlamatuneError(f"{source}: missing required metadata key '{full}'")
+            return check_int(md.get(full, default), 1, MAX_COUNT, f"{source}: metadata key '{full}'")
+
+        def number(key: str, default: Any = None) -> float:
+            full = f"{arch}.{key}"
+            if full not in md and default is None:
+                raise LlamatuneError(f"{source}: missing required metadata key '{full}'")
+            value = check_float(md.get(full, default), f"{source}: metadata key '{full}'")
+            if value <= 0:
+                raise LlamatuneError(f"{source}: metadata key '{full}' is {value}, expected a positive number")
+            return value
+
+        n_embd = count("embedding_length")
+        n_head = count("attention.head_count")
+        n_head_kv = count("attention.head_count_kv", n_head)
+        if f"{arch}.attention.key_length" not in md and n_embd % n_head:
+            raise LlamatuneError(f"{source}: embedding_length {n_embd} is not a multiple of head_count {n_head} "
+                                 f"(and there is no '{arch}.attention.key_length')")
+        head_dim = count("attention.key_length", n_embd // n_head)
+        if f"{arch}.vocab_size" in md:
+            n_vocab = count("vocab_size")
+        else:
+            tokens = md.get("tokenizer.ggml.tokens")
+            if tokens is None:
+                raise LlamatuneError(f"{source}: cannot tell the vocabulary size "
+                                     f"(no '{arch}.vocab_size' and no 'tokenizer.ggml.tokens')")
+            if not isinstance(tokens, list) or not tokens:
+                raise LlamatuneError(f"{source}: metadata key 'tokenizer.ggml.tokens' is {describe(tokens)}, "
+                                     "expected a non-empty list of strings")
+            n_vocab = len(tokens)
+        scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
+        if not isinstance(scaling_type, str):
+            raise LlamatuneError(f"{source}: metadata key '{arch}.rope.scaling.type' is {describe(scaling_type)}, "
+                                 "expected a string")
+        factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in md else "rope.scale_linear"
+        factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
+        if scaling_type not in ("none", "linear") and factor != 1.0:
+            raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
+                      n_layer=count("block_count"), n_ff=count("feed_forward_length"), n_head=n_head,
+                      n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
+                      norm_eps=number("attention.layer_norm_rms_epsilon"),
+                      rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
+        if spec.read_hparams is not None:
+            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, raw=lambda key, default=None:
+                                                        md.get(f"{arch}.{key}", default)))
+        try:
+            return cls(**values)
+        except LlamatuneError as e:
+            raise LlamatuneError(f"{source}: {e}") from None
+
+    def metadata(self) -> dict[str, Any]:
+        """The `{arch}.*` keys that describe this config (for writing models and checkpoints)."""
+        a = self.arch
+        md = {
+            f"{a}.vocab_size": self.n_vocab,
+            f"{a}.context_length": self.n_ctx_train,
+            f"{a}.embedding_length": self.n_embd,
+            f"{a}.block_count": self.n_layer,
+            f"{a}.feed_forward_length": self.n_ff,
+            f"{a}.attention.head_count": self.n_head,
+            f"{a}.attention.head_count_kv": self.n_head_kv,
+            f"{a}.attention.key_length": self.head_dim,
+            f"{a}.attention.value_length": self.head_dim,
+            f"{a}.rope.dimension_count": self.n_rot,
+            f"{a}.attention.layer_norm_rms_epsilon": float(self.norm_eps),
+            f"{a}.rope.freq_base": float(self.rope_freq_base),
+        }
+        if self.rope_freq_scale != 1.0:
+            md[f"{a}.rope.scaling.type"] = "linear"
+            md[f"{a}.rope.scaling.factor"] = float(1.0 / self.rope_freq_scale)
+        if self.spec.hparams_metadata is not None:
+            md |= self.spec.hparams_metadata(self)
+        return md

@@ -1,0 +1,159 @@
+"""A GGUF llama-family model: config, frozen base weights, tokenizer.
+
+The base weights stay exactly as stored in the GGUF file (quantized or not) and
+memory-mapped; `Dequantizer` expands one weight at a time into a reused f32
+scratch buffer right before its matmul, so the model is never held in f32.
+Norm weights and biases (small vectors) are read into f32 at load time.
+
+Tensor names follow llama.cpp (`token_embd`, `blk.N.attn_q`, ..., `output`); a
+weight `W` of `y = x W^T` is (n_out, n_in) in numpy order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from ..errors import LlamatuneError
+from ..formats.gguf_io import GGUFFile, Tensor
+from ..formats.tensors import check_finite, check_type
+from ..kernels import dequant
+from .arch import tensor_shape
+from .config import ModelConfig
+
+
+@dataclass
+class Layer:
+    norms: dict[str, np.ndarray]   # Arch.norms -> (n,) f32
+    mats: dict[str, Tensor]        # Arch.matrices -> frozen weight (n_out, n_in), as stored
+    biases: dict[str, np.ndarray]  # Arch.biases -> (n_out,) f32
+
+
+@dataclass
+class BaseWeights:
+    token_embd: Tensor           # (V, C) as stored
+    output: Tensor               # (V, C); the same tensor as token_embd when tied
+    output_norm: np.ndarray      # (C,) f32
+    layers: list[Layer]
+    rope_freqs: np.ndarray | None  # (n_rot/2,) f32 Llama-3.1 frequency factors, or None
+
+    def all_matrices(self):
+        """(name, Tensor) of every matrix that goes through a matmul, llama.cpp names."""
+        yield "token_embd.weight", self.token_embd
+        for i, layer in enumerate(self.layers):
+            for kind, t in layer.mats.items():
+                yield f"blk.{i}.{kind}.weight", t
+        yield "output.weight", self.output
+
+
+def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
+    t = f.tensor(name)
+    if t.shape != (n,):
+        raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected ({n},)")
+    check_type(f, t)
+    return dequant.dequantize(t.raw_rows(), t.qtype, n).reshape(n).astype(np.float32)
+
+
+def _matrix(f: GGUFFile, name: str, shape: tuple[int, int]) -> Tensor:
+    t = f.tensor(name)
+    if t.shape != shape:
+        raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected {shape}")
+    check_type(f, t)
+    return t
+
+
+def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
+    """Map every tensor the architecture declares, checking names and shapes against `cfg`."""
+    spec = cfg.spec
+    layers = []
+    for i in range(cfg.n_layer):
+        p = f"blk.{i}."
+        layers.append(Layer(
+            {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices},
+            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases}))
+    token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
+    output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if "output.weight" in f else token_embd
+    rope_freqs = _vector(f, "rope_freqs.weight", cfg.n_rot // 2) if "rope_freqs.weight" in f else None
+    return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers, rope_freqs)
+
+
+class Dequantizer:
+    """Expands frozen weights into one reused f32 scratch buffer.
+
+    The scratch holds the largest layer matrix. The embedding and the output head
+    (vocabulary x embedding, the largest tensors of most models) never exist in f32:
+    `block(t, lo, hi)` expands rows lo:hi of the head (`head_rows` at a time fit the
+    scratch) and `rows(t, ids, out)` only the embedding rows used. `get(t)` returns a
+    (n_rows, n_cols) view valid until the next call. F32 weights are returned as
+    their memory-mapped array, no copy."""
+
+    def __init__(self, weights: BaseWeights):
+        vocab = {id(weights.token_embd), id(weights.output)}
+        layer_max = max((t.n_rows * t.n_cols for _, t in weights.all_matrices() if id(t) not in vocab), default=0)
+        head = weights.output
+        self.head_rows = max(1, min(head.n_rows, layer_max // head.n_cols))   # rows of the head per block
+        self.size = max(layer_max, self.head_rows * head.n_cols)
+        self._buf: np.ndarray | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * 4
+
+    def get(self, t: Tensor) -> np.ndarray:
+        return self.block(t, 0, t.n_rows)
+
+    def block(self, t: Tensor, lo: int, hi: int) -> np.ndarray:
+        """Rows lo:hi of a weight as (hi - lo, n_cols) f32, valid until the next call."""
+        if t.qtype == QType.F32:
+            return t.data.reshape(t.n_rows, t.n_cols)[lo:hi]
+        if (hi - lo) * t.n_cols > self.size:
+            raise ValueError(f"{t.name}: rows {lo}:{hi} do not fit the dequantization scratch; expand it in blocks")
+        if self._buf is None:
+            self._buf = np.empty(self.size, np.float32)
+        out = self._buf[: (hi - lo) * t.n_cols].reshape(hi - lo, t.n_cols)
+        raw = t.raw_rows()[lo:hi]
+        if t.qtype in dequant.NUMBA_TYPES:
+            dequant.dequantize_into(raw, t.qtype, out)
+        else:
+            out[...] = dequant.dequantize(raw, t.qtype, t.n_cols)
+        return out
+
+    def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """out[i] = W[ids[i]]: embedding lookup that dequantizes only the rows used."""
+        ids = np.ascontiguousarray(ids, np.int64)
+        if t.qtype in dequant.NUMBA_TYPES:
+            dequant.dequantize_rows_into(t.raw_rows(), t.qtype, ids, out)
+        else:
+            out[...] = dequant.dequantize(t.raw_rows()[ids], t.qtype, t.n_cols)
+        return out
+
+
+class Model:
+    """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32.
+    Every weight is checked for inf/nan (an error unless `allow_nonfinite`)."""
+
+    def __init__(self, path: str | Path, allow_nonfinite: bool = False):
+        self.file = GGUFFile(path)
+        self.path = self.file.path
+        self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
+        if self.file.get("general.type", "model") == "adapter":
+            raise LlamatuneError(f"{self.path}: is a LoRA adapter, not a model (pass it with --lora)")
+        self.weights = load_weights(self.file, self.config)
+        check_finite(self.path, self._used_tensors(), allow_nonfinite)
+        self.dequantizer = Dequantizer(self.weights)
+
+    def _used_tensors(self):
+        """(name, Tensor) of every weight the model computes with (the tied output once)."""
+        names = {"output_norm.weight", "rope_freqs.weight"} | {n for n, _ in self.weights.all_matrices()}
+        for i in range(self.config.n_layer):
+            names |= set(self.config.spec.layer_tensors(i))
+        return [(n, t) for n, t in self.file.tensors.items() if n in names]
+
+    @cached_property
+    def tokenizer(self):
+        from .tokenizer import Tokenizer
+        return Tokenizer.from_gguf(self.file)

@@ -1,0 +1,92 @@
+"""Where the graph and the runner get their weights, on the backend's device.
+
+  - `FrozenBase`: a GGUF model's weights, never trained (LoRA finetuning and
+    inference). They stay in their stored (quantized) form; each matrix is
+    dequantized into one reused f32 scratch buffer right before its matmul, the
+    output head in row blocks (`matrix_rows`), the embedding row by row. On
+    CUDA the quantized bytes are uploaded once and dequantized on the GPU.
+  - `DenseWeights`: every weight is an f32 parameter of the ParamBuffer
+    (train-from-scratch).
+Both hand out (n_out, n_in) matrices or row blocks of them, norm/bias vectors and
+embedding rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType as QType
+
+from ..backend import Backend, cpu
+from .model import Model
+
+
+class FrozenBase:
+    trainable = False
+
+    def __init__(self, model: Model, backend: Backend | None = None):
+        self.model = model
+        self.backend = backend or cpu()
+        w = model.weights
+        self.tensors = dict(w.all_matrices())
+        vectors = {"output_norm.weight": w.output_norm}
+        for i, layer in enumerate(w.layers):
+            for k, v in layer.norms.items():
+                vectors[f"blk.{i}.{k}.weight"] = v
+            for k, b in layer.biases.items():
+                vectors[f"blk.{i}.{k}.bias"] = b
+        self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}
+        self.rope_freqs = w.rope_freqs            # host array: rope caches are built on the host
+        self._raw: dict[str, object] = {}         # cuda: tensor name -> device copy of the stored bytes
+        self._scratch = None
+
+    def _device_raw(self, name: str):
+        raw = self._raw.get(name)
+        if raw is None:
+            t = self.tensors[name]
+            host = np.asarray(t.data).reshape(t.n_rows, t.n_cols) if t.qtype == QType.F32 else t.raw_rows()
+            raw = self._raw[name] = self.backend.to_device(host)
+        return raw
+
+    @property
+    def head_rows(self) -> int:
+        """Rows of the output head expanded at a time (`matrix_rows`)."""
+        return self.model.dequantizer.head_rows
+
+    def matrix(self, name: str):
+        """(n_out, n_in) f32 on the device, valid until the next call (layer matrices;
+        the head goes through `matrix_rows`)."""
+        return self.matrix_rows(name, 0, self.tensors[name].n_rows)
+
+    def matrix_rows(self, name: str, lo: int, hi: int):
+        """Rows lo:hi of a matrix, (hi - lo, n_in) f32 on the device, valid until the next call."""
+        t = self.tensors[name]
+        if self.backend.name == "cpu":
+            return self.model.dequantizer.block(t, lo, hi)
+        if t.qtype == QType.F32:
+            return self._device_raw(name)[lo:hi]
+        if self._scratch is None:
+            self._scratch = self.backend.xp.empty(self.model.dequantizer.size, np.float32)
+        out = self._scratch[: (hi - lo) * t.n_cols].reshape(hi - lo, t.n_cols)
+        if t.qtype in self.backend.ops.dequant.CUDA_TYPES:
+            self.backend.ops.dequant.dequantize_into(self._device_raw(name)[lo:hi], t.qtype, out)
+        else:   # types without a CUDA kernel: dequantize on the host, upload
+            out[...] = self.backend.to_device(self.model.dequantizer.block(t, lo, hi))
+        return out
+
+    def vector(self, name: str):
+        return self.vectors.get(name)
+
+    def embed(self, ids, out) -> None:
+        """out[i] = token_embd[ids[i]] (ids on the device), dequantizing only those rows."""
+        t = self.tensors["token_embd.weight"]
+        if self.backend.name == "cpu":
+            if out.dtype == np.float32:
+                self.model.dequantizer.rows(t, ids, out)
+            else:                                 # float64 gradient tests
+                out[...] = self.model.dequantizer.rows(t, ids, np.empty(out.shape, np.float32))
+        elif t.qtype == QType.F32:
+            out[...] = self._device_raw("token_embd.weight")[ids]
+        elif t.qtype in self.backend.ops.dequant.CUDA_TYPES:
+            self.backend.ops.dequant.dequantize_rows_into(self._device_raw("token_embd.weight"), t.qtype, ids, out)
+        else:
+            host = self.model.dequantizer.rows(t, self.backend.to_host(ids), np.empty(out.shape, np.float32))
+            out[...] = self.backend.to_device(host)

@@ -1,0 +1,299 @@
+"""Training and validation data files: format detection, rows, templates, loss masks.
+
+`load_dataset` reads --train-data / --val-data and returns `data.Samples`:
+  * raw text: `data.load_samples`, exactly as before (windows over the text);
+  * JSONL, or a .json array, of rows, one sample per row:
+      {"messages": [{"role", "content"}, ...]}            OpenAI / HF chat
+      {"conversations": [{"from", "value"}, ...]}          ShareGPT (human/gpt/system)
+      {"prompt", "completion"}     strings: plain text; lists of messages: a conversation
+      {"instruction", "input"?, "output", "system"?}       Alpaca, as a user/assistant turn
+      {"text"}                                            plain text, every token trained
+Conversations are rendered with the chat template (chat_template.py); the mask marks
+assistant answers (or, for prompt/completion, the completion and EOS). A sample's
+first token is never a target; a sample of n tokens fills n - 1 positions, so it
+holds at most --ctx + 1 tokens. Mirrors the dataset handling of HF TRL's SFTTrainer
+(conversational and prompt-completion rows, completion-only loss) on llama.cpp ids.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.markup import escape as _esc
+
+from ..console import notice
+from ..errors import LlamatuneError
+from .data import Samples, load_samples, read_text
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
+                  "system": "system", "tool": "tool", "function": "tool", "observation": "tool"}
+CHAT_KINDS, COMPLETION_KINDS = ("messages", "conversations"), ("prompt", "instruction", "text")
+
+
+class RowError(Exception):
+    """A problem with one row; becomes `FILE:LINE: problem` (or is counted with --skip-bad-rows)."""
+
+
+def detect_format(text: str, requested: str) -> str:
+    """'text' or 'rows'. auto: rows when the file is a JSON array or its first line a JSON object."""
+    if requested == "text":
+        return "text"
+    if requested != "auto":
+        return "rows"
+    head = text.lstrip()
+    if head.startswith("["):
+        try:
+            return "rows" if isinstance(json.loads(text), list) else "text"
+        except json.JSONDecodeError:
+            return "text"
+    if head.startswith("{"):
+        try:
+            return "rows" if isinstance(json.loads(head.split("\n", 1)[0]), dict) else "text"
+        except json.JSONDecodeError:
+            return "text"
+    return "text"
+
+
+def read_rows(text: str, path) -> list[tuple[int, object]]:
+    """(line number, parsed value) of each row of a JSONL file or each element of a JSON array."""
+    dec = json.JSONDecoder()
+    line_of = lambda i: text.count("\n", 0, i) + 1  # noqa: E731
+    head = text.lstrip()
+    if head.startswith("["):
+        i, rows = text.index("[") + 1, []
+        while True:
+            while i < len(text) and text[i] in " \t\r\n,":
+                i += 1
+            if i >= len(text) or text[i] == "]":
+                break
+            try:
+                value, end = dec.raw_decode(text, i)
+            except json.JSONDecodeError as e:
+                raise LlamatuneError(f"{path}:{line_of(e.pos)}: not valid JSON ({e.msg})") from None
+            rows.append((line_of(i), value))
+            i = end
+        return rows
+    rows = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if line.strip():
+            try:
+                rows.append((n, json.loads(line)))
+            except json.JSONDecodeError as e:
+                rows.append((n, RowError(f"not valid JSON ({e.msg} at column {e.colno})")))
+    return rows
+
+
+def _text(value, what: str) -> str:
+    if not isinstance(value, str):
+        raise RowError(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _messages(value, what: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RowError(f"'{what}' must be a non-empty list of messages")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise RowError(f"{what}[{k}] must be an object with 'role' and 'content'")
+        out.append({**m, "role": _text(m["role"], f"{what}[{k}].role"),
+                    "content": _text(m["content"], f"{what}[{k}].content")})
+    return out
+
+
+def _sharegpt(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise RowError("'conversations' must be a non-empty list of turns")
+    out = []
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or "from" not in m or "value" not in m:
+            raise RowError(f"conversations[{k}] must be an object with 'from' and 'value'")
+        role = SHAREGPT_ROLES.get(str(m["from"]).lower())
+        if role is None:
+            raise RowError(f"conversations[{k}].from {m['from']!r} is not one of {', '.join(SHAREGPT_ROLES)}")
+        out.append({"role": role, "content": _text(m["value"], f"conversations[{k}].value")})
+    return out
+
+
+def row_kind(row: dict, data_format: str) -> str:
+    kind = next((k for k in (*CHAT_KINDS, *COMPLETION_KINDS) if k in row), None)
+    if kind is None:
+        raise RowError(f"no known fields (expected messages, conversations, prompt/completion, "
+                       f"instruction/output or text); found {', '.join(sorted(row)) or 'none'}")
+    if data_format == "chat" and kind not in CHAT_KINDS:
+        raise RowError(f"--data-format chat expects 'messages' or 'conversations', found '{kind}'")
+    if data_format == "completion" and kind not in COMPLETION_KINDS:
+        raise RowError(f"--data-format completion expects prompt/completion, instruction/output or text, "
+                       f"found '{kind}'")
+    return kind
+
+
+class RowEncoder:
+    """Turns one parsed row into (tokens, mask); the template is loaded on first need."""
+
+    def __init__(self, tokenizer, opts, source: str):
+        self.tok, self.opts, self.source = tokenizer, opts, source
+        self._template = None
+
+    @property
+    def template(self):
+        if self._template is None:
+            from ..models.chat_template import BUILTIN, load_template
+            self._template = load_template(self.tok, self.opts.chat_template or None)
+            if self._template is None:
+                raise LlamatuneError(f"{self.source}: conversations need a chat template and the model has none: "
+                                     f"pass --chat-template with a file or one of {', '.join(BUILTIN)}")
+        return self._template
+
+    def encode(self, row) -> tuple[np.ndarray, np.ndarray]:
+        if isinstance(row, RowError):
+            raise row
+        if not isinstance(row, dict):
+            raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
+        kind = row_kind(row, self.opts.data_format)
+        if kind == "messages":
+            return self._chat(_messages(row["messages"], "messages"))
+        if kind == "conversations":
+            return self._chat(_sharegpt(row["conversations"]))
+        if kind == "instruction":
+            if "output" not in row:
+                raise RowError("an instruction row needs 'output'")
+            user = _text(row["instruction"], "instruction")
+            extra = _text(row.get("input") or "", "input")
+            msgs = [{"role": "system", "content": _text(row["system"], "system")}] if row.get("system") else []
+            msgs += [{"role": "user", "content": user + ("\n\n" + extra if extra else "")},
+                     {"role": "assistant", "content": _text(row["output"], "output")}]
+            return self._chat(msgs)
+        if kind == "text":
+            return self._plain("", _text(row["text"], "text"), everything=True)
+        if "completion" not in row:
+            raise RowError("a prompt row needs 'completion'")
+        prompt, completion = row["prompt"], row["completion"]
+        if isinstance(prompt, list) or isinstance(completion, list):
+            head = _messages(prompt, "prompt") if isinstance(prompt, list) else []
+            if isinstance(prompt, str):
+                raise RowError("prompt and completion must both be strings or both lists of messages")
+            tail = _messages(completion, "completion")
+            return self._chat(head + tail, trained=set(range(len(head), len(head) + len(tail))))
+        return self._plain(_text(prompt, "prompt"), _text(completion, "completion"))
+
+    def _chat(self, messages: list[dict], trained: set[int] | None = None):
+        train_all = self.opts.train_on_prompt
+        if not train_all and not any(m["role"] == "assistant" for k, m in enumerate(messages)
+                                     if trained is None or k in trained):
+            raise RowError("no assistant message to train on (or use --train-on-prompt)")
+        e = self.template.encode(messages, trained, train_all)
+        return e.tokens, e.mask
+
+    def _plain(self, prompt: str, completion: str, everything: bool = False):
+        """Plain text: prompt (with the model's BOS) + completion + EOS; targets: the completion
+        and EOS (everything with --train-on-prompt or for text rows)."""
+        tok = self.tok
+        head = tok.encode(prompt, add_special=True)
+        if tok.add_eos and head and head[-1] == tok.eos_id:
+            head = head[:-1]
+        tail = tok.encode(completion, add_special=False) + [tok.eos_id]
+        tokens = np.asarray(head + tail, np.int32)
+        mask = np.zeros(len(tokens), np.int8)
+        mask[0 if everything or self.opts.train_on_prompt else len(head):] = 1
+        mask[0] = 0
+        return tokens, mask
+
+
+def load_dataset(path, tokenizer, opts, role: str = "training") -> Samples:
+    """Samples of a training or validation file, in any supported format (see the module doc)."""
+    if path is None:
+        raise LlamatuneError(f"--{'train' if role == 'training' else 'val'}-data is required")
+    text = read_text(path, f"{role} data")
+    if detect_format(text, opts.data_format) == "text":
+        return load_samples(text, tokenizer, opts, str(path))
+    rows = read_rows(text, path)
+    enc = RowEncoder(tokenizer, opts, str(path))
+    pieces, masks, bad, first_bad = [], [], 0, ""
+    for line, row in rows:
+        try:
+            tokens, mask = enc.encode(row)
+            if len(tokens) < 2:
+                raise RowError(f"yields {len(tokens)} token; at least 2 are needed")
+        except RowError as e:
+            if not opts.skip_bad_rows:
+                raise LlamatuneError(f"{path}:{line}: {e}") from None
+            bad += 1
+            first_bad = first_bad or f"line {line}: {e}"
+            continue
+        pieces.append(tokens)
+        masks.append(mask)
+    if bad:
+        notice(_esc(f"{path}: skipped {bad} malformed row(s) (first: {first_bad})"))
+    return _fit(pieces, masks, opts, str(path))
+
+
+def _fit(pieces: list[np.ndarray], masks: list[np.ndarray], opts, source: str) -> Samples:
+    """Truncate (or with --drop-long drop) samples longer than ctx + 1 tokens; drop samples
+    left without targets; concatenate."""
+    limit = opts.ctx + 1
+    long = [i for i, p in enumerate(pieces) if len(p) > limit]
+    if long:
+        action = "dropped (--drop-long)" if opts.drop_long else "truncated to --ctx (use --drop-long to drop them)"
+        notice(_esc(f"{source}: {len(long)} of {len(pieces)} sample(s) longer than --ctx {opts.ctx}: {action}"))
+    keep_t, keep_m, empty = [], [], 0
+    for p, m in zip(pieces, masks):
+        if len(p) > limit:
+            if opts.drop_long:
+                continue
+            p, m = p[:limit], m[:limit]
+        if not m.any():
+            empty += 1
+            continue
+        keep_t.append(p)
+        keep_m.append(m)
+    if empty:
+        notice(_esc(f"{source}: dropped {empty} sample(s) with no loss target within --ctx {opts.ctx}"))
+    if not keep_t:
+        raise LlamatuneError(f"{source}: no sample with a loss target")
+    sizes = np.array([len(p) for p in keep_t], np.int64)
+    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return Samples(np.concatenate(keep_t), begins, sizes, np.concatenate(keep_m))
+
+
+def preview(samples: Samples, bos_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The first n samples as the trainer sees them: (tokens, targets) with targets[i] = 1
+    when token i is a loss target predicted from the tokens before it. Raw-text samples
+    are preceded by BOS, as the batcher feeds them."""
+    out = []
+    for i in range(min(n, len(samples))):
+        b, s = int(samples.begins[i]), int(samples.sizes[i])
+        tokens = samples.tokens[b:b + s]
+        if samples.mask is None:
+            out.append((np.concatenate([[bos_id], tokens]).astype(np.int64),
+                        np.concatenate([[0], np.ones(s, np.int8)]).astype(np.int8)))
+        else:
+            out.append((tokens.astype(np.int64), samples.mask[b:b + s].astype(np.int8)))
+    return out
+
+
+
+def show_preview(opts, n: int, as_json: bool) -> None:
+    """`llamatune preview-data`: the first n samples of --train-data as the trainer sees them,
+    as JSON lines {"tokens", "targets"} or as decoded text with the trained parts highlighted."""
+    from rich.text import Text
+
+    from ..console import out
+    from ..formats.gguf_io import GGUFFile
+    from ..models.tokenizer import Tokenizer
+    if opts.model_base is None:
+        raise LlamatuneError("--model-base is required")
+    tok = Tokenizer.from_gguf(GGUFFile(opts.model_base))
+    samples = load_dataset(opts.train_data, tok, opts)
+    for k, (tokens, targets) in enumerate(preview(samples, tok.bos_id, n)):
+        if as_json:
+            print(json.dumps({"tokens": tokens.tolist(), "targets": targets.tolist()}))
+            continue
+        text = Text()
+        for t, m in zip(tokens.tolist(), targets.tolist()):
+            piece = tok.token_to_piece(t, special=True)
+            text.append(piece, style="bold green" if m else ("dim" if tok.is_control(t) else ""))
+        out.rule(f"sample {k + 1}: {len(tokens)} tokens, {int(targets.sum())} trained", style="dim")
+        out.print(text)

@@ -1,0 +1,507 @@
+"""Training forward and backward of a llama model, written out by hand.
+
+One micro-batch step runs the forward pass layer by layer, keeping what backward
+needs; the output head computes logits, loss and the logits' gradient chunk by
+chunk (the (N, V) logits never exist in full); then backward runs the layers in
+reverse and accumulates parameter gradients (+=) into the flat `ParamBuffer`.
+
+The same graph trains two kinds of model (weights.py): `FrozenBase` (LoRA
+finetuning: base weights stay quantized, each dequantized right before its
+matmul, in forward and again in backward; adapters in factored form, lora.py) and
+`DenseWeights` (train-from-scratch: every weight an f32 parameter). Arrays and
+kernels come from a backend (backend.py): numpy + numba on the CPU, CuPy +
+numba-cuda on a GPU; the code below is the same for both.
+
+What backward recomputes (`checkpointing`, the same gradients bit for bit in each):
+  - "none": every activation is kept;
+  - "selective": the outputs of matmuls and attention (the expensive parts) are kept,
+    the cheap elementwise ops (RMSNorm, SwiGLU) are recomputed in backward;
+  - "layer": only each layer's input is kept (as PyTorch's per-layer gradient
+    checkpointing); backward recomputes the layer's forward into one set of buffers
+    shared by all layers, then runs its backward.
+Every buffer is listed by `buffer_plan` (what the memory estimate counts) and
+allocated from that list. The output head is expanded in row blocks inside the
+token-chunked head loop, so nothing of size vocabulary x embedding exists in f32.
+
+Per layer, with xn = RMSNorm(x):
+    q, k, v = rope(xn Wq^T), rope(xn Wk^T), xn Wv^T
+    x_mid   = x + attn(q, k, v) Wo^T
+    g, u    = n2 Wg^T, n2 Wu^T           n2 = RMSNorm(x_mid)
+    x_out   = x_mid + (silu(g) * u) Wd^T
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..backend import Backend, cpu
+from ..kernels import attention as host_attention
+from ..kernels import rope as host_rope
+from ..models.config import ModelConfig
+from ..models.weights import FrozenBase  # noqa: F401
+from .lora import LoraTarget
+from .params import (
+    DenseWeights,  # noqa: F401  (re-exported: the graph's weight providers)
+    ParamBuffer,
+)
+
+HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time
+MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
+LORA_VECTOR_KINDS = ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")   # no (N, r) x A^T buffer
+
+
+@dataclass
+class LayerActs:
+    """One layer's activations (N = B*T rows); in layer mode all but x are shared."""
+    x: np.ndarray        # (N, C)   layer input (residual stream)
+    rstd1: np.ndarray    # (N,)
+    q: np.ndarray        # (N, NH*HS) after rope
+    k: np.ndarray        # (N, NKV*HS) after rope
+    v: np.ndarray        # (N, NKV*HS)
+    att: np.ndarray      # (N, NH*HS) attention output
+    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
+    x_mid: np.ndarray    # (N, C)   residual after attention
+    rstd2: np.ndarray    # (N,)
+    g: np.ndarray        # (N, F)
+    u: np.ndarray        # (N, F)
+    xn1: np.ndarray | None = None   # (N, C) only in mode "none"
+    xn2: np.ndarray | None = None   # (N, C)
+    h: np.ndarray | None = None     # (N, F)
+
+
+def checkpointing_mode(checkpointing) -> str:
+    """A mode of MODES; True / False are the old spellings of selective / none."""
+    if checkpointing is True or checkpointing is False:
+        return "selective" if checkpointing else "none"
+    if checkpointing not in MODES:
+        raise ValueError(f"checkpointing {checkpointing!r}: choose one of {MODES}")
+    return checkpointing
+
+
+def grad_scratch(cfg: ModelConfig, N: int, mode: str) -> dict[str, tuple[int, int]]:
+    """Scratch of the layer backward (gradients, dx2) and the SwiGLU output that backward
+    recomputes (not in mode none, whose layers keep theirs), (N, *) each. The output head
+    uses none of them and runs before any layer backward (evaluation runs none), so its
+    logits overlay them all in one shared buffer: a larger token chunk at no memory cost."""
+    F, Cq, Ckv = cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
+    views = {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
+             "datt": (N, Cq), "dx2": (N, cfg.n_embd)}
+    if checkpointing_mode(mode) != "none":
+        views["h"] = (N, F)
+    return views
+
+
+def head_chunk(N: int, n_vocab: int, room: int = 0) -> int:
+    """Token rows of logits computed at a time: the N tokens in as few chunks as fit
+    `room` floats (the gradient scratch they overlay) or HEAD_CHUNK_BYTES, whichever
+    holds more, all of about the same size. Every chunk expands the quantized head twice
+    (logits, gradient to its input), so fewer, larger chunks expand it less often and
+    multiply it in better-shaped products."""
+    most = max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // n_vocab))
+    return -(-N // -(-N // most))                                  # ceil(N / ceil(N / most))
+
+
+def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
+                trainable: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array a Graph allocates (it allocates exactly these).
+
+    `blk.I.*` are kept per layer; `layer.*` is the one set of activations that layer
+    mode recomputes into, shared by all layers; the rest is scratch reused by every layer."""
+    mode = checkpointing_mode(mode)
+    N, C, F, Cq, Ckv, V = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv, cfg.n_vocab
+    acts = {"x": (N, C), "rstd1": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq),
+            "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
+    if mode == "none":
+        acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
+    plan: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.n_layer):
+        for k, shape in acts.items():
+            plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
+    plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
+    for t in targets:                                              # x A^T of each adapter (shared per kind
+        if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
+            plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
+    room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
+    chunk = head_chunk(N, V, room)
+    plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
+             "grads_logits": (max(room, chunk * V),),                # grad_scratch, or the head's (chunk, V) logits
+             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
+             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    head_tmp = 0                                                   # products added to a block in the head
+    if any(t.kind == "output" for t in targets):
+        head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
+    if trainable:                                                  # weight gradients before they are added
+        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in (
+            (Cq, C), (Ckv, C), (C, Cq), (F, C), (C, F))))
+    if head_tmp:
+        plan["head_tmp"] = (head_tmp,)
+    return plan
+
+
+def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:
+    return int(sum(np.prod(s, dtype=np.int64) for s in plan.values())) * itemsize
+
+
+class Graph:
+    """Buffers for one (B, T) shape and the step that uses them."""
+
+    def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
+                 B: int, T: int, checkpointing: str | bool = "selective", lora_dropout: float = 0.0,
+                 dtype=np.float32, backend: Backend | None = None):
+        self.cfg, self.base, self.params = cfg, base, params
+        self.backend = backend or cpu()
+        self.xp, self.ops = self.backend.xp, self.backend.ops
+        xp = self.xp
+        self.lora = {t.weight: t for t in targets}
+        self.B, self.T, self.N = B, T, B * T
+        self.mode = checkpointing_mode(checkpointing)
+        self.dropout = lora_dropout
+        self.head_rows = base.head_rows
+        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
+        buf = {name: xp.zeros(shape, dtype) for name, shape in self.plan.items()}   # float64 only in tests
+        self.layers = []
+        for i in range(cfg.n_layer):
+            get = lambda k: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}"))  # noqa: E731
+            self.layers.append(LayerActs(*(get(f.name) for f in fields(LayerActs))))
+        self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
+                   for t in targets if t.kind not in LORA_VECTOR_KINDS}
+        self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
+        # scratch, reused by every layer
+        self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
+        shared, at = buf["grads_logits"], 0
+        for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
+            setattr(self, name, shared[at: at + n * m].reshape(n, m))
+            at += n * m
+        self.chunk = head_chunk(self.N, cfg.n_vocab, at)
+        self.logits = shared[: self.chunk * cfg.n_vocab].reshape(self.chunk, cfg.n_vocab)
+        self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
+        self.head_tmp = buf.get("head_tmp")
+        cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
+        host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
+                             cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
+        self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
+        self.cos[...] = self.backend.to_device(cos.astype(dtype))
+        self.sin[...] = self.backend.to_device(sin.astype(dtype))
+        self.rope_host, self.rope_rows = (cos, sin), (self.cos, self.sin)  # f32 cache; 0..T-1 tables
+        self.segments = None
+        self.step_key = (0,)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def checkpointing(self) -> bool:
+        return self.mode != "none"
+
+    def activation_bytes(self) -> int:
+        """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
+        return plan_bytes(self.plan, self.tmp.dtype.itemsize)
+
+    def _set_packing(self, positions, segments) -> None:
+        """Rope tables (self.cos, self.sin) and attention segments of one step (packed
+        rows, issue 9's --pack): positions (B, T) int64 rope position of each token or
+        None (0..T-1 in every row); segments (B, T) int32 sample id of each token or
+        None (one sample per row). Per-token tables are gathered from a float32 cache
+        of positions 0..max, so a packed sample rotates exactly as it does alone."""
+        shape = (self.B, self.T)
+        if positions is None:
+            self.cos, self.sin = self.rope_rows
+        else:
+            positions = np.asarray(positions)
+            if positions.shape != shape or positions.dtype.kind not in "iu":
+                raise ValueError(f"graph: positions must be an integer array of shape {shape}, "
+                                 f"got {positions.dtype} {positions.shape}")
+            positions = positions.astype(np.int64)
+            cos, sin = self.rope_host
+            if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
+                n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
+                cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
+                host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
+                                     self.cfg.rope_freq_base, self.cfg.rope_freq_scale, self.base.rope_freqs)
+                self.rope_host = (cos, sin)
+            dtype = self.tmp.dtype
+            self.cos, self.sin = (self.backend.to_device(a.astype(dtype))
+                                  for a in host_rope.rope_tables(cos, sin, positions))
+        self.segments = None
+        if segments is not None:
+            segments = np.asarray(segments)
+            if segments.dtype.kind not in "iu":
+                raise ValueError(f"graph: segments must be an integer array, got {segments.dtype}")
+            segments = segments.astype(np.int32)
+            host_attention.segment_starts(segments, shape)                # shape, contiguous runs
+            self.segments = self.backend.to_device(segments)
+
+    # ------------------------------------------------------------------ building blocks
+    def _scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.tmp[: rows * cols].reshape(rows, cols)
+
+    def _head_scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.head_tmp[: rows * cols].reshape(rows, cols)
+
+    def _dropout_mask(self, name: str, shape) -> np.ndarray | None:
+        """Inverted-dropout mask for an adapter input; regenerated identically in backward."""
+        if self.dropout <= 0:
+            return None
+        key = [zlib.crc32(name.encode()), *self.step_key]
+        keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
+        return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
+
+    def _norm_weight(self, name: str) -> np.ndarray:
+        """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
+        w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
+        t = self.lora.get(name)
+        if t is None:
+            return w
+        return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
+
+    def _norm_grad(self, name: str, dw: np.ndarray) -> None:
+        """Route a norm weight's gradient to its parameter or its adapter."""
+        if self.base.trainable:
+            self.params.grad_of(name)[...] += dw
+        t = self.lora.get(name)
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
+            self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
+
+    def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
+        """y (N, n_out) = x W^T (+ bias) + s (drop(x) A^T) B^T."""
+        self.xp.matmul(x, self.base.matrix(name).T, out=y)
+        bias = self.base.vector(name.replace(".weight", ".bias"))
+        if bias is not None:
+            y += bias
+        t = self.lora.get(name)
+        if t is not None:
+            mask = self._dropout_mask(name, x.shape)
+            xa = self.xa[name]
+            self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
+            y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self._scratch(*y.shape))
+        return y
+
+    def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
+                        accumulate: bool) -> None:
+        """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
+        W = self.base.matrix(name)
+        if dx is not None:
+            if accumulate:
+                tmp = self._scratch(*dx.shape)
+                self.xp.matmul(dy, W, out=tmp)
+                dx += tmp
+            else:
+                self.xp.matmul(dy, W, out=dx)
+        if self.base.trainable:
+            dW = self.base.grad(name)
+            dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
+        t = self.lora.get(name)
+        if t is not None:
+            mask = self._dropout_mask(name, x.shape)
+            self._lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], dx, mask)
+
+    def _lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
+        """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
+        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask)."""
+        A, B = self.params[t.a], self.params[t.b]
+        self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
+        dxa = t.scale * (dy @ B)                                       # (N, r)
+        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
+        #                                   to 50x longer with the r-row transposed operand on the left
+        if dx is not None:
+            dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
+            dx += dxd if mask is None else dxd * mask
+
+    # ------------------------------------------------------------------ forward
+    def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
+        self.base.embed(tokens, x)
+        t = self.lora.get("token_embd.weight")
+        if t is not None:
+            x += self.xp.matmul(t.scale * self.params[t.a][tokens], self.params[t.b].T, out=self._scratch(*x.shape))
+
+    def _layer_forward(self, i: int, x_out: np.ndarray) -> None:
+        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
+        B, T = self.B, self.T
+        xn = self.xn if a.xn1 is None else a.xn1
+        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
+        self.linear(a.q, xn, p + "attn_q.weight")
+        self.linear(a.k, xn, p + "attn_k.weight")
+        self.linear(a.v, xn, p + "attn_v.weight")
+        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
+        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        self.ops.rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
+                                    a.v.reshape(k4.shape), 0, segments=self.segments)
+        self.linear(a.x_mid, a.att, p + "attn_output.weight")
+        a.x_mid += a.x
+        xn = self.xn if a.xn2 is None else a.xn2
+        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
+        self.linear(a.g, xn, p + "ffn_gate.weight")
+        self.linear(a.u, xn, p + "ffn_up.weight")
+        h = self.h if a.h is None else a.h
+        self.ops.swiglu.swiglu_forward(h, a.g, a.u)
+        self.linear(x_out, h, p + "ffn_down.weight")
+        x_out += a.x_mid
+
+    def _head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
+        """Output norm, logits, loss and (backward) the gradient back to the last layer's
+        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
+        is expanded `head_rows` rows at a time, once for the logits and once for the
+        gradient to the chunk's input (the block still expanded is used first).
+        Returns sum(weights * loss)."""
+        cfg, xp, N, V, C = self.cfg, self.xp, self.N, self.cfg.n_vocab, self.cfg.n_embd
+        wn = self._norm_weight("output_norm.weight")
+        xn = self.xn
+        self.ops.rmsnorm.rmsnorm_forward(xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
+        t = self.lora.get("output.weight")
+        dW = self.base.grad("output.weight") if self.base.trainable else None
+        blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
+        held = [None, None]                                  # (block, its expanded rows)
+
+        def rows(block):
+            if held[0] != block:
+                held[:] = block, self.base.matrix_rows("output.weight", *block)
+            return held[1]
+        for lo in range(0, N, self.chunk):
+            hi = min(N, lo + self.chunk)
+            x, logits, dx = xn[lo:hi], self.logits[: hi - lo], self.dxn[lo:hi]
+            if t is not None:
+                xa = x @ self.params[t.a].T                  # (n, r)
+                sxa, Bt = t.scale * xa, self.params[t.b]
+            for vlo, vhi in blocks:
+                xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
+                if t is not None:
+                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
+            if not backward:
+                self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
+                continue
+            self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], logits, logits,
+                                                                  targets[lo:hi], weights[lo:hi])
+            for j, (vlo, vhi) in enumerate(reversed(blocks)):
+                W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
+                if j == 0:
+                    xp.matmul(g, W, out=dx)
+                else:
+                    dx += xp.matmul(g, W, out=self._scratch(hi - lo, C))
+                if dW is not None:
+                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self._head_scratch(vhi - vlo, C))
+            if t is not None:
+                self._lora_backward(t, logits, x, xa, dx)
+        if backward:
+            self.dnorm.fill(0.0)
+            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, self.dxn, self.x_final, wn, self.rstd_f)
+            self._norm_grad("output_norm.weight", self.dnorm)
+        return float(xp.dot(self.losses.astype(np.float64), weights.astype(np.float64)))
+
+    # ------------------------------------------------------------------ backward
+    def _layer_backward(self, i: int) -> None:
+        """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input)."""
+        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
+        B, T = self.B, self.T
+        dx_out = self.dx
+        # ---- feed-forward
+        if a.h is None:
+            self.ops.swiglu.swiglu_forward(self.h, a.g, a.u)
+        h = self.h if a.h is None else a.h
+        self.linear_backward(self.dh, dx_out, h, p + "ffn_down.weight", accumulate=False)
+        self.ops.swiglu.swiglu_backward(self.dg, self.du, self.dh, a.g, a.u)
+        wn2 = self._norm_weight(p + "ffn_norm.weight")
+        if a.xn2 is None:
+            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
+        xn2 = self.xn if a.xn2 is None else a.xn2
+        self.linear_backward(self.dxn, self.dg, xn2, p + "ffn_gate.weight", accumulate=False)
+        self.linear_backward(self.dxn, self.du, xn2, p + "ffn_up.weight", accumulate=True)
+        self.dnorm.fill(0.0)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
+        self._norm_grad(p + "ffn_norm.weight", self.dnorm)
+        dx_mid = dx_out
+        dx_mid += self.dx2                                   # residual: dL/d(x_mid)
+        # ---- attention
+        self.linear_backward(self.datt, dx_mid, a.att, p + "attn_output.weight", accumulate=False)
+        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
+        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
+        self.ops.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
+                                     q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                     segments=self.segments)
+        self.ops.rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        wn1 = self._norm_weight(p + "attn_norm.weight")
+        if a.xn1 is None:
+            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
+        xn1 = self.xn if a.xn1 is None else a.xn1
+        self.linear_backward(self.dxn, self.dq, xn1, p + "attn_q.weight", accumulate=False)
+        self.linear_backward(self.dxn, self.dk, xn1, p + "attn_k.weight", accumulate=True)
+        self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
+        self.dnorm.fill(0.0)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
+        self._norm_grad(p + "attn_norm.weight", self.dnorm)
+        self.dx += self.dx2                                   # residual: dL/d(layer input)
+
+    def _embed_backward(self, tokens: np.ndarray) -> None:
+        dx = self.dx
+        if self.base.trainable:
+            self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
+        t = self.lora.get("token_embd.weight")
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
+            self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
+
+    # ------------------------------------------------------------------ the step
+    def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,),
+             positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
+        """Forward + backward of one micro-batch. inputs, targets (B, T) int (target -1:
+        ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
+        whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
+        None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
+        return self._forward_backward(inputs, targets, weights, key, positions, segments)
+
+    def warm_up(self, packed: bool = False) -> None:
+        """Run every kernel of a step and of an evaluation once (compiling it, or loading it
+        from numba's disk cache) on token ids 0..; with `packed`, also their packed-rows
+        variants. It is no training step: the gradients it adds are cleared."""
+        shape = (self.B, self.T)
+        ids = np.arange(self.N).reshape(shape) % self.cfg.n_vocab
+        w = np.full(shape, 1 / self.N, np.float32)
+        packing = [(None, None)]
+        if packed:                                  # one sample per row, given as packed rows
+            packing.append((np.broadcast_to(np.arange(self.T), shape), np.zeros(shape, np.int32)))
+        for positions, segments in packing:
+            self._forward_backward(ids, ids, w, (0, 0, 0), positions, segments)
+            self.loss(ids, ids, w, positions, segments)
+        self.params.zero_grad()
+
+    def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
+        self.step_key = tuple(int(k) for k in key)
+        tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
+        loss = self._head(tg, w)
+        for i in reversed(range(self.cfg.n_layer)):
+            if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
+                self._layer_forward(i, self.dx2)                    # recompute; its output is not needed
+            self._layer_backward(i)
+        self._embed_backward(tokens)
+        return loss
+
+    def loss(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray,
+             positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
+        """Forward only, for evaluation: sum(weights * loss) of one micro-batch (arguments as
+        in `step`), without dropout; no gradient is computed and params.grad is untouched."""
+        dropout, self.dropout = self.dropout, 0.0
+        try:
+            _, tg, w = self._forward(inputs, targets, weights, positions, segments)
+            return self._head(tg, w, backward=False)
+        finally:
+            self.dropout = dropout
+
+    def _forward(self, inputs, targets, weights, positions, segments):
+        """Set the step's rope positions and segments, upload one micro-batch and run
+        embedding and layers; returns the device arrays (tokens, targets, weights), (N,)."""
+        self._set_packing(positions, segments)
+        to_device = self.backend.to_device
+        tokens = to_device(np.asarray(inputs, np.int64).reshape(-1))
+        tg = to_device(np.asarray(targets, np.int64).reshape(-1))
+        w = to_device(np.asarray(weights, self.tmp.dtype).reshape(-1))
+        self._embed(tokens, self.layers[0].x)
+        for i in range(self.cfg.n_layer):
+            x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final
+            self._layer_forward(i, x_out)
+        return tokens, tg, w

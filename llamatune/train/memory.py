@@ -1,0 +1,193 @@
+"""How much memory a training run needs, and which --checkpointing mode fits.
+
+The estimate adds up, for a (batch, ctx, mode):
+  - runtime: what the process holds before the step buffers exist, measured rather
+    than guessed: resident memory (/proc/self/smaps) after the kernels are compiled or
+    loaded from numba's disk cache, with every parameter/gradient/moment page touched;
+    it covers the interpreter, numpy/numba/OpenBLAS, the tokenizer, the data and the
+    ParamBuffer. The base model's file pages are left out here and counted below.
+  - model: the memory-mapped base model, counted in full (every page is read each step).
+  - scratch: the dequantization scratch (model.Dequantizer.size floats).
+  - graph: every buffer the training graph allocates, from `graph.buffer_plan`, the
+    same list the graph allocates from.
+  - temporaries: arrays numpy creates inside a step (dropout masks and the inputs
+    they multiply).
+`auto` picks the fastest mode whose estimate fits; a run that fits in no mode is
+refused with what would fit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .graph import Graph, buffer_plan, plan_bytes
+
+FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A `key: N kB` line of a /proc file, in bytes; None where it cannot be read."""
+    try:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def available_memory() -> int | None:
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def resident_bytes(exclude: Path | None = None) -> tuple[int, int]:
+    """(resident bytes of this process, of which in mappings of file `exclude`), from
+    /proc/self/smaps; (0, 0) where it cannot be read."""
+    total = excluded = 0
+    target = str(Path(exclude).resolve()) if exclude is not None else None
+    mapping = ""
+    try:
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    kb = int(line.split()[1]) * 1024
+                    total += kb
+                    if mapping == target:
+                        excluded += kb
+                elif not line[0].isupper():                       # a mapping's header line
+                    parts = line.split(None, 5)
+                    mapping = parts[5].strip() if len(parts) == 6 else ""
+    except OSError:
+        return 0, 0
+    return total, excluded
+
+
+def peak_resident_bytes() -> int:
+    """Peak resident bytes of this process so far (VmHWM)."""
+    return _proc_bytes("/proc/self/status", "VmHWM") or 0
+
+
+def touch(a: np.ndarray) -> None:
+    """Make every page of a host array resident (zero pages are not until written)."""
+    if isinstance(a, np.ndarray) and a.size:
+        every_page = a.reshape(-1)[:: max(1, 4096 // a.itemsize)]
+        every_page[...] = every_page.copy()                       # same bits, written
+
+
+@dataclass
+class Estimate:
+    mode: str
+    runtime: int            # measured: interpreter, libraries, kernels, tokenizer, data, parameters
+    model: int              # memory-mapped base model, in full
+    scratch: int            # dequantization scratch
+    graph: int              # graph.buffer_plan
+    temporaries: int        # numpy temporaries inside a step
+
+    @property
+    def total(self) -> int:
+        return self.runtime + self.model + self.scratch + self.graph + self.temporaries
+
+    @property
+    def added(self) -> int:
+        """What training adds to the process as measured (runtime is already resident)."""
+        return self.total - self.runtime
+
+    def describe(self) -> str:
+        return (f"{gib(self.total)} with --checkpointing {self.mode} (activations and scratch {gib(self.graph)}, "
+                f"base model {gib(self.model)} mapped, dequantization {gib(self.scratch)}, "
+                f"runtime {gib(self.runtime)} measured)")
+
+
+def temporaries_bytes(cfg, B: int, T: int, dropout: float) -> int:
+    """Dropout's mask, its random draw and the masked input, alive together in a step."""
+    if dropout <= 0:
+        return 0
+    return 3 * 4 * B * T * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q)
+
+
+class Planner:
+    """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
+
+    def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float):
+        self.cfg, self.targets, self.base = cfg, targets, base
+        self.runtime, self.model_bytes, self.scratch_bytes, self.dropout = runtime, model_bytes, scratch_bytes, dropout
+
+    def estimate(self, B: int, T: int, mode: str) -> Estimate:
+        plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable)
+        return Estimate(mode, self.runtime, self.model_bytes, self.scratch_bytes, plan_bytes(plan),
+                        temporaries_bytes(self.cfg, B, T, self.dropout))
+
+    def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
+        """The estimate of `mode`, or for auto of the fastest mode that fits `available`
+        (the least memory one when none does)."""
+        if mode != "auto":
+            return self.estimate(B, T, mode)
+        options = [self.estimate(B, T, m) for m in FASTEST_FIRST]
+        if available is None:
+            return options[1]
+        return next((e for e in options if e.added <= available), options[-1])
+
+    def what_fits(self, B: int, T: int, mode: str, available: int) -> str:
+        """Alternatives that fit, for the refusal message."""
+        hints = []
+        if mode != "layer" and self.estimate(B, T, "layer").added <= available:
+            hints.append(f"--checkpointing layer ({gib(self.estimate(B, T, 'layer').total)})")
+        m = "layer" if mode == "auto" else mode
+        ctx = T // 2
+        while ctx >= 2 and self.estimate(B, ctx, m).added > available:
+            ctx //= 2
+        if ctx >= 2:
+            hints.append(f"--ctx {ctx}" + (" --checkpointing layer" if m != mode else ""))
+        b = B - 1
+        while b >= 1 and self.estimate(b, T, m).added > available:
+            b -= 1
+        if b >= 1:
+            hints.append(f"--batch {b}" + (" --checkpointing layer" if m != mode else ""))
+        return "would fit: " + ", or ".join(hints) if hints else "nothing smaller fits either"
+
+
+def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
+    """Run every training kernel once on a tiny model (compiling it or loading it from
+    numba's disk cache) so that the runtime measured afterwards includes them. numba
+    compiles a kernel apart for each array layout it sees, and the attention's slices
+    are contiguous or not depending on the heads per KV head: the tiny model has the
+    grouping of `like` (the run's ModelConfig), with one KV head when that has one."""
+    from ..models.config import ModelConfig
+    from ..models.modelfile import random_weights, tensor_names
+    from .optimizer import optimizer_step
+    from .params import DenseWeights, ParamBuffer, ParamSpec
+    if backend.name != "cpu":
+        return
+    kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
+    cfg = ModelConfig(arch="llama", n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=1, n_ff=64, n_head=kv * group,
+                      n_head_kv=kv, head_dim=16, n_rot=16, norm_eps=1e-5)
+    params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
+    for n, a in random_weights(cfg, seed=0).items():
+        params[n][...] = a
+    Graph(cfg, DenseWeights(params), params, [], 2, 8, "none").warm_up(packed=getattr(opts, "pack", False))
+    params.grad[...] = 1.0                                      # an update that uses every kernel
+    optimizer_step(params, 0, opts)
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QType
+
+    from ..kernels import dequant
+    for q in sorted(set(qtypes) & set(dequant.NUMBA_TYPES)):
+        block, size = GGML_QUANT_SIZES[QType(q)]
+        raw = np.zeros((1, size), np.uint8)
+        raw.flags.writeable = False                             # as the memory-mapped model: numba compiles
+        dequant.dequantize_into(raw, q, np.empty((1, block), np.float32))   # read-only arrays apart
+
+
+def measure_runtime(params, model_path: Path | None) -> int:
+    """Resident bytes now, with every page of the parameters, gradients and moments
+    resident and without the base model's file pages."""
+    for a in (params.data, params.grad, params.m, params.v):
+        touch(a)
+    total, model = resident_bytes(model_path)
+    return total - model

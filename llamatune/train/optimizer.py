@@ -1,0 +1,99 @@
+"""Learning-rate schedule and the optimizer step over the flat ParamBuffer.
+
+Schedule (llama.cpp common/train.cpp learning_schedule): linear warmup from 0 to 1
+over `warmup` steps, then cosine decay from 1 to `cos_decay_min` over
+`cos_decay_steps` (with restarts, each `cos_decay_restart` times longer). The
+learning rate is `min_alpha + sched * (alpha - min_alpha)`.
+
+Step: the global gradient norm (`gradient_norm`, computed once: the trainer's
+divergence guard looks at it before anything changes), then `apply_update`:
+optional global-norm clipping of the gradient, then AdamW (decoupled weight decay,
+bias-corrected moments) or SGD, per tensor; weight decay applies only to tensors
+with at least `adam_decay_min_ndim` dimensions.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import cpu
+from ..options import TrainOptions
+from .params import ParamBuffer
+
+
+def cosine_decay(step: int, decay_steps: int, minimum: float) -> float:
+    step = min(step, decay_steps)
+    return minimum + (1.0 - minimum) * 0.5 * (1.0 + math.cos(math.pi * step / decay_steps))
+
+
+def cosine_decay_restart(step: int, decay_steps: int, minimum: float, mult: float) -> float:
+    while step > decay_steps:
+        step -= decay_steps
+        decay_steps = int(math.ceil(decay_steps * mult))
+    return cosine_decay(step, decay_steps, minimum)
+
+
+def schedule(step: int, o: TrainOptions) -> float:
+    """Multiplier in [0, 1] for optimizer step `step` (0-based)."""
+    if step < o.warmup:
+        return (step + 1) / o.warmup
+    if o.cos_decay_steps <= 0:
+        return 1.0
+    s = step - o.warmup
+    if o.enable_restart:
+        return cosine_decay_restart(s, o.cos_decay_steps, o.cos_decay_min, o.cos_decay_restart)
+    return cosine_decay(s, o.cos_decay_steps, o.cos_decay_min)
+
+
+def learning_rate(step: int, o: TrainOptions) -> float:
+    return o.adam_min_alpha + schedule(step, o) * (o.adam_alpha - o.adam_min_alpha)
+
+
+def gradient_norm(params: ParamBuffer) -> float:
+    """Global L2 norm of the whole gradient (computed once per step: the trainer checks
+    it before the update, which then clips with it)."""
+    backend = getattr(params, "backend", None) or cpu()
+    return math.sqrt(backend.global_norm_sq(params.grad))
+
+
+def clip_gradients(params: ParamBuffer, max_norm: float, norm: float) -> None:
+    """Scale the whole gradient, whose global L2 norm is `norm`, so its norm is at most max_norm."""
+    backend = getattr(params, "backend", None) or cpu()
+    if max_norm > 0 and norm > max_norm:
+        backend.ops.optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
+
+
+def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int, float]]:
+    """(lo, hi, weight decay) runs of consecutive tensors that share a weight decay,
+    so the update is one kernel call per run (one in all for LoRA: every A and B is 2-D)."""
+    runs: list[tuple[int, int, float]] = []
+    for spec, lo, hi in params.slices():
+        wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0
+        if runs and runs[-1][2] == wd and runs[-1][1] == lo:
+            runs[-1] = (runs[-1][0], hi, wd)
+        else:
+            runs.append((lo, hi, wd))
+    return runs
+
+
+def apply_update(params: ParamBuffer, step: int, o: TrainOptions, gnorm: float) -> float:
+    """Clip (with the already computed gradient norm) and apply the update for optimizer
+    step `step` (0-based). Returns the learning rate used."""
+    lr = learning_rate(step, o)
+    optim = (getattr(params, "backend", None) or cpu()).ops.optim
+    clip_gradients(params, o.adam_gclip, gnorm)
+    for lo, hi, wd in decay_segments(params, o):
+        p, g = params.data[lo:hi], params.grad[lo:hi]
+        if o.optimizer == "sgd":
+            optim.sgd_update(p, g, lr, wd)
+        else:
+            optim.adamw_update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2,
+                               o.adam_eps, wd, step + 1)
+    return lr
+
+
+def optimizer_step(params: ParamBuffer, step: int, o: TrainOptions) -> tuple[float, float]:
+    """Norm, clip and update in one call (for callers without a divergence guard). Returns (lr, grad_norm)."""
+    gnorm = gradient_norm(params)
+    return apply_update(params, step, o, gnorm), gnorm

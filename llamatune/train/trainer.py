@@ -1,0 +1,347 @@
+"""The training loop shared by `finetune` and `train-from-scratch`.
+
+A `Job` says what is trained (the graph's weight provider, the flat parameters,
+the LoRA targets) and how outputs are written; `run` does the rest identically
+for both: resume or initialize, memory estimate and checkpointing mode (memory.py),
+disk-space estimate, micro-batches with gradient accumulation, the divergence guard
+between gradient norm and update (guard.py: bad steps are skipped), optimizer steps,
+progress, periodic and final checkpoints (written only from a state the guard has
+seen healthy), the metrics log (metrics.py), and validation with --save-best and
+--early-stop (validation.py).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..backend import cpu
+from ..console import err, notice
+from ..errors import LlamatuneError
+from ..formats.gguf_io import KV
+from ..models.config import ModelConfig
+from ..options import TrainOptions
+from ..outputs import check_free_space, metrics_path
+from . import checkpoint as ckpt
+from . import distributed
+from .data import Batcher, Samples, describe
+from .graph import Graph
+from .guard import Guard
+from .lora import LoraTarget
+from .memory import (
+    Estimate,
+    Planner,
+    available_memory,
+    compile_kernels,
+    gib,
+    measure_runtime,
+)
+from .metrics import MetricsLog
+from .optimizer import apply_update, gradient_norm, learning_rate
+from .params import ParamBuffer
+from .validation import Validator
+
+
+@dataclass
+class Job:
+    kind: str                                   # ckpt.KIND_LORA or ckpt.KIND_FULL
+    opts: TrainOptions
+    cfg: ModelConfig
+    base: object                                # graph.FrozenBase or graph.DenseWeights
+    params: ParamBuffer
+    targets: list[LoraTarget]
+    samples: Samples
+    tokenizer: object
+    init_params: Callable[[np.random.Generator], None]
+    write_outputs: Callable[[str], list[Path]]  # tag (iteration or LATEST) -> files written
+    model_kvs: list[KV] = field(default_factory=list)   # extra metadata kept in checkpoints
+    base_fingerprint: str = ""
+    mapped_bytes: int = 0                       # memory-mapped base model size
+    scratch_bytes: int = 0                      # dequantization scratch
+    backend: object = None                      # backend.Backend (None: cpu)
+    model_path: Path | None = None              # the memory-mapped base model file
+    output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
+    val_samples: Samples | None = None          # validation samples (None: no validation)
+
+
+@dataclass
+class TrainResult:
+    state: ckpt.TrainState
+    losses: list[float]                         # mean loss per optimizer step, this run
+    files: list[Path]
+    seconds: float
+    tokens_per_second: float
+    steady_tokens_per_second: float = 0.0       # after the first step (compilation, first page-in)
+
+
+def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
+    """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
+    and refuse a run that does not fit with what would."""
+    o = job.opts
+    compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()}, job.cfg)
+    planner = Planner(job.cfg, job.targets, job.base, measure_runtime(job.params, job.model_path),
+                      job.mapped_bytes, job.scratch_bytes, getattr(o, "lora_dropout", 0.0))
+    have = available_memory() if backend.name == "cpu" else None
+    mode = o.checkpointing_mode()
+    est = planner.choose(o.batch, o.ctx, mode, have)
+    if not quiet:
+        err.print(f"data: {describe(job.samples)}")
+        chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
+        err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
+                  + (f", available {gib(have)}" if have else "") + chosen)
+    if have is not None and est.added > have:
+        raise LlamatuneError(f"training needs about {gib(est.total)} but only {gib(have)} is available (besides "
+                             f"{gib(est.runtime)} in use; --checkpointing {est.mode}): "
+                             f"{planner.what_fits(o.batch, o.ctx, mode, have)}")
+    return est
+
+
+def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
+    o = job.opts
+    path = o.checkpoint_in
+    if path is not None and Path(path).exists():
+        c = ckpt.load(Path(path))
+        if c.kind != job.kind:
+            raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
+        if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
+            raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
+        ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
+        c.load_into(job.params)
+        if c.state.data_state:
+            batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
+        notice(f"resuming from {path} at iteration {c.state.iteration}")
+        return c.state
+    if path is not None:
+        notice(f"{path} does not exist: starting a fresh run")
+    job.init_params(np.random.default_rng(o.seed))
+    return ckpt.TrainState()
+
+
+def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dict | None = None) -> list[Path]:
+    """Write the checkpoint and outputs of this iteration, then their LATEST copies, the
+    LATEST checkpoint last: a write that fails (disk full) leaves every LATEST file as the
+    previous save left it, and chk-LATEST never points past complete outputs.
+    `data_state`: the batcher's state at this iteration when the batcher has moved on."""
+    o = job.opts
+    if not distributed.current().is_root:         # rank 0 alone writes files
+        return []
+    state.ranks = distributed.current().size
+    state.data_state = data_state if data_state is not None else batcher.state()
+    out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    files = [out] + job.write_outputs(str(state.iteration))
+    if o.fn_latest:
+        files += job.write_outputs(o.fn_latest)
+    latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
+    if latest != out:
+        ckpt.copy_atomic(out, latest)
+        files.append(latest)
+    return files
+
+
+def save_sizes(job: Job) -> list[tuple[Path, int]]:
+    """(path, bytes) of each file the first save writes: the checkpoint holds the
+    parameters and both Adam moments (f32) plus metadata; outputs as the job says."""
+    o = job.opts
+    meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, 0), 3 * 4 * job.params.size + meta),
+             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), 3 * 4 * job.params.size + meta)]
+    if job.output_size is not None:
+        template, nbytes = job.output_size
+        sizes += [(ckpt.iteration_path(template, 0), nbytes), (ckpt.iteration_path(template, o.fn_latest), nbytes)]
+    return sizes
+
+
+def packing(b) -> dict:
+    """A packed batch's positions and segments for Graph.step (empty for unpacked rows)."""
+    return {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
+
+
+def recomputed_loss(graph: Graph, batches: list, seed: int, step: int) -> float:
+    """The loss of a step's batches with the current parameters (gradients are added to
+    params.grad, which the next step zeroes): verifies the state after the last update."""
+    n_targets = sum(b.n_targets for b in batches)
+    world, mine = distributed.current(), []
+    for micro, b in distributed.my_share(world, batches):     # each MPI rank its own micro-batches
+        w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
+        mine.append(graph.step(b.inputs, b.targets, w, (seed, step, micro), **packing(b)))
+    return distributed.sum_losses(world, mine)
+
+
+def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
+    return f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2])
+
+
+def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
+               batches: list, bad: str | None, show) -> list[Path]:
+    """Save the end of the run if the last step's batches still give a sane loss after
+    its update (no later step will verify it); else leave LATEST at the last healthy save."""
+    loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1)
+    if bad or not guard.healthy(loss):
+        show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
+                  + "; LATEST keeps the last healthy save")
+        return []
+    files = save_all(job, state, batcher)
+    show.line(saved_line(state, loss, files))
+    return files
+
+
+def make_validator(job: Job, state: ckpt.TrainState) -> Validator | None:
+    """The validation set's fixed batches; state.validation restored or started afresh."""
+    if job.val_samples is None:
+        return None
+    v = Validator(job.val_samples, job.opts, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    state.validation = v.restore(state.validation)
+    return v
+
+
+def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+    """The checkpoint and outputs under the BEST name (--save-best)."""
+    o = job.opts
+    if not distributed.current().is_root:         # rank 0 alone writes files
+        return []
+    state.data_state = batcher.state()
+    out = ckpt.iteration_path(o.checkpoint_out, "BEST")
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    return [out] + job.write_outputs("BEST")
+
+
+def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainState, batcher: Batcher,
+             metrics: MetricsLog, show) -> bool:
+    """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
+    Returns True when --early-stop's patience has run out."""
+    vs = state.validation
+    loss = validator.loss(graph)
+    improved = vs.record(state.iteration, loss)
+    metrics.eval(state.iteration, loss)
+    show.refresh(state)
+    text = f"step {state.iteration}: val loss {loss:.4f}"
+    text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
+    if improved and job.opts.save_best:
+        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher))
+    show.line(text)
+    if validator.should_stop(vs):
+        show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
+                  f"(step {vs.best_step})")
+        return True
+    return False
+
+
+def write_plot(path: Path, quiet: bool) -> None:
+    """The loss plot beside the metrics, when matplotlib is installed (a notice otherwise)."""
+    from .plot import plot_metrics
+    try:
+        out = plot_metrics(path, path.with_suffix(".png"))
+    except LlamatuneError as e:
+        notice(f"no loss plot: {e}")
+        return
+    if not quiet:
+        err.print(f"loss plot: {out}")
+
+
+def run(job: Job, quiet: bool = False) -> TrainResult:
+    o = job.opts
+    world = distributed.setup(o)                   # MPI ranks when launched by mpiexec/srun
+    quiet = quiet or not world.is_root
+    if o.threads > 0:
+        import numba
+        numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
+    batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
+    state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
+    backend = job.backend or cpu()
+    if backend.name != "cpu":
+        job.params.to_device(backend)              # then live where the graph runs
+    est = memory_estimate(job, backend, quiet)
+    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
+                  getattr(o, "lora_dropout", 0.0), backend=backend)
+    validator = make_validator(job, state)
+    if not quiet:
+        if validator is not None:
+            err.print(f"validation: {validator.describe()}")
+        if world.size > 1:
+            err.print(distributed.memory_line(world, est.total, job.params.size))
+    check_free_space(save_sizes(job))
+    if state.iteration >= o.adam_iter:
+        notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
+        return TrainResult(state, [], [], 0.0, 0.0)
+    if validator is not None and validator.should_stop(state.validation):
+        notice(f"stopped early at iteration {state.iteration} (--early-stop {o.early_stop}): nothing to do")
+        return TrainResult(state, [], [], 0.0, 0.0)
+    metrics = MetricsLog(metrics_path(o), state.iteration, write=world.is_root)   # rank 0 alone writes
+
+    losses: list[float] = []
+    files: list[Path] = []
+    guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
+    pending = False     # a save is due: made once the next step's loss shows the state is healthy
+    tokens_per_step = o.batch * o.ctx * o.grad_acc * world.size
+    grads = distributed.GradientSum(world, job.params)
+    distributed.check_identical_parameters(world, job.params, state.iteration)
+    t0 = time.perf_counter()
+    from ..progress import train_progress
+    # numpy's overflow warnings are left out: the guard reports non-finite steps itself
+    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
+            metrics:
+        if validator is not None and state.iteration == 0:
+            t_eval = time.perf_counter()
+            evaluate(job, graph, validator, state, batcher, metrics, show)
+            t0 += time.perf_counter() - t_eval          # evaluations do not count as training time
+        while state.iteration < o.adam_iter:
+            step = state.iteration
+            metrics.begin_step()
+            job.params.zero_grad()
+            data_state = batcher.state() if pending else None
+            batches = [batcher.next_batch() for _ in range(o.grad_acc * world.size)]   # the global batch
+            n_targets = sum(b.n_targets for b in batches)
+            if n_targets == 0:
+                raise LlamatuneError("a training step has no loss targets (samples too short?)")
+            for micro, b in grads.mine(batches):        # this rank's micro-batches; micro: global index
+                w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
+                grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b)))
+            loss = grads.finish()                      # gradient and loss summed in global micro-batch order
+            gnorm = gradient_norm(job.params)
+            bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
+            if pending and not bad:                        # the state this step started from is healthy
+                files = save_all(job, state, batcher, data_state)
+                show.line(saved_line(state, loss, files))
+                pending = False
+            lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
+            guard.record(loss, bad, step + 1)
+            state.guard = guard.state()
+            state.iteration += 1
+            state.sample_count = batcher.sample_count
+            state.token_count = batcher.token_count
+            state.epoch = batcher.epoch
+            if bad:
+                show.line(f"iteration {step + 1}: update skipped, {bad}")
+            else:
+                state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+                losses.append(loss)
+                first_seconds = time.perf_counter() - t0 if len(losses) == 1 else first_seconds
+            elapsed = time.perf_counter() - t0
+            show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
+            metrics.step(state, loss, lr, gnorm, n_targets)
+            done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+            if validator is not None and validator.due(state.iteration, done):
+                t_eval = time.perf_counter()
+                done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
+                t0 += time.perf_counter() - t_eval
+            if distributed.checksum_due(o, state.iteration, done):
+                distributed.check_identical_parameters(world, job.params, state.iteration)
+            pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
+            if done:
+                files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
+                break
+    seconds = time.perf_counter() - t0
+    if o.plot and world.is_root:
+        write_plot(metrics.path, quiet)
+    tokens_per_second = len(losses) * tokens_per_step / max(seconds, 1e-9)
+    if world.size > 1 and not quiet:
+        notice(distributed.summary(world, tokens_per_second))
+    # after the first step (compilation, first page-in); evaluations are not training time
+    steady = (len(losses) - 1) * tokens_per_step / max(seconds - first_seconds, 1e-9) if len(losses) > 1 else 0.0
+    return TrainResult(state, losses, files, seconds, tokens_per_second, steady)
