@@ -132,6 +132,10 @@ class FinetuneOptions(TrainOptions):
     rank_att_norm: int = opt(0, "Rank for attn_norm (llama.cpp ignores norm adapters at run time; export-lora merges them).", G_LORA, frozen=True)
     rank_ffn_norm: int = opt(0, "Rank for ffn_norm (see --rank-att-norm).", G_LORA, frozen=True)
     rank_out_norm: int = opt(0, "Rank for output_norm (see --rank-att-norm).", G_LORA, frozen=True)
+    rank_q_norm: int = opt(0, "Rank for attn_q_norm, the per-head q norm of qwen3 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
+    rank_k_norm: int = opt(0, "Rank for attn_k_norm, the per-head k norm of qwen3 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
+    rank_post_att_norm: int = opt(0, "Rank for post_attention_norm of gemma2 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
+    rank_post_ffn_norm: int = opt(0, "Rank for post_ffw_norm of gemma2 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
 
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""
@@ -141,7 +145,9 @@ class FinetuneOptions(TrainOptions):
                 "attn_output": pick(self.rank_wo), "ffn_gate": pick(self.rank_ffn_gate),
                 "ffn_up": pick(self.rank_ffn_up), "ffn_down": pick(self.rank_ffn_down),
                 "token_embd": self.rank_tok_embd, "output": self.rank_out, "attn_norm": self.rank_att_norm,
-                "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm}
+                "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
+                "attn_q_norm": self.rank_q_norm, "attn_k_norm": self.rank_k_norm,
+                "post_attention_norm": self.rank_post_att_norm, "post_ffw_norm": self.rank_post_ffn_norm}
 
 
 @dataclass

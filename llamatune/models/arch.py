@@ -27,6 +27,19 @@ NORM, NEOX = 0, 2   # rope modes as ggml numbers them: adjacent pairs / halves r
 
 LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                "ffn_gate", "ffn_up", "ffn_down", "ffn_norm")
+QK_NORMS = ("attn_q_norm", "attn_k_norm")               # per-head RMSNorm of q and k before rope (head_dim,)
+POST_NORMS = ("post_attention_norm", "post_ffw_norm")   # RMSNorm of a sublayer's output before its residual add
+ACTIVATIONS = ("silu", "gelu")                          # feed-forward gate: SwiGLU or GeGLU (gelu-tanh)
+
+
+def block_layer(biases: bool = False, qk_norm: bool = False, post_norms: bool = False) -> tuple[str, ...]:
+    """The per-layer tensor kinds of a llama-like block, file order: qkv biases (qwen2),
+    q/k norms (qwen3, gemma3), post-attention / post-feed-forward norms (gemma2, gemma3)."""
+    qkv = ("attn_q", "attn_q.bias", "attn_k", "attn_k.bias", "attn_v", "attn_v.bias") if biases \
+        else ("attn_q", "attn_k", "attn_v")
+    return (("attn_norm",) + qkv + ("attn_output",) + (QK_NORMS if qk_norm else ())
+            + (POST_NORMS[:1] if post_norms else ()) + ("ffn_gate", "ffn_up", "ffn_down", "ffn_norm")
+            + (POST_NORMS[1:] if post_norms else ()))
 
 
 @dataclass(frozen=True)
@@ -38,9 +51,32 @@ class Arch:
     # extra ModelConfig fields from `{arch}.*` metadata, for families that keep more
     # hyperparameters than llama: read_hparams(read) with read.count(key, default),
     # read.number(key, default) (validated, errors name the file and key) and
-    # read.raw(key, default); hparams_metadata(cfg) gives the keys back for writing
+    # read.raw(key, default), read.source (the file, for errors) and read.arch;
+    # hparams_metadata(cfg) gives the keys back for writing
     read_hparams: Callable[[Any], dict[str, Any]] | None = None
     hparams_metadata: Callable[[Any], dict[str, Any]] | None = None
+    activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
+    embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma
+    tied: bool = False                # the head is always token_embd (llama.cpp never reads `output`)
+    # ModelConfig values a new model of the family gets (train-from-scratch: ModelConfig.new),
+    # the same numbers read_hparams falls back to, as llama.cpp's defaults for absent keys
+    defaults: tuple[tuple[str, Any], ...] = ()
+    # attention scale, soft-capping, sliding windows and per-layer rope come from
+    # ModelConfig fields (read_hparams fills them); their defaults are llama's
+
+    def __post_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"architecture {self.name}: activation {self.activation!r} is not one of {ACTIVATIONS}")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm on q and k after their projection, before rope (qwen3, gemma3)."""
+        return QK_NORMS[0] in self.layer
+
+    @property
+    def post_norms(self) -> bool:
+        """RMSNorm on the attention and feed-forward outputs before the residual add (gemma2, gemma3)."""
+        return POST_NORMS[0] in self.layer
 
     @property
     def matrices(self) -> tuple[str, ...]:
@@ -74,6 +110,8 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
         "ffn_gate": (F, C), "ffn_up": (F, C), "ffn_down": (C, F),
         "token_embd": (V, C), "output": (V, C),
         "attn_norm": (C,), "ffn_norm": (C,), "output_norm": (C,),
+        "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,),
+        "post_attention_norm": (C,), "post_ffw_norm": (C,),
     }
     if kind not in shapes:
         raise KeyError(f"architecture {cfg.arch}: no shape for tensor kind '{kind}'")

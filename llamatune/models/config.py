@@ -33,10 +33,19 @@ class ModelConfig:
     norm_eps: float
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0   # 1/linear scaling factor, as llama.cpp stores it in cparams
+    # what some families add (read by their Arch.read_hparams); the defaults are llama's
+    attn_scale: float = 0.0        # q.k multiplier; 0: 1/sqrt(head_dim)
+    attn_softcap: float = 0.0      # attention scores cap*tanh(s/cap) (gemma2); 0: none
+    final_softcap: float = 0.0     # logits cap*tanh(z/cap) (gemma2); 0: none
+    sliding_window: int = 0        # window of the sliding-window layers; 0: every layer attends to all
+    swa_pattern: int = 0           # llama.cpp set_swa_pattern(n): layer i slides iff i % n < n - 1 (0: all)
+    rope_freq_base_swa: float = 0.0    # rope base of the sliding-window layers; 0: rope_freq_base
+    rope_freq_scale_swa: float = 0.0   # their linear scale; 0: rope_freq_scale
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "attn_scale", "attn_softcap",
+                     "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
         get_arch(self.arch)
         for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
@@ -50,6 +59,13 @@ class ModelConfig:
             value = getattr(self, name)
             if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
+            value = getattr(self, name)
+            if not (value >= 0 and np.isfinite(value)):
+                raise LlamatuneError(f"model hyperparameter {name} = {value} must be >= 0 and finite as a float32")
+        for name in ("sliding_window", "swa_pattern"):
+            if not 0 <= getattr(self, name) <= MAX_COUNT:
+                raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be >= 0")
 
     @property
     def n_embd_q(self) -> int:
@@ -63,6 +79,36 @@ class ModelConfig:
     def n_group(self) -> int:
         return self.n_head // self.n_head_kv
 
+    # ---- per layer: sliding window, rope and attention options (llama.cpp hparams.is_swa(il))
+    def is_swa(self, i: int) -> bool:
+        """Layer i attends through the sliding window (llama.cpp set_swa_pattern(swa_pattern))."""
+        n = self.swa_pattern
+        return self.sliding_window > 0 and (n == 0 or i % n < n - 1)
+
+    def window(self, i: int) -> int:
+        """Attention window of layer i (0: all earlier positions)."""
+        return self.sliding_window if self.is_swa(i) else 0
+
+    def rope_params(self, i: int) -> tuple[float, float]:
+        """(freq_base, freq_scale) of layer i: the sliding-window layers' own when the model has them."""
+        if self.is_swa(i):
+            return (self.rope_freq_base_swa or self.rope_freq_base, self.rope_freq_scale_swa or self.rope_freq_scale)
+        return self.rope_freq_base, self.rope_freq_scale
+
+    @property
+    def rope_sets(self) -> list[tuple[float, float]]:
+        """The distinct (freq_base, freq_scale) of the layers, first use first: one rope cache each."""
+        return list(dict.fromkeys(self.rope_params(i) for i in range(self.n_layer)))
+
+    def rope_set(self, i: int) -> int:
+        """Index in `rope_sets` of layer i's rope."""
+        return self.rope_sets.index(self.rope_params(i))
+
+    def attention_options(self, i: int) -> dict[str, Any]:
+        """Keyword options of ops.attention for layer i: scale (None: 1/sqrt(head_dim)),
+        softcap (0: none), window (0: none)."""
+        return dict(scale=self.attn_scale or None, softcap=self.attn_softcap, window=self.window(i))
+
     @property
     def spec(self) -> Arch:
         """The architecture's declaration (models/archs/<arch>.py)."""
@@ -71,6 +117,12 @@ class ModelConfig:
     @property
     def rope_mode(self) -> int:
         return self.spec.rope_mode
+
+    @classmethod
+    def new(cls, arch: str, **values) -> "ModelConfig":
+        """A config for a new model of `arch` (train-from-scratch): the family's defaults
+        (Arch.defaults: gemma2's soft-caps and window, ...) overridden by `values`."""
+        return cls(arch=arch, **(dict(get_arch(arch).defaults) | values))
 
     @classmethod
     def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
@@ -134,8 +186,8 @@ class ModelConfig:
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
         if spec.read_hparams is not None:
-            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, raw=lambda key, default=None:
-                                                        md.get(f"{arch}.{key}", default)))
+            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, source=source, arch=arch,
+                                                        raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
         try:
             return cls(**values)
         except LlamatuneError as e:

@@ -1,11 +1,18 @@
 """Inference forward pass with a KV cache: tokens (B, T) -> logits (B, T, V) in f32.
 
-Mirrors llama.cpp's llm_build_llama / llm_build_qwen2 graph:
-    x = token_embd[tokens]
-    per layer:  x += Wo · attn(rope(Wq·n(x)), rope(Wk·n(x)), Wv·n(x))     n = RMSNorm(attn_norm)
-                x += Wdown · (silu(Wgate·n(x)) * Wup·n(x))                 n = RMSNorm(ffn_norm)
-    logits = Wout · RMSNorm(x, output_norm)
-Matmuls run on one weight at a time dequantized into a scratch buffer
+Mirrors llama.cpp's per-architecture graph builders (src/models/llama.cpp, qwen2,
+qwen3, gemma, gemma2, gemma3), read from the architecture's declaration (models/arch.py)
+and its config:
+    x = token_embd[tokens]                       (gemma: times sqrt(n_embd))
+    per layer:  q, k, v = Wq·n(x), Wk·n(x), Wv·n(x)                      n = RMSNorm(attn_norm)
+                q, k = RMSNorm per head (attn_q_norm, attn_k_norm)      (qwen3, gemma3)
+                a = Wo · attn(rope(q), rope(k), v)    scale, soft-cap, sliding window per layer
+                x += a          (gemma2/3: x += RMSNorm(a, post_attention_norm))
+                f = Wdown · (act(Wgate·n(x)) * Wup·n(x))   act = silu or gelu; n = RMSNorm(ffn_norm)
+                x += f          (gemma2/3: x += RMSNorm(f, post_ffw_norm))
+    logits = Wout · RMSNorm(x, output_norm)      (gemma2: cap * tanh(logits / cap))
+Rope uses one cache per distinct (base, scale) of the layers (gemma3's local layers
+have their own). Matmuls run on one weight at a time dequantized into a scratch buffer
 (weights.FrozenBase), the output head in row blocks; everything elementwise runs in the backend's kernels (numba
 on the CPU, numba-cuda on a GPU). Runtime LoRA adapters (as llama.cpp applies them
 with --lora) add `scale · (x A^T) B^T` to each matmul.
@@ -84,6 +91,24 @@ class Runner:
             x += (s * a[tokens]) @ b.T
         return x
 
+    def _head_norm(self, t, name: str):
+        """RMSNorm of every head of t (B, T, H, HS) with one (HS,) weight, into a new array."""
+        B, T, H, HS = t.shape
+        out = self.xp.empty_like(t)
+        rstd = self.xp.empty(B * T * H, np.float32)
+        self.ops.rmsnorm.rmsnorm_forward(out.reshape(-1, HS), rstd, t.reshape(-1, HS), self.base.vector(name),
+                                         self.cfg.norm_eps)
+        return out
+
+    def _post_norm(self, y, name: str, rstd):
+        """RMSNorm(y, name) when the layer has that norm (gemma2/3 sandwich norms), else y."""
+        w = self.base.vector(name)
+        if w is None:
+            return y
+        out = self.xp.empty_like(y)
+        self.ops.rmsnorm.rmsnorm_forward(out, rstd, y, w, self.cfg.norm_eps)
+        return out
+
     def forward(self, tokens: np.ndarray, cache: KVCache | None = None) -> np.ndarray:
         """tokens (B, T) int (host) -> logits (B, T, V) f32 on the backend's device. With a
         cache, the tokens follow the cache's n_past positions and their keys/values are
@@ -96,24 +121,34 @@ class Runner:
         if cache is not None and n_past + T > cache.n_ctx:
             raise ValueError(f"KV cache overflow: {n_past} + {T} > {cache.n_ctx}")
 
-        cos = np.empty((T, cfg.n_rot // 2), np.float32)
-        sin = np.empty_like(cos)
-        host_rope.rope_cache(cos, sin, np.arange(n_past, n_past + T, dtype=np.int64), cfg.n_rot,
-                             cfg.rope_freq_base, cfg.rope_freq_scale, self.base.rope_freqs)
-        cos, sin = self.backend.to_device(cos), self.backend.to_device(sin)
+        ropes = []                                    # one (cos, sin) per distinct layer rope
+        for base, scale in cfg.rope_sets:
+            cos = np.empty((T, cfg.n_rot // 2), np.float32)
+            sin = np.empty_like(cos)
+            host_rope.rope_cache(cos, sin, np.arange(n_past, n_past + T, dtype=np.int64), cfg.n_rot,
+                                 base, scale, self.base.rope_freqs)
+            ropes.append((self.backend.to_device(cos), self.backend.to_device(sin)))
 
+        spec = cfg.spec
         x = self.embed(self.backend.to_device(tokens.reshape(-1)))   # (N, C) residual stream
+        if spec.embd_scale:
+            x *= np.float32(np.sqrt(np.float32(C)))                  # ggml_scale(inpL, sqrtf(n_embd))
         xn = xp.empty_like(x)
         rstd = xp.empty(N, np.float32)
         att = xp.empty((B, T, NH, HS), np.float32)
         lse = xp.empty((B, NH, T), np.float32)
         h = xp.empty((N, cfg.n_ff), np.float32)
+        gate = ops.geglu.geglu_forward if spec.activation == "gelu" else ops.swiglu.swiglu_forward
         for i in range(cfg.n_layer):
             p = f"blk.{i}."
+            cos, sin = ropes[cfg.rope_set(i)]
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "attn_norm.weight"), cfg.norm_eps)
             q = self.linear(xn, p + "attn_q.weight").reshape(B, T, NH, HS)
             k = self.linear(xn, p + "attn_k.weight").reshape(B, T, NKV, HS)
             v = self.linear(xn, p + "attn_v.weight").reshape(B, T, NKV, HS)
+            if spec.qk_norm:                                         # per head, one (HS,) weight
+                q, k = (self._head_norm(t, p + name) for t, name in ((q, "attn_q_norm.weight"),
+                                                                     (k, "attn_k_norm.weight")))
             ops.rope.rope_forward(q, q, cos, sin, cfg.n_rot, cfg.rope_mode)
             ops.rope.rope_forward(k, k, cos, sin, cfg.n_rot, cfg.rope_mode)
             if cache is not None:
@@ -121,17 +156,20 @@ class Runner:
                 cache.v[i][:, n_past:n_past + T] = v
                 k = cache.k[i][:, :n_past + T]
                 v = cache.v[i][:, :n_past + T]
-            ops.attention.attention_forward(att, lse, q, k, v, n_past)
-            x += self.linear(att.reshape(N, NH * HS), p + "attn_output.weight")
+            ops.attention.attention_forward(att, lse, q, k, v, n_past, **cfg.attention_options(i))
+            x += self._post_norm(self.linear(att.reshape(N, NH * HS), p + "attn_output.weight"),
+                                 p + "post_attention_norm.weight", rstd)
 
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "ffn_norm.weight"), cfg.norm_eps)
             g = self.linear(xn, p + "ffn_gate.weight")
             u = self.linear(xn, p + "ffn_up.weight")
-            ops.swiglu.swiglu_forward(h, g, u)
-            x += self.linear(h, p + "ffn_down.weight")
+            gate(h, g, u)
+            x += self._post_norm(self.linear(h, p + "ffn_down.weight"), p + "post_ffw_norm.weight", rstd)
 
         ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector("output_norm.weight"), cfg.norm_eps)
         logits = self.head(xn)
+        if cfg.final_softcap:
+            ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if cache is not None:
             cache.n_past += T
         return logits.reshape(B, T, cfg.n_vocab)

@@ -76,7 +76,8 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
             {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices},
             {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases}))
     token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
-    output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if "output.weight" in f else token_embd
+    has_output = "output.weight" in f and not spec.tied          # gemma, gemma2: always token_embd
+    output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if has_output else token_embd
     rope_freqs = _vector(f, "rope_freqs.weight", cfg.n_rot // 2) if "rope_freqs.weight" in f else None
     return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers, rope_freqs)
 

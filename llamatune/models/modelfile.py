@@ -38,7 +38,9 @@ def parse_outtype(name: str) -> QType:
 
 
 def tensor_names(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a model with `cfg`, llama.cpp names -> numpy shape, in llama.cpp's order."""
+    """Every tensor of a model with `cfg`, llama.cpp names -> numpy shape, in llama.cpp's order
+    (no `output` when tied, or when the architecture always ties its head)."""
+    tied = tied or cfg.spec.tied
     names: dict[str, tuple[int, ...]] = {"token_embd.weight": tensor_shape(cfg, "token_embd"),
                                          "output_norm.weight": (cfg.n_embd,)}
     if not tied:

@@ -23,11 +23,16 @@ Every buffer is listed by `buffer_plan` (what the memory estimate counts) and
 allocated from that list. The output head is expanded in row blocks inside the
 token-chunked head loop, so nothing of size vocabulary x embedding exists in f32.
 
-Per layer, with xn = RMSNorm(x):
-    q, k, v = rope(xn Wq^T), rope(xn Wk^T), xn Wv^T
-    x_mid   = x + attn(q, k, v) Wo^T
-    g, u    = n2 Wg^T, n2 Wu^T           n2 = RMSNorm(x_mid)
-    x_out   = x_mid + (silu(g) * u) Wd^T
+Per layer, with xn = RMSNorm(x), the architecture's options (models/arch.py) in brackets:
+    q, k, v = xn Wq^T, xn Wk^T, xn Wv^T      [qk_norm: q, k = RMSNorm per head (qp, kp kept)]
+    q, k    = rope(q), rope(k)               (the layer's rope cache: gemma3's local layers differ)
+    o       = attn(q, k, v) Wo^T             (the layer's scale, soft-cap and sliding window)
+    x_mid   = x + o                          [post_norms: x + RMSNorm(o, post_attention_norm)]
+    g, u    = n2 Wg^T, n2 Wu^T               n2 = RMSNorm(x_mid)
+    f       = (act(g) * u) Wd^T              act = silu (SwiGLU) or gelu (GeGLU)
+    x_out   = x_mid + f                      [post_norms: x_mid + RMSNorm(f, post_ffw_norm)]
+The embedding may be scaled (gemma: sqrt(n_embd)) and the logits soft-capped (gemma2)
+before the loss, chunk by chunk.
 """
 from __future__ import annotations
 
@@ -49,7 +54,12 @@ from .params import (
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
-LORA_VECTOR_KINDS = ("attn_norm", "ffn_norm", "output_norm", "output", "token_embd")   # no (N, r) x A^T buffer
+LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
+
+
+def _has_xa(cfg: ModelConfig, kind: str) -> bool:
+    """Whether an adapter on `kind` keeps an (N, r) x A^T buffer (matrices inside a layer)."""
+    return kind not in LORA_VECTOR_KINDS and kind not in cfg.spec.norms
 
 
 @dataclass
@@ -69,6 +79,14 @@ class LayerActs:
     xn1: np.ndarray | None = None   # (N, C) only in mode "none"
     xn2: np.ndarray | None = None   # (N, C)
     h: np.ndarray | None = None     # (N, F)
+    qp: np.ndarray | None = None     # (N, NH*HS)  q before its per-head norm (qk_norm)
+    kp: np.ndarray | None = None     # (N, NKV*HS) k before its per-head norm
+    rstd_q: np.ndarray | None = None  # (N*NH,)
+    rstd_k: np.ndarray | None = None  # (N*NKV,)
+    o: np.ndarray | None = None      # (N, C) attention output projection (post_norms)
+    rstd_o: np.ndarray | None = None  # (N,)
+    f: np.ndarray | None = None      # (N, C) feed-forward output (post_norms)
+    rstd_f: np.ndarray | None = None  # (N,)
 
 
 def checkpointing_mode(checkpointing) -> str:
@@ -93,13 +111,19 @@ def grad_scratch(cfg: ModelConfig, N: int, mode: str) -> dict[str, tuple[int, in
     return views
 
 
-def head_chunk(N: int, n_vocab: int, room: int = 0) -> int:
-    """Token rows of logits computed at a time: the N tokens in as few chunks as fit
-    `room` floats (the gradient scratch they overlay) or HEAD_CHUNK_BYTES, whichever
-    holds more, all of about the same size. Every chunk expands the quantized head twice
-    (logits, gradient to its input), so fewer, larger chunks expand it less often and
-    multiply it in better-shaped products."""
-    most = max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // n_vocab))
+def head_floats(cfg: ModelConfig) -> int:
+    """Floats the head keeps per token of a chunk: its logits, and with a final soft-cap
+    their gradient beside them (the capped logits stay for the cap's backward)."""
+    return cfg.n_vocab * (2 if cfg.final_softcap else 1)
+
+
+def head_chunk(N: int, per_token: int, room: int = 0) -> int:
+    """Token rows of the head computed at a time (`per_token` floats each, head_floats):
+    the N tokens in as few chunks as fit `room` floats (the scratch they overlay) or
+    HEAD_CHUNK_BYTES, whichever holds more, all of about the same size. Every chunk
+    expands the quantized head twice (logits, gradient to its input), so fewer, larger
+    chunks expand it less often and multiply it in better-shaped products."""
+    most = max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // per_token))
     return -(-N // -(-N // most))                                  # ceil(N / ceil(N / most))
 
 
@@ -115,20 +139,29 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
             "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
     if mode == "none":
         acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
+    if cfg.spec.qk_norm:
+        acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
+    if cfg.spec.post_norms:
+        acts |= {"o": (N, C), "rstd_o": (N,), "f": (N, C), "rstd_f": (N,)}
     plan: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.n_layer):
         for k, shape in acts.items():
             plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
     plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
     for t in targets:                                              # x A^T of each adapter (shared per kind
-        if t.kind not in LORA_VECTOR_KINDS:                        # in layer mode: recomputed with the layer)
+        if _has_xa(cfg, t.kind):                                   # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
     room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
-    chunk = head_chunk(N, V, room)
+    per_token = head_floats(cfg)
+    chunk = head_chunk(N, per_token, room)
     plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
-             "grads_logits": (max(room, chunk * V),),                # grad_scratch, or the head's (chunk, V) logits
+             "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
              "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
+        plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
+    if cfg.spec.qk_norm:
+        plan |= {"dqp": (N, Cq), "dkp": (N, Ckv)}
     head_tmp = 0                                                   # products added to a block in the head
     if any(t.kind == "output" for t in targets):
         head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
@@ -166,7 +199,7 @@ class Graph:
             get = lambda k: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}"))  # noqa: E731
             self.layers.append(LayerActs(*(get(f.name) for f in fields(LayerActs))))
         self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
-                   for t in targets if t.kind not in LORA_VECTOR_KINDS}
+                   for t in targets if _has_xa(cfg, t.kind)}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
@@ -174,17 +207,26 @@ class Graph:
         for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
             setattr(self, name, shared[at: at + n * m].reshape(n, m))
             at += n * m
-        self.chunk = head_chunk(self.N, cfg.n_vocab, at)
-        self.logits = shared[: self.chunk * cfg.n_vocab].reshape(self.chunk, cfg.n_vocab)
+        self.chunk, V = head_chunk(self.N, head_floats(cfg), at), cfg.n_vocab
+        self.logits = shared[: self.chunk * V].reshape(self.chunk, V)
+        self.dlogits = None                                                 # the capped logits' gradient
+        if cfg.final_softcap:
+            self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
-        cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
-        host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
-                             cfg.rope_freq_base, cfg.rope_freq_scale, base.rope_freqs)
-        self.cos, self.sin = buf["rope_cos"], buf["rope_sin"]
-        self.cos[...] = self.backend.to_device(cos.astype(dtype))
-        self.sin[...] = self.backend.to_device(sin.astype(dtype))
-        self.rope_host, self.rope_rows = (cos, sin), (self.cos, self.sin)  # f32 cache; 0..T-1 tables
+        self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
+        self.rope_host, self.rope_rows = [], []        # per rope set: f32 cache; 0..T-1 tables
+        for j, (rope_base, rope_scale) in enumerate(cfg.rope_sets):
+            cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
+            host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
+                                 rope_base, rope_scale, base.rope_freqs)
+            dcos, dsin = buf["rope_cos" + (f".{j}" if j else "")], buf["rope_sin" + (f".{j}" if j else "")]
+            dcos[...] = self.backend.to_device(cos.astype(dtype))
+            dsin[...] = self.backend.to_device(sin.astype(dtype))
+            self.rope_host.append((cos, sin))
+            self.rope_rows.append((dcos, dsin))
+        self.ropes = self.rope_rows                    # the step's tables, per rope set
+        self.rope_buffers = {k: v for k, v in buf.items() if k.startswith("rope_")}
         self.segments = None
         self.step_key = (0,)
 
@@ -193,35 +235,45 @@ class Graph:
     def checkpointing(self) -> bool:
         return self.mode != "none"
 
+    @property
+    def cos(self) -> np.ndarray:
+        """The step's rope cos table of the first rope set (every layer's, for most models)."""
+        return self.ropes[0][0]
+
+    @property
+    def sin(self) -> np.ndarray:
+        return self.ropes[0][1]
+
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
         return plan_bytes(self.plan, self.tmp.dtype.itemsize)
 
     def _set_packing(self, positions, segments) -> None:
-        """Rope tables (self.cos, self.sin) and attention segments of one step (packed
+        """Rope tables (self.ropes: (cos, sin) per rope set) and attention segments of one step (packed
         rows, issue 9's --pack): positions (B, T) int64 rope position of each token or
         None (0..T-1 in every row); segments (B, T) int32 sample id of each token or
         None (one sample per row). Per-token tables are gathered from a float32 cache
         of positions 0..max, so a packed sample rotates exactly as it does alone."""
         shape = (self.B, self.T)
         if positions is None:
-            self.cos, self.sin = self.rope_rows
+            self.ropes = self.rope_rows
         else:
             positions = np.asarray(positions)
             if positions.shape != shape or positions.dtype.kind not in "iu":
                 raise ValueError(f"graph: positions must be an integer array of shape {shape}, "
                                  f"got {positions.dtype} {positions.shape}")
             positions = positions.astype(np.int64)
-            cos, sin = self.rope_host
-            if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
-                n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
-                cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
-                host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
-                                     self.cfg.rope_freq_base, self.cfg.rope_freq_scale, self.base.rope_freqs)
-                self.rope_host = (cos, sin)
-            dtype = self.tmp.dtype
-            self.cos, self.sin = (self.backend.to_device(a.astype(dtype))
-                                  for a in host_rope.rope_tables(cos, sin, positions))
+            dtype, self.ropes = self.tmp.dtype, []
+            for j, (rope_base, rope_scale) in enumerate(self.cfg.rope_sets):
+                cos, sin = self.rope_host[j]
+                if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
+                    n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
+                    cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
+                    host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
+                                         rope_base, rope_scale, self.base.rope_freqs)
+                    self.rope_host[j] = (cos, sin)
+                self.ropes.append(tuple(self.backend.to_device(a.astype(dtype))
+                                        for a in host_rope.rope_tables(cos, sin, positions)))
         self.segments = None
         if segments is not None:
             segments = np.asarray(segments)
@@ -310,35 +362,79 @@ class Graph:
             dx += dxd if mask is None else dxd * mask
 
     # ------------------------------------------------------------------ forward
+    def _embd_scale(self):
+        """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
+        return self.tmp.dtype.type(np.sqrt(np.float32(self.cfg.n_embd)))
+
     def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         self.base.embed(tokens, x)
         t = self.lora.get("token_embd.weight")
         if t is not None:
             x += self.xp.matmul(t.scale * self.params[t.a][tokens], self.params[t.b].T, out=self._scratch(*x.shape))
+        if self.cfg.spec.embd_scale:
+            x *= self._embd_scale()
+
+    def _gate(self):
+        """The feed-forward gate's (forward, backward) kernels: SwiGLU or GeGLU (Arch.activation)."""
+        if self.cfg.spec.activation == "gelu":
+            return self.ops.geglu.geglu_forward, self.ops.geglu.geglu_backward
+        return self.ops.swiglu.swiglu_forward, self.ops.swiglu.swiglu_backward
+
+    def _head_norm(self, y: np.ndarray, rstd: np.ndarray, x: np.ndarray, name: str) -> None:
+        """y = RMSNorm of every head of x (N, H*HS) with one (HS,) weight (qk_norm)."""
+        HS = self.cfg.head_dim
+        self.ops.rmsnorm.rmsnorm_forward(y.reshape(-1, HS), rstd, x.reshape(-1, HS), self._norm_weight(name),
+                                         self.cfg.norm_eps)
+
+    def _head_norm_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, rstd: np.ndarray,
+                            name: str) -> None:
+        HS = self.cfg.head_dim
+        dw = self.dnorm[:HS]
+        dw.fill(0.0)
+        self.ops.rmsnorm.rmsnorm_backward(dx.reshape(-1, HS), dw, dy.reshape(-1, HS), x.reshape(-1, HS),
+                                          self._norm_weight(name), rstd)
+        self._norm_grad(name, dw)
 
     def _layer_forward(self, i: int, x_out: np.ndarray) -> None:
         cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
         B, T = self.B, self.T
+        cos, sin = self.ropes[cfg.rope_set(i)]
         xn = self.xn if a.xn1 is None else a.xn1
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
-        self.linear(a.q, xn, p + "attn_q.weight")
-        self.linear(a.k, xn, p + "attn_k.weight")
+        if cfg.spec.qk_norm:
+            self.linear(a.qp, xn, p + "attn_q.weight")
+            self.linear(a.kp, xn, p + "attn_k.weight")
+            self._head_norm(a.q, a.rstd_q, a.qp, p + "attn_q_norm.weight")
+            self._head_norm(a.k, a.rstd_k, a.kp, p + "attn_k_norm.weight")
+        else:
+            self.linear(a.q, xn, p + "attn_q.weight")
+            self.linear(a.k, xn, p + "attn_k.weight")
         self.linear(a.v, xn, p + "attn_v.weight")
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        self.ops.rope.rope_forward(q4, q4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
-        self.ops.rope.rope_forward(k4, k4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_forward(k4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
         self.ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
-                                    a.v.reshape(k4.shape), 0, segments=self.segments)
-        self.linear(a.x_mid, a.att, p + "attn_output.weight")
+                                    a.v.reshape(k4.shape), 0, segments=self.segments, **cfg.attention_options(i))
+        if cfg.spec.post_norms:
+            self.linear(a.o, a.att, p + "attn_output.weight")
+            self.ops.rmsnorm.rmsnorm_forward(a.x_mid, a.rstd_o, a.o, self._norm_weight(p + "post_attention_norm.weight"),
+                                             cfg.norm_eps)
+        else:
+            self.linear(a.x_mid, a.att, p + "attn_output.weight")
         a.x_mid += a.x
         xn = self.xn if a.xn2 is None else a.xn2
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
         self.linear(a.g, xn, p + "ffn_gate.weight")
         self.linear(a.u, xn, p + "ffn_up.weight")
         h = self.h if a.h is None else a.h
-        self.ops.swiglu.swiglu_forward(h, a.g, a.u)
-        self.linear(x_out, h, p + "ffn_down.weight")
+        self._gate()[0](h, a.g, a.u)
+        if cfg.spec.post_norms:
+            self.linear(a.f, h, p + "ffn_down.weight")
+            self.ops.rmsnorm.rmsnorm_forward(x_out, a.rstd_f, a.f, self._norm_weight(p + "post_ffw_norm.weight"),
+                                             cfg.norm_eps)
+        else:
+            self.linear(x_out, h, p + "ffn_down.weight")
         x_out += a.x_mid
 
     def _head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
@@ -370,11 +466,19 @@ class Graph:
                 xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
                 if t is not None:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
+            if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
+                self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
             if not backward:
                 self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
                 continue
-            self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], logits, logits,
-                                                                  targets[lo:hi], weights[lo:hi])
+            if cfg.final_softcap:                            # d(capped) aside, then back through the cap
+                dcap = self.dlogits[: hi - lo]
+                self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], dcap, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
+                self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
+            else:
+                self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], logits, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
             for j, (vlo, vhi) in enumerate(reversed(blocks)):
                 W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
                 if j == 0:
@@ -397,12 +501,14 @@ class Graph:
         cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
         B, T = self.B, self.T
         dx_out = self.dx
+        gate_forward, gate_backward = self._gate()
         # ---- feed-forward
         if a.h is None:
-            self.ops.swiglu.swiglu_forward(self.h, a.g, a.u)
+            gate_forward(self.h, a.g, a.u)
         h = self.h if a.h is None else a.h
-        self.linear_backward(self.dh, dx_out, h, p + "ffn_down.weight", accumulate=False)
-        self.ops.swiglu.swiglu_backward(self.dg, self.du, self.dh, a.g, a.u)
+        self.linear_backward(self.dh, self._post_norm_backward(dx_out, a.f, a.rstd_f, p + "post_ffw_norm.weight"),
+                             h, p + "ffn_down.weight", accumulate=False)
+        gate_backward(self.dg, self.du, self.dh, a.g, a.u)
         wn2 = self._norm_weight(p + "ffn_norm.weight")
         if a.xn2 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
@@ -415,29 +521,50 @@ class Graph:
         dx_mid = dx_out
         dx_mid += self.dx2                                   # residual: dL/d(x_mid)
         # ---- attention
-        self.linear_backward(self.datt, dx_mid, a.att, p + "attn_output.weight", accumulate=False)
+        self.linear_backward(self.datt, self._post_norm_backward(dx_mid, a.o, a.rstd_o, p + "post_attention_norm.weight"),
+                             a.att, p + "attn_output.weight", accumulate=False)
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
         self.ops.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
                                      q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
-                                     segments=self.segments)
-        self.ops.rope.rope_backward(dq4, dq4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
-        self.ops.rope.rope_backward(dk4, dk4, self.cos, self.sin, cfg.n_rot, cfg.rope_mode)
+                                     segments=self.segments, **cfg.attention_options(i))
+        cos, sin = self.ropes[cfg.rope_set(i)]
+        self.ops.rope.rope_backward(dq4, dq4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        self.ops.rope.rope_backward(dk4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        dq, dk = self.dq, self.dk
+        if cfg.spec.qk_norm:                                  # back through the per-head norms
+            self._head_norm_backward(self.dqp, dq, a.qp, a.rstd_q, p + "attn_q_norm.weight")
+            self._head_norm_backward(self.dkp, dk, a.kp, a.rstd_k, p + "attn_k_norm.weight")
+            dq, dk = self.dqp, self.dkp
         wn1 = self._norm_weight(p + "attn_norm.weight")
         if a.xn1 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
-        self.linear_backward(self.dxn, self.dq, xn1, p + "attn_q.weight", accumulate=False)
-        self.linear_backward(self.dxn, self.dk, xn1, p + "attn_k.weight", accumulate=True)
+        self.linear_backward(self.dxn, dq, xn1, p + "attn_q.weight", accumulate=False)
+        self.linear_backward(self.dxn, dk, xn1, p + "attn_k.weight", accumulate=True)
         self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
         self._norm_grad(p + "attn_norm.weight", self.dnorm)
         self.dx += self.dx2                                   # residual: dL/d(layer input)
 
+    def _post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
+                            name: str) -> np.ndarray:
+        """Gradient through a sandwich norm (post_norms): dL/d(its input) into self.dx2, or
+        dy itself when the layer has none."""
+        if y_in is None:
+            return dy
+        self.dnorm.fill(0.0)
+        w = self._norm_weight(name)
+        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, dy, y_in, w, rstd)
+        self._norm_grad(name, self.dnorm)
+        return self.dx2
+
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
+        if self.cfg.spec.embd_scale:
+            dx *= self._embd_scale()
         if self.base.trainable:
             self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
         t = self.lora.get("token_embd.weight")

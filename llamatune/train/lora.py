@@ -49,6 +49,10 @@ def lora_targets(cfg: ModelConfig, ranks: dict[str, int], alpha: float, tied: bo
     if tied and (ranks.get("output", 0) or ranks.get("token_embd", 0)):
         raise LlamatuneError("this model ties output and token_embd (one tensor): llama.cpp would apply a "
                              "token_embd or output adapter to both, so --rank-tok-embd/--rank-out must be 0")
+    absent = [k for k, r in ranks.items() if r > 0 and k.endswith("_norm") and k != "output_norm"
+              and k not in cfg.spec.norms]
+    if absent:
+        raise LlamatuneError(f"a {cfg.arch} model has no {', '.join(absent)} tensors: their LoRA rank must be 0")
     names: list[tuple[str, str, tuple[int, ...]]] = [
         ("token_embd.weight", "token_embd", tensor_shape(cfg, "token_embd")),
         ("output_norm.weight", "output_norm", (cfg.n_embd,)),
