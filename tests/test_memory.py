@@ -154,16 +154,18 @@ def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
     assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
 
 
-def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch):
     """After compile_kernels, a LoRA step and an evaluation on a quantized model (packed
-    rows, read-only memory-mapped weights) add no numba specialization: nothing is
-    compiled or loaded after the runtime was measured."""
+    rows, read-only memory-mapped weights; gemma2: GeGLU, soft-caps, post norms) add no
+    numba specialization: nothing is compiled or loaded after the runtime was measured."""
     from gguf import GGMLQuantizationType as QType
     from numba.core.registry import CPUDispatcher
     from conftest import write_tiny_model
     from llamatune.backend import cpu
     from llamatune.train.memory import compile_kernels
-    m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0))
+    family = dict(attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2) if arch == "gemma2" else {}
+    m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0, arch=arch, n_layer=3, **family))
     backend = cpu()
     compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config)
 
@@ -172,7 +174,9 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab):
                 for name, k in vars(mod).items() if isinstance(k, CPUDispatcher)}
     before = signatures()
     cfg = m.config
-    targets = lora_targets(cfg, RANKS, 2.0, tied=False)
+    tied = m.weights.output is m.weights.token_embd
+    targets = lora_targets(cfg, {k: r for k, r in RANKS.items() if not tied or k not in ("output", "token_embd")},
+                           2.0, tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     g = Graph(cfg, FrozenBase(m), params, targets, 2, 8, "layer")

@@ -17,7 +17,7 @@ refused with what would fit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -157,7 +157,8 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     numba's disk cache) so that the runtime measured afterwards includes them. numba
     compiles a kernel apart for each array layout it sees, and the attention's slices
     are contiguous or not depending on the heads per KV head: the tiny model has the
-    grouping of `like` (the run's ModelConfig), with one KV head when that has one."""
+    grouping of `like` (the run's ModelConfig), with one KV head when that has one, and
+    its family and hyperparameters (activation, soft-caps, norms, windows)."""
     from ..models.config import ModelConfig
     from ..models.modelfile import random_weights, tensor_names
     from .optimizer import optimizer_step
@@ -165,12 +166,14 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     if backend.name != "cpu":
         return
     kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
-    cfg = ModelConfig(arch="llama", n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=1, n_ff=64, n_head=kv * group,
-                      n_head_kv=kv, head_dim=16, n_rot=16, norm_eps=1e-5)
+    tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
+                head_dim=16, n_rot=16)
+    cfg = ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)   # the run's family
     params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
     for n, a in random_weights(cfg, seed=0).items():
         params[n][...] = a
-    Graph(cfg, DenseWeights(params), params, [], 2, 8, "none").warm_up(packed=getattr(opts, "pack", False))
+    graph = Graph(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
+    graph.warm_up(packed=getattr(opts, "pack", False))
     params.grad[...] = 1.0                                      # an update that uses every kernel
     optimizer_step(params, 0, opts)
     from gguf import GGML_QUANT_SIZES
