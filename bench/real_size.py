@@ -15,7 +15,8 @@ F32 norms, a dummy vocabulary.
 Each (shape, ctx, mode) runs in a fresh process: load, estimate (memory.Planner, as
 the trainer computes it), one step (batch 1, LoRA r 8 on q,k,v,o,gate,up,down,
 AdamW), peak RSS (VmHWM). The first step is also the first touch of the model's
-pages; run it twice (`--steps 2`) to see a warm step.
+pages; run it twice (`--steps 2`) to see a warm step, or not at all (`--steps 0`)
+for the estimate alone.
 
     python bench/real_size.py [--shapes llama2-7b,llama3-8b,qwen2.5-1.5b] [--ctx 512,2048] [--mode layer]
         [--steps 1] [--workdir /tmp/llamatune-real]
@@ -142,7 +143,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)
     load_s = time.perf_counter() - t_load
-    times = []
+    times, loss = [], float("nan")
     for i in range(steps):
         t = time.perf_counter()
         params.zero_grad()
@@ -193,6 +194,10 @@ def main() -> None:
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             g = 2**30
+            if not r["step_s"]:                     # --steps 0: the estimate alone
+                print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f}  (runtime {r['runtime'] / g:.2f}, "
+                      f"graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}; no step run)", flush=True)
+                continue
             steps = "/".join(f"{s:.0f}" for s in r["step_s"])
             rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
             print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
