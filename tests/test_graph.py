@@ -317,7 +317,7 @@ def test_head_chunk_sizes():
     V = HEAD_CHUNK_BYTES // 4 // 4                        # HEAD_CHUNK_BYTES hold 4 rows of logits
     assert head_chunk(9, V) == 3                          # 3 chunks of 3, not 4 + 4 + 1
     assert head_chunk(9, V, 5 * V) == 5                   # the room holds 5: 2 chunks
-    assert head_chunk(2048, 32000, 12_582_912) == 342     # the bench shape: 6 chunks
+    assert head_chunk(2048, 32000, 2048 * 8192) == 512    # the bench shape, selective: 4 chunks
     assert head_chunk(10**6, 2**20) == HEAD_CHUNK_BYTES // 4 // 2**20
     assert head_chunk(5, 10**9) == 1 and head_chunk(5, 10, 10**6) == 5
 
