@@ -1,5 +1,7 @@
 """Cross-check the architectures beyond llama against a local llama.cpp build (a script,
-not a test: CI has no llama.cpp). One function per architecture family.
+not a test: CI has no llama.cpp). One function per architecture family; phi3 (fused
+projections, longrope rope factors at a short and a long context, Q4_K too) has its own
+pair, phi3_record and phi3_structured, at the end.
 
 Two parts, per architecture:
 
@@ -165,9 +167,131 @@ def structured(c: lc.Ctx, arch: str, vocab: list) -> None:
         c.add("B", name, repr(a), repr(b), f"same {n}/{max(len(a), len(b))} chars", a == b)
 
 
+# --------------------------------------------------------------------------- phi3 (fused projections, longrope)
+PHI3_RECORD = HERE.parent / "tests" / "fixtures" / "arch_llamacpp_phi3.json"
+PHI3_SCRATCH_ITERS = 150     # train-from-scratch steps that give the phi3 its structure
+QUANTS = ("q8_0", "q4_k")    # phi3's rows are 256 wide: Q4_K blocks fit
+
+
+def requantize(src: Path, dst: Path, outtype: str) -> None:
+    """`src` (F32) written again with every matrix in `outtype` by llamatune's writer."""
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.kernels import dequant
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import parse_outtype, vocab_kvs, write_model
+    f = GGUFFile(src)
+    cfg = ModelConfig.from_metadata(f.metadata, str(src))
+    w = {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape) for n, t in f.tensors.items()}
+    write_model(dst, cfg, w, vocab_kvs(f), parse_outtype(outtype), name=f"crosscheck {outtype}")
+
+
+def phi3_record(c: lc.Ctx) -> None:
+    """Part A for phi3: the seeded model of tests/arch_reference.py:seeded_phi3, F32 exactly,
+    at a context with the short and one with the long rope factors, without and with its
+    adapter; figures to tests/fixtures/arch_llamacpp_phi3.json."""
+    from arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
+    d = c.work / "phi3" / "seeded"
+    model, adapter = seeded_phi3(d, lc.SHARED / "vocab" / "ggml-vocab-phi-3.gguf")
+    text = d / "eval-seeded.txt"
+    text.write_text(lc.EVAL.read_text(encoding="utf-8")[:PHI3_SEEDED_CHARS], encoding="utf-8")
+    figures = []
+    for n_ctx in PHI3_CONTEXTS:
+        for with_lora in (False, True):
+            name = f"phi3 seeded F32 c={n_ctx}" + (" +adapter" if with_lora else "")
+            lora = ["--lora", adapter] if with_lora else []
+            lt = lc.ppl_of(c.lt(f"llamatune perplexity {name}", "perplexity", "-m", model, "-f", text, "-c", n_ctx,
+                                "-b", n_ctx, *lora), name)
+            cpp = lc.ppl_of(lc.run_cpp_complete(c, f"llama-perplexity {name}", [
+                c.cpp("llama-perplexity"), "-m", model, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", c.threads,
+                *lora, *lc.CPP_EXACT], lc.PPL_RE), name)
+            c.add("A", name, f"{lt:.4f}", f"{cpp:.4f}", f"{lc.rel(lt, cpp):+.2e}", abs(lc.rel(lt, cpp)) < 2e-5)
+            figures.append({"n_ctx": n_ctx, "lora": with_lora, "llama_cpp": cpp})
+    PHI3_RECORD.write_text(json.dumps(figures, indent=1) + "\n")
+    print(f"  recorded {PHI3_RECORD}")
+
+
+def phi3_model(c: lc.Ctx) -> Path:
+    """phi3 from scratch (fused attn_qkv / ffn_up, NEOX) on shakespeare.txt, then given the
+    longrope of tests/arch_reference.py:longrope (rope factors, attention factor, original
+    context 256 of 512, 3/4 of each head rotated). The rope change comes after training:
+    the adapter finetuned on it relearns some of what it breaks."""
+    from arch_reference import longrope
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.kernels import dequant
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import vocab_kvs, write_model
+    d = c.work / "phi3"
+    out, src = d / "phi3-longrope-f32.gguf", d / "scratch-LATEST.gguf"
+    if c.reuse and out.exists():
+        return out
+    if not (c.reuse and src.exists()):
+        d.mkdir(parents=True, exist_ok=True)
+        c.lt("phi3: structure (train-from-scratch)", "train-from-scratch", "--arch", "phi3", "--train-data",
+             lc.TRAIN, "--vocab-size", 1000, "--embd", 256, "--head", 8, "--head-kv", 4, "--layer", 2, "--ff", 512,
+             "--ctx", 64, "--batch", 8, "--adam-iter", PHI3_SCRATCH_ITERS, "--adam-alpha", 1e-3, "--save-every", 0,
+             "--threads", c.threads, "--checkpoint-out", d / "chk-ITERATION.gguf",
+             "--model-out", d / "scratch-ITERATION.gguf")
+    f = GGUFFile(src)
+    cfg, factors = longrope(ModelConfig.from_metadata(f.metadata, str(src)))
+    w = {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape) for n, t in f.tensors.items()}
+    # not "phi3" in general.name: llama.cpp then looks for Phi-3's chat tokens (llama-vocab.cpp)
+    write_model(out, cfg, w | factors, vocab_kvs(f), name="longrope test model")
+    return out
+
+
+def phi3_structured(c: lc.Ctx) -> None:
+    """Part B for phi3: perplexity F32 exactly, Q8_0 and Q4_K, each without and with an adapter
+    finetuned by llamatune, and the Q8_0 model merged by export-lora (types kept), at -c 64
+    (short rope factors) and -c 320 (long); the greedy text of both tools at both contexts."""
+    from arch_reference import PHI3_CONTEXTS
+    f32 = phi3_model(c)
+    d = f32.parent
+    models = {"F32 exact": f32}
+    for q in QUANTS:
+        models[q.upper()] = d / f"phi3-{q}.gguf"
+        if not (c.reuse and models[q.upper()].exists()):
+            requantize(f32, models[q.upper()], q)
+    adapter = d / "adapter-LATEST.gguf"
+    if not (c.reuse and adapter.exists()):
+        c.lt("phi3: adapter (finetune)", "finetune", "--model-base", f32, "--train-data", lc.TRAIN, "-c", 64,
+             "-b", 8, "--lora-r", 8, "--adam-iter", c.iters, "--adam-alpha", 2e-3, "--save-every", 0,
+             "--threads", c.threads, "--checkpoint-out", d / "chk-lora-ITERATION.gguf",
+             "--lora-out", d / "adapter-ITERATION.gguf")
+    n_lora = lc.n_tensors(adapter)
+    merged = d / "phi3-q8_0-merged.gguf"
+    c.lt("phi3: export-lora", "export-lora", "-m", models["Q8_0"], "--lora", adapter, "-o", merged)
+    text = d / "eval-part.txt"
+    text.write_text(lc.EVAL.read_text(encoding="utf-8")[:EVAL_CHARS], encoding="utf-8")
+    cases = [(label, model, with_lora) for label, model in models.items() for with_lora in (False, True)]
+    for n_ctx in PHI3_CONTEXTS:
+        for label, model, with_lora in cases + [("Q8_0 merged", merged, False)]:
+            lora = ["--lora", adapter, "-v"] if with_lora else []
+            name = f"phi3 {label} c={n_ctx}" + (" +adapter" if with_lora else "")
+            out = lc.run_cpp_complete(c, f"llama-perplexity {name}", [
+                c.cpp("llama-perplexity"), "-m", model, "-f", text, "-c", n_ctx, "-b", n_ctx, "-t", c.threads,
+                *lora, *(lc.CPP_EXACT if label == "F32 exact" else [])], lc.PPL_RE)
+            if with_lora and f"loaded {n_lora} tensors from lora file" not in out:
+                raise RuntimeError(f"{name}: llama.cpp did not load the adapter's {n_lora} tensors")
+            cpp = lc.ppl_of(out, name)
+            lt = lc.ppl_of(c.lt(f"llamatune perplexity {name}", "perplexity", "-m", model, "-f", text, "-c", n_ctx,
+                                "-b", n_ctx, *lora[:2]), name)
+            tol = 2e-5 if label == "F32 exact" else TOL_Q8
+            c.add("B", f"ppl {name}", f"{lt:.4f}", f"{cpp:.4f}", f"{lc.rel(lt, cpp):+.2e}", abs(lc.rel(lt, cpp)) < tol)
+        for with_lora in (False, True):
+            lora = ["--lora", adapter] if with_lora else []
+            name = f"phi3 greedy F32 c={n_ctx}" + (" +adapter" if with_lora else "")
+            a = lc.generate_text(c.lt(f"llamatune generate {name}", "generate", "-m", f32, *lora, "-p", PROMPT,
+                                      "-n", 24, "--temp", 0, "-c", n_ctx, stdout_only=True))
+            b = lc.completion_text(lc.run_cpp_complete(c, f"llama-completion {name}", [
+                c.cpp("llama-completion"), "-m", f32, *lora, "-p", PROMPT, "-n", 24, "--temp", 0, "-no-cnv",
+                "-t", c.threads, "--no-warmup", "-c", n_ctx, *lc.CPP_EXACT], lc.COMPLETION_DONE_RE, stdout_only=True))
+            n = lc.common_prefix(a, b)
+            c.add("B", name, repr(a), repr(b), f"same {n}/{max(len(a), len(b))} chars", a == b)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--arch", default=",".join(FAMILIES))
+    ap.add_argument("--arch", default=",".join([*FAMILIES, "phi3"]))
     ap.add_argument("--record", action="store_true", help="part A: rewrite tests/fixtures/arch_llamacpp.json")
     ap.add_argument("--no-structured", action="store_true", help="skip part B")
     ap.add_argument("--llama-bin", default="/work/llamacpp/build/bin")
@@ -186,13 +310,21 @@ def main() -> int:
     print(f"llama.cpp {a.llama_bin}; {note}; workdir {work}\n")
     t0, error = time.time(), None
     try:
+        families = [a for a in archs if a in FAMILIES]
         if a.record:
-            record(c, archs)
+            if families:
+                record(c, families)
+            if "phi3" in archs:
+                phi3_record(c)
         if not a.no_structured:
-            from llamatune.models.modelfile import train_spm_vocab
-            vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"], str(lc.TRAIN))
-            for arch in archs:
+            if families:
+                from llamatune.models.modelfile import train_spm_vocab
+                vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"],
+                                        str(lc.TRAIN))
+            for arch in families:
                 structured(c, arch, vocab)
+            if "phi3" in archs:
+                phi3_structured(c)
     except Exception as e:          # report what ran so far, then the error
         error = e
     lc.print_table(c)

@@ -124,6 +124,7 @@ class FinetuneOptions(TrainOptions):
     rank_wk: Optional[int] = opt(None, "Rank for attn_k.", G_LORA, frozen=True)
     rank_wv: Optional[int] = opt(None, "Rank for attn_v.", G_LORA, frozen=True)
     rank_wo: Optional[int] = opt(None, "Rank for attn_output.", G_LORA, frozen=True)
+    rank_wqkv: Optional[int] = opt(None, "Rank for the fused attn_qkv of models that have one (phi3).", G_LORA, frozen=True)
     rank_ffn_gate: Optional[int] = opt(None, "Rank for ffn_gate.", G_LORA, frozen=True)
     rank_ffn_up: Optional[int] = opt(None, "Rank for ffn_up.", G_LORA, frozen=True)
     rank_ffn_down: Optional[int] = opt(None, "Rank for ffn_down.", G_LORA, frozen=True)
@@ -142,7 +143,7 @@ class FinetuneOptions(TrainOptions):
         r = self.lora_r
         pick = lambda v: r if v is None else v  # noqa: E731
         return {"attn_q": pick(self.rank_wq), "attn_k": pick(self.rank_wk), "attn_v": pick(self.rank_wv),
-                "attn_output": pick(self.rank_wo), "ffn_gate": pick(self.rank_ffn_gate),
+                "attn_qkv": pick(self.rank_wqkv), "attn_output": pick(self.rank_wo), "ffn_gate": pick(self.rank_ffn_gate),
                 "ffn_up": pick(self.rank_ffn_up), "ffn_down": pick(self.rank_ffn_down),
                 "token_embd": self.rank_tok_embd, "output": self.rank_out, "attn_norm": self.rank_att_norm,
                 "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
@@ -152,11 +153,13 @@ class FinetuneOptions(TrainOptions):
 
 @dataclass
 class ScratchOptions(TrainOptions):
-    """`llamatune train-from-scratch`: a new llama model, all parameters trained."""
+    """`llamatune train-from-scratch`: a new model (`--arch`), all parameters trained."""
     vocab_model: Optional[Path] = opt(None, "Copy the vocabulary from this GGUF (vocab-only or full model).", G_IO)
     vocab_size: int = opt(4096, "Without --vocab-model: train a SentencePiece vocabulary of this size on the data.", G_MODEL, frozen=True)
     model_out: Path = opt(Path("model-ITERATION.gguf"), "Model output GGUF.", G_IO)
     outtype: str = opt("f32", "Model output type: f32, f16 or q8_0.", G_IO)
+    arch: str = opt("llama", "Architecture of the new model: one declared in llamatune/models/archs/ that "
+                    "trains from scratch (llama, qwen2, phi3, ...; an unknown name lists them).", G_MODEL, frozen=True)
     embd: int = opt(256, "Embedding size.", G_MODEL, frozen=True)
     head: int = opt(8, "Attention heads.", G_MODEL, frozen=True)
     head_kv: Optional[int] = opt(None, "KV heads for GQA (default: --head).", G_MODEL, frozen=True)

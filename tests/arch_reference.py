@@ -303,3 +303,53 @@ def llamacpp_models(work, archs=None) -> list[LlamacppCase]:
             cases += [LlamacppCase(f"{arch} {qtype.name}", path, None, exact),
                       LlamacppCase(f"{arch} {qtype.name} +adapter", path, work / f"{arch}-adapter.gguf", exact)]
     return cases
+
+
+# --------------------------------------------------------------------------- phi3 with longrope (recorded figures)
+PHI3_SEEDED_CHARS = 4000          # the seeded phi3 is scored on the first characters of shakespeare-eval.txt
+PHI3_CONTEXTS = (64, 320)         # llama.cpp pads -c to 256: 64 -> short rope factors, 320 (512) -> long
+
+
+def longrope(cfg):
+    """`cfg` given Phi-3.5's kind of rope, and its two factor vectors: su/longrope factors
+    (rope_factors_long / _short), an attention factor sqrt(1 + ln(scale) / ln(n_ctx_orig)) as
+    convert_hf_to_gguf.py computes it, an original context of 256 in a context length of 512,
+    and 3/4 of each head rotated (Phi-4-mini's partial rotary)."""
+    import dataclasses
+    import math
+    n_ctx_train, n_ctx_orig, n_rot = 512, 256, cfg.head_dim * 3 // 4
+    cfg = dataclasses.replace(cfg, n_ctx_train=n_ctx_train, n_ctx_orig=n_ctx_orig, n_rot=n_rot,
+                              rope_attn_factor=math.sqrt(1 + math.log(n_ctx_train / n_ctx_orig) / math.log(n_ctx_orig)))
+    return cfg, {"rope_factors_long.weight": np.geomspace(1.0, 8.0, n_rot // 2).astype(np.float32),
+                 "rope_factors_short.weight": np.linspace(1.0, 1.2, n_rot // 2).astype(np.float32)}
+
+
+def seeded_phi3(work, vocab):
+    """A phi3 of seeded random weights with longrope and Phi-3's vocabulary (`vocab`, a GGUF),
+    and a seeded random adapter on attn_qkv, attn_output, ffn_up and ffn_down; returns
+    (model, adapter) paths. Rebuilt bit for bit anywhere from numpy's seeded generator, so
+    test_arch_phi3.py checks llamatune against the llama.cpp figures recorded for it by
+    `bench/arch_crosscheck.py --record --arch phi3` without llama.cpp."""
+    from pathlib import Path
+
+    from llamatune.formats.adapter import LoraAdapter, write_adapter
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.arch import tensor_shape
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.modelfile import random_weights, vocab_kvs, write_model
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    f = GGUFFile(vocab)
+    cfg, factors = longrope(ModelConfig(arch="phi3", n_vocab=len(f.metadata["tokenizer.ggml.tokens"]),
+                                        n_ctx_train=512, n_embd=64, n_layer=2, n_ff=128, n_head=4, n_head_kv=2,
+                                        head_dim=16, n_rot=16, norm_eps=1e-5))
+    model, adapter = work / "phi3-seeded-f32.gguf", work / "phi3-seeded-adapter.gguf"
+    write_model(model, cfg, random_weights(cfg, seed=11, std=0.3) | factors, vocab_kvs(f), name="seeded test model")
+    rng, lora = np.random.default_rng(12), LoraAdapter("phi3", 8.0)
+    for i in range(cfg.n_layer):
+        for kind in ("attn_qkv", "attn_output", "ffn_up", "ffn_down"):
+            n_out, n_in = tensor_shape(cfg, kind)
+            lora.pairs[f"blk.{i}.{kind}.weight"] = (rng.normal(0, 0.2, (4, n_in)).astype(np.float32),
+                                                    rng.normal(0, 0.2, (n_out, 4)).astype(np.float32))
+    write_adapter(adapter, lora)
+    return model, adapter

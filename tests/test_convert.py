@@ -29,7 +29,7 @@ from llamatune.formats.gguf_io import GGUFFile, kv
 from llamatune.models.infer import Runner
 from llamatune.models.arch import tensor_shape
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names, write_model
+from llamatune.models.modelfile import random_weights, tensor_names, vocab_kvs, write_model
 from llamatune.options import FinetuneOptions
 from llamatune.train.params import ParamBuffer, ParamSpec
 
@@ -626,3 +626,69 @@ def test_graph_orders_match_hand_derivation_and_are_told_apart(env):
             ORDER_LABELS[key]
     assert choose_order(param_orders(2, True), sizes, np.zeros(sum(sizes.values()), np.float32)) == \
         ((True, True), "assumed: the moments do not tell the orders apart")
+
+
+# --------------------------------------------------------------------------- phi3: fused PEFT modules
+
+PHI3_MODULES = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj", "ffn_up": "mlp.gate_up_proj",
+                "ffn_down": "mlp.down_proj"}
+
+
+@pytest.fixture(scope="module")
+def phi3_base(tmp_path_factory, tiny_vocab):
+    cfg = tiny_config("phi3", n_embd=32, n_ff=48, head_dim=8, n_rot=8)
+    path = tmp_path_factory.mktemp("phi3") / "phi3.gguf"
+    write_model(path, cfg, random_weights(cfg, seed=2, std=0.1), tiny_vocab, gguf.GGMLQuantizationType.F32)
+    return SimpleNamespace(path=path, cfg=cfg)
+
+
+def test_phi3_fused_peft_modules_map_as_they_are_both_ways(phi3_base, tmp_path):
+    """HF Phi-3's qkv_proj (q | k | v rows) and gate_up_proj (gate | up rows) are llama.cpp's attn_qkv
+    and ffn_up as convert_hf_to_gguf.py copies them: the adapter converts without reordering, has the
+    effect of W + s·B·A on the fused weights, and comes back identical."""
+    cfg, rng = phi3_base.cfg, np.random.default_rng(4)
+    peft = tmp_path / "phi3-peft"
+    peft.mkdir()
+    tensors, merged = {}, weights_of(phi3_base.path)
+    for i in range(cfg.n_layer):
+        for kind, module in PHI3_MODULES.items():
+            n_out, n_in = tensor_shape(cfg, kind)
+            a = rng.normal(0, 0.2, (4, n_in)).astype(np.float32)
+            b = rng.normal(0, 0.2, (n_out, 4)).astype(np.float32)
+            key = f"base_model.model.model.layers.{i}.{module}"
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = a, b
+            merged[f"blk.{i}.{kind}.weight"] += 2.0 * (b @ a)            # lora_alpha 8 / r 4
+    save_file(tensors, str(peft / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8.0}))
+    out = tmp_path / "phi3-adapter.gguf"
+    convert(peft, out, model_base=phi3_base.path)
+    got = tensors_of(out)
+    assert got["blk.0.attn_qkv.weight.lora_b"].shape == (64, 4) and got["blk.1.ffn_up.weight.lora_b"].shape == (96, 4)
+    np.testing.assert_array_equal(got["blk.0.attn_qkv.weight.lora_b"],
+                                  tensors["base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"])
+    hand = tmp_path / "phi3-merged.gguf"
+    write_model(hand, cfg, merged, vocab_kvs(GGUFFile(phi3_base.path)), gguf.GGMLQuantizationType.F32)
+    np.testing.assert_allclose(logits(phi3_base.path, [out]), logits(hand), rtol=1e-4, atol=1e-4)
+
+    back = tmp_path / "phi3-peft-back"
+    convert(out, back, "peft")                                  # no base needed: the adapter names phi3
+    config = json.loads((back / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    st = load_file(str(back / "adapter_model.safetensors"))
+    assert st.keys() == tensors.keys()
+    for key in tensors:
+        np.testing.assert_array_equal(st[key], tensors[key])
+
+
+def test_phi3_peft_with_separate_q_k_v_modules_is_refused(phi3_base, tmp_path):
+    """A Phi-3 HF model has no q_proj (only the fused qkv_proj): such an adapter belongs to another model."""
+    peft = tmp_path / "qproj"
+    peft.mkdir()
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": np.zeros((2, 32), np.float32),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": np.zeros((32, 2), np.float32)},
+              str(peft / "adapter_model.safetensors"))
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2}))
+    with pytest.raises(LlamatuneError, match=r"module 'model\.layers\.0\.self_attn\.q_proj' has no llama\.cpp tensor "
+                                             r"in a phi3 model \(its modules: qkv_proj, o_proj, gate_up_proj, "
+                                             r"down_proj, embed_tokens, lm_head\)"):
+        convert(peft, tmp_path / "x.gguf", model_base=phi3_base.path)

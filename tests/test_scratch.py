@@ -8,6 +8,7 @@ from gguf import GGMLQuantizationType as QType
 
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.arch import get_arch, supported
 from llamatune.models.model import Model
 from llamatune.options import ScratchOptions
 from llamatune.commands.scratch import llama_ff, train_from_scratch
@@ -80,3 +81,14 @@ def test_llama_ff_rule():
 def test_embd_not_multiple_of_head(tmp_path):
     with pytest.raises(LlamatuneError, match="--embd 30 is not a multiple of --head 4"):
         train_from_scratch(options(tmp_path, embd=30, head=4), quiet=True)
+
+
+@pytest.mark.parametrize("arch", [a for a in supported() if get_arch(a).scratch])
+def test_arch_option_builds_every_declared_family(tmp_path, arch):
+    """--arch reads the declared architectures: each writes the tensors its declaration lists
+    (the tied head left out where the family ties it) and the keys its family keeps."""
+    from llamatune.models.modelfile import tensor_names
+    res = train_from_scratch(options(tmp_path, arch=arch, embd=32, head=4, head_kv=2, ff=32, adam_iter=1), quiet=True)
+    m = Model(tmp_path / "model-LATEST.gguf")
+    assert m.config.arch == arch and np.isfinite(res.losses).all()
+    assert set(m.file.tensors) == set(tensor_names(m.config, tied=m.config.spec.tied))

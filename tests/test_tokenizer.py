@@ -1,10 +1,15 @@
-"""Tokenizer vs llama.cpp: the shared ggml-vocab-*.gguf files with their .inp/.out
-reference cases (made by llama.cpp's test-tokenizer-0 with no special tokens added or
-parsed), plus special-token, decoding and bad-metadata checks."""
+"""Tokenizer vs llama.cpp: the vocabularies of llama.cpp's vocab suites and a Gemma-style
+SentencePiece vocabulary (tests/fixtures/vocab, made by make_vocab_fixtures.py), each with
+the ids and detokenized texts llama.cpp's own library gave, plus special-token, decoding
+and bad-metadata checks."""
 from __future__ import annotations
 
 import functools
+import json
+import lzma
 import re
+import tempfile
+import warnings
 from pathlib import Path
 
 import gguf
@@ -12,98 +17,145 @@ import pytest
 
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
+from llamatune.models.pretokenizers import PRE_TOKENIZERS
 from llamatune.models.tokenizer import Tokenizer
 
-VOCAB_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
-SEP = "\n__ggml_vocab_test__\n"
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "vocab"
+# llama.cpp's suites: NAME.json + NAME.gguf.xz (gemma-spm and the pre-tokenizer cases have their own tests)
+VOCABS = sorted(p.name[:-len(".json")] for p in FIXTURES.glob("*.json")
+                if p.name not in ("gemma-spm.json", "pre-tokenizers.json"))
 
 
-def _vocab_names() -> list[str]:
-    if not VOCAB_DIR.is_dir():
-        return []
-    return sorted(p.name[len("ggml-vocab-"):-len(".gguf")] for p in VOCAB_DIR.glob("ggml-vocab-*.gguf"))
+@functools.cache
+def _unpacked() -> Path:
+    return Path(tempfile.mkdtemp(prefix="llamatune-vocab-"))
 
 
-VOCABS = _vocab_names()
-NO_VOCAB = pytest.mark.skip(reason=f"needed ggml-vocab-*.gguf file(s) not found in {VOCAB_DIR}")
+@functools.cache
+def vocab_file(name: str) -> GGUFFile:
+    """The fixture vocabulary NAME (decompressed once per session); skips when it is missing."""
+    packed = FIXTURES / f"{name}.gguf.xz"
+    if not packed.exists():
+        pytest.skip(f"vocabulary fixture {packed} is missing (tests/fixtures/make_vocab_fixtures.py writes it)")
+    path = _unpacked() / f"{name}.gguf"
+    path.write_bytes(lzma.decompress(packed.read_bytes()))
+    return GGUFFile(path)
 
 
-def _path(name: str) -> Path:
-    return VOCAB_DIR / f"ggml-vocab-{name}.gguf"
-
-
-@functools.lru_cache(maxsize=None)
-def cases(name: str) -> list[tuple[str, list[int]]]:
-    """The .inp file is `text + SEP` per case (so it ends with SEP); the .out file is one
-    line of space-separated ids per case, each line ending with a newline."""
-    inp = _path(name).with_suffix(".gguf.inp").read_bytes().decode("utf-8")
-    out = _path(name).with_suffix(".gguf.out").read_bytes().decode("utf-8")
-    assert inp.endswith(SEP) and out.endswith("\n")
-    texts = inp.split(SEP)[:-1]
-    ids = [[int(x) for x in line.split()] for line in out.split("\n")[:-1]]
-    assert len(texts) == len(ids), f"{name}: {len(texts)} inputs but {len(ids)} outputs"
-    return list(zip(texts, ids))
-
-
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tok(name: str) -> Tokenizer:
-    return Tokenizer.from_gguf(GGUFFile(_path(name)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")         # aquila has no tokenizer.ggml.pre, as llama.cpp warns
+        return Tokenizer.from_gguf(vocab_file(name))
 
 
-def _case_params():
-    params = [pytest.param(n, i, id=f"{n}-{i}") for n in VOCABS for i in range(len(cases(n)))]
-    return params or [pytest.param(None, None, marks=NO_VOCAB)]
+@functools.cache
+def cases(name: str) -> list:
+    """[text, ids, decoded] per case: ids from llama.cpp's suite (no special tokens added or
+    parsed), decoded = llama_detokenize(ids, remove_special=false, unparse_special=false)."""
+    return json.loads((FIXTURES / f"{name}.json").read_text(encoding="utf-8"))["cases"]
 
 
 def _vocab_params(*only: str):
     params = [pytest.param(n, id=n) for n in VOCABS if not only or n in only]
-    return params or [pytest.param(None, marks=NO_VOCAB)]
+    return params or [pytest.param(None, marks=pytest.mark.skip(reason=f"no vocabulary fixtures in {FIXTURES}"))]
 
 
-def llama_cpp_clean_spaces(s: str) -> str:
-    """Literal port of the three clean_spaces passes of llama_vocab::impl::detokenize."""
-    t = list(s)
-    out = t[:1]                                   # pass 1: " ?", " !", " .", " ," lose the space
-    for i in range(1, len(t)):
-        if t[i - 1] == " " and t[i] in "?!.,":
-            out.pop()
-        out.append(t[i])
-    t, out, i = out, out[:1], 1                   # pass 2: " ' " -> "'"
-    while i < len(t):
-        if t[i] == "'" and i + 1 < len(t) and t[i - 1] == " " and t[i + 1] == " ":
-            out.pop()
-            t[i + 1] = "\0"
-            out.append(t[i])
-            i += 2
-            continue
-        out.append(t[i])
-        i += 1
-    t, out = out, out[:1]                         # pass 3: " 's", " 'm", " 're", " 've" lose the space
-    for i in range(1, len(t)):
-        if t[i - 1] == " " and t[i] == "'" and i + 1 < len(t):
-            x1, x2 = t[i + 1], t[i + 2] if i + 2 < len(t) else ""
-            if x1 in "sm" or (x1 + x2) in ("re", "ve"):
-                out.pop()
-        out.append(t[i])
-    return "".join(out)
-
-
-@pytest.mark.parametrize("name,idx", _case_params())
-def test_encode_matches_llama_cpp(name, idx):
-    text, expected = cases(name)[idx]
-    assert tok(name).encode(text, add_special=False) == expected
-
-
-@pytest.mark.parametrize("name,idx", _case_params())
-def test_decode_round_trip(name, idx):
-    """decode(encode(text)) == text, except where llama.cpp's detokenize changes it:
-    BPE vocabularies with clean_spaces (gpt-2, llama-bpe: llama.cpp keeps the flag for
-    those pre-tokenizers) drop the space in " ?", " !", " .", " ,", " ' ", " 's", " 'm",
-    " 're", " 've" -- e.g. the case "How are you 😁 ?" decodes to "How are you 😁?"."""
+@pytest.mark.parametrize("name", _vocab_params())
+def test_encode_matches_llama_cpp(name):
     t = tok(name)
-    text, _ = cases(name)[idx]
-    expected = llama_cpp_clean_spaces(text) if t._clean_spaces else text
-    assert t.decode(t.encode(text, add_special=False)) == expected
+    wrong = [(text, ids) for text, ids, _ in cases(name) if t.encode(text, add_special=False) != ids]
+    assert wrong == [], f"{len(wrong)} of {len(cases(name))} texts tokenize differently, first: {wrong[0]!r}"
+
+
+@pytest.mark.parametrize("name", _vocab_params())
+def test_decode_matches_llama_cpp(name):
+    """decode(ids) is llama.cpp's detokenize: e.g. clean_spaces vocabularies (gpt-2,
+    llama-bpe, gemma-4) drop the space in " ?", " 's", ...; SentencePiece drops the
+    dummy-prefix space of the first piece."""
+    t = tok(name)
+    wrong = [(ids, dec) for _, ids, dec in cases(name) if t.decode(ids) != dec]
+    assert wrong == [], f"{len(wrong)} of {len(cases(name))} id lists decode differently, first: {wrong[0]!r}"
+
+
+def test_suite_fixtures_cover_every_code_path():
+    """SPM, byte-level BPE with each kind of pre-tokenizer, and gemma4's BPE are all there."""
+    if not VOCABS:
+        pytest.skip(f"no vocabulary fixtures in {FIXTURES}")
+    kinds = {"spm" if tok(n)._spm else "spm-style bpe" if tok(n)._spm_style else "byte-level bpe" for n in VOCABS}
+    assert kinds == {"spm", "spm-style bpe", "byte-level bpe"}
+    assert {"qwen35", "gemma-4", "llama-bpe", "deepseek-llm", "aquila"} <= set(VOCABS)
+
+
+# ---- every pre-tokenizer of the table, on qwen35's and gemma-4's vocabularies ----
+@functools.cache
+def pre_cases() -> dict:
+    path = FIXTURES / "pre-tokenizers.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {"texts": [], "ids": {}}
+
+
+class _WithPre:
+    """A vocabulary file read as if its tokenizer.ggml.pre were `pre`."""
+
+    def __init__(self, f: GGUFFile, pre: str):
+        self.path, self._f, self._pre = f.path, f, pre
+
+    def get(self, key, default=None):
+        return self._pre if key == "tokenizer.ggml.pre" else self._f.get(key, default)
+
+
+@pytest.mark.parametrize("pre", sorted(PRE_TOKENIZERS))
+def test_pre_tokenizer_matches_llama_cpp(pre):
+    """llama.cpp's ids for suite texts plus digit, CJK and Hangul texts under each
+    `tokenizer.ggml.pre` name (make_vocab_fixtures.py: pre_tokenizer_fixture)."""
+    if pre not in pre_cases()["ids"]:
+        pytest.fail(f"no llama.cpp ids recorded for pre-tokenizer {pre!r}: run tests/fixtures/make_vocab_fixtures.py")
+    base = "pre-spm-style" if PRE_TOKENIZERS[pre].spm_style else "pre-bpe"
+    t = Tokenizer.from_gguf(_WithPre(vocab_file(base), pre))
+    got = [t.encode(text, add_special=False) for text in pre_cases()["texts"]]
+    wrong = [text for text, ids, want in zip(pre_cases()["texts"], got, pre_cases()["ids"][pre]) if ids != want]
+    assert wrong == [], f"{len(wrong)} texts tokenize differently, first: {wrong[0]!r}"
+
+
+def test_pre_tokenizer_fixture_lists_the_table():
+    if not pre_cases()["ids"]:
+        pytest.skip(f"{FIXTURES / 'pre-tokenizers.json'} is missing")
+    assert sorted(pre_cases()["ids"]) == sorted(PRE_TOKENIZERS)
+
+
+# ---- Gemma 1/2/3: SentencePiece without the dummy prefix, user-defined whitespace runs ----
+@functools.cache
+def gemma_cases() -> list[dict]:
+    return json.loads((FIXTURES / "gemma-spm.json").read_text(encoding="utf-8"))["cases"]
+
+
+def test_gemma_spm_matches_llama_cpp():
+    """Every text with each add_special / parse_special combination: llama.cpp's ids, its
+    detokenized text, and with special pieces shown (as llama-tokenize prints them)."""
+    t = tok("gemma-spm")
+    assert (t.add_bos, t.add_eos, t._add_space_prefix, t.bos_id, t.eos_id) == (True, False, False, 2, 1)
+    assert t.token_text(11) == "<end_of_turn>" and 11 in t.eog_ids
+    wrong = []
+    for c in gemma_cases():
+        ids = t.encode(c["text"], add_special=c["add_special"], parse_special=c["parse_special"])
+        shown = b"".join(t.token_to_bytes(i, special=True) for i in c["ids"]).decode("utf-8", errors="replace")
+        if (ids, t.decode(c["ids"]), shown) != (c["ids"], c["decoded"], c["decoded_special"]):
+            wrong.append(c)
+    assert wrong == [], f"{len(wrong)} of {len(gemma_cases())} cases differ, first: {wrong[0]!r}"
+
+
+def test_gemma_spm_special_tokens():
+    t = tok("gemma-spm")
+    turn = "<start_of_turn>user\nHi<end_of_turn>\n"
+    ids = t.encode(turn, add_special=False, parse_special=True)
+    # no " " prefix after a control token (add_space_prefix is false); "\n" is a user-defined token
+    assert ids == [10] + t.encode("user", False) + [12] + t.encode("Hi", False) + [11, 12]
+    assert t.decode(ids) == "user\nHi\n"
+    plain = t.encode(turn, add_special=False)           # control texts stay text without parse_special
+    assert not {10, 11} & set(plain) and t.decode(plain) == turn
+    # runs of spaces and newlines are user-defined tokens split out before SentencePiece
+    assert t.encode("a   b", False) == t.encode("a", False) + [t._ids["   "]] + t.encode("b", False)
+    assert t.encode("\n\n\n", False) == [t._ids["\n\n\n"]]
 
 
 @pytest.mark.parametrize("name", _vocab_params())
@@ -185,6 +237,10 @@ def _write(tmp_path: Path, kvs: dict) -> GGUFFile:
     for key, value in kvs.items():
         if isinstance(value, list):
             w.add_array(key, value)
+        elif isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
         else:
             w.add_string(key, value)
     w.write_header_to_file()
@@ -200,6 +256,8 @@ BPE_TOKENS = ["a", "b", "ab", "Ġ"]
 @pytest.mark.parametrize("kvs,message", [
     ({}, "no tokenizer metadata"),
     ({"tokenizer.ggml.model": "bert", "tokenizer.ggml.tokens": ["a"]}, "unsupported tokenizer model 'bert'"),
+    ({"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": ["a a"]},
+     "tokenizer.ggml.add_bos_token is true but there is no bos token id"),   # gemma4 always adds BOS
     ({"tokenizer.ggml.model": "llama"}, "missing tokenizer metadata key 'tokenizer.ggml.tokens'"),
     ({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": BPE_TOKENS},
      "missing tokenizer metadata key 'tokenizer.ggml.merges'"),
@@ -249,3 +307,50 @@ def test_missing_pre_warns_and_uses_default(tmp_path):
     with pytest.warns(UserWarning, match="no 'tokenizer.ggml.pre'"):
         t = Tokenizer.from_gguf(f)
     assert t.encode("ab ab") == [2, 3, 2]
+
+
+GEMMA4_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "\n", "\n\n", "a", "b", "▁", "▁a", "ab", "▁ab", ","]
+GEMMA4_VOCAB = {"tokenizer.ggml.tokens": GEMMA4_TOKENS + [f"<0x{i:02X}>" for i in range(256)],
+                "tokenizer.ggml.token_type": [3, 3, 3, 2] + [1] * 9 + [6] * 256,
+                "tokenizer.ggml.merges": ["▁ a", "a b", "▁a b"],
+                "tokenizer.ggml.bos_token_id": 2, "tokenizer.ggml.eos_token_id": 1}
+BYTE0 = len(GEMMA4_TOKENS)
+
+
+def test_tiny_gemma4_vocab(tmp_path):
+    """llama.cpp's gemma4 BPE: spaces become U+2581 and merges run on raw UTF-8 by rank,
+    a run of newlines that is a token stays whole, characters that are no token fall back
+    to <0xXX> tokens, BOS is added even when the GGUF says not to."""
+    f = _write(tmp_path, {"tokenizer.ggml.model": "gemma4", "tokenizer.ggml.add_bos_token": False, **GEMMA4_VOCAB})
+    t = Tokenizer.from_gguf(f)
+    assert (t.add_bos, t.bos_id, t.eos_id) == (True, 2, 1)
+    # "ab▁ab": "▁ a" (rank 0), then "a b" (rank 1), then "▁a b" (rank 2)
+    assert t.encode("ab ab") == [2, 10, 11]
+    assert t.encode("\n\n", add_special=False) == [5]         # no "\n \n" merge: the run is one token
+    assert t.encode("é", add_special=False) == [BYTE0 + 0xC3, BYTE0 + 0xA9]
+    assert t.decode([2, 10, 11, 4, BYTE0 + 0xC3, BYTE0 + 0xA9]) == "ab ab\né"
+    assert t.decode([6, 8, 12]) == "a,"                         # clean_spaces: " ," loses its space
+    assert t.token_to_piece(11) == " ab" and t.token_to_piece(BYTE0 + 0x41) == "A"
+
+
+def test_sarvam_moe_is_gemma4_without_its_extras(tmp_path):
+    """sarvam-moe (a "gpt2" model with that pre-tokenizer): the same SentencePiece-style BPE,
+    but newline runs merge like any text, BOS follows the GGUF and spaces are kept on decode."""
+    f = _write(tmp_path, {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "sarvam-moe", **GEMMA4_VOCAB})
+    t = Tokenizer.from_gguf(f)
+    assert not t.add_bos
+    assert t.encode("ab ab") == [10, 11]
+    assert t.encode("\n\n") == [4, 4]
+    assert t.decode([6, 8, 12]) == "a ,"
+
+
+def test_every_pre_tokenizer_regex_splits():
+    """Each regex of the table compiles in the `tokenizers` library and splits a mixed text
+    into pieces that cover it exactly (a typo in a character class would fail here)."""
+    from tokenizers import Regex, pre_tokenizers
+    text = "Hello World's 12345 naïve ÀB cd\t\n\n  x<sentinel:3> 日本語 한국어 …！ e\u0301 -- ok"
+    for name, setting in PRE_TOKENIZERS.items():
+        split = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                         for r in setting.regexes])
+        pieces = [p for p, _ in split.pre_tokenize_str(text)]
+        assert "".join(pieces) == text and len(pieces) > 1, name

@@ -37,8 +37,9 @@ from gguf import GGMLQuantizationType as QType
 from ..errors import LlamatuneError
 from ..formats.adapter import LoraAdapter, is_norm, read_adapter, write_adapter
 from ..formats.gguf_io import GGUFFile, atomic_path, check_float, kv, write_error
-from ..formats.peft import Heads, peft_files, read_peft
+from ..formats.peft import Heads, PeftNames, peft_files, read_peft
 from ..formats.tensors import float_array
+from ..models.arch import get_arch
 from ..models.config import ModelConfig
 from ..models.modelfile import tensor_names, vocab_kvs, write_model
 from ..outputs import Out, check_paths
@@ -167,10 +168,16 @@ def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, b
             + (f"; checked against {base.path.name}" if base else "") + ")")
 
 
+def peft_names(arch: str) -> PeftNames:
+    """The PEFT module names of an architecture, from its declaration."""
+    spec = get_arch(arch)
+    return PeftNames(arch, dict(spec.peft_modules), spec.peft_permute_qk)
+
+
 def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_name: str) -> tuple[str, list[str]]:
     """Write a PEFT adapter directory: built beside `output`, then renamed into place."""
     from safetensors.numpy import save_file
-    config, tensors, notes = peft_files(adapter, heads, base_name)
+    config, tensors, notes = peft_files(adapter, peft_names(adapter.arch), heads, base_name)
     if output.exists() and not output.is_dir():
         raise LlamatuneError(f"{output}: exists and is a file; a PEFT adapter is a directory")
     if output.is_dir() and any(output.iterdir()) and not (output / "adapter_config.json").exists():
@@ -310,7 +317,7 @@ def convert(input: Path, output: Path, to: str | None = None, model_base: Path |
     elif src.kind == "peft":
         base = _need_base(base, src, "it gives the architecture, the head counts for the q/k row order and the "
                                      "shapes to check")
-        adapter, notes, _ = read_peft(src.path, base.file.arch, base.heads)
+        adapter, notes, _ = read_peft(src.path, peft_names(base.file.arch), base.heads)
         # safetensors sorts names: write the tensors in the base model's (llama.cpp's) order
         adapter.pairs = {n: adapter.pairs[n] for n in base.file.tensors if n in adapter.pairs} | adapter.pairs
         done = _write_gguf_adapter(output, adapter, base, base.path.name)

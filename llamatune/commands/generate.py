@@ -67,7 +67,7 @@ def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = 0
     if len(ids) >= n_ctx:
         raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
     n_predict = n_ctx - len(ids) if n_predict == -1 else min(n_predict, n_ctx - len(ids))
-    cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend)
+    cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend, context=n_ctx)   # rope as llama.cpp's -c
     rng = np.random.default_rng(seed)
     logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])
     for _ in range(n_predict):

@@ -1,4 +1,4 @@
-"""`llamatune train-from-scratch`: a new llama model, every parameter trained.
+"""`llamatune train-from-scratch`: a new model (`--arch`, default llama), every parameter trained.
 
 Same training loop, data, optimizer and checkpoints as `finetune` (trainer.py);
 only the job differs: the weights are dense f32 parameters (graph.DenseWeights),
@@ -19,6 +19,7 @@ from ..backend import get_backend
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, kv
+from ..models.arch import get_arch, supported
 from ..models.config import ModelConfig
 from ..models.model import Model
 from ..models.modelfile import (
@@ -70,6 +71,14 @@ def _model_init(path: Path, cfg: ModelConfig):
     return weights
 
 
+def scratch_arch(name: str) -> str:
+    """`--arch`: a declared architecture that trains from scratch (Arch.scratch)."""
+    names = [a for a in supported() if get_arch(a).scratch]
+    if name not in names:
+        raise LlamatuneError(f"--arch {name}: train-from-scratch builds {', '.join(names)}")
+    return name
+
+
 def build_job(o: ScratchOptions) -> Job:
     check_training_paths(o)
     text = read_training_text(o.train_data)
@@ -77,13 +86,14 @@ def build_job(o: ScratchOptions) -> Job:
     n_head_kv = o.head_kv or o.head
     if o.embd % o.head:
         raise LlamatuneError(f"--embd {o.embd} is not a multiple of --head {o.head}")
-    cfg = ModelConfig(arch="llama", n_vocab=tok.n_vocab, n_ctx_train=o.ctx, n_embd=o.embd, n_layer=o.layer,
-                      n_ff=o.ff or llama_ff(o.embd), n_head=o.head, n_head_kv=n_head_kv,
-                      head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
-                      rope_freq_base=o.rope_freq_base)
+    cfg = ModelConfig.new(scratch_arch(o.arch), n_vocab=tok.n_vocab, n_ctx_train=o.ctx, n_embd=o.embd,
+                          n_layer=o.layer, n_ff=o.ff or llama_ff(o.embd), n_head=o.head, n_head_kv=n_head_kv,
+                          head_dim=o.embd // o.head, n_rot=o.embd // o.head, norm_eps=o.norm_rms_eps,
+                          rope_freq_base=o.rope_freq_base)
+    tied = cfg.spec.tied                  # gemma: the head is token_embd
     samples, val_samples = train_and_validation(o, tok)
     check_packing(o, samples)
-    shapes = tensor_names(cfg)
+    shapes = tensor_names(cfg, tied)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
     outtype = parse_outtype(o.outtype)
     start_model = None
@@ -95,7 +105,7 @@ def build_job(o: ScratchOptions) -> Job:
             o.checkpoint_in = None
 
     def init(rng: np.random.Generator) -> None:
-        weights = start_model or random_weights(cfg, seed=int(rng.integers(1 << 31)))
+        weights = start_model or random_weights(cfg, seed=int(rng.integers(1 << 31)), tied=tied)
         for name, a in weights.items():
             params[name][...] = a
 
@@ -107,7 +117,7 @@ def build_job(o: ScratchOptions) -> Job:
     model_kvs = [kv(k, v) for k, v in cfg.metadata().items()] + list(vocab)
     block, block_bytes = GGML_QUANT_SIZES[outtype]
     model_bytes = params.size * block_bytes // block + 2**20 + sum(len(repr(item.value)) for item in vocab)
-    return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params), params, [], samples, tok, init, write_outputs,
+    return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params, tied), params, [], samples, tok, init, write_outputs,
                model_kvs, backend=get_backend(o.device), output_size=(o.model_out, model_bytes),
                val_samples=val_samples)
 

@@ -11,6 +11,12 @@ adapter (see adapter.py):
   base_model.model.model.embed_tokens.lora_embedding_A  (r, V)  -> token_embd.weight.lora_a = its transpose (V, r)
   base_model.model.model.embed_tokens.lora_embedding_B  (C, r)  -> token_embd.weight.lora_b, unchanged
 
+The layer module names are the architecture's (`PeftNames`, built by the commands from
+models/arch.Arch.peft_modules, so this module knows no model): llama/qwen2 as above;
+phi3's fused self_attn.qkv_proj -> attn_qkv and mlp.gate_up_proj -> ffn_up hold the same
+rows as llama.cpp's tensors (q | k | v, gate | up) and map as they are. A PEFT module the
+architecture does not have (q_proj of a phi3, whose HF model has only qkv_proj) is refused.
+
 Llama q/k rows: llama.cpp's convert_hf_to_gguf.py reorders the rows of q_proj
 and k_proj for its rope layout (`permute`, per head: HF row i and i + head_dim/2
 become GGUF rows 2i and 2i+1). An adapter's B rows follow the same reordering
@@ -31,6 +37,7 @@ import json
 import math
 import re
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,45 +46,58 @@ from ..errors import LlamatuneError
 from .adapter import LoraAdapter, is_norm
 
 PREFIX = "base_model.model."
-_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj"}
-_LAYER_BACK = {v: k for k, v in _LAYER.items()}
 _SUFFIXES = {".lora_A.weight": "A", ".lora_B.weight": "B", ".lora_embedding_A": "A", ".lora_embedding_B": "B"}
 _NP_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
 
 Heads = tuple[int, int]      # (n_head, n_head_kv) of the base model, for the llama q/k row order
 
 
+@dataclass(frozen=True)
+class PeftNames:
+    """One architecture's PEFT names (from its declaration, models/arch.Arch.peft_modules):
+    the module under `model.layers.N.` of each llama.cpp layer kind, e.g. attn_q ->
+    self_attn.q_proj, or phi3's fused attn_qkv -> self_attn.qkv_proj (same rows, q | k | v,
+    so a fused adapter maps as it is); and whether q/k rows are reordered (llama)."""
+    arch: str
+    layer: dict[str, str]
+    permute_qk: bool = False
+
+    @property
+    def modules(self) -> str:
+        """The module names this architecture has, for error messages."""
+        return ", ".join(m.rsplit(".", 1)[-1] for m in self.layer.values()) + ", embed_tokens, lm_head"
+
+
 # --------------------------------------------------------------------------- names and row order
 
-def hf_module(gguf_name: str) -> str | None:
+def hf_module(gguf_name: str, names: PeftNames) -> str | None:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj` (None when PEFT has no such module)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens"
     if gguf_name == "output.weight":
         return "lm_head"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER:
-        return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
+    if m and m.group(2) in names.layer:
+        return f"model.layers.{m.group(1)}.{names.layer[m.group(2)]}"
     return None
 
 
-def gguf_weight(module: str) -> str | None:
+def gguf_weight(module: str, names: PeftNames) -> str | None:
     """The inverse of `hf_module`."""
     if module == "model.embed_tokens":
         return "token_embd.weight"
     if module == "lm_head":
         return "output.weight"
     m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.\w+)", module)
-    if m and m.group(2) in _LAYER_BACK:
-        return f"blk.{m.group(1)}.{_LAYER_BACK[m.group(2)]}.weight"
+    back = {v: k for k, v in names.layer.items()}
+    if m and m.group(2) in back:
+        return f"blk.{m.group(1)}.{back[m.group(2)]}.weight"
     return None
 
 
-def _qk_heads(name: str, arch: str, heads: Heads | None) -> int | None:
+def _qk_heads(name: str, names: PeftNames, heads: Heads | None) -> int | None:
     """Head count whose row order must change for this weight, or None."""
-    if arch != "llama" or not name.endswith((".attn_q.weight", ".attn_k.weight")):
+    if not names.permute_qk or not name.endswith((".attn_q.weight", ".attn_k.weight")):
         return None
     if heads is None:
         raise LlamatuneError("--model-base is required: llama attn_q/attn_k adapters need the base model's head "
@@ -167,8 +187,8 @@ def _pattern_value(pattern: dict, module: str, default):
     return default
 
 
-def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
-    """A PEFT LoRA directory as a GGUF-layout adapter for `arch`. Returns (adapter, notes, base model name)."""
+def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
+    """A PEFT LoRA directory as a GGUF-layout adapter for `names.arch`. Returns (adapter, notes, base model name)."""
     try:
         cfg = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -210,10 +230,10 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
 
     pairs: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
     for module, h in halves.items():
-        weight = gguf_weight(module)
+        weight = gguf_weight(module, names)
         if weight is None:
-            raise LlamatuneError(f"{where}: module '{module}' has no llama.cpp tensor (supported: q/k/v/o_proj, "
-                                 "gate/up/down_proj, embed_tokens, lm_head)")
+            raise LlamatuneError(f"{where}: module '{module}' has no llama.cpp tensor in a {names.arch} model "
+                                 f"(its modules: {names.modules})")
         if len(h) != 2:
             raise LlamatuneError(f"{where}: module '{module}' has only lora_{next(iter(h))}")
         a, b = h["A"], h["B"]
@@ -231,7 +251,7 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
         if weight == "token_embd.weight":
             a = a.T                                   # (V, r): llama.cpp's flipped embedding layout
         else:
-            n_head = _qk_heads(weight, arch, heads)
+            n_head = _qk_heads(weight, names, heads)
             if n_head:
                 _check_rows(b, n_head, module)
                 b = permute_rows(b, n_head)
@@ -241,7 +261,7 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
     if alpha == 0:
         raise LlamatuneError(f"{where} has lora_alpha 0 (a zero scale): nothing to convert")
     notes, rescaled = [], []
-    adapter = LoraAdapter(arch, alpha)
+    adapter = LoraAdapter(names.arch, alpha)
     for weight, (a, b, alpha_eq) in pairs.items():
         if alpha_eq != alpha:
             b = (b * np.float32(alpha_eq / alpha)).astype(np.float32)
@@ -256,9 +276,9 @@ def read_peft(path: Path, arch: str, heads: Heads | None) -> tuple[LoraAdapter, 
 
 # --------------------------------------------------------------------------- GGUF -> PEFT
 
-def peft_files(adapter: LoraAdapter, heads: Heads | None,
+def peft_files(adapter: LoraAdapter, names: PeftNames, heads: Heads | None,
                base_name: str = "") -> tuple[dict, dict[str, np.ndarray], list[str]]:
-    """(adapter_config, safetensors tensors, notes) for a GGUF-layout adapter."""
+    """(adapter_config, safetensors tensors, notes) for a GGUF-layout adapter of `names.arch`."""
     notes = []
     norms = [n for n in adapter.pairs if is_norm(n)]
     if norms:
@@ -268,9 +288,9 @@ def peft_files(adapter: LoraAdapter, heads: Heads | None,
     for name, (a, b) in adapter.pairs.items():
         if is_norm(name):
             continue
-        module = hf_module(name)
+        module = hf_module(name, names)
         if module is None:
-            raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT module")
+            raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT module in a {names.arch} model")
         entries.append((name, module, a, b, b.shape[-1]))
     if not entries:
         raise LlamatuneError("the adapter has no tensors PEFT can hold (only norm adapters)")
@@ -288,7 +308,7 @@ def peft_files(adapter: LoraAdapter, heads: Heads | None,
             tensors[f"{PREFIX}{module}.lora_embedding_A"] = np.ascontiguousarray(a.T, np.float32)
             tensors[f"{PREFIX}{module}.lora_embedding_B"] = np.ascontiguousarray(b, np.float32)
             continue
-        n_head = _qk_heads(name, adapter.arch, heads)
+        n_head = _qk_heads(name, names, heads)
         if n_head:
             _check_rows(b, n_head, name)
             b = unpermute_rows(b, n_head)

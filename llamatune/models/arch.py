@@ -55,6 +55,19 @@ class Arch:
     # hparams_metadata(cfg) gives the keys back for writing
     read_hparams: Callable[[Any], dict[str, Any]] | None = None
     hparams_metadata: Callable[[Any], dict[str, Any]] | None = None
+    # fused projections, as llama.cpp's build_qkv / build_ffn compute them: one matmul,
+    # then views of its output. A LoRA adapter on a fused tensor is one A, B pair on the
+    # whole product (llama.cpp's build_lora_mm), split with it.
+    fused_qkv: bool = False           # `attn_qkv` (Cq + 2 Ckv, C): rows q | k | v, instead of attn_q/k/v
+    fused_gate_up: bool = False       # `ffn_up` (2F, C): rows gate | up (ggml_swiglu on one tensor), no ffn_gate
+    # Hugging Face module of each layer kind, under model.layers.N. (PEFT adapter names,
+    # formats/peft.py); kinds absent here have no PEFT module
+    peft_modules: tuple[tuple[str, str], ...] = (
+        ("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"), ("attn_v", "self_attn.v_proj"),
+        ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+        ("ffn_down", "mlp.down_proj"))
+    peft_permute_qk: bool = False     # convert_hf_to_gguf.py reorders q/k rows for NORM rope (llama)
+    scratch: bool = True              # train-from-scratch can build one (`--arch`)
     activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma
     tied: bool = False                # the head is always token_embd (llama.cpp never reads `output`)
@@ -107,15 +120,22 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
         return (tensor_shape(cfg, kind.removesuffix(".bias"))[0],)
     shapes = {
         "attn_q": (Cq, C), "attn_k": (Ckv, C), "attn_v": (Ckv, C), "attn_output": (C, Cq),
-        "ffn_gate": (F, C), "ffn_up": (F, C), "ffn_down": (C, F),
+        "ffn_gate": (F, C), "ffn_up": (2 * F if cfg.spec.fused_gate_up else F, C), "ffn_down": (C, F),
         "token_embd": (V, C), "output": (V, C),
         "attn_norm": (C,), "ffn_norm": (C,), "output_norm": (C,),
         "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,),
         "post_attention_norm": (C,), "post_ffw_norm": (C,),
     }
+    if cfg.spec.fused_qkv:
+        shapes["attn_qkv"] = (Cq + 2 * Ckv, C)
     if kind not in shapes:
         raise KeyError(f"architecture {cfg.arch}: no shape for tensor kind '{kind}'")
     return shapes[kind]
+
+
+def layer_matrix_shapes(cfg) -> list[tuple[int, ...]]:
+    """Shapes of the per-layer matrices of `cfg`'s architecture (buffer sizes)."""
+    return [tensor_shape(cfg, k) for k in cfg.spec.matrices]
 
 
 def supported() -> list[str]:

@@ -33,6 +33,9 @@ class ModelConfig:
     norm_eps: float
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0   # 1/linear scaling factor, as llama.cpp stores it in cparams
+    n_ctx_orig: int = 0            # rope.scaling.original_context_length (0: n_ctx_train): contexts above it
+    #                                rotate with rope_factors_long, the others with rope_factors_short
+    rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin are multiplied by it (ggml_rope_ext)
     # what some families add (read by their Arch.read_hparams); the defaults are llama's
     attn_scale: float = 0.0        # q.k multiplier; 0: 1/sqrt(head_dim)
     attn_softcap: float = 0.0      # attention scores cap*tanh(s/cap) (gemma2); 0: none
@@ -44,8 +47,8 @@ class ModelConfig:
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "attn_scale", "attn_softcap",
-                     "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor", "attn_scale",
+                     "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
         get_arch(self.arch)
         for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
@@ -55,7 +58,7 @@ class ModelConfig:
             raise LlamatuneError(f"head_count {self.n_head} is not a multiple of head_count_kv {self.n_head_kv}")
         if self.n_rot > self.head_dim or self.n_rot % 2:
             raise LlamatuneError(f"rope dimension count {self.n_rot} must be even and at most the head size {self.head_dim}")
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale"):
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor"):
             value = getattr(self, name)
             if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
@@ -108,6 +111,11 @@ class ModelConfig:
         """Keyword options of ops.attention for layer i: scale (None: 1/sqrt(head_dim)),
         softcap (0: none), window (0: none)."""
         return dict(scale=self.attn_scale or None, softcap=self.attn_softcap, window=self.window(i))
+
+    @property
+    def n_ctx_orig_rope(self) -> int:
+        """The context length that decides between long and short rope factors."""
+        return self.n_ctx_orig or self.n_ctx_train
 
     @property
     def spec(self) -> Arch:

@@ -1,7 +1,7 @@
 """Inference forward pass with a KV cache: tokens (B, T) -> logits (B, T, V) in f32.
 
 Mirrors llama.cpp's per-architecture graph builders (src/models/llama.cpp, qwen2,
-qwen3, gemma, gemma2, gemma3), read from the architecture's declaration (models/arch.py)
+qwen3, gemma, gemma2, gemma3, phi3), read from the architecture's declaration (models/arch.py)
 and its config:
     x = token_embd[tokens]                       (gemma: times sqrt(n_embd))
     per layer:  q, k, v = Wq·n(x), Wk·n(x), Wv·n(x)                      n = RMSNorm(attn_norm)
@@ -11,7 +11,9 @@ and its config:
                 f = Wdown · (act(Wgate·n(x)) * Wup·n(x))   act = silu or gelu; n = RMSNorm(ffn_norm)
                 x += f          (gemma2/3: x += RMSNorm(f, post_ffw_norm))
     logits = Wout · RMSNorm(x, output_norm)      (gemma2: cap * tanh(logits / cap))
-Rope uses one cache per distinct (base, scale) of the layers (gemma3's local layers
+q/k/v and gate/up come from one fused matmul split by rows where the architecture
+declares it (phi3's attn_qkv, ffn_up; `qkv`, `gate_up`). Rope uses one cache per
+distinct (base, scale) of the layers (gemma3's local layers
 have their own). Matmuls run on one weight at a time dequantized into a scratch buffer
 (weights.FrozenBase), the output head in row blocks; everything elementwise runs in the backend's kernels (numba
 on the CPU, numba-cuda on a GPU). Runtime LoRA adapters (as llama.cpp applies them
@@ -25,8 +27,8 @@ import numpy as np
 
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
-from ..kernels import rope as host_rope
 from .model import Model
+from .rope import rope_cache
 from .weights import FrozenBase
 
 
@@ -35,13 +37,15 @@ class KVCache:
     k: list[np.ndarray]   # per layer (B, S_max, NKV, HS)
     v: list[np.ndarray]   # per layer (B, S_max, NKV, HS)
     n_past: int = 0
+    context: int = 0      # the context size rope factors are chosen for (llama.cpp's n_ctx); 0: n_ctx
 
     @classmethod
-    def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None) -> "KVCache":
+    def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None,
+              context: int = 0) -> "KVCache":
         c, xp = model.config, (backend or cpu()).xp
         shape = (batch, n_ctx, c.n_head_kv, c.head_dim)
         return cls([xp.zeros(shape, np.float32) for _ in range(c.n_layer)],
-                   [xp.zeros(shape, np.float32) for _ in range(c.n_layer)])
+                   [xp.zeros(shape, np.float32) for _ in range(c.n_layer)], context=context)
 
     @property
     def n_ctx(self) -> int:
@@ -70,6 +74,23 @@ class Runner:
         for a, b, s in self.adapters.get(name, ()):
             y += (s * (x @ a.T)) @ b.T
         return y
+
+    def qkv(self, xn, p: str):
+        """q (N, Cq), k, v (N, Ckv): three projections, or one fused attn_qkv split by rows."""
+        cfg = self.cfg
+        if not cfg.spec.fused_qkv:
+            return tuple(self.linear(xn, f"{p}attn_{c}.weight") for c in "qkv")
+        qkv = self.linear(xn, p + "attn_qkv.weight")
+        Cq, Ckv = cfg.n_embd_q, cfg.n_embd_kv
+        return tuple(self.xp.ascontiguousarray(qkv[:, lo:hi]) for lo, hi in
+                     ((0, Cq), (Cq, Cq + Ckv), (Cq + Ckv, Cq + 2 * Ckv)))
+
+    def gate_up(self, xn, p: str):
+        """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
+        if not self.cfg.spec.fused_gate_up:
+            return self.linear(xn, p + "ffn_gate.weight"), self.linear(xn, p + "ffn_up.weight")
+        gu, F = self.linear(xn, p + "ffn_up.weight"), self.cfg.n_ff
+        return self.xp.ascontiguousarray(gu[:, :F]), self.xp.ascontiguousarray(gu[:, F:])
 
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
@@ -121,12 +142,10 @@ class Runner:
         if cache is not None and n_past + T > cache.n_ctx:
             raise ValueError(f"KV cache overflow: {n_past} + {T} > {cache.n_ctx}")
 
+        context = (cache.context or cache.n_ctx) if cache is not None else T   # chooses rope factors
         ropes = []                                    # one (cos, sin) per distinct layer rope
-        for base, scale in cfg.rope_sets:
-            cos = np.empty((T, cfg.n_rot // 2), np.float32)
-            sin = np.empty_like(cos)
-            host_rope.rope_cache(cos, sin, np.arange(n_past, n_past + T, dtype=np.int64), cfg.n_rot,
-                                 base, scale, self.base.rope_freqs)
+        for rope in cfg.rope_sets:
+            cos, sin = rope_cache(cfg, self.base, np.arange(n_past, n_past + T, dtype=np.int64), context, rope)
             ropes.append((self.backend.to_device(cos), self.backend.to_device(sin)))
 
         spec = cfg.spec
@@ -143,9 +162,8 @@ class Runner:
             p = f"blk.{i}."
             cos, sin = ropes[cfg.rope_set(i)]
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "attn_norm.weight"), cfg.norm_eps)
-            q = self.linear(xn, p + "attn_q.weight").reshape(B, T, NH, HS)
-            k = self.linear(xn, p + "attn_k.weight").reshape(B, T, NKV, HS)
-            v = self.linear(xn, p + "attn_v.weight").reshape(B, T, NKV, HS)
+            q, k, v = self.qkv(xn, p)
+            q, k, v = q.reshape(B, T, NH, HS), k.reshape(B, T, NKV, HS), v.reshape(B, T, NKV, HS)
             if spec.qk_norm:                                         # per head, one (HS,) weight
                 q, k = (self._head_norm(t, p + name) for t, name in ((q, "attn_q_norm.weight"),
                                                                      (k, "attn_k_norm.weight")))
@@ -161,8 +179,7 @@ class Runner:
                                  p + "post_attention_norm.weight", rstd)
 
             ops.rmsnorm.rmsnorm_forward(xn, rstd, x, self.base.vector(p + "ffn_norm.weight"), cfg.norm_eps)
-            g = self.linear(xn, p + "ffn_gate.weight")
-            u = self.linear(xn, p + "ffn_up.weight")
+            g, u = self.gate_up(xn, p)
             gate(h, g, u)
             x += self._post_norm(self.linear(h, p + "ffn_down.weight"), p + "post_ffw_norm.weight", rstd)
 

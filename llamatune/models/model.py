@@ -39,6 +39,8 @@ class BaseWeights:
     output_norm: np.ndarray      # (C,) f32
     layers: list[Layer]
     rope_freqs: np.ndarray | None  # (n_rot/2,) f32 Llama-3.1 frequency factors, or None
+    rope_long: np.ndarray | None = None   # (n_rot/2,) f32 Phi-3 su/longrope factors above n_ctx_orig
+    rope_short: np.ndarray | None = None  # (n_rot/2,) f32 ... and within it
 
     def all_matrices(self):
         """(name, Tensor) of every matrix that goes through a matmul, llama.cpp names."""
@@ -65,6 +67,9 @@ def _matrix(f: GGUFFile, name: str, shape: tuple[int, int]) -> Tensor:
     return t
 
 
+ROPE_FACTORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")   # optional model-level vectors
+
+
 def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
     """Map every tensor the architecture declares, checking names and shapes against `cfg`."""
     spec = cfg.spec
@@ -78,8 +83,12 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
     token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
     has_output = "output.weight" in f and not spec.tied          # gemma, gemma2: always token_embd
     output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if has_output else token_embd
-    rope_freqs = _vector(f, "rope_freqs.weight", cfg.n_rot // 2) if "rope_freqs.weight" in f else None
-    return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers, rope_freqs)
+    factors = {k: _vector(f, f"{k}.weight", cfg.n_rot // 2) if f"{k}.weight" in f else None for k in ROPE_FACTORS}
+    if (factors["rope_factors_long"] is None) != (factors["rope_factors_short"] is None):
+        raise LlamatuneError(f"{f.path}: has only one of rope_factors_long.weight and rope_factors_short.weight "
+                             "(su/longrope scaling needs both)")
+    return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers,
+                       factors["rope_freqs"], factors["rope_factors_long"], factors["rope_factors_short"])
 
 
 class Dequantizer:
@@ -149,7 +158,8 @@ class Model:
 
     def _used_tensors(self):
         """(name, Tensor) of every weight the model computes with (the tied output once)."""
-        names = {"output_norm.weight", "rope_freqs.weight"} | {n for n, _ in self.weights.all_matrices()}
+        names = {"output_norm.weight"} | {f"{k}.weight" for k in ROPE_FACTORS}
+        names |= {n for n, _ in self.weights.all_matrices()}
         for i in range(self.config.n_layer):
             names |= set(self.config.spec.layer_tensors(i))
         return [(n, t) for n, t in self.file.tensors.items() if n in names]

@@ -21,6 +21,7 @@ from ..errors import LlamatuneError
 from ..formats.gguf_io import KV, GGUFFile, TensorOut, kv, write_gguf
 from .arch import tensor_shape
 from .config import ModelConfig
+from .model import ROPE_FACTORS
 
 # llama.cpp's LLAMA_FTYPE for a file whose matrices are all of one type
 FILE_TYPE = {QType.F32: 0, QType.F16: 1, QType.Q4_0: 2, QType.Q4_1: 3, QType.Q8_0: 7, QType.Q5_0: 8,
@@ -98,7 +99,8 @@ def encode_tensor(name: str, data: np.ndarray, qtype: QType) -> TensorOut:
 
 def write_model(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarray], vocab: Iterable[KV],
                 outtype: QType = QType.F32, name: str = "llamatune", extra: Iterable[KV] = ()) -> None:
-    """Write a complete model GGUF atomically (tensors in llama.cpp's order)."""
+    """Write a complete model GGUF atomically (tensors in llama.cpp's order; rope frequency
+    factor vectors in `tensors` (models/model.ROPE_FACTORS) first, as the converter does)."""
     expected = tensor_names(cfg, tied="output.weight" not in tensors)
     missing = [n for n in expected if n not in tensors]
     wrong = [f"{n} {tensors[n].shape} != {s}" for n, s in expected.items() if n in tensors and tensors[n].shape != s]
@@ -108,7 +110,8 @@ def write_model(path: str | Path, cfg: ModelConfig, tensors: dict[str, np.ndarra
     kvs += [kv(k, v) for k, v in cfg.metadata().items()]
     kvs += [kv("general.file_type", FILE_TYPE.get(outtype, 0)), kv("general.quantization_version", 2)]
     kvs += list(vocab) + list(extra)
-    write_gguf(path, cfg.arch, kvs, [encode_tensor(n, tensors[n], outtype) for n in expected])
+    factors = [f"{k}.weight" for k in ROPE_FACTORS if f"{k}.weight" in tensors]   # optional (n_rot/2,) vectors
+    write_gguf(path, cfg.arch, kvs, [encode_tensor(n, tensors[n], outtype) for n in [*factors, *expected]])
 
 
 # --------------------------------------------------------------------------- vocabularies

@@ -30,6 +30,7 @@ import warnings
 from typing import Any
 
 from ..errors import LlamatuneError
+from .pretokenizers import PRE_TOKENIZERS, PreTokenizer
 
 # GGUF token types (same numbering as sentencepiece's ModelProto.SentencePiece.Type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -49,72 +50,6 @@ _CONTROL_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endo
 _EOG_TEXTS = frozenset("""<|eot_id|> <|im_end|> <|end|> <end_of_turn> <|endoftext|> <|end_of_text|> <|eom_id|>
     <EOT> _<EOT> <｜end▁of▁sentence｜> <end_of_utterance> <|return|> <|call|> <turn|>""".split())
 _GPT_OSS_USER_DEFINED = frozenset(["<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"])
-
-# ---- BPE pre-tokenizer regexes (llm_tokenizer_bpe constructor) ----
-_CONTRACTIONS = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_LLAMA3 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_CASE = r"((?=[\p{L}])([^a-z]))*((?=[\p{L}])([^A-Z]))+"   # tekken / gpt-4o: upper* lower+
-_CASE2 = r"((?=[\p{L}])([^a-z]))+((?=[\p{L}])([^A-Z]))*"  # upper+ lower*
-_TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}|\p{{N}}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_CASE}{_CONTRACTIONS}?|[^\r\n\p{{L}}\p{{N}}]?{_CASE2}{_CONTRACTIONS}?"
-          r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
-_CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
-# deepseek-llm's cased-letter class, as code points (the literal characters include
-# singletons such as U+2126 OHM SIGN that Unicode normalization would silently change)
-_DS_LETTERS = "".join(
-    "-".join(chr(int(h, 16)) for h in r.split("-")) for r in """0041-005A 0061-007A 00B5 00C0-00D6
-    00D8-00F6 00F8-01BA 01BC-01BF 01C4-0293 0295-02AF 0370-0373 0376 0377 037B-037D 037F 0386
-    0388-038A 038C 038E-03A1 03A3-03F5 03F7-0481 048A-052F 0531-0556 10A0-10C5 13A0-13F5 13F8-13FD
-    1C90-1CBA 1CBD-1CBF 1D00-1D2B 1D6B-1D77 1D79-1D9A 1E00-1F15 1F18-1F1D 1F20-1F45 1F48-1F4D
-    1F50-1F57 1F59 1F5B 1F5D 1F5F-1F7D 1F80-1FB4 1FB6-1FBC 1FBE 1FC2-1FC4 1FC6-1FCC 1FD0-1FD3
-    1FD6-1FDB 1FE0-1FEC 1FF2-1FF4 1FF6-1FFC 2102 2107 210A-2113 2115 2119-211D 2124 2126 2128
-    212A-212D 212F-2134 2139 213C-213F 2145-2149 214E 2183 2184 2C00-2C7B 2C7E-2CE4 2CEB-2CEE 2CF2
-    2CF3 A640-A66D A680-A69B A722-A76F A771-A787 A78B-A78E AB70-ABBF FB00-FB06 FB13-FB17 FF21-FF3A
-    FF41-FF5A 10400-1044F 104B0-104D3 104D8-104FB 10C80-10CB2 10CC0-10CF2 118A0-118DF
-    1E900-1E943""".split())
-_DEEPSEEK_LLM = [r"[\r\n]", rf"\s?[{_DS_LETTERS}]+",
-                 "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$", _CJK, r"\p{N}+"]
-_DEEPSEEK_CODER = [r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK, r"\p{N}"]
-_DEEPSEEK3 = [r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-              r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
-              r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"]
-_STARCODER = [r"\p{N}", _GPT2]
-
-# pre name -> (regexes, clean_spaces, ignore_merges, add_bos default), as in llama_vocab::impl::load
-_PRE: dict[str, tuple[list[str], bool, bool, bool]] = {}
-
-
-def _pre(names: str, regexes: list[str], clean: bool = True, ignore_merges: bool = False,
-         add_bos: bool = False) -> None:
-    for name in names.split():
-        _PRE[name] = (regexes, clean, ignore_merges, add_bos)
-
-
-_pre("default", [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", "[0-9][0-9][0-9]"])
-_pre("llama3 llama-v3 llama-bpe falcon3 falcon-h1 pixtral midm-2.0 lfm2 jina-v5-nano", [_LLAMA3],
-     ignore_merges=True, add_bos=True)
-_pre("dbrx smaug-bpe glm4 chatglm-bpe", [_LLAMA3])
-_pre("deepseek-llm", _DEEPSEEK_LLM, clean=False)
-_pre("deepseek-coder", _DEEPSEEK_CODER, clean=False)
-_pre("deepseek-v3", _DEEPSEEK3, clean=False)
-_pre("falcon", [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, "[0-9][0-9][0-9]"])
-_pre("gpt-2 phi-2 jina-es jina-de gigachat jina-v2-es jina-v2-de a.x-4.0 mellum exaone4 mpt olmo jais",
-     [_GPT2])
-_pre("trillion", [_GPT2], clean=False)
-_pre("starcoder refact codeshell exaone minerva-7b", _STARCODER)
-_pre("command-r smollm", _STARCODER, clean=False)
-_pre("qwen2 deepseek-r1-qwen", [_QWEN2], clean=False)
-_pre("stablelm2 megrez", [_QWEN2])
-_pre("bloom gpt3-finnish", [_PORO])
-_pre("poro-chat", [_PORO], clean=False)
-_pre("viking", [_PORO, r"\p{N}"], clean=False)
-_pre("tekken", [_TEKKEN], clean=False, ignore_merges=True, add_bos=True)
-_pre("gpt-4o llama4", [_GPT4O], clean=False)
-
 
 # GPT-2's printable character -> byte map of byte-level BPE vocabularies (printable bytes
 # stand for themselves, the other 68 bytes for U+0100, U+0101, ... in byte order)
@@ -175,9 +110,9 @@ class Tokenizer:
         model = f.get("tokenizer.ggml.model")
         if model is None:
             self._fail("no tokenizer metadata (missing 'tokenizer.ggml.model')")
-        if model not in ("llama", "gpt2"):
-            self._fail(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
-                       "supported: 'llama' (SentencePiece) and 'gpt2' (byte-level BPE)")
+        if model not in ("llama", "gpt2", "gemma4"):
+            self._fail(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'llama' "
+                       "(SentencePiece), 'gpt2' (byte-level BPE) and 'gemma4' (BPE on SentencePiece-style pieces)")
         self._spm = model == "llama"
         tokens = self._array(f, "tokenizer.ggml.tokens", str, required=True)
         n = self.n_vocab = len(tokens)
@@ -208,27 +143,34 @@ class Tokenizer:
 
         # defaults of load(), then overridden by the GGUF keys
         pre = f.get("tokenizer.ggml.pre")
+        setting = PreTokenizer([])
+        self._spm_style = False     # BPE on U+2581-escaped raw UTF-8 (gemma4), not GPT-2 byte-level
         if self._spm:
             bos, eos, self.add_bos, self.add_eos, self._clean_spaces = 1, 2, True, False, False
-            self._add_space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
         else:
-            if pre is None:
+            bos = eos = 11
+            if model == "gemma4":   # load() ignores tokenizer.ggml.pre and has no default special ids
+                pre, bos, eos = "gemma4", None, None
+            elif pre is None:
                 warnings.warn(f"{self._path}: no 'tokenizer.ggml.pre', using llama.cpp's 'default' "
                               "pre-tokenizer (generation quality may degrade)")
                 pre = "default"
-            if pre not in _PRE:
-                self._fail(f"unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(sorted(_PRE))}")
-            regexes, self._clean_spaces, ignore_merges, self.add_bos = _PRE[pre]
-            bos, eos, self.add_eos, self._add_space_prefix = 11, 11, False, False
-            if pre in ("glm4", "chatglm-bpe"):
+            elif pre in ("glm4", "glm5", "chatglm-bpe"):
                 bos = None
+            if pre not in PRE_TOKENIZERS:
+                self._fail(f"unknown pre-tokenizer {pre!r} (tokenizer.ggml.pre); known: {', '.join(sorted(PRE_TOKENIZERS))}")
+            setting = PRE_TOKENIZERS[pre]
+            self._clean_spaces, self.add_bos, self._spm_style = setting.clean_spaces, setting.add_bos, setting.spm_style
+            self.add_eos = False
+        # read for every model: detokenize() drops one leading space of the first piece when set
+        self._add_space_prefix = bool(f.get("tokenizer.ggml.add_space_prefix", self._spm))
         self.bos_id = self._special_id(f, "bos", bos)
         self.eos_id = self._special_id(f, "eos", eos)
         template = f.get("tokenizer.chat_template")
         self.chat_template = template if isinstance(template, str) and template.strip() else None
         self.unk_id = self._special_id(f, "unknown", None)
         self.pad_id = self._special_id(f, "padding", None)
-        self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos))
+        self.add_bos = bool(f.get("tokenizer.ggml.add_bos_token", self.add_bos)) or setting.gemma4
         self.add_eos = bool(f.get("tokenizer.ggml.add_eos_token", self.add_eos))
         for flag, tid, name in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
             if flag and tid is None:
@@ -241,7 +183,9 @@ class Tokenizer:
         self._special_order = special
         self._user_order = [i for i in special if i not in self._control and self._types[i] != _UNKNOWN]
         name = str(f.get("general.name", "")).lower()
-        if any(s in str(pre or "") for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")):
+        arch = str(f.get("general.architecture", ""))
+        if any(s in str(pre or "") for s in ("jina-v2-de", "jina-v2-es", "jina-v2-code")) or \
+                any(s in arch for s in ("nomic-bert-moe", "jina-bert-v3")):
             self._lstrip = {ids[t] for t in ["<mask>"] if t in ids}
         elif "phi-3" in name or "phi3" in name:
             self._rstrip = set(special) | {ids[t] for t in ["</s>"] if t in ids}
@@ -258,7 +202,7 @@ class Tokenizer:
         if self._spm:
             self._build_spm(scores)
         else:
-            self._build_bpe(f, regexes, ignore_merges)
+            self._build_bpe(f, setting)
         return self
 
     # ---- construction helpers ----
@@ -300,7 +244,7 @@ class Tokenizer:
         except RuntimeError as e:
             self._fail(f"SentencePiece rejected the vocabulary ({e})")
 
-    def _build_bpe(self, f: Any, regexes: list[str], ignore_merges: bool) -> None:
+    def _build_bpe(self, f: Any, setting: PreTokenizer) -> None:
         from tokenizers import Regex, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -314,11 +258,18 @@ class Tokenizer:
             if pos > 0 and pair not in seen and pair[0] in ids and pair[1] in ids and pair[0] + pair[1] in ids:
                 seen.add(pair)
                 merges.append(pair)
-        hf = HFTokenizer(models.BPE(ids, merges, ignore_merges=ignore_merges))
-        hf.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        # SPM-style pieces are raw UTF-8 and fall back to <0xXX> tokens; byte-level ones are
+        # GPT-2's printable characters, so every byte is a token
+        hf = HFTokenizer(models.BPE(ids, merges, ignore_merges=setting.ignore_merges,
+                                    byte_fallback=setting.spm_style))
+        splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in setting.regexes]
+        if not setting.spm_style:
+            splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        hf.pre_tokenizer = pre_tokenizers.Sequence(splits)
         self._hf = hf
+        # gemma4 (llm_tokenizer_bpe_session::tokenize): a run of newlines that is a token is
+        # taken whole, without merges
+        self._newline_runs = setting.gemma4
 
     # ---- encoding ----
     def _partition(self, text: str, parse_special: bool) -> list[str | int]:
@@ -380,9 +331,21 @@ class Tokenizer:
                 out += ids if self.n_vocab not in ids else self._byte_fallback(fr, ids)
                 prev_special = False
             else:
-                out += self._hf.encode(fr, add_special_tokens=False).ids
+                out += self._encode_bpe(fr)
         if add_special and self.add_eos:
             out.append(self.eos_id)
+        return out
+
+    def _encode_bpe(self, text: str) -> list[int]:
+        if not self._spm_style:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        text = text.replace(" ", "\u2581")
+        if not self._newline_runs:
+            return self._hf.encode(text, add_special_tokens=False).ids
+        out: list[int] = []
+        for run in re.findall(r"\n+|[^\n]+", text):
+            whole = self._ids.get(run) if run[0] == "\n" else None
+            out += [whole] if whole is not None else self._hf.encode(run, add_special_tokens=False).ids
         return out
 
     def has_special_text(self, text: str) -> bool:
@@ -446,7 +409,7 @@ class Tokenizer:
             return text.encode("utf-8") if special else b""
         if ttype == _USER_DEFINED:
             return text.encode("utf-8")
-        if ttype == _NORMAL and self._spm:
+        if ttype == _NORMAL and (self._spm or self._spm_style):   # SentencePiece-style pieces
             return text.replace("\u2581", " ").encode("utf-8")
         if ttype == _NORMAL:
             dec = _BYTE_DECODER

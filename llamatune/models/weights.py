@@ -34,7 +34,8 @@ class FrozenBase:
             for k, b in layer.biases.items():
                 vectors[f"blk.{i}.{k}.bias"] = b
         self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}
-        self.rope_freqs = w.rope_freqs            # host array: rope caches are built on the host
+        self.rope_freqs = w.rope_freqs            # host arrays: rope caches are built on the host
+        self.rope_long, self.rope_short = w.rope_long, w.rope_short
         self._raw: dict[str, object] = {}         # cuda: tensor name -> device copy of the stored bytes
         self._scratch = None
 

@@ -33,6 +33,8 @@ Per layer, with xn = RMSNorm(x), the architecture's options (models/arch.py) in 
     x_out   = x_mid + f                      [post_norms: x_mid + RMSNorm(f, post_ffw_norm)]
 The embedding may be scaled (gemma: sqrt(n_embd)) and the logits soft-capped (gemma2)
 before the loss, chunk by chunk.
+Fused projections (Arch.fused_qkv / fused_gate_up, phi3) compute q|k|v or g|u in one
+matmul (one LoRA pair on the whole product) and split it into the same activations.
 """
 from __future__ import annotations
 
@@ -44,7 +46,9 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
+from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
+from ..models.rope import rope_cache
 from ..models.weights import FrozenBase  # noqa: F401
 from .lora import LoraTarget
 from .params import (
@@ -154,10 +158,14 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
     per_token = head_floats(cfg)
     chunk = head_chunk(N, per_token, room)
+    mats = layer_matrix_shapes(cfg)
     plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
-             "tmp": (N * max(C, F, Cq),), "dnorm": (C,), "losses": (N,),
+             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    fused = [w for on, w in ((cfg.spec.fused_qkv, Cq + 2 * Ckv), (cfg.spec.fused_gate_up, 2 * F)) if on]
+    if fused:                                                      # a fused product, or its gradient,
+        plan["fused"] = (N * max(fused),)                          # before it is split / after it is joined
     for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
         plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
     if cfg.spec.qk_norm:
@@ -166,8 +174,7 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     if any(t.kind == "output" for t in targets):
         head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
     if trainable:                                                  # weight gradients before they are added
-        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in (
-            (Cq, C), (Ckv, C), (C, Cq), (F, C), (C, F))))
+        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in mats))
     if head_tmp:
         plan["head_tmp"] = (head_tmp,)
     return plan
@@ -214,12 +221,11 @@ class Graph:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
+        self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
         self.rope_host, self.rope_rows = [], []        # per rope set: f32 cache; 0..T-1 tables
-        for j, (rope_base, rope_scale) in enumerate(cfg.rope_sets):
-            cos, sin = np.zeros((T, cfg.n_rot // 2), np.float32), np.zeros((T, cfg.n_rot // 2), np.float32)
-            host_rope.rope_cache(cos, sin, np.arange(T, dtype=np.int64), cfg.n_rot,   # in f32, as llama.cpp
-                                 rope_base, rope_scale, base.rope_freqs)
+        for j, rope in enumerate(cfg.rope_sets):
+            cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
             dcos, dsin = buf["rope_cos" + (f".{j}" if j else "")], buf["rope_sin" + (f".{j}" if j else "")]
             dcos[...] = self.backend.to_device(cos.astype(dtype))
             dsin[...] = self.backend.to_device(sin.astype(dtype))
@@ -264,13 +270,11 @@ class Graph:
                                  f"got {positions.dtype} {positions.shape}")
             positions = positions.astype(np.int64)
             dtype, self.ropes = self.tmp.dtype, []
-            for j, (rope_base, rope_scale) in enumerate(self.cfg.rope_sets):
+            for j, rope in enumerate(self.cfg.rope_sets):
                 cos, sin = self.rope_host[j]
                 if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
-                    n, half = int(positions.max()) + 1, self.cfg.n_rot // 2
-                    cos, sin = np.zeros((n, half), np.float32), np.zeros((n, half), np.float32)
-                    host_rope.rope_cache(cos, sin, np.arange(n, dtype=np.int64), self.cfg.n_rot,
-                                         rope_base, rope_scale, self.base.rope_freqs)
+                    n = int(positions.max()) + 1
+                    cos, sin = rope_cache(self.cfg, self.base, np.arange(n, dtype=np.int64), self.T, rope)
                     self.rope_host[j] = (cos, sin)
                 self.ropes.append(tuple(self.backend.to_device(a.astype(dtype))
                                         for a in host_rope.rope_tables(cos, sin, positions)))
@@ -344,6 +348,9 @@ class Graph:
         if self.base.trainable:
             dW = self.base.grad(name)
             dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
+            bias = name.replace(".weight", ".bias")
+            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
+                self.base.grad(bias)[...] += dy.sum(axis=0)
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
@@ -360,6 +367,54 @@ class Graph:
         if dx is not None:
             dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
             dx += dxd if mask is None else dxd * mask
+
+    # ------------------------------------------------------------------ projections
+    # q/k/v and gate/up: separate matmuls, or one fused matmul (Arch.fused_qkv /
+    # fused_gate_up) whose product is split into the same activations; backward joins
+    # their gradients into one dy for the fused weight (and its LoRA pair).
+    def _fused_rows(self, width: int) -> np.ndarray:
+        return self.fused[: self.N * width].reshape(self.N, width)
+
+    def _qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
+        """q (N, Cq), k, v (N, Ckv) = the projections of xn."""
+        if not self.cfg.spec.fused_qkv:
+            for c, y in (("q", q), ("k", k), ("v", v)):
+                self.linear(y, xn, f"{p}attn_{c}.weight")
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        qkv = self.linear(self._fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
+        q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
+
+    def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""
+        if not self.cfg.spec.fused_qkv:
+            for j, (c, dy) in enumerate((("q", dq), ("k", dk), ("v", self.dv))):
+                self.linear_backward(self.dxn, dy, xn, f"{p}attn_{c}.weight", accumulate=j > 0)
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        dqkv = self._fused_rows(Cq + 2 * Ckv)
+        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, self.dv
+        self.linear_backward(self.dxn, dqkv, xn, p + "attn_qkv.weight", accumulate=False)
+
+    def _gate_up_forward(self, a: LayerActs, xn: np.ndarray, p: str) -> None:
+        if not self.cfg.spec.fused_gate_up:
+            self.linear(a.g, xn, p + "ffn_gate.weight")
+            self.linear(a.u, xn, p + "ffn_up.weight")
+            return
+        F = self.cfg.n_ff
+        gu = self.linear(self._fused_rows(2 * F), xn, p + "ffn_up.weight")
+        a.g[...], a.u[...] = gu[:, :F], gu[:, F:]
+
+    def _gate_up_backward(self, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from dg, du."""
+        if not self.cfg.spec.fused_gate_up:
+            self.linear_backward(self.dxn, self.dg, xn, p + "ffn_gate.weight", accumulate=False)
+            self.linear_backward(self.dxn, self.du, xn, p + "ffn_up.weight", accumulate=True)
+            return
+        F = self.cfg.n_ff
+        dgu = self._fused_rows(2 * F)
+        dgu[:, :F], dgu[:, F:] = self.dg, self.du
+        self.linear_backward(self.dxn, dgu, xn, p + "ffn_up.weight", accumulate=False)
 
     # ------------------------------------------------------------------ forward
     def _embd_scale(self):
@@ -402,14 +457,11 @@ class Graph:
         xn = self.xn if a.xn1 is None else a.xn1
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
         if cfg.spec.qk_norm:
-            self.linear(a.qp, xn, p + "attn_q.weight")
-            self.linear(a.kp, xn, p + "attn_k.weight")
+            self._qkv_forward(a.qp, a.kp, a.v, xn, p)
             self._head_norm(a.q, a.rstd_q, a.qp, p + "attn_q_norm.weight")
             self._head_norm(a.k, a.rstd_k, a.kp, p + "attn_k_norm.weight")
         else:
-            self.linear(a.q, xn, p + "attn_q.weight")
-            self.linear(a.k, xn, p + "attn_k.weight")
-        self.linear(a.v, xn, p + "attn_v.weight")
+            self._qkv_forward(a.q, a.k, a.v, xn, p)
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         self.ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
@@ -425,8 +477,7 @@ class Graph:
         a.x_mid += a.x
         xn = self.xn if a.xn2 is None else a.xn2
         self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
-        self.linear(a.g, xn, p + "ffn_gate.weight")
-        self.linear(a.u, xn, p + "ffn_up.weight")
+        self._gate_up_forward(a, xn, p)
         h = self.h if a.h is None else a.h
         self._gate()[0](h, a.g, a.u)
         if cfg.spec.post_norms:
@@ -513,8 +564,7 @@ class Graph:
         if a.xn2 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
-        self.linear_backward(self.dxn, self.dg, xn2, p + "ffn_gate.weight", accumulate=False)
-        self.linear_backward(self.dxn, self.du, xn2, p + "ffn_up.weight", accumulate=True)
+        self._gate_up_backward(xn2, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
         self._norm_grad(p + "ffn_norm.weight", self.dnorm)
@@ -541,9 +591,7 @@ class Graph:
         if a.xn1 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
-        self.linear_backward(self.dxn, dq, xn1, p + "attn_q.weight", accumulate=False)
-        self.linear_backward(self.dxn, dk, xn1, p + "attn_k.weight", accumulate=True)
-        self.linear_backward(self.dxn, self.dv, xn1, p + "attn_v.weight", accumulate=True)
+        self._qkv_backward(dq, dk, xn1, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
         self._norm_grad(p + "attn_norm.weight", self.dnorm)

@@ -90,7 +90,7 @@ class ParamBuffer:
 class DenseWeights:
     """Every weight is a parameter (train-from-scratch); arrays live wherever params do."""
     trainable = True
-    rope_freqs = None
+    rope_freqs = rope_long = rope_short = None   # no rope factor vectors (models/rope.py)
 
     def __init__(self, params: ParamBuffer, tied: bool = False):
         self.params = params

@@ -7,4 +7,4 @@ Llama 3.1's rope frequency factors come in the optional `rope_freqs` tensor.
 """
 from ..arch import NORM, Arch
 
-ARCH = Arch(name="llama", rope_mode=NORM)
+ARCH = Arch(name="llama", rope_mode=NORM, peft_permute_qk=True)
