@@ -5,10 +5,17 @@ Model shape (issue #3): embd 512, 8 layers, 8 heads, 4 KV heads, ffn 1536, vocab
 Training: ctx 256, batch 8, rank 8 on q,k,v,o,gate,up,down, AdamW, in each
 --checkpointing mode. Each configuration runs in a fresh process so its peak RSS
 is its own; step times are steady-state (the first step, which compiles or loads
-the kernels, is left out). `--profile` prints where one step's time goes.
+the kernels, is left out) and the fastest of `--steps`, compared with the fastest
+of ten reference products (the least disturbed by other processes on a shared
+machine). `cpu share` is the same ratio per CPU-second of the process (with
+NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1, the single-core share, which other
+processes hardly disturb). `--profile` prints where one step's time goes: a
+cProfile of one step and the same step split into phases (each matmul product,
+dequantization, each kernel), exclusive seconds. `--model` runs a given GGUF
+(e.g. a real model) instead of the bench shape, at `--batch` x `--ctx`.
 
     python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--modes selective,layer,none]
-        [--workdir /tmp/llamatune-bench] [--profile]
+        [--workdir /tmp/llamatune-bench] [--profile [--cpu-clock]] [--model M.gguf --batch 8 --ctx 256]
 """
 from __future__ import annotations
 
@@ -46,7 +53,7 @@ def build(path: Path, qtype: str) -> None:
     write_model(path, cfg, random_weights(cfg, seed=0), dummy_vocab(cfg.n_vocab), parse_outtype(qtype))
 
 
-def step_flops(cfg) -> float:
+def step_flops(cfg, B: int = B, T: int = T) -> float:
     """Matmul FLOPs of one training step: forward, backward dx (frozen weights), LoRA, causal attention."""
     N = B * T
     mats = {"attn_q": (cfg.n_embd_q, cfg.n_embd), "attn_k": (cfg.n_embd_kv, cfg.n_embd),
@@ -59,20 +66,25 @@ def step_flops(cfg) -> float:
     return cfg.n_layer * per_layer + head
 
 
-def sgemm_gflops() -> float:
+def sgemm_gflops(cpu: bool = False) -> float:
+    """The reference rate: (B*T, 512) x (512, 1536) f32 products, the best of 10 (the
+    least disturbed by other processes); `cpu`: per CPU-second of this process."""
     import numpy as np
     a = np.random.rand(B * T, 512).astype(np.float32)
     w = np.random.rand(1536, 512).astype(np.float32)
     out = np.empty((B * T, 1536), np.float32)
     np.matmul(a, w.T, out=out)
-    t = time.perf_counter()
-    n = 10
-    for _ in range(n):
+    clock = time.process_time if cpu else time.perf_counter
+    best = float("inf")
+    for _ in range(10):
+        t = clock()
         np.matmul(a, w.T, out=out)
-    return 2 * a.shape[0] * 512 * 1536 * n / (time.perf_counter() - t) / 1e9
+        best = min(best, clock() - t)
+    return 2 * a.shape[0] * 512 * 1536 / best / 1e9
 
 
-def run_one(path: Path, mode: str, steps: int, profile: bool = False) -> dict:
+def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B, T: int = T,
+            cpu_clock: bool = False) -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
@@ -94,14 +106,15 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False) -> dict:
     inputs = rng.integers(0, cfg.n_vocab, (B, T))
     targets_ids = rng.integers(0, cfg.n_vocab, (B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
-    times = []
+    times, cpu = [], []
     for i in range(steps + 1):                      # first step warms up (numba compile/cache load)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         params.zero_grad()
         loss = graph.step(inputs, targets_ids, w, (0, i, 0))
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
-    step_s = float(np.median(times[1:]))
+        cpu.append(time.process_time() - c)
+    step_s, cpu_s = min(times[1:]), min(cpu[1:])   # the least disturbed step, as the sgemm rate
     if profile:                                     # one more step under cProfile, to stderr
         import cProfile
         import pstats
@@ -110,11 +123,26 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False) -> dict:
             graph.step(inputs, targets_ids, w, (0, steps + 1, 0))
             optimizer_step(params, steps + 1, opts)
         pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(14)
-    gf = sgemm_gflops()
-    flops = step_flops(cfg)
+        from phases import Phases, instrument, table   # and three more split into phases
+        clock = time.process_time if cpu_clock else time.perf_counter
+        phases = Phases(clock)
+        instrument(graph, phases)
+        timed_update = phases.timed("optimizer", optimizer_step)
+        runs = []
+        for i in range(steps + 2, steps + 5):
+            phases.clear()
+            t = clock()
+            params.zero_grad()
+            graph.step(inputs, targets_ids, w, (0, i, 0))
+            timed_update(params, i, opts)
+            runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
+        print(table(runs), file=sys.stderr)
+    gf, gf_cpu = sgemm_gflops(), sgemm_gflops(cpu=True)
+    flops = step_flops(cfg, B, T)
     return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "activations_mb": graph.activation_bytes() / 2**20, "step_gflop": flops / 1e9,
             "achieved_gflops": flops / step_s / 1e9, "sgemm_gflops": gf, "share_of_sgemm": flops / step_s / 1e9 / gf,
+            "cpu_share_of_sgemm": flops / cpu_s / 1e9 / gf_cpu,
             "loss": loss}
 
 
@@ -125,27 +153,34 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-bench"))
     ap.add_argument("--modes", default="selective,layer,none")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one step of each configuration")
+    ap.add_argument("--cpu-clock", action="store_true", help="phases in CPU seconds of the process (for 1 thread)")
+    ap.add_argument("--model", type=Path, help="this GGUF instead of the bench shape (--types is ignored)")
+    ap.add_argument("--batch", type=int, default=B)
+    ap.add_argument("--ctx", type=int, default=T)
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CHECKPOINTING"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile)))
+        print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile, a.batch, a.ctx, a.cpu_clock)))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {T}, batch {B}; model {SHAPE}; {os.cpu_count()} CPUs")
+    print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {a.ctx}, batch {a.batch}; "
+          f"model {a.model or SHAPE}; {os.cpu_count()} CPUs")
     print(f"{'type':6} {'mode':9} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
-          f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6}")
-    for qtype in a.types.split(","):
-        path = a.workdir / f"bench-512x8.{qtype}.gguf"
+          f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6} {'cpu share':>9}")
+    for qtype in a.types.split(",") if a.model is None else ["model"]:
+        path = a.model or a.workdir / f"bench-512x8.{qtype}.gguf"
         build(path, qtype)
         for mode in a.modes.split(","):
-            run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode]
-                                 + (["--profile"] if a.profile else []), capture_output=True, text=True, check=True)
+            run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode,
+                                  "--batch", str(a.batch), "--ctx", str(a.ctx)]
+                                 + (["--profile"] if a.profile else []) + (["--cpu-clock"] if a.cpu_clock else []),
+                                 capture_output=True, text=True, check=True)
             if a.profile:
                 print(run.stderr)
             r = json.loads(run.stdout.strip().splitlines()[-1])
             print(f"{qtype:6} {mode:9} {r['tokens_per_s']:8.0f} {r['step_s']:7.2f} "
                   f"{r['peak_rss_mb']:12.0f} {r['activations_mb']:8.0f} {r['achieved_gflops']:8.1f} "
-                  f"{r['sgemm_gflops']:7.1f} {r['share_of_sgemm']:6.0%}", flush=True)
+                  f"{r['sgemm_gflops']:7.1f} {r['share_of_sgemm']:6.0%} {r['cpu_share_of_sgemm']:9.0%}", flush=True)
 
 
 if __name__ == "__main__":

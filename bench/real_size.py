@@ -5,15 +5,20 @@ of random bytes whose scales are set so the weights are zero-mean with std about
 0.02 (quantizing 7-8 billion f32 weights would take longer than the step itself),
 F32 norms, a dummy vocabulary.
 
-    llama2-7b   32 layers, embd 4096, 32 heads (MHA), ffn 11008, vocab 32000
-    llama3-8b   32 layers, embd 4096, 32/8 heads (GQA), ffn 14336, vocab 128256
+    llama2-7b     32 layers, embd 4096, 32 heads (MHA), ffn 11008, vocab 32000, Q4_K
+    llama3-8b     32 layers, embd 4096, 32/8 heads (GQA), ffn 14336, vocab 128256, Q4_K
+    qwen2.5-1.5b  28 layers, embd 1536, 12/2 heads, ffn 8960, vocab 151936, tied head,
+                  q/k/v biases, Q4_K_M as llama.cpp mixes it (Q6_K for the tied
+                  embedding/head and for attn_v and ffn_down of the layers that get
+                  more bits, Q4_K elsewhere)
 
 Each (shape, ctx, mode) runs in a fresh process: load, estimate (memory.Planner, as
 the trainer computes it), one step (batch 1, LoRA r 8 on q,k,v,o,gate,up,down,
 AdamW), peak RSS (VmHWM). The first step is also the first touch of the model's
-pages; run it twice (`--steps 2`) to see a warm step.
+pages; run it twice (`--steps 2`) to see a warm step, or not at all (`--steps 0`)
+for the estimate alone.
 
-    python bench/real_size.py [--shapes llama2-7b,llama3-8b] [--ctx 512,2048] [--mode layer]
+    python bench/real_size.py [--shapes llama2-7b,llama3-8b,qwen2.5-1.5b] [--ctx 512,2048] [--mode layer]
         [--steps 1] [--workdir /tmp/llamatune-real]
 """
 from __future__ import annotations
@@ -27,14 +32,18 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import TARGETS, dummy_vocab  # noqa: E402
+from finetune_step import TARGETS, dummy_vocab, sgemm_gflops  # noqa: E402
 
 SHAPES = {
     "llama2-7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
                       n_head=32, n_head_kv=32, head_dim=128, n_rot=128, norm_eps=1e-5),
     "llama3-8b": dict(arch="llama", n_vocab=128256, n_ctx_train=8192, n_embd=4096, n_layer=32, n_ff=14336,
                       n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
+    "qwen2.5-1.5b": dict(arch="qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,
+                         n_head=12, n_head_kv=2, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
 }
+TIED = {"qwen2.5-1.5b"}
+MIXED = {"qwen2.5-1.5b"}               # Q4_K_M; the others all Q4_K
 R = 8
 
 
@@ -52,6 +61,35 @@ def random_q4_k(shape: tuple[int, int], seed: int):
     return raw.reshape(rows, -1)
 
 
+def random_q6_k(shape: tuple[int, int], seed: int):
+    """(n_rows, row_bytes) uint8 Q6_K blocks of random bytes: w = d*sc*(q - 32) with q
+    6-bit uniform, sc int8 in [1, 32]; d chosen for std about 0.02."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+    block, size = GGML_QUANT_SIZES[QType.Q6_K]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    raw[:, 192:208] = rng.integers(1, 33, (raw.shape[0], 16), dtype=np.uint8)   # scales
+    d = 5.7e-5                                    # std(sc * (q - 32)) ~ 19 * 18.5
+    raw[:, 208:210] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def q4_k_m_type(name: str, n_layer: int):
+    """llama.cpp's Q4_K_M choice for a matrix (llama_tensor_get_type): Q6_K for the
+    output head (the embedding, when tied) and for attn_v / ffn_down of the first and
+    last eighth of the layers and every third one between; Q4_K elsewhere."""
+    from gguf import GGMLQuantizationType as QType
+    if name in ("output.weight", "token_embd.weight"):
+        return QType.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        more = i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+        return QType.Q6_K if more else QType.Q4_K
+    return QType.Q4_K
+
+
 def build(path: Path, shape: str) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType as QType
@@ -62,13 +100,17 @@ def build(path: Path, shape: str) -> None:
         return
     cfg = ModelConfig(**SHAPES[shape])
     tensors = []
-    for i, (name, s) in enumerate(tensor_names(cfg).items()):
+    for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
-            tensors.append(TensorOut(name, s, QType.F32, lambda s=s: np.ones(s, np.float32)))
+            fill = 0.0 if name.endswith(".bias") else 1.0
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s, v=fill: np.full(s, v, np.float32)))
         else:
-            tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k(s, i)))
+            q = q4_k_m_type(name, cfg.n_layer) if shape in MIXED else QType.Q4_K
+            make = random_q6_k if q == QType.Q6_K else random_q4_k
+            tensors.append(TensorOut(name, s, q, lambda s=s, i=i, make=make: make(s, i)))
+    file_type = 15 if shape in MIXED else 14        # llama.cpp's MOSTLY_Q4_K_M / MOSTLY_Q4_K_S
     kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
-    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 15)] + dummy_vocab(cfg.n_vocab)
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", file_type)] + dummy_vocab(cfg.n_vocab)
     write_gguf(path, cfg.arch, kvs, tensors)
 
 
@@ -86,12 +128,13 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     t_load = time.perf_counter()
     model = Model(path)
     cfg = model.config
-    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=False)
+    tied = model.weights.output is model.weights.token_embd
+    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
     base = FrozenBase(model)
-    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()})
+    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg)
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
                       model.dequantizer.nbytes, 0.0)
     est = planner.estimate(1, ctx, mode)
@@ -100,7 +143,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)
     load_s = time.perf_counter() - t_load
-    times = []
+    times, loss = [], float("nan")
     for i in range(steps):
         t = time.perf_counter()
         params.zero_grad()
@@ -108,7 +151,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
     return {"estimate": est.total, "runtime": est.runtime, "graph": est.graph, "model": est.model,
-            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss}
+            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss,
+            "sgemm_gflops": sgemm_gflops()}
 
 
 def step_gflop(cfg: dict, ctx: int, mode: str) -> float:
@@ -135,9 +179,10 @@ def main() -> None:
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
-    print(f"{'shape':10} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'GFLOP/s':>8}")
+    print(f"{'shape':12} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
+          f"{'GFLOP/s':>8} {'sgemm':>6} {'share':>6}")
     for shape in a.shapes.split(","):
-        path = a.workdir / f"random-{shape}.Q4_K.gguf"
+        path = a.workdir / f"random-{shape}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
         t = time.perf_counter()
         build(path, shape)
         print(f"# {path} ready ({time.perf_counter() - t:.0f} s)", flush=True)
@@ -145,13 +190,19 @@ def main() -> None:
             out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode],
                                  capture_output=True, text=True)
             if out.returncode:
-                print(f"{shape:10} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+                print(f"{shape:12} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             g = 2**30
+            if not r["step_s"]:                     # --steps 0: the estimate alone
+                print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f}  (runtime {r['runtime'] / g:.2f}, "
+                      f"graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}; no step run)", flush=True)
+                continue
             steps = "/".join(f"{s:.0f}" for s in r["step_s"])
-            print(f"{shape:10} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
-                  f"{steps:>12} {step_gflop(SHAPES[shape], ctx, a.mode) / r['step_s'][-1]:8.1f}  "
+            rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
+            print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
+                  f"{steps:>12} {ctx / r['step_s'][-1]:6.1f} {rate:8.1f} {r['sgemm_gflops']:6.1f} "
+                  f"{rate / r['sgemm_gflops']:6.1%}  "
                   f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
                   f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
 

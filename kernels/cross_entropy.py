@@ -10,6 +10,11 @@ Rows whose target is negative (padding / prompt tokens) get loss 0 and gradient 
 The backward takes per-row weights (e.g. 1/number-of-counted-tokens for a mean):
     dlogits_n = weights_n * (softmax(logits_n) - onehot(target_n))      (overwritten)
 and may run in place on the logits buffer (dlogits is logits).
+
+`cross_entropy_forward_backward` does both in one pass over each row (one max,
+one exp per logit instead of two of each), with the very operations of the two
+kernels: its losses and gradient are bit-identical to forward then backward.
+Training uses it; evaluation and perplexity use the forward alone.
 """
 
 import numpy as np
@@ -63,6 +68,38 @@ def _ce_backward_kernel(dlogits, logits, targets, weights):
             dlogits[n, tgt] -= wn
 
 
+@njit(cache=True, parallel=True)
+def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
+    # losses (N,), dlogits (N, V) = (may alias logits), logits (N, V), targets (N,) int64, weights (N,)
+    N, V = logits.shape
+    for n in prange(N):
+        tgt = targets[n]
+        wn = weights[n]
+        if tgt < 0:
+            losses[n] = 0.0
+            for j in range(V):
+                dlogits[n, j] = 0.0
+            continue
+        lt = logits[n, tgt]  # read before its slot is overwritten
+        mx = logits[n, 0]
+        for j in range(1, V):
+            mx = max(mx, logits[n, j])
+        tot = 0.0  # double accumulator of float exps, as the forward
+        for j in range(V):
+            e = np.exp(logits[n, j] - mx)
+            dlogits[n, j] = e
+            tot += e
+        losses[n] = -((lt - mx) - np.log(tot))
+        if wn == 0:
+            for j in range(V):
+                dlogits[n, j] = 0.0
+        else:
+            k = wn / tot
+            for j in range(V):
+                dlogits[n, j] = dlogits[n, j] * k
+            dlogits[n, tgt] -= wn
+
+
 def _check(name, a, shape, dtype):
     check_array("cross_entropy", name, a, shape, dtype)
 
@@ -97,6 +134,16 @@ def cross_entropy_backward(dlogits, logits, targets, weights):
     _ce_backward_kernel(dlogits, logits, targets, weights)
 
 
+def cross_entropy_forward_backward(losses, dlogits, logits, targets, weights):
+    """cross_entropy_forward and cross_entropy_backward in one pass, bit-identical to
+    the two: losses (N,) and dlogits (N, V), which may be logits (in place)."""
+    _check_logits_targets(logits, targets)
+    _check("losses", losses, targets.shape, logits.dtype)
+    _check("dlogits", dlogits, logits.shape, logits.dtype)
+    _check("weights", weights, targets.shape, logits.dtype)
+    _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights)
+
+
 # ----------------------------------------------------------------------------
 # numpy references: same arguments and contract as the kernels, no checks
 
@@ -119,3 +166,9 @@ def cross_entropy_backward_ref(dlogits, logits, targets, weights):
     rows = np.flatnonzero(targets >= 0)
     grad[rows, targets[rows]] -= w[rows]
     dlogits[:] = grad
+
+
+def cross_entropy_forward_backward_ref(losses, dlogits, logits, targets, weights):
+    logits = logits.copy()  # dlogits may be logits
+    cross_entropy_forward_ref(losses, logits, targets)
+    cross_entropy_backward_ref(dlogits, logits, targets, weights)

@@ -101,6 +101,8 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
          (A(f32, 1), A(f32, 2), A(i64, 1))),
         ("cross_entropy backward", cross_entropy._ce_backward_kernel,
          (A(f32, 2), A(f32, 2), A(i64, 1), A(f32, 1))),
+        ("cross_entropy forward+backward", cross_entropy._ce_forward_backward_kernel,
+         (A(f32, 1), A(f32, 2), A(f32, 2), A(i64, 1), A(f32, 1))),
         ("adamw", optim._adamw_kernel, (A(f32, 1),) * 4 + (f64,) * 7),
         ("sgd", optim._sgd_kernel, (A(f32, 1),) * 2 + (f64,) * 2),
         ("norm partial", optim._norm_partial_kernel, (A(f64, 1), A(f32, 1))),

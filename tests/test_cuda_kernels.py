@@ -286,6 +286,10 @@ def test_cross_entropy():
     assert not g[[2, 3]].any()
     kc.cross_entropy.cross_entropy_backward(ld, ld, td, dev(weights))  # in place
     np.testing.assert_array_equal(host(ld), g)
+    fl, fd = nan_dev(N), dev(logits)                                   # fused, in place
+    kc.cross_entropy.cross_entropy_forward_backward(fl, fd, fd, td, dev(weights))
+    np.testing.assert_array_equal(host(fl), got)
+    np.testing.assert_array_equal(host(fd), g)
 
 
 # ------------------------------------------------------------------ optimizer

@@ -309,3 +309,38 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
     # inference: the blocked head against x W^T with the whole matrix
     x = np.random.default_rng(0).normal(0, 1, (5, cfg.n_embd)).astype(np.float32)
     np.testing.assert_allclose(Runner(m).head(x), x @ W.T, rtol=1e-5, atol=1e-5)
+
+
+def test_head_chunk_sizes():
+    """As few chunks as fit the room (or HEAD_CHUNK_BYTES), all about the same size."""
+    from llamatune.train.graph import HEAD_CHUNK_BYTES, head_chunk
+    V = HEAD_CHUNK_BYTES // 4 // 4                        # HEAD_CHUNK_BYTES hold 4 rows of logits
+    assert head_chunk(9, V) == 3                          # 3 chunks of 3, not 4 + 4 + 1
+    assert head_chunk(9, V, 5 * V) == 5                   # the room holds 5: 2 chunks
+    assert head_chunk(2048, 32000, 2048 * 8192) == 512    # the bench shape, selective: 4 chunks
+    assert head_chunk(10**6, 2**20) == HEAD_CHUNK_BYTES // 4 // 2**20
+    assert head_chunk(5, 10**9) == 1 and head_chunk(5, 10, 10**6) == 5
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logits_overlay_the_gradient_scratch_and_chunking_changes_nothing(small_model, mode):
+    from llamatune.train.graph import grad_scratch
+    """The head's logits live in the layer backward's scratch (one buffer); a
+    step with one token per chunk equals one with every token in one chunk (LoRA on
+    the head too), in float64 to the last few bits."""
+    B, T = 2, 6
+    results = []
+    for chunk in (None, 1, B * T):
+        targets, params = lora_setup(small_model, ALL_RANKS, np.float64)
+        g = Graph(small_model.config, FrozenBase(small_model), params, targets, B, T, mode, dtype=np.float64)
+        assert np.shares_memory(g.logits, g.dg) and g.logits.base is g.dg.base
+        views = [getattr(g, name) for name in grad_scratch(small_model.config, B * T, mode)]
+        assert len(views) == (8 if mode == "none" else 9)
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(views) for b in views[i + 1:])
+        if chunk is not None:
+            g.chunk, g.logits = chunk, np.zeros((chunk, small_model.config.n_vocab))
+        inputs, tg, w = batch(small_model.config, B, T, seed=4)
+        results.append((g.step(inputs, tg, w), params.grad.copy()))
+    for loss, grad in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-13)
+        np.testing.assert_allclose(grad, results[0][1], rtol=1e-11, atol=1e-15)

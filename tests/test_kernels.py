@@ -497,6 +497,25 @@ def test_cross_entropy_matches_ref_and_in_place():
     np.testing.assert_array_equal(in_place, dl)
 
 
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_cross_entropy_forward_backward_is_forward_then_backward(dtype):
+    """The fused kernel gives the very bits of forward then backward (in place too),
+    and the reference's values; rows with target < 0 or weight 0 get gradient 0."""
+    logits, targets, weights = ce_case(np.random.default_rng(13), dtype)
+    losses, dl = np.zeros(6, dtype), np.zeros_like(logits)
+    cross_entropy.cross_entropy_forward(losses, logits, targets)
+    cross_entropy.cross_entropy_backward(dl, logits, targets, weights)
+    got_losses, got = np.full(6, np.nan, dtype), logits.copy()          # in place: dlogits is logits
+    cross_entropy.cross_entropy_forward_backward(got_losses, got, got, targets, weights)
+    np.testing.assert_array_equal(got_losses, losses)
+    np.testing.assert_array_equal(got, dl)
+    ref_losses, ref = np.zeros(6, dtype), np.zeros_like(logits)
+    cross_entropy.cross_entropy_forward_backward_ref(ref_losses, ref, logits, targets, weights)
+    np.testing.assert_allclose(got_losses, ref_losses, **(TOL32 if dtype == F32 else dict(rtol=1e-12)))
+    np.testing.assert_allclose(got, ref, **(TOL32 if dtype == F32 else dict(rtol=1e-12, atol=1e-15)))
+    assert not got[[2, 3, 5]].any() and got_losses[3] > 0
+
+
 @pytest.mark.parametrize("fns", impls(cross_entropy, "cross_entropy_forward",
                                       "cross_entropy_backward"))
 def test_cross_entropy_fd(fns):

@@ -23,10 +23,13 @@ RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
 
 
 def graph_arrays(g: Graph) -> list[np.ndarray]:
-    """Every distinct array the graph holds, found by walking its attributes."""
+    """Every distinct buffer the graph holds, found by walking its attributes (a view,
+    e.g. of the shared gradient / logits buffer, counts as the buffer it views)."""
     found: dict[int, np.ndarray] = {}
 
     def add(v):
+        while isinstance(v, np.ndarray) and v.base is not None:
+            v = v.base
         if isinstance(v, np.ndarray) and id(v) not in found:
             found[id(v)] = v
     for v in vars(g).values():
@@ -149,3 +152,38 @@ def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
     total, in_model = resident_bytes(model.path)
     assert t.nbytes <= in_model <= model.path.stat().st_size + 4096 and total > in_model
     assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch):
+    """After compile_kernels, a LoRA step and an evaluation on a quantized model (packed
+    rows, read-only memory-mapped weights; gemma2: GeGLU, soft-caps, post norms) add no
+    numba specialization: nothing is compiled or loaded after the runtime was measured."""
+    from gguf import GGMLQuantizationType as QType
+    from numba.core.registry import CPUDispatcher
+    from conftest import write_tiny_model
+    from llamatune.backend import cpu
+    from llamatune.train.memory import compile_kernels
+    family = dict(attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2) if arch == "gemma2" else {}
+    m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0, arch=arch, n_layer=3, **family))
+    backend = cpu()
+    compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config)
+
+    def signatures():
+        return {(op, name): len(k.signatures) for op, mod in vars(backend.ops).items()
+                for name, k in vars(mod).items() if isinstance(k, CPUDispatcher)}
+    before = signatures()
+    cfg = m.config
+    tied = m.weights.output is m.weights.token_embd
+    targets = lora_targets(cfg, {k: r for k, r in RANKS.items() if not tied or k not in ("output", "token_embd")},
+                           2.0, tied=tied)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    g = Graph(cfg, FrozenBase(m), params, targets, 2, 8, "layer")
+    ids = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 8))
+    w = np.full((2, 8), 1 / 16, np.float32)
+    positions, segments = np.tile(np.r_[0:4, 0:4], (2, 1)), np.tile(np.r_[[0] * 4, [1] * 4], (2, 1)).astype(np.int32)
+    g.step(ids, ids, w, (0, 1, 0), positions, segments)
+    g.loss(ids, ids, w)
+    assert signatures() == before
+    assert sum(before.values()) > 10

@@ -9,7 +9,8 @@ float32 exps in float64 (as llama-perplexity and the CPU kernel; block tree
 order), then the loss / gradient. Rows with target < 0 get loss 0 and gradient 0
 (and so do rows of weight 0 in the backward). dlogits may be logits: every thread
 reads its logits before the barrier of the last reduction and then writes only
-the entries it reads.
+the entries it reads. `cross_entropy_forward_backward` computes the row statistics
+once for both, as the CPU kernel of the same name.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import numpy as np
 from ._common import (MAX_THREADS, block_max, block_sum, check, check_ndim, cuda, float32,
                       float64, row_threads)
 
-__all__ = ["cross_entropy_forward", "cross_entropy_backward"]
+__all__ = ["cross_entropy_forward", "cross_entropy_backward", "cross_entropy_forward_backward"]
 
 
 @cuda.jit(device=True)
@@ -78,6 +79,36 @@ def _ce_backward_kernel(dlogits, logits, targets, weights):
         dlogits[n, j] = g
 
 
+@cuda.jit
+def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
+    # grid N, block row_threads(V); losses (N,), dlogits (N, V) = (may be logits)
+    n = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    V = logits.shape[1]
+    tgt = targets[n]
+    wn = weights[n]
+    if tgt < 0:
+        if tid == 0:
+            losses[n] = 0.0
+        for j in range(tid, V, cuda.blockDim.x):
+            dlogits[n, j] = 0.0
+        return
+    lt = logits[n, tgt]  # read by thread 0 before any thread writes (the reductions' barriers)
+    fbuf = cuda.shared.array(MAX_THREADS, float32)
+    dbuf = cuda.shared.array(MAX_THREADS, float64)
+    mx, tot = _row_stats(logits, n, tid, fbuf, dbuf)
+    if tid == 0:
+        losses[n] = -((lt - mx) - math.log(tot))
+    k = wn / tot
+    for j in range(tid, V, cuda.blockDim.x):
+        g = 0.0
+        if wn != 0:
+            g = math.exp(logits[n, j] - mx) * k
+            if j == tgt:
+                g -= wn
+        dlogits[n, j] = g
+
+
 def _check_logits_targets(logits, targets):
     N, V = check_ndim("cross_entropy", "logits", logits, 2, np.float32)
     if V == 0:
@@ -106,3 +137,13 @@ def cross_entropy_backward(dlogits, logits, targets, weights) -> None:
     check("cross_entropy", "weights", weights, (N,), np.float32)
     if N:
         _ce_backward_kernel[N, row_threads(V)](dlogits, logits, targets, weights)
+
+
+def cross_entropy_forward_backward(losses, dlogits, logits, targets, weights) -> None:
+    """cross_entropy_forward and cross_entropy_backward at once (dlogits may be logits)."""
+    N, V = _check_logits_targets(logits, targets)
+    check("cross_entropy", "losses", losses, (N,), np.float32)
+    check("cross_entropy", "dlogits", dlogits, (N, V), np.float32)
+    check("cross_entropy", "weights", weights, (N,), np.float32)
+    if N:
+        _ce_forward_backward_kernel[N, row_threads(V)](losses, dlogits, logits, targets, weights)

@@ -56,7 +56,7 @@ from .params import (
     ParamBuffer,
 )
 
-HEAD_CHUNK_BYTES = 32 << 20   # logits computed this many bytes at a time
+HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
 LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
 
@@ -102,9 +102,33 @@ def checkpointing_mode(checkpointing) -> str:
     return checkpointing
 
 
-def head_chunk(N: int, n_vocab: int) -> int:
-    """Token rows of logits computed at a time."""
-    return max(1, min(N, HEAD_CHUNK_BYTES // (4 * n_vocab)))
+def grad_scratch(cfg: ModelConfig, N: int, mode: str) -> dict[str, tuple[int, int]]:
+    """Scratch of the layer backward (gradients, dx2) and the SwiGLU output that backward
+    recomputes (not in mode none, whose layers keep theirs), (N, *) each. The output head
+    uses none of them and runs before any layer backward (evaluation runs none), so its
+    logits overlay them all in one shared buffer: a larger token chunk at no memory cost."""
+    F, Cq, Ckv = cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
+    views = {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
+             "datt": (N, Cq), "dx2": (N, cfg.n_embd)}
+    if checkpointing_mode(mode) != "none":
+        views["h"] = (N, F)
+    return views
+
+
+def head_floats(cfg: ModelConfig) -> int:
+    """Floats the head keeps per token of a chunk: its logits, and with a final soft-cap
+    their gradient beside them (the capped logits stay for the cap's backward)."""
+    return cfg.n_vocab * (2 if cfg.final_softcap else 1)
+
+
+def head_chunk(N: int, per_token: int, room: int = 0) -> int:
+    """Token rows of the head computed at a time (`per_token` floats each, head_floats):
+    the N tokens in as few chunks as fit `room` floats (the scratch they overlay) or
+    HEAD_CHUNK_BYTES, whichever holds more, all of about the same size. Every chunk
+    expands the quantized head twice (logits, gradient to its input), so fewer, larger
+    chunks expand it less often and multiply it in better-shaped products."""
+    most = max(1, min(N, max(HEAD_CHUNK_BYTES // 4, room) // per_token))
+    return -(-N // -(-N // most))                                  # ceil(N / ceil(N / most))
 
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
@@ -131,12 +155,14 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     for t in targets:                                              # x A^T of each adapter (shared per kind
         if _has_xa(cfg, t.kind):                                   # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
-    chunk = head_chunk(N, V)
+    room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
+    per_token = head_floats(cfg)
+    chunk = head_chunk(N, per_token, room)
     mats = layer_matrix_shapes(cfg)
-    plan |= {"xn": (N, C), "h": (N, F), "dx": (N, C), "dx2": (N, C), "dxn": (N, C), "dg": (N, F), "du": (N, F),
-             "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv), "datt": (N, Cq),
-             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "logits": (chunk, V),
-             "losses": (N,), "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
+             "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
+             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "losses": (N,),
+             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
     fused = [w for on, w in ((cfg.spec.fused_qkv, Cq + 2 * Ckv), (cfg.spec.fused_gate_up, 2 * F)) if on]
     if fused:                                                      # a fused product, or its gradient,
         plan["fused"] = (N * max(fused),)                          # before it is split / after it is joined
@@ -144,8 +170,6 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
         plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
     if cfg.spec.qk_norm:
         plan |= {"dqp": (N, Cq), "dkp": (N, Ckv)}
-    if cfg.final_softcap:                                          # capped logits stay for the backward
-        plan["dlogits"] = (chunk, V)
     head_tmp = 0                                                   # products added to a block in the head
     if any(t.kind == "output" for t in targets):
         head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
@@ -185,16 +209,20 @@ class Graph:
                    for t in targets if _has_xa(cfg, t.kind)}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
-        self.xn, self.h = buf["xn"], buf["h"]
-        self.dx, self.dx2, self.dxn = buf["dx"], buf["dx2"], buf["dxn"]
-        self.dg, self.du, self.dh = buf["dg"], buf["du"], buf["dh"]
-        self.dq, self.dk, self.dv, self.datt = buf["dq"], buf["dk"], buf["dv"], buf["datt"]
-        self.tmp, self.dnorm = buf["tmp"], buf["dnorm"]
-        self.logits, self.losses = buf["logits"], buf["losses"]
-        self.chunk = self.logits.shape[0]
+        self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
+        shared, at = buf["grads_logits"], 0
+        for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
+            setattr(self, name, shared[at: at + n * m].reshape(n, m))
+            at += n * m
+        self.chunk, V = head_chunk(self.N, head_floats(cfg), at), cfg.n_vocab
+        self.logits = shared[: self.chunk * V].reshape(self.chunk, V)
+        self.dlogits = None                                                 # the capped logits' gradient
+        if cfg.final_softcap:
+            self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
+        self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
-        self.dqp, self.dkp, self.dlogits = buf.get("dqp"), buf.get("dkp"), buf.get("dlogits")
+        self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
         self.rope_host, self.rope_rows = [], []        # per rope set: f32 cache; 0..T-1 tables
         for j, rope in enumerate(cfg.rope_sets):
             cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
@@ -334,7 +362,8 @@ class Graph:
         A, B = self.params[t.a], self.params[t.b]
         self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
         dxa = t.scale * (dy @ B)                                       # (N, r)
-        self.params.grad_of(t.a)[...] += dxa.T @ xd
+        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
+        #                                   to 50x longer with the r-row transposed operand on the left
         if dx is not None:
             dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
             dx += dxd if mask is None else dxd * mask
@@ -490,15 +519,17 @@ class Graph:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
             if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
                 self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
-            self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
             if not backward:
+                self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
                 continue
             if cfg.final_softcap:                            # d(capped) aside, then back through the cap
                 dcap = self.dlogits[: hi - lo]
-                self.ops.cross_entropy.cross_entropy_backward(dcap, logits, targets[lo:hi], weights[lo:hi])
+                self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], dcap, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
                 self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
             else:
-                self.ops.cross_entropy.cross_entropy_backward(logits, logits, targets[lo:hi], weights[lo:hi])
+                self.ops.cross_entropy.cross_entropy_forward_backward(self.losses[lo:hi], logits, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
             for j, (vlo, vhi) in enumerate(reversed(blocks)):
                 W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
                 if j == 0:
@@ -597,6 +628,24 @@ class Graph:
         ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
         whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
         None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
+        return self._forward_backward(inputs, targets, weights, key, positions, segments)
+
+    def warm_up(self, packed: bool = False) -> None:
+        """Run every kernel of a step and of an evaluation once (compiling it, or loading it
+        from numba's disk cache) on token ids 0..; with `packed`, also their packed-rows
+        variants. It is no training step: the gradients it adds are cleared."""
+        shape = (self.B, self.T)
+        ids = np.arange(self.N).reshape(shape) % self.cfg.n_vocab
+        w = np.full(shape, 1 / self.N, np.float32)
+        packing = [(None, None)]
+        if packed:                                  # one sample per row, given as packed rows
+            packing.append((np.broadcast_to(np.arange(self.T), shape), np.zeros(shape, np.int32)))
+        for positions, segments in packing:
+            self._forward_backward(ids, ids, w, (0, 0, 0), positions, segments)
+            self.loss(ids, ids, w, positions, segments)
+        self.params.zero_grad()
+
+    def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
         loss = self._head(tg, w)

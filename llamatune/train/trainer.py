@@ -82,7 +82,7 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
     and refuse a run that does not fit with what would."""
     o = job.opts
-    compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()})
+    compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()}, job.cfg)
     planner = Planner(job.cfg, job.targets, job.base, measure_runtime(job.params, job.model_path),
                       job.mapped_bytes, job.scratch_bytes, getattr(o, "lora_dropout", 0.0))
     have = available_memory() if backend.name == "cpu" else None
