@@ -326,6 +326,7 @@ def test_train_from_scratch_arch_phi3(tmp_path):
 # ----------------------------------------------------------------------------- CUDA
 
 @pytest.mark.cuda
+@pytest.mark.slow          # ~30-60 s in the simulator; gemma3 covers the new options on CUDA by default
 def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
     """Inference logits and a LoRA training step (every fused target) on the CUDA backend
     (numba's simulator without a GPU) equal the CPU's."""
