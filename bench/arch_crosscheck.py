@@ -327,12 +327,7 @@ def main() -> int:
                 phi3_structured(c)
     except Exception as e:          # report what ran so far, then the error
         error = e
-    lc.print_table(c)
-    print(f"\ntotal {time.time() - t0:.0f} s")
-    if error is not None:
-        print(f"\nABORTED: {type(error).__name__}: {error}")
-        return 2
-    return 1 if any(r.ok is False for r in c.rows) else 0
+    return lc.report(c, t0, error)
 
 
 if __name__ == "__main__":

@@ -759,6 +759,12 @@ def main() -> int:
     except Exception as e:          # report what ran so far, then the error
         error = e
     print_commands(c)
+    return report(c, t0, error)
+
+
+def report(c, t0: float, error: Exception | None) -> int:
+    """Print the table of checks, the time taken and the error that stopped the run (if
+    any); the exit code: 2 aborted, 1 a check failed, 0 all passed."""
     print_table(c)
     print(f"\ntotal {time.time() - t0:.0f} s")
     if error is not None:
