@@ -44,7 +44,7 @@ item:
   copies, except the q/dout blocks of the dk/dv products);
 * the masked softmax (and its backward) is a numba kernel over rows that only
   touches each row's visible keys [lo, hi) and writes 0 elsewhere. The
-  exponential is a branch-free float32 polynomial (`_exp`, <= 3 ulp from libm's
+  exponential is vecmath.py's branch-free float32 polynomial (<= 3 ulp from libm's
   expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
   vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
   ns per score instead of 0.45); the forward leaves P unnormalized and scales the
@@ -76,72 +76,13 @@ from contextlib import nullcontext
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic, overload
+from numba import njit
+
+from .vecmath import FASTMATH as _FASTMATH
+from .vecmath import expf as _exp
+from .vecmath import row_max as _row_max
 
 _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms for 256
-_FASTMATH = {"reassoc", "nsz", "contract"}  # lets LLVM vectorize the row sums
-
-
-@intrinsic
-def _i32_as_f32(typingctx, x):
-    def codegen(context, builder, sig, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.int32), codegen
-
-
-def _exp(x):
-    """exp(x) for the softmax kernels: float32 by a vectorizable polynomial, else np.exp."""
-    return np.exp(x)
-
-
-@overload(_exp)
-def _exp_overload(x):
-    if x != types.float32:
-        return lambda x: np.exp(x)
-
-    def exp_f32(x):
-        # Cephes expf: x = n ln2 + r (ln2 in two parts), exp(r) by a degree-7
-        # polynomial, times 2^n built from its exponent bits; x is clamped to
-        # [-87, 88] so 2^n stays a normal number (exp(-87) = 1.6e-38 stands in for
-        # anything smaller: it weighs nothing next to a row's max term, exp(0) = 1)
-        f = np.float32
-        x = min(max(x, f(-87.0)), f(88.0))
-        n = np.floor(x * f(1.44269504088896341) + f(0.5))
-        r = x - n * f(0.693359375)
-        r = r - n * f(-2.12194440e-4)
-        p = f(1.9875691500e-4)
-        p = p * r + f(1.3981999507e-3)
-        p = p * r + f(8.3334519073e-3)
-        p = p * r + f(4.1665795894e-2)
-        p = p * r + f(1.6666665459e-1)
-        p = p * r + f(5.0000001201e-1)
-        p = p * r * r + r + f(1.0)
-        return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
-    return exp_f32
-
-
-@njit(inline="always")
-def _row_max(a, lo, hi):
-    # max of a[lo:hi] (hi > lo, both uint64: unsigned indices carry no negative-index
-    # wraparound, which would stop LLVM from vectorizing): eight independent chains
-    u = np.uint64
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = a[lo]
-    end8 = lo + (hi - lo) // u(8) * u(8)
-    for j in range(lo, end8, 8):
-        m0 = max(m0, a[j])
-        m1 = max(m1, a[j + u(1)])
-        m2 = max(m2, a[j + u(2)])
-        m3 = max(m3, a[j + u(3)])
-        m4 = max(m4, a[j + u(4)])
-        m5 = max(m5, a[j + u(5)])
-        m6 = max(m6, a[j + u(6)])
-        m7 = max(m7, a[j + u(7)])
-    m = max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
-    for j in range(end8, hi):
-        m = max(m, a[j])
-    return m
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)

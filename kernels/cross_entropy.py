@@ -12,15 +12,18 @@ The backward takes per-row weights (e.g. 1/number-of-counted-tokens for a mean):
 and may run in place on the logits buffer (dlogits is logits).
 
 `cross_entropy_forward_backward` does both in one pass over each row (one max,
-one exp per logit instead of two of each), with the very operations of the two
-kernels: its losses and gradient are bit-identical to forward then backward.
-Training uses it; evaluation and perplexity use the forward alone.
+one exp per logit), which training uses; `cross_entropy_backward` is the same
+kernel with its losses dropped. Its exps are vecmath's vectorized float32
+polynomial (within 3 ulp of expf) and its row sum is reassociated, so its losses
+agree with the forward's to float rounding, not bit for bit; the forward alone,
+which evaluation and perplexity use, keeps libm's expf and llama-perplexity's order.
 """
 
 import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
+from .vecmath import FASTMATH, expf, row_max
 
 
 @njit(cache=True, parallel=True)
@@ -41,63 +44,55 @@ def _ce_forward_kernel(losses, logits, targets):
             losses[n] = -((logits[n, tgt] - mx) - np.log(tot))
 
 
-@njit(cache=True, parallel=True)
-def _ce_backward_kernel(dlogits, logits, targets, weights):
-    # dlogits (N, V) =, may alias logits; logits (N, V); targets (N,) int64; weights (N,)
-    N, V = logits.shape
-    for n in prange(N):
-        tgt = targets[n]
-        wn = weights[n]
-        if tgt < 0 or wn == 0:
-            for j in range(V):
-                dlogits[n, j] = 0.0
-        else:
-            mx = logits[n, 0]
-            for j in range(1, V):
-                mx = max(mx, logits[n, j])
-            # Store the unnormalised exps in dlogits: each logit is read before
-            # its slot is overwritten, so aliasing dlogits with logits is safe.
-            tot = 0.0
-            for j in range(V):
-                e = np.exp(logits[n, j] - mx)
-                dlogits[n, j] = e
-                tot += e
-            k = wn / tot
-            for j in range(V):
-                dlogits[n, j] = dlogits[n, j] * k
-            dlogits[n, tgt] -= wn
-
-
-@njit(cache=True, parallel=True)
-def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
-    # losses (N,), dlogits (N, V) = (may alias logits), logits (N, V), targets (N,) int64, weights (N,)
-    N, V = logits.shape
-    for n in prange(N):
-        tgt = targets[n]
-        wn = weights[n]
-        if tgt < 0:
-            losses[n] = 0.0
-            for j in range(V):
-                dlogits[n, j] = 0.0
-            continue
-        lt = logits[n, tgt]  # read before its slot is overwritten
-        mx = logits[n, 0]
-        for j in range(1, V):
-            mx = max(mx, logits[n, j])
-        tot = 0.0  # double accumulator of float exps, as the forward
+@njit(inline="always")
+def _ce_row(dst, src, tgt, wn):
+    # dst[:] = wn * (softmax(src) - onehot(tgt)) (0 when wn == 0), row src (V,) read
+    # before each slot of dst (which may be src) is written; returns the row's loss.
+    # The row max in eight chains and the float32 exp by vecmath's polynomial, both
+    # vectorized; the sum of the exps in double, as the forward.
+    V = np.uint64(src.shape[0])
+    lt = src[tgt]
+    mx = row_max(src, np.uint64(0), V)
+    tot = 0.0
+    for j in range(V):
+        e = expf(src[j] - mx)
+        dst[j] = e
+        tot += e
+    if wn == 0:
         for j in range(V):
-            e = np.exp(logits[n, j] - mx)
-            dlogits[n, j] = e
-            tot += e
-        losses[n] = -((lt - mx) - np.log(tot))
-        if wn == 0:
-            for j in range(V):
-                dlogits[n, j] = 0.0
+            dst[j] = 0.0
+    else:
+        k = wn / tot
+        for j in range(V):
+            dst[j] = dst[j] * k
+        dst[tgt] -= wn
+    return -((lt - mx) - np.log(tot))
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
+    # losses (N,), dlogits (N, V) = (not logits: see _inplace), logits (N, V), targets (N,) int64, weights (N,)
+    N, V = logits.shape
+    for n in prange(N):
+        if targets[n] < 0:
+            losses[n] = 0.0
+            dlogits[n, :] = 0.0
         else:
-            k = wn / tot
-            for j in range(V):
-                dlogits[n, j] = dlogits[n, j] * k
-            dlogits[n, tgt] -= wn
+            losses[n] = _ce_row(dlogits[n], logits[n], targets[n], weights[n])
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _ce_forward_backward_inplace_kernel(losses, logits, targets, weights):
+    # the same with dlogits = logits: one array, so LLVM sees each slot read then
+    # written (two arrays that may alias would send it to its scalar fallback)
+    N, V = logits.shape
+    for n in prange(N):
+        if targets[n] < 0:
+            losses[n] = 0.0
+            logits[n, :] = 0.0
+        else:
+            row = logits[n]
+            losses[n] = _ce_row(row, row, targets[n], weights[n])
 
 
 def _check(name, a, shape, dtype):
@@ -131,17 +126,26 @@ def cross_entropy_backward(dlogits, logits, targets, weights):
     _check_logits_targets(logits, targets)
     _check("dlogits", dlogits, logits.shape, logits.dtype)
     _check("weights", weights, targets.shape, logits.dtype)
-    _ce_backward_kernel(dlogits, logits, targets, weights)
+    _forward_backward(np.empty(targets.shape, logits.dtype), dlogits, logits, targets, weights)
 
 
 def cross_entropy_forward_backward(losses, dlogits, logits, targets, weights):
-    """cross_entropy_forward and cross_entropy_backward in one pass, bit-identical to
-    the two: losses (N,) and dlogits (N, V), which may be logits (in place)."""
+    """cross_entropy_forward and cross_entropy_backward in one pass: losses (N,) and
+    dlogits (N, V), which may be logits (in place)."""
     _check_logits_targets(logits, targets)
     _check("losses", losses, targets.shape, logits.dtype)
     _check("dlogits", dlogits, logits.shape, logits.dtype)
     _check("weights", weights, targets.shape, logits.dtype)
-    _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights)
+    _forward_backward(losses, dlogits, logits, targets, weights)
+
+
+def _forward_backward(losses, dlogits, logits, targets, weights):
+    if dlogits.ctypes.data == logits.ctypes.data:    # checked C-contiguous, same shape: the same array
+        _ce_forward_backward_inplace_kernel(losses, logits, targets, weights)
+    elif np.shares_memory(dlogits, logits):
+        raise ValueError("cross_entropy: dlogits must be logits itself or not overlap it")
+    else:
+        _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights)
 
 
 # ----------------------------------------------------------------------------

@@ -21,7 +21,9 @@ one kernel ``_deq_<type>(data, rows, gather, out)``: a ``prange`` loop over
 output rows (source row ``rows[i]`` when gathering, else ``i``) around a plain
 loop over the row's blocks. (One kernel per type rather than a generic driver
 closing over a row function: numba's on-disk cache misses closures over
-dispatchers in every new process.)
+dispatchers in every new process.) The inner loops index with unsigned integers
+and take the bytes' bit fields in int32, which lets LLVM vectorize them: Q4_K
+went from 0.57 to 0.06 ns a weight on two threads.
 """
 from __future__ import annotations
 
@@ -33,6 +35,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 QK_K = 256  # super-block size of the K-quants
+_U = np.uint64  # inner-loop indices: unsigned, so numba emits no negative-index wraparound
+#                 and LLVM vectorizes the loops (int32 lanes for the bytes' bit fields)
 
 __all__ = ["NUMBA_TYPES", "dequantize_into", "dequantize_rows_into", "dequantize"]
 
@@ -135,8 +139,10 @@ def _deq_q8_0(data, rows, gather, out):
         for b in range(dst.shape[0] // 32):
             o = 34 * b
             d = _f16(src, o)
-            for j in range(32):
-                dst[32 * b + j] = np.float32(_i8(src[o + 2 + j])) * d
+            qs, y = _U(o + 2), _U(32 * b)
+            for j in range(_U(32)):
+                v = np.int32(src[qs + j])
+                dst[y + j] = np.float32(v - ((v & 0x80) << 1)) * d
 
 
 @njit(cache=True, parallel=True)
@@ -147,11 +153,11 @@ def _deq_q4_0(data, rows, gather, out):
         for b in range(dst.shape[0] // 32):
             o = 18 * b
             d = _f16(src, o)
-            y = 32 * b
-            for j in range(16):
-                q = np.int64(src[o + 2 + j])
+            qs, y = _U(o + 2), _U(32 * b)
+            for j in range(_U(16)):
+                q = np.int32(src[qs + j])
                 dst[y + j] = d * np.float32((q & 0xF) - 8)
-                dst[y + j + 16] = d * np.float32((q >> 4) - 8)
+                dst[y + j + _U(16)] = d * np.float32((q >> 4) - 8)
 
 
 @njit(cache=True, parallel=True)
@@ -163,11 +169,11 @@ def _deq_q4_1(data, rows, gather, out):
             o = 20 * b
             d = _f16(src, o)
             m = _f16(src, o + 2)
-            y = 32 * b
-            for j in range(16):
-                q = np.int64(src[o + 4 + j])
+            qs, y = _U(o + 4), _U(32 * b)
+            for j in range(_U(16)):
+                q = np.int32(src[qs + j])
                 dst[y + j] = d * np.float32(q & 0xF) + m
-                dst[y + j + 16] = d * np.float32(q >> 4) + m
+                dst[y + j + _U(16)] = d * np.float32(q >> 4) + m
 
 
 @njit(cache=True, parallel=True)
@@ -180,13 +186,13 @@ def _deq_q5_0(data, rows, gather, out):
             o = 22 * b
             d = _f16(src, o)
             qh = _u16(src, o + 2) | (_u16(src, o + 4) << 16)
-            y = 32 * b
+            qs, y = _U(o + 6), _U(32 * b)
             for j in range(16):
-                q = np.int64(src[o + 6 + j])
-                q0 = (q & 0xF) | (((qh >> j) & 1) << 4)
-                q1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                dst[y + j] = d * np.float32(q0 - 16)
-                dst[y + j + 16] = d * np.float32(q1 - 16)
+                q = np.int32(src[qs + _U(j)])
+                q0 = (q & 0xF) | np.int32(((qh >> j) & 1) << 4)
+                q1 = (q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                dst[y + _U(j)] = d * np.float32(q0 - 16)
+                dst[y + _U(j + 16)] = d * np.float32(q1 - 16)
 
 
 @njit(cache=True, parallel=True)
@@ -199,13 +205,13 @@ def _deq_q5_1(data, rows, gather, out):
             d = _f16(src, o)
             m = _f16(src, o + 2)
             qh = _u16(src, o + 4) | (_u16(src, o + 6) << 16)
-            y = 32 * b
+            qs, y = _U(o + 8), _U(32 * b)
             for j in range(16):
-                q = np.int64(src[o + 8 + j])
-                q0 = (q & 0xF) | (((qh >> j) & 1) << 4)
-                q1 = (q >> 4) | (((qh >> (j + 16)) & 1) << 4)
-                dst[y + j] = d * np.float32(q0) + m
-                dst[y + j + 16] = d * np.float32(q1) + m
+                q = np.int32(src[qs + _U(j)])
+                q0 = (q & 0xF) | np.int32(((qh >> j) & 1) << 4)
+                q1 = (q >> 4) | np.int32(((qh >> (j + 16)) & 1) << 4)
+                dst[y + _U(j)] = d * np.float32(q0) + m
+                dst[y + _U(j + 16)] = d * np.float32(q1) + m
 
 
 # ---------------------------------------------------- 256-value K-quants
@@ -224,11 +230,11 @@ def _deq_q2_k(data, rows, gather, out):
                 s = np.int64(src[o + sb])
                 dl = d * np.float32(s & 0xF)
                 ml = dmin * np.float32(s >> 4)
-                qs = o + 16 + 32 * (sb >> 3) + 16 * (sb & 1)
-                shift = 2 * ((sb >> 1) & 3)
-                y = QK_K * b + 16 * sb
-                for k in range(16):
-                    q = (np.int64(src[qs + k]) >> shift) & 3
+                qs = _U(o + 16 + 32 * (sb >> 3) + 16 * (sb & 1))
+                shift = np.int32(2 * ((sb >> 1) & 3))
+                y = _U(QK_K * b + 16 * sb)
+                for k in range(_U(16)):
+                    q = (np.int32(src[qs + k]) >> shift) & 3
                     dst[y + k] = dl * np.float32(q) - ml
 
 
@@ -251,13 +257,14 @@ def _deq_q3_k(data, rows, gather, out):
                 hi = (np.int64(src[sc + 8 + (sb & 3)]) >> (2 * (sb >> 2))) & 3
                 dl = d * np.float32((lo | (hi << 4)) - 32)
                 l0 = 16 * (sb & 1)
-                qs = o + 32 + 32 * (sb >> 3) + l0
-                shift = 2 * ((sb >> 1) & 3)
-                hbit = sb >> 1  # == i >> 5 for the values of this sub-block
-                y = QK_K * b + 16 * sb
-                for k in range(16):
-                    q = (np.int64(src[qs + k]) >> shift) & 3
-                    h = (np.int64(src[o + l0 + k]) >> hbit) & 1
+                qs = _U(o + 32 + 32 * (sb >> 3) + l0)
+                hm = _U(o + l0)
+                shift = np.int32(2 * ((sb >> 1) & 3))
+                hbit = np.int32(sb >> 1)  # == i >> 5 for the values of this sub-block
+                y = _U(QK_K * b + 16 * sb)
+                for k in range(_U(16)):
+                    q = (np.int32(src[qs + k]) >> shift) & 3
+                    h = (np.int32(src[hm + k]) >> hbit) & 1
                     dst[y + k] = dl * np.float32(q - 4 * (1 - h))
 
 
@@ -287,16 +294,17 @@ def _deq_q4_k(data, rows, gather, out):
             o = 144 * b
             d = _f16(src, o)
             dmin = _f16(src, o + 2)
-            for sb in range(8):
-                s, m = _scale_min_k4(src, o + 4, sb)
-                dl = d * np.float32(s)
-                ml = dmin * np.float32(m)
-                qs = o + 16 + 32 * (sb >> 1)
-                shift = 4 * (sb & 1)
-                y = QK_K * b + 32 * sb
-                for l in range(32):
-                    q = (np.int64(src[qs + l]) >> shift) & 0xF
-                    dst[y + l] = dl * np.float32(q) - ml
+            for pair in range(4):  # sub-blocks 2 pair (low nibbles), 2 pair + 1 (high)
+                s0, m0 = _scale_min_k4(src, o + 4, 2 * pair)
+                s1, m1 = _scale_min_k4(src, o + 4, 2 * pair + 1)
+                dl0, ml0 = d * np.float32(s0), dmin * np.float32(m0)
+                dl1, ml1 = d * np.float32(s1), dmin * np.float32(m1)
+                qs = _U(o + 16 + 32 * pair)
+                y = _U(QK_K * b + 64 * pair)
+                for l in range(_U(32)):
+                    q = np.int32(src[qs + l])
+                    dst[y + l] = dl0 * np.float32(q & 0xF) - ml0
+                    dst[y + _U(32) + l] = dl1 * np.float32(q >> 4) - ml1
 
 
 @njit(cache=True, parallel=True)
@@ -309,16 +317,17 @@ def _deq_q5_k(data, rows, gather, out):
             o = 176 * b
             d = _f16(src, o)
             dmin = _f16(src, o + 2)
+            qh = _U(o + 16)
             for sb in range(8):
                 s, m = _scale_min_k4(src, o + 4, sb)
                 dl = d * np.float32(s)
                 ml = dmin * np.float32(m)
-                qs = o + 48 + 32 * (sb >> 1)
-                shift = 4 * (sb & 1)
-                y = QK_K * b + 32 * sb
-                for l in range(32):
-                    q = (np.int64(src[qs + l]) >> shift) & 0xF
-                    q |= ((np.int64(src[o + 16 + l]) >> sb) & 1) << 4
+                qs = _U(o + 48 + 32 * (sb >> 1))
+                shift, hbit = np.int32(4 * (sb & 1)), np.int32(sb)
+                y = _U(QK_K * b + 32 * sb)
+                for l in range(_U(32)):
+                    q = (np.int32(src[qs + l]) >> shift) & 0xF
+                    q |= ((np.int32(src[qh + l]) >> hbit) & 1) << 4
                     dst[y + l] = dl * np.float32(q) - ml
 
 
@@ -336,14 +345,14 @@ def _deq_q6_k(data, rows, gather, out):
                 dl = d * np.float32(_i8(src[o + 192 + sb]))
                 r0 = 16 * (sb & 7)  # r of the first value of the sub-block
                 h = sb >> 3
-                ql = o + 64 * h + (r0 & 63)
-                qh = o + 128 + 32 * h + (r0 & 31)
-                lshift = 4 * (r0 >> 6)
-                hshift = 2 * (r0 >> 5)
-                y = QK_K * b + 16 * sb
-                for k in range(16):
-                    q = (np.int64(src[ql + k]) >> lshift) & 0xF
-                    q |= ((np.int64(src[qh + k]) >> hshift) & 3) << 4
+                ql = _U(o + 64 * h + (r0 & 63))
+                qh = _U(o + 128 + 32 * h + (r0 & 31))
+                lshift = np.int32(4 * (r0 >> 6))
+                hshift = np.int32(2 * (r0 >> 5))
+                y = _U(QK_K * b + 16 * sb)
+                for k in range(_U(16)):
+                    q = (np.int32(src[ql + k]) >> lshift) & 0xF
+                    q |= ((np.int32(src[qh + k]) >> hshift) & 3) << 4
                     dst[y + k] = dl * np.float32(q - 32)
 
 

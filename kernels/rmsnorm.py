@@ -16,30 +16,45 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
+from .vecmath import FASTMATH
 
-# Columns per dw task: each task owns a disjoint slice of dw, so there is no race.
-_DW_BLOCK = 64
+# Rows per dw task: each task sums its rows into its own row of a scratch.
+_DW_ROWS = 128
 
 
 @njit(cache=True, parallel=True)
 def _rmsnorm_forward_kernel(out, rstd, x, w, eps):
     # out (N, C), rstd (N,), x (N, C), w (C,); eps has x's dtype
+    # Each row's sum of squares is one serial float64 chain (ggml's order, bit for bit);
+    # four rows run side by side so that four chains are in flight at once.
     N, C = x.shape
-    for n in prange(N):
-        ss = 0.0  # float64 accumulator, like ggml_float
-        for c in range(C):
-            ss += x[n, c] * x[n, c]  # product in x's dtype, then widened (as ggml)
-        rstd[n] = ss / C  # the mean, rounded to x's dtype by the store
-        rstd[n] = np.float32(1.0) / np.sqrt(rstd[n] + eps)  # 1.0f/sqrtf(mean+eps)
-        r = rstd[n]
-        for c in range(C):
-            out[n, c] = x[n, c] * r * w[c]  # (x*scale)*w, the rms_norm then the mul
+    for g in prange((N + 3) // 4):
+        n0 = 4 * g
+        if n0 + 4 <= N:
+            s0 = s1 = s2 = s3 = 0.0  # float64 accumulators, like ggml_float
+            for c in range(C):
+                s0 += x[n0, c] * x[n0, c]  # product in x's dtype, then widened (as ggml)
+                s1 += x[n0 + 1, c] * x[n0 + 1, c]
+                s2 += x[n0 + 2, c] * x[n0 + 2, c]
+                s3 += x[n0 + 3, c] * x[n0 + 3, c]
+            rstd[n0], rstd[n0 + 1], rstd[n0 + 2], rstd[n0 + 3] = s0 / C, s1 / C, s2 / C, s3 / C
+        else:
+            for n in range(n0, N):
+                ss = 0.0
+                for c in range(C):
+                    ss += x[n, c] * x[n, c]
+                rstd[n] = ss / C  # the mean, rounded to x's dtype by the store
+        for n in range(n0, min(N, n0 + 4)):
+            rstd[n] = np.float32(1.0) / np.sqrt(rstd[n] + eps)  # 1.0f/sqrtf(mean+eps)
+            r = rstd[n]
+            for c in range(C):
+                out[n, c] = x[n, c] * r * w[c]  # (x*scale)*w, the rms_norm then the mul
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _rmsnorm_dx_kernel(dx, dout, x, w, rstd):
     # dx (N, C) =, dout (N, C), x (N, C), w (C,), rstd (N,)
-    # dx_i = r w_i dout_i - x_i r^3/C * sum_c(dout_c w_c x_c)
+    # dx_i = r w_i dout_i - x_i r^3/C * sum_c(dout_c w_c x_c)  (the sum reassociated: vectorized)
     N, C = x.shape
     for n in prange(N):
         r = rstd[n]
@@ -51,22 +66,24 @@ def _rmsnorm_dx_kernel(dx, dout, x, w, rstd):
             dx[n, c] = r * w[c] * dout[n, c] - k * x[n, c]
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _rmsnorm_dw_kernel(dw, dout, x, rstd):
     # dw (C,) +=, dout (N, C), x (N, C), rstd (N,)
-    # dw_c += sum_n dout[n,c] * x[n,c] * rstd[n], one column block per task
+    # dw_c += sum_n dout[n,c] * x[n,c] * rstd[n]: each block of _DW_ROWS rows sums into its
+    # own float64 row (contiguous, vectorized), then the rows are added in block order, so
+    # the result does not depend on the thread count
     N, C = x.shape
-    n_blocks = (C + _DW_BLOCK - 1) // _DW_BLOCK
+    n_blocks = (N + _DW_ROWS - 1) // _DW_ROWS
+    part = np.zeros((n_blocks, C))
     for bi in prange(n_blocks):
-        c0 = bi * _DW_BLOCK
-        c1 = min(c0 + _DW_BLOCK, C)
-        acc = np.zeros(c1 - c0)  # per-task float64 scratch (<= _DW_BLOCK values)
-        for n in range(N):
+        acc = part[bi]
+        for n in range(bi * _DW_ROWS, min(N, bi * _DW_ROWS + _DW_ROWS)):
             r = rstd[n]
-            for c in range(c0, c1):
-                acc[c - c0] += dout[n, c] * x[n, c] * r
-        for c in range(c0, c1):
-            dw[c] += acc[c - c0]
+            for c in range(C):
+                acc[c] += dout[n, c] * x[n, c] * r
+    for bi in range(n_blocks):
+        for c in range(C):
+            dw[c] += part[bi, c]
 
 
 def _check(name, a, shape, dtype):

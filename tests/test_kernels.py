@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from fdcheck import fd_check
 
-from llamatune.kernels import attention, cross_entropy, optim, rmsnorm, rope, swiglu
+from llamatune.kernels import attention, cross_entropy, optim, rmsnorm, rope, swiglu, vecmath
 
 F32, F64 = np.float32, np.float64
 TOL32 = dict(rtol=1e-5, atol=1e-6)  # numba kernel vs numpy reference in float32
@@ -422,7 +422,7 @@ def test_float32_exp_of_the_softmax_kernels():
     @njit
     def exp_all(x, out):
         for i in range(x.size):
-            out[i] = attention._exp(x[i])
+            out[i] = vecmath.expf(x[i])
 
     x = np.concatenate([-np.geomspace(1e-8, 87.0, 20000), [0.0, -1e-30]]).astype(F32)
     got = np.empty_like(x)
@@ -499,21 +499,32 @@ def test_cross_entropy_matches_ref_and_in_place():
 
 @pytest.mark.parametrize("dtype", [F32, F64])
 def test_cross_entropy_forward_backward_is_forward_then_backward(dtype):
-    """The fused kernel gives the very bits of forward then backward (in place too),
-    and the reference's values; rows with target < 0 or weight 0 get gradient 0."""
+    """The fused kernel gives the backward's very bits (in place and into another
+    array), the forward's losses to rounding (its row sum is reassociated, and in
+    float32 its exp is vecmath's polynomial), and the reference's values; rows with target < 0
+    or weight 0 get gradient 0."""
     logits, targets, weights = ce_case(np.random.default_rng(13), dtype)
+    logits = np.concatenate([logits, 30 * randn(np.random.default_rng(14), 6, 40, dtype=dtype)], axis=1)
     losses, dl = np.zeros(6, dtype), np.zeros_like(logits)
     cross_entropy.cross_entropy_forward(losses, logits, targets)
     cross_entropy.cross_entropy_backward(dl, logits, targets, weights)
     got_losses, got = np.full(6, np.nan, dtype), logits.copy()          # in place: dlogits is logits
     cross_entropy.cross_entropy_forward_backward(got_losses, got, got, targets, weights)
-    np.testing.assert_array_equal(got_losses, losses)
+    apart_losses, apart = np.full(6, np.nan, dtype), np.full_like(logits, np.nan)
+    cross_entropy.cross_entropy_forward_backward(apart_losses, apart, logits, targets, weights)
     np.testing.assert_array_equal(got, dl)
+    np.testing.assert_array_equal(apart, dl)
+    np.testing.assert_array_equal(apart_losses, got_losses)
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-6 if dtype == F32 else 1e-14)
     ref_losses, ref = np.zeros(6, dtype), np.zeros_like(logits)
     cross_entropy.cross_entropy_forward_backward_ref(ref_losses, ref, logits, targets, weights)
     np.testing.assert_allclose(got_losses, ref_losses, **(TOL32 if dtype == F32 else dict(rtol=1e-12)))
     np.testing.assert_allclose(got, ref, **(TOL32 if dtype == F32 else dict(rtol=1e-12, atol=1e-15)))
     assert not got[[2, 3, 5]].any() and got_losses[3] > 0
+    with pytest.raises(ValueError, match="not overlap"):
+        shifted = np.zeros(logits.size + 1, dtype)
+        cross_entropy.cross_entropy_forward_backward(got_losses, shifted[1:].reshape(logits.shape),
+                                                     shifted[:-1].reshape(logits.shape), targets, weights)
 
 
 @pytest.mark.parametrize("fns", impls(cross_entropy, "cross_entropy_forward",
