@@ -100,6 +100,34 @@ def test_checkpointing_gives_identical_gradients(small_model):
     np.testing.assert_array_equal(grads[0], grads[1])
 
 
+@pytest.mark.parametrize("mode", ["selective", "layer"])
+def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_vocab, mode):
+    """With more tokens than a matrix has rows or columns, a quantized layer matrix is
+    multiplied as W + s B A (the adapter merged into its dequantized copy) instead of
+    adding the factored adapter's share to the product: the same loss and gradients
+    to float rounding; dropout, F32 weights and float64 keep the factored form."""
+    from gguf import GGMLQuantizationType as QType
+    model = Model(write_tiny_model(tmp_path / "q8.gguf", tiny_vocab, QType.Q8_0))
+    cfg = model.config
+    B, T = 2, 56                                   # N = 112 > n_ff = 96 > n_embd = 64
+    inputs, tg, w = batch(cfg, B, T)
+    runs = []
+    for merge in (True, False):
+        targets, params = lora_setup(model, ALL_RANKS, np.float32)
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode)
+        g.merge_lora = merge
+        assert g._matrix("blk.0.ffn_down.weight", B * T)[1] is merge
+        runs.append((g.step(inputs, tg, w), params.grad.copy()))
+    (loss_m, grad_m), (loss_f, grad_f) = runs
+    np.testing.assert_allclose(loss_m, loss_f, rtol=1e-6)
+    np.testing.assert_allclose(grad_m, grad_f, rtol=2e-4, atol=2e-5 * np.abs(grad_f).max())
+    targets, params = lora_setup(model, ALL_RANKS, np.float32)
+    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1)._matrix("blk.0.ffn_down.weight", B * T)[1]
+    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode)._matrix("blk.0.ffn_down.weight", 8)[1]
+    f32 = Model(write_tiny_model(tmp_path / "f32.gguf", tiny_vocab))
+    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode)._matrix("blk.0.ffn_down.weight", B * T)[1]
+
+
 def test_step_zero_equals_base_model(small_model):
     """With PEFT init (B = 0 / embedding A = 0) the graph's loss is the base model's,
     computed independently by the inference forward."""

@@ -73,6 +73,11 @@ class FrozenBase:
             out[...] = self.backend.to_device(self.model.dequantizer.block(t, lo, hi))
         return out
 
+    def is_scratch(self, name: str) -> bool:
+        """Whether `matrix(name)` is a dequantized copy the caller may modify (until the
+        next call), not the stored F32 data itself."""
+        return self.tensors[name].qtype != QType.F32
+
     def vector(self, name: str):
         return self.vectors.get(name)
 

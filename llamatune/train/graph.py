@@ -198,6 +198,7 @@ class Graph:
         self.B, self.T, self.N = B, T, B * T
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
+        self.merge_lora = True                 # _matrix may merge adapters into dequantized W
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
         buf = {name: xp.zeros(shape, dtype) for name, shape in self.plan.items()}   # float64 only in tests
@@ -320,24 +321,41 @@ class Graph:
             self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
             self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
 
+    def _matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
+        """The base matrix W (n_out, n_in) of a linear over N tokens, and whether its
+        adapter was merged into it: W + s B A, when the matrix is a dequantized copy
+        (a scratch of the step's dtype), the adapter sees x without dropout, and
+        N > max(n_out, n_in), where adding (r-factored) B A to W costs less than adding
+        the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
+        share to dx). Either way the product is the same up to float rounding."""
+        W = self.base.matrix(name)
+        t = self.lora.get(name)
+        merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
+                 and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
+        if merge:
+            W += self.xp.matmul(t.scale * self.params[t.b], self.params[t.a], out=self._scratch(*W.shape))
+        return W, merge
+
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + s (drop(x) A^T) B^T."""
-        self.xp.matmul(x, self.base.matrix(name).T, out=y)
+        W, merged = self._matrix(name, x.shape[0])
+        self.xp.matmul(x, W.T, out=y)
         bias = self.base.vector(name.replace(".weight", ".bias"))
         if bias is not None:
             y += bias
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
-            xa = self.xa[name]
+            xa = self.xa[name]                                  # kept for the backward
             self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
-            y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self._scratch(*y.shape))
+            if not merged:
+                y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self._scratch(*y.shape))
         return y
 
     def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
                         accumulate: bool) -> None:
         """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
-        W = self.base.matrix(name)
+        W, merged = self._matrix(name, dy.shape[0])
         if dx is not None:
             if accumulate:
                 tmp = self._scratch(*dx.shape)
@@ -354,11 +372,12 @@ class Graph:
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
-            self._lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], dx, mask)
+            self._lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], None if merged else dx, mask)
 
     def _lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
         """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
-        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask)."""
+        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
+        dx None: the adapter was merged into the W of dy W, which gave that share)."""
         A, B = self.params[t.a], self.params[t.b]
         self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
         dxa = t.scale * (dy @ B)                                       # (N, r)

@@ -110,6 +110,9 @@ class DenseWeights:
     def matrix_rows(self, name: str, lo: int, hi: int):
         return self.params[self._name(name)][lo:hi]
 
+    def is_scratch(self, name: str) -> bool:
+        return False                          # matrices are the parameters themselves
+
     def vector(self, name: str):
         return self.params[name] if name in self.params else None
 
