@@ -16,7 +16,8 @@ one exp per logit), which training uses; `cross_entropy_backward` is the same
 kernel with its losses dropped. Its exps are vecmath's vectorized float32
 polynomial (within 3 ulp of expf) and its row sum is reassociated, so its losses
 agree with the forward's to float rounding, not bit for bit; the forward alone,
-which evaluation and perplexity use, keeps libm's expf and llama-perplexity's order.
+which perplexity uses, keeps libm's expf and llama-perplexity's order. (Validation
+losses come from the fused kernel, so they equal training's bit for bit.)
 """
 
 import numpy as np

@@ -333,7 +333,9 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
         results.append((loss, g.losses.copy(), params.grad.copy()))
     (l0, losses0, g0), (l1, losses1, g1) = results
     np.testing.assert_allclose(losses0, losses1, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(g0, g1, rtol=1e-5, atol=1e-8)
+    # f32 rounding of differently blocked sums: relative to the gradient's scale, as
+    # elements that nearly cancel keep only the absolute error of their terms
+    np.testing.assert_allclose(g0, g1, rtol=1e-5, atol=1e-5 * np.abs(g1).max())
     # inference: the blocked head against x W^T with the whole matrix
     x = np.random.default_rng(0).normal(0, 1, (5, cfg.n_embd)).astype(np.float32)
     np.testing.assert_allclose(Runner(m).head(x), x @ W.T, rtol=1e-5, atol=1e-5)

@@ -538,8 +538,9 @@ class Graph:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
             if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
                 self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
-            if not backward:
-                self.ops.cross_entropy.cross_entropy_forward(self.losses[lo:hi], logits, targets[lo:hi])
+            if not backward:                                 # training's kernel, so the losses agree bit for
+                self.ops.cross_entropy.cross_entropy_forward_backward(    # bit; the gradient it leaves
+                    self.losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # in logits is dropped
                 continue
             if cfg.final_softcap:                            # d(capped) aside, then back through the cap
                 dcap = self.dlogits[: hi - lo]
