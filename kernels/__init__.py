@@ -1,5 +1,5 @@
 """Numba CPU kernels (and their numpy references) for llamatune.
 
-The threading policy they rely on (numba's workqueue layer, short OpenBLAS spin)
+The threading policy they rely on (numba's OpenMP layer with a short spin, short OpenBLAS spin)
 is set in llamatune/__init__.py, which always runs before this package.
 """
