@@ -538,9 +538,9 @@ class Graph:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
             if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
                 self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
-            if not backward:                                 # training's kernel, so the losses agree bit for
-                self.ops.cross_entropy.cross_entropy_forward_backward(    # bit; the gradient it leaves
-                    self.losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # in logits is dropped
+            if not backward:                                 # the step's kernel: the same losses bit for bit
+                self.ops.cross_entropy.cross_entropy_forward_backward(
+                    self.losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # gradient dropped
                 continue
             if cfg.final_softcap:                            # d(capped) aside, then back through the cap
                 dcap = self.dlogits[: hi - lo]
