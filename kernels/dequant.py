@@ -23,7 +23,10 @@ loop over the row's blocks. (One kernel per type rather than a generic driver
 closing over a row function: numba's on-disk cache misses closures over
 dispatchers in every new process.) The inner loops index with unsigned integers
 and take the bytes' bit fields in int32, which lets LLVM vectorize them: Q4_K
-went from 0.57 to 0.06 ns a weight on two threads.
+went from 0.57 to 0.06 ns a weight on two threads. Q5_K and Q6_K walk their
+sub-blocks as ggml does (constant shifts over 32 bytes), Q8_0 reads its bytes as
+int8: 1.2x, 3.5x and 1.9x faster than one shift pair per sub-block and a
+hand-made sign extension.
 """
 from __future__ import annotations
 
@@ -134,15 +137,17 @@ def _deq_bf16(data, rows, gather, out):
 @njit(cache=True, parallel=True)
 def _deq_q8_0(data, rows, gather, out):
     # block_q8_0 (34 B): d(f16) qs[32](int8);  y = q * d
+    # (the row's bytes read as int8: a sign extension LLVM vectorizes, 1.9x faster
+    # than extending the uint8 by hand)
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
+        s8 = src.view(np.int8)
         for b in range(dst.shape[0] // 32):
             o = 34 * b
             d = _f16(src, o)
             qs, y = _U(o + 2), _U(32 * b)
             for j in range(_U(32)):
-                v = np.int32(src[qs + j])
-                dst[y + j] = np.float32(v - ((v & 0x80) << 1)) * d
+                dst[y + j] = np.float32(s8[qs + j]) * d
 
 
 @njit(cache=True, parallel=True)
@@ -311,6 +316,7 @@ def _deq_q4_k(data, rows, gather, out):
 def _deq_q5_k(data, rows, gather, out):
     # block_q5_K (176 B): d(f16) dmin(f16) scales[12] qh[32] qs[128].
     # Like Q4_K plus 5th bit (qh[l] >> sb) & 1.  y = (d*sc)*q - (dmin*m)
+    # Sub-blocks in pairs, as Q4_K: the low and high nibbles of the same 32 bytes.
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
         for b in range(dst.shape[0] // QK_K):
@@ -318,42 +324,51 @@ def _deq_q5_k(data, rows, gather, out):
             d = _f16(src, o)
             dmin = _f16(src, o + 2)
             qh = _U(o + 16)
-            for sb in range(8):
-                s, m = _scale_min_k4(src, o + 4, sb)
-                dl = d * np.float32(s)
-                ml = dmin * np.float32(m)
-                qs = _U(o + 48 + 32 * (sb >> 1))
-                shift, hbit = np.int32(4 * (sb & 1)), np.int32(sb)
-                y = _U(QK_K * b + 32 * sb)
+            for pair in range(4):
+                s0, m0 = _scale_min_k4(src, o + 4, 2 * pair)
+                s1, m1 = _scale_min_k4(src, o + 4, 2 * pair + 1)
+                dl0, ml0 = d * np.float32(s0), dmin * np.float32(m0)
+                dl1, ml1 = d * np.float32(s1), dmin * np.float32(m1)
+                h0, h1 = np.int32(2 * pair), np.int32(2 * pair + 1)
+                qs = _U(o + 48 + 32 * pair)
+                y = _U(QK_K * b + 64 * pair)
                 for l in range(_U(32)):
-                    q = (np.int32(src[qs + l]) >> shift) & 0xF
-                    q |= ((np.int32(src[qh + l]) >> hbit) & 1) << 4
-                    dst[y + l] = dl * np.float32(q) - ml
+                    q = np.int32(src[qs + l])
+                    h = np.int32(src[qh + l])
+                    dst[y + l] = dl0 * np.float32((q & 0xF) | (((h >> h0) & 1) << 4)) - ml0
+                    dst[y + _U(32) + l] = dl1 * np.float32((q >> 4) | (((h >> h1) & 1) << 4)) - ml1
 
 
 @njit(cache=True, parallel=True)
 def _deq_q6_k(data, rows, gather, out):
     # block_q6_K (210 B): ql[128] qh[64] scales[16](int8) d(f16).
     # Value i: h=i>>7, r=i&127 -> low 4 bits (ql[64h + (r&63)] >> 4*(r>>6)) & 15,
-    # high 2 bits (qh[32h + (r&31)] >> 2*(r>>5)) & 3; q - 32.  y = (d*sc) * q
+    # high 2 bits (qh[32h + (r&31)] >> 2*(r>>5)) & 3; q - 32.  y = (d*sc) * q with
+    # sc = scales[i // 16]. As ggml's dequantize_row_q6_K: per half h and l < 32, the
+    # bytes ql[l], ql[l+32], qh[l] give values l, l+32, l+64, l+96 with constant
+    # shifts (a loop LLVM vectorizes, 3x faster than one shift pair per sub-block).
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
         for b in range(dst.shape[0] // QK_K):
             o = 210 * b
             d = _f16(src, o + 208)
-            for sb in range(16):
-                dl = d * np.float32(_i8(src[o + 192 + sb]))
-                r0 = 16 * (sb & 7)  # r of the first value of the sub-block
-                h = sb >> 3
-                ql = _U(o + 64 * h + (r0 & 63))
-                qh = _U(o + 128 + 32 * h + (r0 & 31))
-                lshift = np.int32(4 * (r0 >> 6))
-                hshift = np.int32(2 * (r0 >> 5))
-                y = _U(QK_K * b + 16 * sb)
-                for k in range(_U(16)):
-                    q = (np.int32(src[ql + k]) >> lshift) & 0xF
-                    q |= ((np.int32(src[qh + k]) >> hshift) & 3) << 4
-                    dst[y + k] = dl * np.float32(q - 32)
+            for h in range(2):
+                ql, qh = _U(o + 64 * h), _U(o + 128 + 32 * h)
+                sc = o + 192 + 8 * h
+                y = _U(QK_K * b + 128 * h)
+                for half in range(2):  # l in [16 half, 16 half + 16): scales sc[half + 0, 2, 4, 6]
+                    dl1 = d * np.float32(_i8(src[sc + half]))
+                    dl2 = d * np.float32(_i8(src[sc + half + 2]))
+                    dl3 = d * np.float32(_i8(src[sc + half + 4]))
+                    dl4 = d * np.float32(_i8(src[sc + half + 6]))
+                    for l in range(_U(16 * half), _U(16 * half + 16)):
+                        a = np.int32(src[ql + l])
+                        a2 = np.int32(src[ql + _U(32) + l])
+                        hb = np.int32(src[qh + l])
+                        dst[y + l] = dl1 * np.float32(((a & 0xF) | ((hb & 3) << 4)) - 32)
+                        dst[y + _U(32) + l] = dl2 * np.float32(((a2 & 0xF) | (((hb >> 2) & 3) << 4)) - 32)
+                        dst[y + _U(64) + l] = dl3 * np.float32(((a >> 4) | (((hb >> 4) & 3) << 4)) - 32)
+                        dst[y + _U(96) + l] = dl4 * np.float32(((a2 >> 4) | (((hb >> 6) & 3) << 4)) - 32)
 
 
 # ------------------------------------------------------------ dispatch
