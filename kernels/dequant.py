@@ -74,23 +74,15 @@ def _i8(b):
 @njit(cache=True, inline="always")
 def _half_bits_to_f32(h):
     """Exact IEEE half -> float32 from the 16 bits (same bits as numpy's cast:
-    subnormals normalised, inf kept, NaN payload kept unquieted)."""
+    subnormals normalised, inf kept, NaN payload kept unquieted). Branch-free, so
+    a loop of it vectorizes: a subnormal half is mant * 2^-24, exact in float32."""
     sign = (h & 0x8000) << 16
     exp = (h >> 10) & 0x1F
     mant = h & 0x3FF
-    if exp == 0x1F:  # inf / nan
-        bits = sign | 0x7F800000 | (mant << 13)
-    elif exp != 0:  # normal: rebias 15 -> 127
-        bits = sign | ((exp + 112) << 23) | (mant << 13)
-    elif mant == 0:  # +-0
-        bits = sign
-    else:  # subnormal half = mant * 2^-24: normalise into a normal float32
-        e = 113
-        while (mant & 0x400) == 0:
-            mant <<= 1
-            e -= 1
-        bits = sign | (e << 23) | ((mant & 0x3FF) << 13)
-    return _bits_to_f32(bits)
+    ebits = np.int64(0x7F800000) if exp == 0x1F else (exp + 112) << 23  # inf/nan, or rebias 15 -> 127
+    f = _bits_to_f32(sign | ebits | (mant << 13))
+    sub = np.float32(mant) * np.float32(5.9604644775390625e-08)  # 2^-24; +0 for mant 0
+    return f if exp != 0 else (-sub if sign else sub)
 
 
 @njit(cache=True, inline="always")
