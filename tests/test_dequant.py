@@ -58,6 +58,15 @@ def test_dequantize_into_bit_exact(qtype):
     assert_bit_equal(out, oracle(data, qtype, n_cols))
 
 
+def test_every_half_bit_pattern():
+    """All 65536 halves (zeros, subnormals, normals, infs, NaN payloads) give numpy's
+    float32 bits: the f16 scales of every quant type go through the same conversion."""
+    halves = np.arange(65536, dtype=np.uint16).reshape(128, 512)
+    out = np.empty(halves.shape, np.float32)
+    dequantize_into(halves.view(np.uint8), int(T.F16), out)
+    np.testing.assert_array_equal(out.view(np.uint32), halves.view(np.float16).astype(np.float32).view(np.uint32))
+
+
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_into_gather(qtype):
     n_rows, n_cols = 7, 512
