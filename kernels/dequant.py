@@ -26,7 +26,9 @@ and take the bytes' bit fields in int32, which lets LLVM vectorize them: Q4_K
 went from 0.57 to 0.06 ns a weight on two threads. Q5_K and Q6_K walk their
 sub-blocks as ggml does (constant shifts over 32 bytes), Q8_0 reads its bytes as
 int8: 1.2x, 3.5x and 1.9x faster than one shift pair per sub-block and a
-hand-made sign extension.
+hand-made sign extension. The 16-value loops (Q4_0, Q4_1, Q2_K, Q3_K) count to a
+16 the compiler cannot see (`_n16`), so they are vectorized instead of unrolled:
+2-3x faster.
 """
 from __future__ import annotations
 
@@ -97,6 +99,14 @@ def _src_row(rows, gather, i):
     return rows[i] if gather else np.int64(i)
 
 
+@njit(cache=True, inline="always")
+def _n16(dst):
+    """16, as a number LLVM cannot see (every row holds at least 32 values): a loop
+    of a constant 16 trips is fully unrolled before the loop vectorizer runs, and
+    the unrolled scalar code is what runs (Q4_0: 1.7 Gw/s against 5.1 vectorized)."""
+    return _U(min(16, dst.shape[0]))
+
+
 # ------------------------------------------------------- plain float types
 @njit(cache=True, parallel=True)
 def _deq_f32(data, rows, gather, out):
@@ -147,11 +157,12 @@ def _deq_q4_0(data, rows, gather, out):
     # block_q4_0 (18 B): d(f16) qs[16];  y[j] = d*((qs[j]&15)-8), y[j+16] = d*((qs[j]>>4)-8)
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
+        n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
             o = 18 * b
             d = _f16(src, o)
             qs, y = _U(o + 2), _U(32 * b)
-            for j in range(_U(16)):
+            for j in range(n16):
                 q = np.int32(src[qs + j])
                 dst[y + j] = d * np.float32((q & 0xF) - 8)
                 dst[y + j + _U(16)] = d * np.float32((q >> 4) - 8)
@@ -162,12 +173,13 @@ def _deq_q4_1(data, rows, gather, out):
     # block_q4_1 (20 B): d(f16) m(f16) qs[16];  y = (d*q) + m
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
+        n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
             o = 20 * b
             d = _f16(src, o)
             m = _f16(src, o + 2)
             qs, y = _U(o + 4), _U(32 * b)
-            for j in range(_U(16)):
+            for j in range(n16):
                 q = np.int32(src[qs + j])
                 dst[y + j] = d * np.float32(q & 0xF) + m
                 dst[y + j + _U(16)] = d * np.float32(q >> 4) + m
@@ -219,6 +231,7 @@ def _deq_q2_k(data, rows, gather, out):
     # y = (d*sc)*q - (dmin*m)
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
+        n16 = _n16(dst)
         for b in range(dst.shape[0] // QK_K):
             o = 84 * b
             d = _f16(src, o + 80)
@@ -230,7 +243,7 @@ def _deq_q2_k(data, rows, gather, out):
                 qs = _U(o + 16 + 32 * (sb >> 3) + 16 * (sb & 1))
                 shift = np.int32(2 * ((sb >> 1) & 3))
                 y = _U(QK_K * b + 16 * sb)
-                for k in range(_U(16)):
+                for k in range(n16):
                     q = (np.int32(src[qs + k]) >> shift) & 3
                     dst[y + k] = dl * np.float32(q) - ml
 
@@ -244,6 +257,7 @@ def _deq_q3_k(data, rows, gather, out):
     # when that bit is 0.  y = (d*sc) * q
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
+        n16 = _n16(dst)
         for b in range(dst.shape[0] // QK_K):
             o = 110 * b
             d = _f16(src, o + 108)
@@ -259,7 +273,7 @@ def _deq_q3_k(data, rows, gather, out):
                 shift = np.int32(2 * ((sb >> 1) & 3))
                 hbit = np.int32(sb >> 1)  # == i >> 5 for the values of this sub-block
                 y = _U(QK_K * b + 16 * sb)
-                for k in range(_U(16)):
+                for k in range(n16):
                     q = (np.int32(src[qs + k]) >> shift) & 3
                     h = (np.int32(src[hm + k]) >> hbit) & 1
                     dst[y + k] = dl * np.float32(q - 4 * (1 - h))
