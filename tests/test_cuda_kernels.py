@@ -65,6 +65,15 @@ def test_package_imports_nothing_from_numba_cuda_until_used():
     assert res.stdout.strip() == "False"
 
 
+def test_numpy_compat_restores_row_stack(monkeypatch):
+    """numba-cuda 0.30 overloads numpy.row_stack, which NumPy 2.5 removed."""
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    kc.numpy_compat()
+    assert np.row_stack is np.vstack
+    kc.numpy_compat()                       # a second call leaves it as it is
+    assert np.row_stack is np.vstack
+
+
 def test_simulator_or_gpu():
     from conftest_cuda import gpu_present
     assert kc.is_available()

@@ -27,7 +27,21 @@ import sys
 _MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "geglu", "softcap", "attention",
             "cross_entropy", "optim")
 
-__all__ = [*_MODULES, "is_available", "simulator_enabled"]
+__all__ = [*_MODULES, "is_available", "simulator_enabled", "numpy_compat"]
+
+
+def numpy_compat() -> None:
+    """Let numba-cuda 0.30 compile kernels under NumPy 2.5.
+
+    NumPy 2.5 removed ``numpy.row_stack`` (an alias of ``vstack`` deprecated since
+    2.0); numba-cuda 0.30.4 still registers an overload for it when its CUDA
+    lowering first loads (at the first kernel compile), and fails with
+    ``AttributeError: module 'numpy' has no attribute 'row_stack'``. Restoring the
+    alias is what NumPy itself shipped until 2.4; nothing else changes. Called
+    before numba.cuda is imported."""
+    import numpy as np
+    if not hasattr(np, "row_stack"):
+        np.row_stack = np.vstack
 
 
 def __getattr__(name: str):
@@ -39,6 +53,7 @@ def __getattr__(name: str):
 def is_available() -> bool:
     """True when numba.cuda imports and has a GPU (or the simulator) to run on.
     Imports numba.cuda (so decide NUMBA_ENABLE_CUDASIM before calling this)."""
+    numpy_compat()
     try:
         from numba import cuda
     except Exception:  # numba-cuda missing or broken CUDA bindings

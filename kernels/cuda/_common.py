@@ -20,7 +20,11 @@ kernel's Python code with numpy scalars, so a few helpers need two versions:
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, float64
+
+from . import numpy_compat
+
+numpy_compat()
+from numba import cuda, float32, float64  # noqa: E402  (after the NumPy 2.5 alias)
 
 
 def _simulated() -> bool:
