@@ -16,6 +16,7 @@ Adding an architecture is one file in `models/archs/` (plus any kernel it needs)
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
 from dataclasses import dataclass
@@ -140,12 +141,19 @@ def layer_matrix_shapes(cfg) -> list[tuple[int, ...]]:
 
 def supported() -> list[str]:
     """Names of the architectures declared in models/archs/."""
+    return list(_declared())
+
+
+@functools.cache
+def _declared() -> tuple[str, ...]:
+    # listed once: `cfg.spec` looks an architecture up on every access, about a hundred
+    # times a training step, and listing the package's folder each time cost 1 % of it
     from . import archs
-    return sorted(m.name for m in pkgutil.iter_modules(archs.__path__) if not m.name.startswith("_"))
+    return tuple(sorted(m.name for m in pkgutil.iter_modules(archs.__path__) if not m.name.startswith("_")))
 
 
 def get_arch(name: str) -> Arch:
     """The declaration of architecture `name`; an error listing the supported ones otherwise."""
-    if name not in supported():
+    if name not in _declared():
         raise LlamatuneError(f"architecture '{name}' is not supported (supported: {', '.join(supported())})")
     return importlib.import_module(f"{__package__}.archs.{name}").ARCH
