@@ -7,10 +7,11 @@ Training: ctx 256, batch 8, rank 8 on q,k,v,o,gate,up,down, AdamW, in each
 is its own; step times are steady-state (the first step, which compiles or loads
 the kernels, is left out) and the fastest of `--steps`, compared with the fastest
 of sixty reference products, thirty before the steps and thirty after, in rounds
-of ten (the least disturbed by other processes on a shared machine; one round in
-a while runs at half the rate, which alone would make the share look twice as good). `cpu share` is the same ratio per CPU-second of the process (with
-NUMBA_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1, the single-core share, which other
-processes hardly disturb). `--profile` prints where one step's time goes: a
+of ten (the least disturbed by other processes on a shared machine; now and then a
+whole round runs at half the rate, which alone would double the share). `cpu share`
+is the same ratio per CPU-second of the process (with NUMBA_NUM_THREADS=1
+OPENBLAS_NUM_THREADS=1, the single-core share, which other processes hardly
+disturb). `--profile` prints where one step's time goes: a
 cProfile of one step and the same step split into phases (each matmul product,
 dequantization, each kernel), exclusive seconds. `--model` runs a given GGUF
 (e.g. a real model) instead of the bench shape, at `--batch` x `--ctx`.
