@@ -68,8 +68,8 @@ def step_flops(cfg, B: int = B, T: int = T) -> float:
     return cfg.n_layer * per_layer + head
 
 
-def sgemm_gflops(cpu: bool = False, rounds: int = 3) -> float:
-    """The reference rate: (B*T, 512) x (512, 1536) f32 products, the best of `rounds`
+def sgemm_gflops(cpu: bool = False) -> float:
+    """The reference rate: (B*T, 512) x (512, 1536) f32 products, the best of three
     rounds of 10 a short pause apart (the least disturbed by other processes; a round
     can run at half the rate throughout, as if one of the two cores were held);
     `cpu`: per CPU-second of this process."""
@@ -80,7 +80,7 @@ def sgemm_gflops(cpu: bool = False, rounds: int = 3) -> float:
     np.matmul(a, w.T, out=out)
     clock = time.process_time if cpu else time.perf_counter
     best = float("inf")
-    for _ in range(rounds):
+    for _ in range(3):
         time.sleep(0.05)
         for _ in range(10):
             t = clock()

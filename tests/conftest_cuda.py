@@ -62,8 +62,7 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
     Returns {kernel name: PTX text}. Must run in a process where numba.cuda is
     imported with the simulator off (the tests call it in a subprocess)."""
     from gguf import GGMLQuantizationType as T
-    from llamatune.kernels.cuda import numpy_compat
-    numpy_compat()
+    import llamatune.kernels.cuda  # noqa: F401  (first: its NumPy 2.5 alias for numba-cuda)
     from numba import types as t
     from numba.cuda import compile_ptx
     import numba.cuda.dispatcher as dispatcher

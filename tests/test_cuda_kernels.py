@@ -74,6 +74,16 @@ def test_numpy_compat_restores_row_stack(monkeypatch):
     assert np.row_stack is np.vstack
 
 
+def test_importing_the_package_restores_row_stack():
+    """The alias is in place before any kernel module imports numba.cuda."""
+    import subprocess
+    import sys
+    code = ("import numpy as np; np.__dict__.pop('row_stack', None); "
+            "import llamatune.kernels.cuda; print(np.row_stack is np.vstack)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "True"
+
+
 def test_simulator_or_gpu():
     from conftest_cuda import gpu_present
     assert kc.is_available()

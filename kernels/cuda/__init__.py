@@ -37,11 +37,14 @@ def numpy_compat() -> None:
     2.0); numba-cuda 0.30.4 still registers an overload for it when its CUDA
     lowering first loads (at the first kernel compile), and fails with
     ``AttributeError: module 'numpy' has no attribute 'row_stack'``. Restoring the
-    alias is what NumPy itself shipped until 2.4; nothing else changes. Called
-    before numba.cuda is imported."""
+    alias is what NumPy itself shipped until 2.4; nothing else changes. Runs when
+    this package is imported, which every import of numba.cuda here follows."""
     import numpy as np
     if not hasattr(np, "row_stack"):
         np.row_stack = np.vstack
+
+
+numpy_compat()
 
 
 def __getattr__(name: str):
@@ -53,7 +56,6 @@ def __getattr__(name: str):
 def is_available() -> bool:
     """True when numba.cuda imports and has a GPU (or the simulator) to run on.
     Imports numba.cuda (so decide NUMBA_ENABLE_CUDASIM before calling this)."""
-    numpy_compat()
     try:
         from numba import cuda
     except Exception:  # numba-cuda missing or broken CUDA bindings

@@ -20,11 +20,7 @@ kernel's Python code with numpy scalars, so a few helpers need two versions:
 from __future__ import annotations
 
 import numpy as np
-
-from . import numpy_compat
-
-numpy_compat()
-from numba import cuda, float32, float64  # noqa: E402  (after the NumPy 2.5 alias)
+from numba import cuda, float32, float64  # after the package's NumPy 2.5 alias (__init__.py)
 
 
 def _simulated() -> bool:
