@@ -53,6 +53,39 @@ def enable_simulator_if_no_gpu() -> str:
     return "set"
 
 
+def make_simulator_shared_arrays_thread_safe() -> None:
+    """Make numba-cuda's simulated `cuda.shared.array` safe under thread switches.
+
+    The simulator runs each thread of a block as a Python thread; the first one
+    to reach a `cuda.shared.array(...)` line creates the block's array, the others
+    look it up by (file, line). Its lookup and its store are two steps, so a thread
+    switch between them (rare with the default 5 ms GIL switch interval, frequent
+    with the 50 us the tests use) gives two threads two different arrays of
+    uninitialized memory, and a kernel that is correct on a GPU reads garbage.
+    dict.setdefault stores at most once; sys._getframe replaces the simulator's
+    traceback.extract_stack, which read source lines on every call."""
+    import numpy as np
+    from numba.core import types
+    from numba.np import numpy_support
+    from numba.cuda.simulator import kernelapi
+
+    original = kernelapi.FakeCUDAShared.array
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory, or the simulator's error
+            return original(self, shape, dtype, alignment)
+        caller = sys._getframe(1)
+        key = (caller.f_code.co_filename, caller.f_lineno)
+        res = self._allocations.get(key)
+        if res is None:
+            if isinstance(dtype, types.Type):
+                dtype = numpy_support.as_dtype(dtype)
+            res = self._allocations.setdefault(key, np.empty(shape, dtype))
+        return res
+
+    kernelapi.FakeCUDAShared.array = array
+
+
 def compile_all_ptx(cc=(8, 0)) -> dict:
     """Compile every CUDA kernel of llamatune.kernels.cuda to PTX for compute
     capability cc, through the real (not simulated) numba-cuda pipeline, without
