@@ -43,7 +43,8 @@ def pytest_configure(config):
     # CUDA kernel tests run in numba's simulator when no GPU is present; this must be
     # decided before anything imports numba.cuda.
     from conftest_cuda import enable_simulator_if_no_gpu, make_simulator_shared_arrays_thread_safe
-    if enable_simulator_if_no_gpu() in ("set", "kept") and os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    enable_simulator_if_no_gpu()
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
         make_simulator_shared_arrays_thread_safe()
 
 
