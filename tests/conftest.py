@@ -2,7 +2,6 @@
 and the paths of the reference files in ../shared (tests using them skip when absent)."""
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -42,10 +41,16 @@ def pytest_collection_modifyitems(config, items):
 def pytest_configure(config):
     # CUDA kernel tests run in numba's simulator when no GPU is present; this must be
     # decided before anything imports numba.cuda.
+    global _SIMULATED
     from conftest_cuda import enable_simulator_if_no_gpu, make_simulator_shared_arrays_thread_safe
     enable_simulator_if_no_gpu()
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    from llamatune.kernels.cuda import simulator_enabled
+    _SIMULATED = simulator_enabled()
+    if _SIMULATED:
         make_simulator_shared_arrays_thread_safe()
+
+
+_SIMULATED = False  # numba.cuda is the simulator (decided in pytest_configure)
 
 
 @pytest.fixture(autouse=True)
@@ -55,7 +60,7 @@ def _simulator_switch_interval(request):
     switch interval a 32-thread reduction waits out one interval per hand-over. A
     50 us interval makes the simulated kernels 5-8x faster on two cores; it changes
     scheduling only, never results. Only for `cuda` tests in the simulator."""
-    if request.node.get_closest_marker("cuda") is None or os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    if not _SIMULATED or request.node.get_closest_marker("cuda") is None:
         yield
         return
     was = sys.getswitchinterval()
