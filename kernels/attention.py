@@ -96,7 +96,7 @@ def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
         row = att[h, i]
         a, n = np.uint64(lo[i]), np.uint64(hi[i])  # unsigned: see _row_max
         mx = _row_max(row, a, n) * scale  # scale > 0: the max of the scaled scores
-        tot = scale * 0  # zero of the array's type
+        tot = scale - scale  # zero of the array's type (scale * 0 would be float64: float32 * int64)
         for j in range(a, n):
             e = _exp(row[j] * scale - mx)
             row[j] = e
@@ -119,7 +119,7 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
         h = r // TQ
         i = r % TQ
         a, n = np.uint64(lo[i]), np.uint64(hi[i])
-        d = scale * 0  # rowsum(dout * out) = rowsum(P * dP)
+        d = scale - scale  # rowsum(dout * out) = rowsum(P * dP), in the array's type
         for c in range(HS):
             d += dout[i, h, c] * out[i, h, c]
         lse_i = lse[h, i]
