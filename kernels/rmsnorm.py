@@ -55,13 +55,14 @@ def _rmsnorm_forward_kernel(out, rstd, x, w, eps):
 def _rmsnorm_dx_kernel(dx, dout, x, w, rstd):
     # dx (N, C) =, dout (N, C), x (N, C), w (C,), rstd (N,)
     # dx_i = r w_i dout_i - x_i r^3/C * sum_c(dout_c w_c x_c)  (the sum reassociated: vectorized)
+    # in x's dtype throughout (a float64 literal would turn both loops into 4-wide doubles)
     N, C = x.shape
     for n in prange(N):
         r = rstd[n]
-        dot = 0.0
+        dot = r - r
         for c in range(C):
             dot += dout[n, c] * w[c] * x[n, c]
-        k = dot * r * r * r / C
+        k = x.dtype.type(dot * r * r * r / C)
         for c in range(C):
             dx[n, c] = r * w[c] * dout[n, c] - k * x[n, c]
 
