@@ -50,8 +50,12 @@ def test_resume_continues_the_same_trajectory(tmp_path, tiny_model):
     for name in a:                                  # parameters and both Adam moments
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     fa, fb = GGUFFile(one / "chk-4.gguf"), GGUFFile(two / "chk-4.gguf")
-    for key in ("training.sample_count", "training.token_count", "training.epoch_count", "llamatune.data_state"):
+    for key in ("training.sample_count", "training.token_count", "training.epoch_count", "llamatune.data_state",
+                "training.loss_ema"):
         assert fa.get(key) == fb.get(key), key
+    # the running loss average is kept as the checkpoint stores it (f32), so a resumed
+    # run averages on from the same value, not from a rounded copy of it
+    assert res.state.loss_ema == float(np.float32(res.state.loss_ema)) == fb.get("training.loss_ema")
     for name, arr in tensors(one / "adapter-4.gguf").items():
         np.testing.assert_array_equal(arr, tensors(two / "adapter-LATEST.gguf")[name])
 

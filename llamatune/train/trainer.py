@@ -319,7 +319,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             if bad:
                 show.line(f"iteration {step + 1}: update skipped, {bad}")
             else:
-                state.loss_ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+                ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+                state.loss_ema = float(np.float32(ema))  # as the checkpoint keeps it: a resumed run goes on from the same value
                 losses.append(loss)
                 first_seconds = time.perf_counter() - t0 if len(losses) == 1 else first_seconds
             elapsed = time.perf_counter() - t0
