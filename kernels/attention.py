@@ -47,8 +47,11 @@ item:
   exponential is vecmath.py's branch-free float32 polynomial (<= 3 ulp from libm's
   expf; float64 keeps np.exp) and the row max an 8-way unrolled loop, both
   vectorized by LLVM (numba has no SVML here; with libm's expf the kernel took 2.6
-  ns per score instead of 0.45); the forward leaves P unnormalized and scales the
-  (TQ, HS) output rows by 1/rowsum instead of the (TQ, S) probabilities;
+  ns per score instead of 0.45); the forward normalizes P in the same kernel, on
+  each row while it is in L1, as ggml's soft_max does before its P.v product
+  (scaling the strided (TQ, HS) output rows with numpy after the product took 18 us
+  a block, more than the kernel's extra pass); its sums are in the scores' type, as
+  a float64 accumulator would halve the vector width;
 * soft-capping is a separate pass (`_softcap_scores_kernel`) that turns the raw
   scores into s (and, for the backward, ds/d(q.k) into a third score buffer);
   the softmax kernels then run on s with scale 1, and the backward multiplies
@@ -86,9 +89,9 @@ _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
-def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
-    # att (G, TQ, S): raw scores q.k in; out exp(s*scale - max), 0 outside [lo[i], hi[i])
-    # rinv (G, TQ) out: 1 / rowsum (the caller scales the P.v rows by it); lse (G, TQ) out
+def _softmax_causal_kernel(att, lse, scale, lo, hi):
+    # att (G, TQ, S): raw scores q.k in; out P = exp(s*scale - lse), 0 outside [lo[i], hi[i])
+    # lse (G, TQ) out
     NH, TQ, S = att.shape
     for r in range(NH * TQ):
         h = r // TQ
@@ -105,7 +108,9 @@ def _softmax_causal_kernel(att, rinv, lse, scale, lo, hi):
             row[j] = 0.0
         for j in range(n, np.uint64(S)):
             row[j] = 0.0
-        rinv[h, i] = 1 / tot
+        inv = 1 / tot
+        for j in range(a, n):  # normalized as ggml's soft_max, on the row while in L1
+            row[j] *= inv
         lse[h, i] = mx + np.log(tot)
 
 
@@ -314,7 +319,6 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
 
     def work(items):
         scratch = np.empty(G * QB * (n_past + T), q.dtype)  # the score block, reused
-        rinv = np.empty((G, QB), q.dtype)
         for item in items:
             b, kvh = divmod(item, NKV)
             hs = slice(kvh * G, kvh * G + G)  # the query heads of kv head kvh
@@ -325,10 +329,8 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
                 np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
                 if cap:  # s = cap*tanh(q.k*kcap) in place, then softmax(s * 1)
                     _softcap_scores_kernel(att, None, cap, kcap, scale, lo, hi)
-                _softmax_causal_kernel(att, rinv[:, :TQ], lse[b, hs, i0:i1], row_scale, lo, hi)
-                ob = out[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) view
-                np.matmul(att, vb[j0:j0 + W], out=ob)
-                ob *= rinv[:, :TQ, None]
+                _softmax_causal_kernel(att, lse[b, hs, i0:i1], row_scale, lo, hi)
+                np.matmul(att, vb[j0:j0 + W], out=out[b, i0:i1, hs].transpose(1, 0, 2))
 
     _run_items(work, B * NKV)
 
