@@ -6,7 +6,9 @@ with g = x @ W_gate and u = x @ W_up (the tanh approximation of GELU). Mirrors
 llama.cpp's `ggml_geglu_split` as ggml computes it without its lookup table
 (ggml-cpu vec.h `ggml_vec_geglu_f32` in the `#else` branch:
 `ggml_gelu_f32(x) * g`, `ggml_gelu_f32(x) = 0.5f*x*(1.0f + tanhf(SQRT_2_OVER_PI*x*(1.0f
-+ GELU_COEF_A*x*x)))`), in that order of float32 operations.
++ GELU_COEF_A*x*x)))`), in that order of float32 operations, with vecmath's
+vectorized float32 tanh (within 1.2 ulp of tanhf; libm's tanhf made this kernel 18x
+slower than SwiGLU's, 9.8 ns an element on two Zen 3 cores).
 
 ggml's CPU build defines GGML_GELU_FP16 by default and then looks gelu up in a
 65536-entry table instead: x <= -10 gives 0, x >= 10 gives x, anything between is
@@ -30,6 +32,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_gate
+from .vecmath import tanhf
 
 # float32 constants keep float32 maths in float32 and promote exactly under float64
 _HALF = np.float32(0.5)
@@ -42,7 +45,7 @@ _COEF_3A = np.float32(3 * 0.044715)  # d/dx of x * (1 + A x^2)
 @njit(inline="always")
 def _tanh_of(x):
     # t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)), ggml_gelu_f32's operation order
-    return np.tanh(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
+    return tanhf(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
 
 
 @njit(cache=True, parallel=True)

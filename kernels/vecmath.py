@@ -1,4 +1,4 @@
-"""A vectorizable float32 exp and row max for the CPU kernels' inner loops.
+"""A vectorizable float32 exp, tanh and row max for the CPU kernels' inner loops.
 
 numba has no SVML on these machines, so `np.exp` in a loop is a scalar libm call
 (2-3 ns each) and keeps LLVM from vectorizing the loop around it. `expf(x)` is
@@ -10,10 +10,20 @@ number: exp(-87) = 1.6e-38 stands in for anything smaller, which weighs nothing
 beside a softmax row's max term (exp(0) = 1) or in 1 + exp(-x).
 float64 keeps np.exp (the finite-difference checks run in float64).
 
+`tanhf(x)` is Cephes' tanhf written branch-free: the odd polynomial x + x z P(z)
+(z = x^2) where |x| < 0.625, else 1 - 2 / (expf(2|x|) + 1) with x's sign; both are
+computed and one selected, so LLVM vectorizes it (within 1.2 ulp of tanh over
+[-100, 100], against 1.3 for numpy's float32 tanh; 1.3 ns an element on one Zen 3
+core, against 18.5 for libm's tanhf in a numba loop). NaN and -0 stay themselves,
++-inf gives +-1. A loop that calls it needs numba's `error_model="numpy"` (implied by
+`parallel=True`): under the default model every division gets a zero check, which
+keeps LLVM from vectorizing the loop. float64 keeps np.tanh.
+
 `row_max(a, lo, hi)` is the max of a[lo:hi] in eight independent chains, which
 LLVM vectorizes (a plain `max` loop is one serial chain: 4 cycles a element).
 
-Used by the softmax of attention, the training cross-entropy and the SwiGLU gate.
+expf is used by the softmax of attention, the training cross-entropy and the SwiGLU
+gate; tanhf by the GEGLU gate and the soft-capping of scores and logits.
 The evaluation cross-entropy (perplexity) keeps libm's expf, as llama-perplexity.
 """
 import numpy as np
@@ -56,6 +66,33 @@ def _expf_overload(x):
         p = p * r * r + r + f(1.0)
         return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
     return exp_f32
+
+
+def tanhf(x):
+    """tanh(x): float32 by a vectorizable polynomial / expf, else np.tanh (inside numba kernels)."""
+    return np.tanh(x)
+
+
+@overload(tanhf)
+def _tanhf_overload(x):
+    if x != types.float32:
+        return lambda x: np.tanh(x)
+
+    def tanh_f32(x):
+        f = np.float32
+        z = x * x
+        p = f(-5.70498872745e-3)
+        p = p * z + f(2.06390887954e-2)
+        p = p * z + f(-5.37397155531e-2)
+        p = p * z + f(1.33314422036e-1)
+        p = p * z + f(-3.33332819422e-1)
+        small = x + x * z * p  # |x| < 0.625
+        a = abs(x)
+        big = f(1.0) - f(2.0) / (expf(a + a) + f(1.0))  # expf clamps: 1 for |x| > 44
+        big = big if x >= f(0.0) else -big
+        t = small if a < f(0.625) else big
+        return t if x == x and x != f(0.0) else x  # NaN stays NaN, -0 stays -0
+    return tanh_f32
 
 
 @njit(inline="always")
