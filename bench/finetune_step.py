@@ -14,9 +14,11 @@ OPENBLAS_NUM_THREADS=1, the single-core share, which other processes hardly
 disturb). `--profile` prints where one step's time goes: a
 cProfile of one step and the same step split into phases (each matmul product,
 dequantization, each kernel), exclusive seconds. `--model` runs a given GGUF
-(e.g. a real model) instead of the bench shape, at `--batch` x `--ctx`.
+(e.g. a real model) instead of the bench shape, at `--batch` x `--ctx`. `--arch
+gemma2` builds the bench shape as a Gemma 2 model (GEGLU, soft-capped attention
+scores and logits, a 128-token window on every other layer; tied head).
 
-    python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--modes selective,layer,none]
+    python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--modes selective,layer,none] [--arch gemma2]
         [--workdir /tmp/llamatune-bench] [--profile [--cpu-clock]] [--model M.gguf --batch 8 --ctx 256]
 """
 from __future__ import annotations
@@ -32,6 +34,9 @@ from pathlib import Path
 
 SHAPE = dict(arch="llama", n_vocab=32000, n_ctx_train=256, n_embd=512, n_layer=8, n_ff=1536, n_head=8,
              n_head_kv=4, head_dim=64, n_rot=64, norm_eps=1e-5)
+# --arch gemma2: the same sizes as a Gemma 2 model (GEGLU, soft-capped scores and
+# logits, a sliding window on every other layer), for the kernels llama does not use
+GEMMA2 = dict(arch="gemma2", attn_softcap=50.0, final_softcap=30.0, sliding_window=128, swa_pattern=2)
 B, T, R = 8, 256, 8
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
@@ -46,12 +51,12 @@ def dummy_vocab(n: int):
             kv("tokenizer.ggml.bos_token_id", 1), kv("tokenizer.ggml.eos_token_id", 2)]
 
 
-def build(path: Path, qtype: str) -> None:
+def build(path: Path, qtype: str, arch: str = "llama") -> None:
     from llamatune.models.config import ModelConfig
     from llamatune.models.modelfile import parse_outtype, random_weights, write_model
     if path.exists():
         return
-    cfg = ModelConfig(**SHAPE)
+    cfg = ModelConfig(**dict(SHAPE, **({} if arch == "llama" else GEMMA2)))
     write_model(path, cfg, random_weights(cfg, seed=0), dummy_vocab(cfg.n_vocab), parse_outtype(qtype))
 
 
@@ -161,6 +166,8 @@ def main() -> None:
     ap.add_argument("--modes", default="selective,layer,none")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one step of each configuration")
     ap.add_argument("--cpu-clock", action="store_true", help="phases in CPU seconds of the process (for 1 thread)")
+    ap.add_argument("--arch", choices=("llama", "gemma2"), default="llama",
+                    help="the bench shape as this architecture")
     ap.add_argument("--model", type=Path, help="this GGUF instead of the bench shape (--types is ignored)")
     ap.add_argument("--batch", type=int, default=B)
     ap.add_argument("--ctx", type=int, default=T)
@@ -171,12 +178,13 @@ def main() -> None:
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {a.ctx}, batch {a.batch}; "
-          f"model {a.model or SHAPE}; {os.cpu_count()} CPUs")
+          f"model {a.model or dict(SHAPE, **({} if a.arch == 'llama' else GEMMA2))}; {os.cpu_count()} CPUs")
     print(f"{'type':6} {'mode':9} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
           f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6} {'cpu share':>9}")
     for qtype in a.types.split(",") if a.model is None else ["model"]:
-        path = a.model or a.workdir / f"bench-512x8.{qtype}.gguf"
-        build(path, qtype)
+        arch = "" if a.arch == "llama" else f"-{a.arch}"
+        path = a.model or a.workdir / f"bench-512x8{arch}.{qtype}.gguf"
+        build(path, qtype, a.arch)
         for mode in a.modes.split(","):
             run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode,
                                   "--batch", str(a.batch), "--ctx", str(a.ctx)]
