@@ -41,58 +41,56 @@ def _i32_as_f32(typingctx, x):
     return types.float32(types.int32), codegen
 
 
+def _float32_polynomial(numpy_fn):
+    """Decorator: the decorated float32 code becomes fn(x) inside numba kernels for
+    float32 x; any other x, and calls outside numba, get numpy_fn."""
+    def register(f32):
+        def fn(x):
+            return numpy_fn(x)
+
+        @overload(fn)
+        def _overload(x):
+            return f32 if x == types.float32 else (lambda x: numpy_fn(x))
+
+        fn.__name__, fn.__qualname__, fn.__doc__ = f32.__name__, f32.__qualname__, f32.__doc__
+        return fn
+    return register
+
+
+@_float32_polynomial(np.exp)
 def expf(x):
     """exp(x): float32 by a vectorizable polynomial, else np.exp (inside numba kernels)."""
-    return np.exp(x)
+    f = np.float32
+    x = min(max(x, f(-87.0)), f(88.0))
+    n = np.floor(x * f(1.44269504088896341) + f(0.5))
+    r = x - n * f(0.693359375)
+    r = r - n * f(-2.12194440e-4)
+    p = f(1.9875691500e-4)
+    p = p * r + f(1.3981999507e-3)
+    p = p * r + f(8.3334519073e-3)
+    p = p * r + f(4.1665795894e-2)
+    p = p * r + f(1.6666665459e-1)
+    p = p * r + f(5.0000001201e-1)
+    p = p * r * r + r + f(1.0)
+    return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
-@overload(expf)
-def _expf_overload(x):
-    if x != types.float32:
-        return lambda x: np.exp(x)
-
-    def exp_f32(x):
-        f = np.float32
-        x = min(max(x, f(-87.0)), f(88.0))
-        n = np.floor(x * f(1.44269504088896341) + f(0.5))
-        r = x - n * f(0.693359375)
-        r = r - n * f(-2.12194440e-4)
-        p = f(1.9875691500e-4)
-        p = p * r + f(1.3981999507e-3)
-        p = p * r + f(8.3334519073e-3)
-        p = p * r + f(4.1665795894e-2)
-        p = p * r + f(1.6666665459e-1)
-        p = p * r + f(5.0000001201e-1)
-        p = p * r * r + r + f(1.0)
-        return p * _i32_as_f32((np.int32(n) + np.int32(127)) << np.int32(23))
-    return exp_f32
-
-
+@_float32_polynomial(np.tanh)
 def tanhf(x):
     """tanh(x): float32 by a vectorizable polynomial / expf, else np.tanh (inside numba kernels)."""
-    return np.tanh(x)
-
-
-@overload(tanhf)
-def _tanhf_overload(x):
-    if x != types.float32:
-        return lambda x: np.tanh(x)
-
-    def tanh_f32(x):
-        f = np.float32
-        z = x * x
-        p = f(-5.70498872745e-3)
-        p = p * z + f(2.06390887954e-2)
-        p = p * z + f(-5.37397155531e-2)
-        p = p * z + f(1.33314422036e-1)
-        p = p * z + f(-3.33332819422e-1)
-        small = x + x * z * p  # |x| < 0.625
-        a = abs(x)
-        big = f(1.0) - f(2.0) / (expf(a + a) + f(1.0))  # expf clamps: 1 for |x| > 44
-        big = big if x >= f(0.0) else -big
-        t = small if a < f(0.625) else big
-        return t if x == x and x != f(0.0) else x  # NaN stays NaN, -0 stays -0
-    return tanh_f32
+    f = np.float32
+    z = x * x
+    p = f(-5.70498872745e-3)
+    p = p * z + f(2.06390887954e-2)
+    p = p * z + f(-5.37397155531e-2)
+    p = p * z + f(1.33314422036e-1)
+    p = p * z + f(-3.33332819422e-1)
+    small = x + x * z * p  # |x| < 0.625
+    a = abs(x)
+    big = f(1.0) - f(2.0) / (expf(a + a) + f(1.0))  # expf clamps: 1 for |x| > 44
+    big = big if x >= f(0.0) else -big
+    t = small if a < f(0.625) else big
+    return t if x == x and x != f(0.0) else x  # NaN stays NaN, -0 stays -0
 
 
 @njit(inline="always")
