@@ -41,6 +41,11 @@ B, T, R = 8, 256, 8
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def bench_shape(arch: str) -> dict:
+    """The bench model's ModelConfig fields as `arch` (llama or gemma2)."""
+    return dict(SHAPE, **({} if arch == "llama" else GEMMA2))
+
+
 def dummy_vocab(n: int):
     from gguf import GGUFValueType as V
     from llamatune.formats.gguf_io import KV, kv
@@ -56,7 +61,7 @@ def build(path: Path, qtype: str, arch: str = "llama") -> None:
     from llamatune.models.modelfile import parse_outtype, random_weights, write_model
     if path.exists():
         return
-    cfg = ModelConfig(**dict(SHAPE, **({} if arch == "llama" else GEMMA2)))
+    cfg = ModelConfig(**bench_shape(arch))
     write_model(path, cfg, random_weights(cfg, seed=0), dummy_vocab(cfg.n_vocab), parse_outtype(qtype))
 
 
@@ -178,7 +183,7 @@ def main() -> None:
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {a.ctx}, batch {a.batch}; "
-          f"model {a.model or dict(SHAPE, **({} if a.arch == 'llama' else GEMMA2))}; {os.cpu_count()} CPUs")
+          f"model {a.model or bench_shape(a.arch)}; {os.cpu_count()} CPUs")
     print(f"{'type':6} {'mode':9} {'tok/s':>8} {'step s':>7} {'peak RSS MB':>12} {'acts MB':>8} "
           f"{'GFLOP/s':>8} {'sgemm':>7} {'share':>6} {'cpu share':>9}")
     for qtype in a.types.split(",") if a.model is None else ["model"]:
