@@ -1,0 +1,93 @@
+"""Benchmark: Gweights/s of the CPU dequantization kernels (llamatune.kernels.dequant).
+
+One (1536, 512) matrix, the largest of the finetune bench shape, per GGML type with a
+numba kernel, quantized by llamatune's own quantizer (so its scales are the normal
+floats of a real model, not random bits); F16 and BF16 are the matrix cast. Each
+thread count runs in a fresh process with numba's thread count set before it loads.
+The rate is the best of --repeat expansions after one warm-up (compilation excluded):
+the least disturbed by other processes on a shared machine.
+
+    python bench/dequant.py [--threads 1,2] [--repeat 300] [--types Q4_K,Q6_K] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROWS, COLS = 1536, 512
+TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+
+
+def data_of(name: str, x):
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    from llamatune.kernels.quantize import quantize
+    if name == "F16":
+        return x.astype(np.float16).view(np.uint8)
+    if name == "BF16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    return quantize(x, T[name])
+
+
+def child(args) -> None:
+    import numpy as np
+    from gguf import GGMLQuantizationType as T
+
+    import llamatune  # noqa: F401  (threading policy first)
+    from llamatune.kernels.dequant import dequantize_into
+
+    x = np.random.default_rng(0).standard_normal((ROWS, COLS)).astype(np.float32)
+    out = np.empty((ROWS, COLS), np.float32)
+    rows = []
+    for name in args.types:
+        data, qtype = data_of(name, x), int(T[name])
+        dequantize_into(data, qtype, out)  # compile / warm up
+        best = float("inf")
+        for _ in range(args.repeat):
+            t0 = time.perf_counter()
+            dequantize_into(data, qtype, out)
+            best = min(best, time.perf_counter() - t0)
+        rows.append(dict(threads=args.threads_child, type=name, us=round(best * 1e6, 1),
+                         gweights_per_s=round(ROWS * COLS / best / 1e9, 2)))
+    print(json.dumps(rows))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    ap.add_argument("--repeat", type=int, default=300)
+    ap.add_argument("--types", default=TYPES, help="comma-separated GGML type names")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.types = args.types.split(",")
+    if args.threads_child:
+        child(args)
+        return
+    rows = []
+    for n in (int(t) for t in args.threads.split(",")):
+        env = dict(os.environ, NUMBA_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n),
+                   OMP_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
+        cmd = [sys.executable, __file__, "--threads-child", str(n), "--types",
+               ",".join(args.types), "--repeat", str(args.repeat)]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(res.stderr)
+        rows += json.loads(res.stdout.strip().splitlines()[-1])
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"dequantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}")
+    print(f"{'threads':>7} {'type':>5} {'us':>8} {'Gw/s':>7}")
+    for r in rows:
+        print(f"{r['threads']:>7} {r['type']:>5} {r['us']:>8} {r['gweights_per_s']:>7}")
+
+
+if __name__ == "__main__":
+    main()
