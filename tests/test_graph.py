@@ -342,14 +342,20 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
 
 
 def test_head_chunk_sizes():
-    """As few chunks as fit the room (or HEAD_CHUNK_BYTES), all about the same size."""
-    from llamatune.train.graph import HEAD_CHUNK_BYTES, head_chunk
-    V = HEAD_CHUNK_BYTES // 4 // 4                        # HEAD_CHUNK_BYTES hold 4 rows of logits
-    assert head_chunk(9, V) == 3                          # 3 chunks of 3, not 4 + 4 + 1
-    assert head_chunk(9, V, 5 * V) == 5                   # the room holds 5: 2 chunks
+    """As few chunks as fit the room (or HEAD_CHUNK_BYTES, and at least HEAD_CHUNK_TOKENS
+    tokens), all about the same size."""
+    from llamatune.train.graph import HEAD_CHUNK_BYTES, HEAD_CHUNK_TOKENS, head_chunk
+    K = HEAD_CHUNK_TOKENS
+    V = HEAD_CHUNK_BYTES // 4 // (2 * K)                  # HEAD_CHUNK_BYTES hold 2K rows of logits
+    assert head_chunk(5 * K, V) == -(-5 * K // 3)         # 3 chunks of 5K/3, not 2K + 2K + K
+    assert head_chunk(5 * K, V, 3 * K * V) == 5 * K // 2  # the room holds 3K: 2 chunks
     assert head_chunk(2048, 32000, 2048 * 8192) == 512    # the bench shape, selective: 4 chunks
-    assert head_chunk(10**6, 2**20) == HEAD_CHUNK_BYTES // 4 // 2**20
-    assert head_chunk(5, 10**9) == 1 and head_chunk(5, 10, 10**6) == 5
+    assert head_chunk(10**6, 2**14) == HEAD_CHUNK_BYTES // 4 // 2**14
+    W = HEAD_CHUNK_BYTES // 4 // (K // 2)                 # 32 MB hold K/2 rows: K rows all the same
+    assert head_chunk(3 * K, W) == K and head_chunk(3 * K, W, K * W) == K
+    assert head_chunk(3 * K, W, 2 * K * W) == 3 * K // 2  # unless the room holds more
+    assert head_chunk(K // 2, 10**9) == K // 2            # never more than N
+    assert head_chunk(5, 10, 10**6) == 5
 
 
 @pytest.mark.parametrize("mode", MODES)
