@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
+
+from children import rows_per_thread_count
 
 B, NH, NKV, HS = 8, 8, 4, 64
 
@@ -91,16 +90,8 @@ def main() -> None:
     if args.threads_child:
         child(args)
         return
-    rows = []
-    for n in (int(t) for t in args.threads.split(",")):
-        env = dict(os.environ, NUMBA_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n),
-                   OMP_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
-        cmd = [sys.executable, __file__, "--threads-child", str(n), "--T",
-               ",".join(map(str, args.T)), "--repeat", str(args.repeat)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.exit(res.stderr)
-        rows += json.loads(res.stdout.strip().splitlines()[-1])
+    rows = rows_per_thread_count(__file__, args.threads, ["--T", ",".join(map(str, args.T)),
+                                                          "--repeat", str(args.repeat)])
     if args.json:
         for r in rows:
             print(json.dumps(r))

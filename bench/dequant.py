@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
+
+from children import rows_per_thread_count
 
 ROWS, COLS = 1536, 512
 TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
@@ -69,16 +68,8 @@ def main() -> None:
     if args.threads_child:
         child(args)
         return
-    rows = []
-    for n in (int(t) for t in args.threads.split(",")):
-        env = dict(os.environ, NUMBA_NUM_THREADS=str(n), OPENBLAS_NUM_THREADS=str(n),
-                   OMP_NUM_THREADS=str(n), MKL_NUM_THREADS=str(n))
-        cmd = [sys.executable, __file__, "--threads-child", str(n), "--types",
-               ",".join(args.types), "--repeat", str(args.repeat)]
-        res = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        if res.returncode != 0:
-            sys.exit(res.stderr)
-        rows += json.loads(res.stdout.strip().splitlines()[-1])
+    rows = rows_per_thread_count(__file__, args.threads, ["--types", ",".join(args.types),
+                                                          "--repeat", str(args.repeat)])
     if args.json:
         for r in rows:
             print(json.dumps(r))
