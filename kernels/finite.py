@@ -45,13 +45,10 @@ SCAN_TYPES: frozenset[int] = frozenset(int(t) for t in _FIELDS)
 
 
 @njit(cache=True, inline="always")
-def _nonfinite_field(row, p, kind):
-    """True when the little-endian float at byte p of row has an all-ones exponent."""
-    if kind == 0:                                   # f16: exponent bits 14..10 = high byte 0x7C
-        return (row[p + 1] & 0x7C) == 0x7C
-    if kind == 1:                                   # bf16: exponent bits 14..7
-        return (row[p + 1] & 0x7F) == 0x7F and (row[p] & 0x80) != 0
-    return (row[p + 3] & 0x7F) == 0x7F and (row[p + 2] & 0x80) != 0   # f32: bits 30..23
+def _nonfinite_f16(row, p):
+    """True when the little-endian f16 at byte p of row has an all-ones exponent
+    (bits 14..10 = high byte 0x7C): the scale fields of every quantized type."""
+    return (row[p + 1] & 0x7C) == 0x7C
 
 
 @njit(cache=True, parallel=True)
@@ -79,14 +76,15 @@ def _nonfinite_float_rows(data, kind, out):
 
 
 @njit(cache=True, parallel=True)
-def _nonfinite_rows(data, type_size, offsets, kind, out):
-    # data (n_rows, row_bytes) uint8; out (n_rows,) bool: does row i hold a non-finite field?
+def _nonfinite_rows(data, type_size, offsets, out):
+    # quantized rows: data (n_rows, row_bytes) uint8; out (n_rows,) bool: does row i
+    # hold a non-finite f16 field (at `offsets` in each block of type_size bytes)?
     for i in prange(data.shape[0]):
         row = data[i]
         bad = False
         for o in range(0, row.shape[0], type_size):
             for f in offsets:
-                if _nonfinite_field(row, o + f, kind):
+                if _nonfinite_f16(row, o + f):
                     bad = True
                     break
             if bad:
@@ -108,11 +106,10 @@ def nonfinite_rows_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
     if not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == (data.shape[0],)
             and out.flags.writeable):
         raise ValueError(f"out must be a writeable bool array of shape ({data.shape[0]},)")
-    kind = _FIELDS[T(qtype)][0]
     if T(qtype) in (T.F16, T.BF16, T.F32):
-        _nonfinite_float_rows(data, kind, out)
+        _nonfinite_float_rows(data, _FIELDS[T(qtype)][0], out)
     else:
-        _nonfinite_rows(data, type_size, _OFFSETS[T(qtype)], kind, out)
+        _nonfinite_rows(data, type_size, _OFFSETS[T(qtype)], out)
 
 
 def nonfinite_rows_ref(data: np.ndarray, qtype: int, n_cols: int) -> np.ndarray:
