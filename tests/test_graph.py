@@ -3,6 +3,8 @@ checkpointing changes nothing, step 0 equals the base model, and gradient
 accumulation equals one big batch."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -380,3 +382,43 @@ def test_logits_overlay_the_gradient_scratch_and_chunking_changes_nothing(small_
     for loss, grad in results[1:]:
         assert loss == pytest.approx(results[0][0], rel=1e-13)
         np.testing.assert_allclose(grad, results[0][1], rtol=1e-11, atol=1e-15)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_tokens_without_target_skip_the_head(small_model, mode):
+    """Only tokens with a target go through the head. Giving the others a target of
+    weight 0 instead (so every token goes through it) changes no gradient and no
+    scored token's loss, in float64 (LoRA on the head and the output norm too); a
+    micro-batch without any target has loss 0 and zero gradients."""
+    B, T = 2, 6
+    cfg = small_model.config
+    inputs, tg, w = batch(cfg, B, T, seed=5)
+    tg[1, :4] = -1                                           # a prompt: no target
+    assert (tg < 0).sum() == 6
+    w = (tg >= 0) / (tg >= 0).sum()
+
+    def run(targets, weights):
+        lora, params = lora_setup(small_model, ALL_RANKS, np.float64)
+        g = Graph(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
+        rows = []
+        ce = g.ops.cross_entropy
+        g.ops = SimpleNamespace(**vars(g.ops))
+        g.ops.cross_entropy = SimpleNamespace(cross_entropy_forward_backward=lambda losses, *a: (
+            rows.append(len(losses)), ce.cross_entropy_forward_backward(losses, *a)))
+        loss = g.step(inputs, targets, weights)
+        return loss, g.losses.copy(), params.grad.copy(), sum(rows)
+
+    loss, losses, grad, rows = run(tg, w)
+    all_tg = np.where(tg >= 0, tg, 7)                        # every token a target, weight 0 where none was
+    loss_all, losses_all, grad_all, rows_all = run(all_tg, w)
+    assert rows == B * T - 6 and rows_all == B * T
+    scored = tg.reshape(-1) >= 0
+    np.testing.assert_allclose(losses[scored], losses_all[scored], rtol=1e-12)
+    assert (losses[~scored] == 0).all() and (losses_all[~scored] > 0).all()
+    assert loss == pytest.approx(loss_all, rel=1e-12)
+    np.testing.assert_allclose(grad, grad_all, rtol=1e-10, atol=1e-14 * np.abs(grad_all).max())
+    assert np.abs(grad).max() > 0
+
+    loss0, losses0, grad0, rows0 = run(np.full_like(tg, -1), w)
+    assert rows0 == 0 and loss0 == 0.0
+    assert (losses0 == 0).all() and (grad0 == 0).all()
