@@ -197,4 +197,18 @@ def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
     monkeypatch.setattr(ft, "notice", got.append)
     ft.check_packing(FinetuneOptions(pack=True), Samples([1, 2, 3], [0], [3]))
     assert got == ["--pack applies to conversations and rows; raw text already fills every window"]
-    ft.check_packing(FinetuneOptions(pack=False), rows)
+    got.clear()
+    ft.check_packing(FinetuneOptions(pack=False, ctx=4), rows)          # 3 of 4 tokens: no notice
+    assert got == []
+    ft.check_packing(FinetuneOptions(pack=False, ctx=8), rows)
+    assert got == ["samples fill 38% of --ctx 8 on average, the rest of each window is padding: "
+                   "--pack puts several in a window (or use a smaller --ctx)"]
+    text = Samples(list(range(6)), [0, 3], [3, 3])                      # text samples at --sample-start
+    for opts in (dict(sample_start="<s>", fill_with_next_samples=True), dict(sample_start=""),
+                 dict(sample_start="<s>", ctx=6)):
+        got.clear()
+        ft.check_packing(FinetuneOptions(**{"ctx": 8, **opts}), text)
+        assert got == []
+    ft.check_packing(FinetuneOptions(sample_start="<s>", ctx=8), text)
+    assert got == ["samples fill 38% of --ctx 8 on average, the rest of each window is padding: "
+                   "--fill-with-next-samples fills it (or use a smaller --ctx)"]
