@@ -202,7 +202,7 @@ def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
     assert got == []
     ft.check_packing(FinetuneOptions(pack=False, ctx=8), rows)
     assert got == ["samples fill 38% of --ctx 8 on average, the rest of each window is padding: "
-                   "--pack puts several in a window (or use a smaller --ctx)"]
+                   "--pack puts several in a window"]
     text = Samples(list(range(6)), [0, 3], [3, 3])                      # text samples at --sample-start
     for opts in (dict(sample_start="<s>", fill_with_next_samples=True), dict(sample_start=""),
                  dict(sample_start="<s>", ctx=6)):
@@ -211,4 +211,4 @@ def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
         assert got == []
     ft.check_packing(FinetuneOptions(sample_start="<s>", ctx=8), text)
     assert got == ["samples fill 38% of --ctx 8 on average, the rest of each window is padding: "
-                   "--fill-with-next-samples fills it (or use a smaller --ctx)"]
+                   "--fill-with-next-samples fills it"]

@@ -422,3 +422,42 @@ def test_tokens_without_target_skip_the_head(small_model, mode):
     loss0, losses0, grad0, rows0 = run(np.full_like(tg, -1), w)
     assert rows0 == 0 and loss0 == 0.0
     assert (losses0 == 0).all() and (grad0 == 0).all()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("packed", [False, True])
+def test_columns_after_the_last_target_are_left_out(small_model, mode, packed, monkeypatch):
+    """A micro-batch runs on its columns up to the last target (rounded up to
+    TRIM_TOKENS), in a graph over the full graph's memory; loss, per-token losses and
+    gradients equal the full rows' in float64, for the step and for the evaluation loss."""
+    from llamatune.train import graph as graph_module
+    B, T = 2, 12
+    cfg = small_model.config
+    inputs, tg, _ = batch(cfg, B, T, seed=6, pad=False)
+    tg[0, 5:], tg[1, 7:], tg[1, :2] = -1, -1, -1             # the last target is in column 6
+    w = (tg >= 0) / (tg >= 0).sum()
+    packing = {}
+    if packed:                                                # samples of 3 and 9 tokens in row 0
+        packing = dict(positions=np.concatenate([np.r_[:3, :9], np.r_[:12]]).reshape(B, T),
+                       segments=np.repeat([[0, 1], [0, 0]], [3, 9], axis=1).astype(np.int32))
+
+    def run(trim):
+        monkeypatch.setattr(graph_module, "TRIM_TOKENS", trim)
+        lora, params = lora_setup(small_model, ALL_RANKS, np.float64)
+        g = Graph(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
+        loss = g.step(inputs, tg, w, **packing)
+        losses, grad = g.losses.copy(), params.grad.copy()
+        return g, loss, losses, grad, g.loss(inputs, tg, w, **packing)
+
+    g, loss, losses, grad, eval_loss = run(4)
+    assert list(g._trimmed_graphs) == [8]                     # 7 columns, rounded up to 8
+    short = g._trimmed_graphs[8]
+    assert short.arena is g.arena and short.activation_bytes() < g.activation_bytes()
+    assert all(np.shares_memory(c, full) for (c, _), (full, _) in zip(short.rope_rows, g.rope_rows))
+    g_full, loss_full, losses_full, grad_full, eval_full = run(T)
+    assert not g_full._trimmed_graphs
+    assert loss == pytest.approx(loss_full, rel=1e-12) and eval_loss == pytest.approx(eval_full, rel=1e-12)
+    assert eval_loss == pytest.approx(loss, rel=1e-12)
+    np.testing.assert_allclose(losses, losses_full, rtol=1e-12, atol=1e-15)
+    np.testing.assert_allclose(grad, grad_full, rtol=1e-10, atol=1e-13 * np.abs(grad_full).max())
+    assert np.abs(grad).max() > 0

@@ -32,10 +32,13 @@ def graph_arrays(g: Graph) -> list[np.ndarray]:
             v = v.base
         if isinstance(v, np.ndarray) and id(v) not in found:
             found[id(v)] = v
-    for v in vars(g).values():
+    for name, v in vars(g).items():
+        if name == "rope_host":                   # the host copy the per-token tables of packed rows come from
+            continue
         add(v)
-        for w in (v.values() if isinstance(v, dict) else []):
-            add(w)
+        for w in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else []):
+            for a in (w if isinstance(w, tuple) else (w,)):
+                add(a)
     for a in g.layers:
         for v in vars(a).values():
             add(v)
@@ -55,10 +58,16 @@ def test_allocated_buffers_are_the_plan(model, mode):
     base = FrozenBase(model)
     g = Graph(cfg, base, params, targets, 3, 16, mode)
     plan = buffer_plan(cfg, targets, 3, 16, mode, base.head_rows, False)
-    arrays = graph_arrays(g)
-    assert len(arrays) == len(plan)
+    arrays = graph_arrays(g)                      # the arena and the rope tables, nothing else
     assert sum(a.nbytes for a in arrays) == plan_bytes(plan) == g.activation_bytes()
-    assert sorted(a.shape for a in arrays) == sorted(plan.values())
+    assert {name: a.shape for name, a in g.buffers.items()} == plan
+    ropes = [name for name in plan if name.startswith("rope_")]
+    assert len(arrays) == 1 + len(ropes) and all(any(g.buffers[r] is a for a in arrays) for r in ropes)
+    spans = sorted((a.__array_interface__["data"][0], a.nbytes) for name, a in g.buffers.items()
+                   if name not in ropes)          # the other buffers tile the arena, none overlapping
+    start = g.arena.__array_interface__["data"][0]
+    assert [s for s, _ in spans] == list(np.cumsum([start] + [n for _, n in spans[:-1]]))
+    assert sum(n for _, n in spans) == g.arena.nbytes
 
 
 def test_dense_graph_allocates_its_plan():

@@ -36,8 +36,9 @@ def read_training_text(path: Path | None) -> str:
 def check_packing(o, samples) -> None:
     """--pack needs whole-sequence samples and a graph with segment-aware attention.
     Without it (or --fill-with-next-samples for text samples), says so when samples
-    fill less than half of --ctx on average: the rest of each window is padding,
-    computed in every layer like a real token."""
+    fill less than half of --ctx on average: the rest of each window is padding, and
+    up to the longest sample of a micro-batch (Graph._trimmed) it is computed in every
+    layer like a real token."""
     import inspect
 
     from ..train.graph import Graph
@@ -45,10 +46,10 @@ def check_packing(o, samples) -> None:
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
         if samples.mask is not None and fill < 0.5:
             notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
-                   f"--pack puts several in a window (or use a smaller --ctx)")
+                   "--pack puts several in a window")
         elif samples.mask is None and o.sample_start and not o.fill_with_next_samples and fill < 0.5:
             notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
-                   f"--fill-with-next-samples fills it (or use a smaller --ctx)")
+                   "--fill-with-next-samples fills it")
         return
     if samples.mask is None:
         notice("--pack applies to conversations and rows; raw text already fills every window")

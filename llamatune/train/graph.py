@@ -20,8 +20,10 @@ What backward recomputes (`checkpointing`, the same gradients bit for bit in eac
     checkpointing); backward recomputes the layer's forward into one set of buffers
     shared by all layers, then runs its backward.
 Every buffer is listed by `buffer_plan` (what the memory estimate counts) and
-allocated from that list. The output head is expanded in row blocks inside the
-token-chunked head loop, so nothing of size vocabulary x embedding exists in f32.
+carved from one arena allocated from that list; a micro-batch whose last columns
+have no target runs in a graph of shorter rows over the same arena (`_trimmed`).
+The output head is expanded in row blocks inside the token-chunked head loop, so
+nothing of size vocabulary x embedding exists in f32.
 
 Per layer, with xn = RMSNorm(x), the architecture's options (models/arch.py) in brackets:
     q, k, v = xn Wq^T, xn Wk^T, xn Wv^T      [qk_norm: q, k = RMSNorm per head (qp, kp kept)]
@@ -59,6 +61,7 @@ from .params import (
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time,
 HEAD_CHUNK_TOKENS = 128       # and for at least this many tokens (large vocabularies)
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
+TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
 LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
 
 
@@ -195,19 +198,33 @@ class Graph:
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str | bool = "selective", lora_dropout: float = 0.0,
-                 dtype=np.float32, backend: Backend | None = None):
+                 dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None):
+        """`within`: a graph of the same batch and longer rows whose memory this one uses
+        (its `_trimmed` views, for micro-batches whose last columns have no target)."""
         self.cfg, self.base, self.params = cfg, base, params
         self.backend = backend or cpu()
         self.xp, self.ops = self.backend.xp, self.backend.ops
         xp = self.xp
+        self.targets = targets
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
+        self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
         self.merge_lora = True                 # _matrix may merge adapters into dequantized W
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
-        buf = {name: xp.zeros(shape, dtype) for name, shape in self.plan.items()}   # float64 only in tests
+        # one arena holds every buffer but the rope tables (float64 only in tests); a
+        # trimmed graph takes its buffers from the arena of the graph it is within and
+        # its rope tables are the first rows of that graph's
+        sizes = {k: int(np.prod(v, dtype=np.int64)) for k, v in self.plan.items() if not k.startswith("rope_")}
+        self.arena = xp.zeros(sum(sizes.values()), dtype) if within is None else within.arena
+        assert self.arena.size >= sum(sizes.values())
+        buf, at = {}, 0
+        for name, n in sizes.items():
+            buf[name] = self.arena[at: at + n].reshape(self.plan[name])
+            at += n
+        self._trimmed_graphs: dict[int, Graph] = {}
         self.layers = []
         for i in range(cfg.n_layer):
             get = lambda k: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}"))  # noqa: E731
@@ -230,16 +247,22 @@ class Graph:
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
-        self.rope_host, self.rope_rows = [], []        # per rope set: f32 cache; 0..T-1 tables
-        for j, rope in enumerate(cfg.rope_sets):
-            cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
-            dcos, dsin = buf["rope_cos" + (f".{j}" if j else "")], buf["rope_sin" + (f".{j}" if j else "")]
-            dcos[...] = self.backend.to_device(cos.astype(dtype))
-            dsin[...] = self.backend.to_device(sin.astype(dtype))
-            self.rope_host.append((cos, sin))
-            self.rope_rows.append((dcos, dsin))
+        if within is None:                             # per rope set: f32 cache; 0..T-1 tables
+            self.rope_host, self.rope_rows = [], []
+            for j, rope in enumerate(cfg.rope_sets):
+                cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
+                names = [k + (f".{j}" if j else "") for k in ("rope_cos", "rope_sin")]
+                dcos, dsin = (buf.setdefault(k, xp.zeros(self.plan[k], dtype)) for k in names)
+                dcos[...] = self.backend.to_device(cos.astype(dtype))
+                dsin[...] = self.backend.to_device(sin.astype(dtype))
+                self.rope_host.append((cos, sin))
+                self.rope_rows.append((dcos, dsin))
+        else:
+            self.rope_host = within.rope_host
+            self.rope_rows = [(c[:T], s[:T]) for c, s in within.rope_rows]
+            buf |= {k: v[:T] for k, v in within.buffers.items() if k.startswith("rope_")}
+        self.buffers = buf                             # name -> array, as planned
         self.ropes = self.rope_rows                    # the step's tables, per rope set
-        self.rope_buffers = {k: v for k, v in buf.items() if k.startswith("rope_")}
         self.segments = None
         self.step_key = (0,)
 
@@ -281,7 +304,7 @@ class Graph:
                 cos, sin = self.rope_host[j]
                 if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
                     n = int(positions.max()) + 1
-                    cos, sin = rope_cache(self.cfg, self.base, np.arange(n, dtype=np.int64), self.T, rope)
+                    cos, sin = rope_cache(self.cfg, self.base, np.arange(n, dtype=np.int64), self.n_ctx, rope)
                     self.rope_host[j] = (cos, sin)
                 self.ropes.append(tuple(self.backend.to_device(a.astype(dtype))
                                         for a in host_rope.rope_tables(cos, sin, positions)))
@@ -674,8 +697,37 @@ class Graph:
         """Forward + backward of one micro-batch. inputs, targets (B, T) int (target -1:
         ignored); weights (B, T) f32 per-position loss weights (e.g. 1/n_targets of the
         whole accumulated batch); positions, segments (B, T): packed rows (_set_packing),
-        None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss)."""
-        return self._forward_backward(inputs, targets, weights, key, positions, segments)
+        None for one sample per row. Gradients are added to params.grad. Returns sum(w*loss).
+        Columns after the last target of every row are left out (`_trimmed`)."""
+        return self._trimmed(lambda g, *batch: g._forward_backward(*batch[:3], key, *batch[3:]),
+                             inputs, targets, weights, positions, segments)
+
+    def _trimmed(self, run, inputs, targets, weights, positions, segments) -> float:
+        """run(graph, inputs, targets, weights, positions, segments) on the columns up to
+        the last one with a target in any row, rounded up to TRIM_TOKENS: a graph of those
+        shorter rows over this one's memory (made once per length). The columns left out
+        change nothing: no token there has a target, and no token with one attends to them
+        (attention is causal), so their gradients are zero; a chat micro-batch of short
+        conversations padded to --ctx is mostly such columns. self.losses gets the
+        per-token losses (0 in the columns left out)."""
+        t = np.asarray(targets).reshape(self.B, self.T)
+        used = np.flatnonzero((t >= 0).any(axis=0))
+        T = min(self.T, -(-(int(used[-1]) + 1 if used.size else 1) // TRIM_TOKENS) * TRIM_TOKENS)
+        if T == self.T:
+            return run(self, inputs, targets, weights, positions, segments)
+        g = self._trimmed_graphs.get(T)
+        if g is None:
+            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, self.targets, self.B, T,
+                                                self.mode, self.dropout, self.tmp.dtype, self.backend, within=self)
+        g.dropout, g.merge_lora = self.dropout, self.merge_lora
+
+        def cut(a):
+            return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
+        loss = run(g, cut(inputs), cut(targets), cut(weights), cut(positions), cut(segments))
+        rows, kept = self.losses.reshape(self.B, self.T), g.losses.reshape(self.B, T).copy()   # (same arena)
+        rows[:, :T] = kept
+        rows[:, T:] = 0.0
+        return loss
 
     def warm_up(self, packed: bool = False) -> None:
         """Run every kernel of a step and of an evaluation once (compiling it, or loading it
@@ -709,8 +761,8 @@ class Graph:
         in `step`), without dropout; no gradient is computed and params.grad is untouched."""
         dropout, self.dropout = self.dropout, 0.0
         try:
-            _, tg, w = self._forward(inputs, targets, weights, positions, segments)
-            return self._head(tg, w, backward=False)
+            return self._trimmed(lambda g, *batch: g._head(*g._forward(*batch)[1:], backward=False),
+                                 inputs, targets, weights, positions, segments)
         finally:
             self.dropout = dropout
 
