@@ -43,8 +43,11 @@ def test_runner_logits_match_cpu(cuda, micro_model):
 PACKED = dict(positions=np.array([[0, 1, 2, 0, 1, 0]]), segments=np.array([[0, 0, 0, 1, 1, -1]]))
 
 
-@pytest.mark.parametrize("packing", [{}, PACKED], ids=["rows", "packed"])
-def test_training_step_matches_cpu(cuda, micro_model, packing):
+@pytest.mark.parametrize("packing", [{}, PACKED, "answer"], ids=["rows", "packed", "answer"])
+def test_training_step_matches_cpu(cuda, micro_model, packing, monkeypatch):
+    """answer: targets in columns 1-3 only, so the head gathers its rows and the step
+    runs on the first 4 columns (TRIM_TOKENS 2 here) on both backends."""
+    from llamatune.train import graph as graph_module
     from llamatune.train.graph import Graph
     from llamatune.backend import cpu
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
@@ -58,6 +61,11 @@ def test_training_step_matches_cpu(cuda, micro_model, packing):
     rng = np.random.default_rng(0)
     inputs, labels = rng.integers(0, cfg.n_vocab, (1, 6)), rng.integers(0, cfg.n_vocab, (1, 6))
     w = np.full((1, 6), 1 / 6, np.float32)
+    if packing == "answer":
+        monkeypatch.setattr(graph_module, "TRIM_TOKENS", 2)
+        labels[0, [0, 4, 5]] = -1
+        w = (labels >= 0) / np.float32(3)
+        packing = {}
     results = []
     for backend in (cpu(), cuda):
         params = ParamBuffer(lora_specs(targets))
@@ -70,6 +78,7 @@ def test_training_step_matches_cpu(cuda, micro_model, packing):
         assert not params.host(params.grad).any()
         loss = g.step(inputs, labels, w, **packing)
         assert loss == pytest.approx(evaluated, rel=1e-6)
+        assert list(g._trimmed_graphs) == ([4] if (labels < 0).any() else [])
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)
