@@ -712,7 +712,8 @@ class Graph:
         per-token losses (0 in the columns left out)."""
         t = np.asarray(targets).reshape(self.B, self.T)
         used = np.flatnonzero((t >= 0).any(axis=0))
-        T = min(self.T, -(-(int(used[-1]) + 1 if used.size else 1) // TRIM_TOKENS) * TRIM_TOKENS)
+        last = int(used[-1]) + 1 if used.size else 1          # the columns up to the last target
+        T = min(self.T, -(-last // TRIM_TOKENS) * TRIM_TOKENS)
         if T == self.T:
             return run(self, inputs, targets, weights, positions, segments)
         g = self._trimmed_graphs.get(T)
