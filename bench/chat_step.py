@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import time
 
-TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+from finetune_step import R, TARGETS   # the bench's adapters: rank R on every layer matrix
 
 
 def main() -> None:
@@ -40,14 +40,14 @@ def main() -> None:
 
     model = Model(a.model)
     cfg = model.config
-    targets = lora_targets(cfg, {k: 8 for k in TARGETS}, 8.0, tied=False)
+    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     B, T = a.batch, a.ctx
     graph = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective")
     rng = np.random.default_rng(1)
     clock = time.process_time if a.cpu_clock else time.perf_counter
-    print(f"{a.model}: batch {B} x ctx {T}, LoRA r 8, selective; "
+    print(f"{a.model}: batch {B} x ctx {T}, LoRA r {R}, selective; "
           f"{'CPU' if a.cpu_clock else 'wall'} seconds per step, least of {a.steps}")
     print(f"{'prompt':>7} {'answer':>7} {'padding':>8} {'s/step':>8} {'tokens/s':>9}")
     for item in a.rows.split(","):

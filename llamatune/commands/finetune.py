@@ -44,12 +44,11 @@ def check_packing(o, samples) -> None:
     from ..train.graph import Graph
     if not o.pack:
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
-        if samples.mask is not None and fill < 0.5:
+        remedy = ("--pack puts several in a window" if samples.mask is not None else
+                  "--fill-with-next-samples fills it" if o.sample_start and not o.fill_with_next_samples else None)
+        if remedy and fill < 0.5:
             notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
-                   "--pack puts several in a window")
-        elif samples.mask is None and o.sample_start and not o.fill_with_next_samples and fill < 0.5:
-            notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
-                   "--fill-with-next-samples fills it")
+                   + remedy)
         return
     if samples.mask is None:
         notice("--pack applies to conversations and rows; raw text already fills every window")

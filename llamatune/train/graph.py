@@ -136,8 +136,13 @@ def head_chunk(N: int, per_token: int, room: int = 0) -> int:
     expansions and products on two Zen 3 cores, chunks of 128 tokens (74 MB) 2.09 s,
     of 512 tokens (297 MB) 1.70 s (bench/head_chunks.py)."""
     most = max(HEAD_CHUNK_BYTES // 4, room) // per_token
-    most = max(1, min(N, max(most, HEAD_CHUNK_TOKENS)))
-    return -(-N // -(-N // most))                                  # ceil(N / ceil(N / most))
+    return even_chunk(N, max(1, min(N, max(most, HEAD_CHUNK_TOKENS))))
+
+
+def even_chunk(n: int, most: int) -> int:
+    """The size of n rows' chunks when they go in as few chunks of at most `most` rows
+    as possible, all about the same size: ceil(n / ceil(n / most)); 1 when n is 0."""
+    return -(-n // -(-n // most)) if n else 1
 
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
@@ -205,7 +210,6 @@ class Graph:
         self.backend = backend or cpu()
         self.xp, self.ops = self.backend.xp, self.backend.ops
         xp = self.xp
-        self.targets = targets
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
@@ -252,7 +256,8 @@ class Graph:
             for j, rope in enumerate(cfg.rope_sets):
                 cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
                 names = [k + (f".{j}" if j else "") for k in ("rope_cos", "rope_sin")]
-                dcos, dsin = (buf.setdefault(k, xp.zeros(self.plan[k], dtype)) for k in names)
+                buf |= {k: xp.zeros(self.plan[k], dtype) for k in names}
+                dcos, dsin = (buf[k] for k in names)
                 dcos[...] = self.backend.to_device(cos.astype(dtype))
                 dsin[...] = self.backend.to_device(sin.astype(dtype))
                 self.rope_host.append((cos, sin))
@@ -557,7 +562,7 @@ class Graph:
             targets, weights = targets[scored], weights[scored]
         else:
             xn, dxn, losses = self.xn, self.dxn, self.losses
-        chunk = -(-M // -(-M // self.chunk)) if M else 1     # M rows in chunks of about equal size
+        chunk = even_chunk(M, self.chunk)
         t = self.lora.get("output.weight")
         dW = self.base.grad("output.weight") if self.base.trainable else None
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
@@ -718,7 +723,7 @@ class Graph:
             return run(self, inputs, targets, weights, positions, segments)
         g = self._trimmed_graphs.get(T)
         if g is None:
-            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, self.targets, self.B, T,
+            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self)
         g.dropout, g.merge_lora = self.dropout, self.merge_lora
 
