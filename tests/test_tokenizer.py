@@ -297,8 +297,16 @@ def test_tiny_spm_vocab(tmp_path):
     assert t.decode([8, newline]) == "ab\n"
     # characters that are no token and have no byte token: llama.cpp aborts, we raise
     f = _write(tmp_path, {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens[:9]})
-    with pytest.raises(LlamatuneError, match=r"cannot encode 'é': the vocabulary has no byte token <0xC3>"):
+    with pytest.raises(LlamatuneError, match=r"cannot encode 'é' \(U\+00E9\) in 'é': the vocabulary has no byte token <0xC3>"):
         Tokenizer.from_gguf(f).encode("aé")
+    # a long text that sentencepiece returns as one unknown piece: the line names the character
+    # and a short excerpt around it, never the whole text
+    long_text = "é" * 5000 + "ü" + "é" * 5000
+    with pytest.raises(LlamatuneError) as err:
+        Tokenizer.from_gguf(f).encode("a" + long_text)
+    line = str(err.value)
+    assert line.endswith(": cannot encode 'é' (U+00E9) in '" + "é" * 21 + "'...: the vocabulary has no byte token <0xC3>")
+    assert line.startswith(str(tmp_path)) and len(line) < len(str(tmp_path)) + 120
 
 
 def test_missing_pre_warns_and_uses_default(tmp_path):

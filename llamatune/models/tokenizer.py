@@ -92,6 +92,11 @@ def _spm_model_proto(pieces: list[tuple[str, float, int]]) -> bytes:
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>\Z")
 
 
+def _excerpt(text: str, at: int, width: int = 20) -> str:
+    """The characters around text[at], quoted, for an error line that stays one short line."""
+    lo, hi = max(0, at - width), min(len(text), at + width + 1)
+    return ("..." if lo else "") + repr(text[lo:hi]) + ("..." if hi < len(text) else "")
+
 class Tokenizer:
     """llama.cpp-exact tokenizer for GGUF "llama" (SentencePiece) and "gpt2" (byte-level BPE) vocabularies."""
 
@@ -392,10 +397,12 @@ class Tokenizer:
             if i != self.n_vocab:
                 out.append(i)
                 continue
-            for b in piece.encode("utf-8"):
-                if self._byte_ids[b] is None:
-                    self._fail(f"cannot encode {piece!r}: the vocabulary has no byte token <0x{b:02X}>")
-                out.append(self._byte_ids[b])
+            for at, ch in enumerate(piece):
+                for b in ch.encode("utf-8"):
+                    if self._byte_ids[b] is None:
+                        self._fail(f"cannot encode {ch!r} (U+{ord(ch):04X}) in {_excerpt(piece, at)}: "
+                                   f"the vocabulary has no byte token <0x{b:02X}>")
+                    out.append(self._byte_ids[b])
         return out
 
     # ---- decoding ----
