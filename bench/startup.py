@@ -6,9 +6,11 @@ kernel it uses, the second loads them from that cache. Reported: the wall time o
 each whole process (import, model load, kernel warm-up, the steps, the save), and
 their difference, the compile time a new user pays once.
 
-    python bench/startup.py [--model MODEL.gguf] [--ctx 64] [--batch 1] [--steps 1]
+    python bench/startup.py [--model MODEL.gguf [--text TEXT]] [--ctx 64] [--batch 1] [--steps 1]
 
-Without --model the bench shape of bench/finetune_step.py (Q4_K) is built and used.
+Without --model the byte-vocabulary bench model of bench/mpi_scaling.py (the bench
+shape of bench/finetune_step.py in Q8_0) and its random-words text are built and used;
+with --model the text defaults to the embedded Shakespeare sample.
 """
 from __future__ import annotations
 
@@ -21,42 +23,44 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import build  # noqa: E402
+from mpi_scaling import build  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "llamatune" / "assets" / "shakespeare-sample.txt"
 
 
-def timed_finetune(model: Path, ctx: int, batch: int, steps: int, cache: Path, out: Path) -> float:
+def timed_finetune(model: Path, text: Path, ctx: int, batch: int, steps: int, cache: Path, out: Path) -> float:
     """Wall seconds of one `finetune` process with numba's cache in `cache`."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(cache))
     cmd = [sys.executable, "-m", "llamatune.cli.main", "finetune", "--model-base", str(model),
-           "--train-data", str(TEXT), "--ctx", str(ctx), "--batch", str(batch), "--adam-iter", str(steps),
+           "--train-data", str(text), "--ctx", str(ctx), "--batch", str(batch), "--adam-iter", str(steps),
            "--no-plot", "--lora-out", str(out / "a-ITERATION.gguf"), "--checkpoint-out", str(out / "c-ITERATION.gguf")]
     t = time.perf_counter()
-    subprocess.run(cmd, env=env, check=True, capture_output=True, text=True)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
     return time.perf_counter() - t
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path)
+    ap.add_argument("--text", type=Path, default=TEXT)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-bench"))
     a = ap.parse_args()
-    model = a.model
+    model, text = a.model, a.text
     if model is None:
         a.workdir.mkdir(parents=True, exist_ok=True)
-        model = a.workdir / "bench-512x8.q4_k.gguf"
-        build(model, "q4_k")
+        model, text = build(a.workdir)
     with tempfile.TemporaryDirectory() as tmp:
         cache, out = Path(tmp) / "numba-cache", Path(tmp) / "out"
         cache.mkdir()
         out.mkdir()
-        cold = timed_finetune(model, a.ctx, a.batch, a.steps, cache, out)
-        warm = timed_finetune(model, a.ctx, a.batch, a.steps, cache, out)
+        cold = timed_finetune(model, text, a.ctx, a.batch, a.steps, cache, out)
+        warm = timed_finetune(model, text, a.ctx, a.batch, a.steps, cache, out)
     print(f"{model.name}: ctx {a.ctx}, batch {a.batch}, {a.steps} step(s); {os.cpu_count()} CPUs")
     print(f"cold cache (compiles every kernel): {cold:6.1f} s")
     print(f"warm cache (loads them):            {warm:6.1f} s")
