@@ -4,6 +4,7 @@ validation loss against an independent forward, evaluation steps, --save-best fi
 without duplicates, and every new error."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -27,7 +28,7 @@ from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 from llamatune.train.params import ParamBuffer, ParamSpec
 from llamatune.train.plot import read_metrics, smoothed
-from llamatune.train.validation import ValidationState, eval_pieces, split_samples
+from llamatune.train.validation import ValidationState, Validator, eval_pieces, split_samples
 
 from conftest import TEXT
 
@@ -143,6 +144,35 @@ def test_eval_pieces_score_each_token_once():
     masked = Samples(np.arange(30), [0, 25], [25, 5], mask=np.ones(30, np.int8))   # whole sequences stay whole
     p = eval_pieces(masked, 10)
     assert list(p.begins) == [0, 25] and list(p.sizes) == [25, 5] and np.array_equal(p.mask, masked.mask)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_packed_validation_scores_every_target_once_and_alone(tiny_model, batch):
+    """With --pack, validation rows hold several conversations, each attending only to
+    itself, and the set is scored once: the same targets and loss as one per row."""
+    model = Model(tiny_model)
+    cfg, tok = model.config, model.tokenizer
+    rng = np.random.default_rng(0)
+    sizes = rng.integers(3, 9, 11)
+    tokens = rng.integers(3, cfg.n_vocab, sizes.sum())
+    mask = (rng.random(sizes.sum()) < 0.6).astype(np.int8)
+    samples = Samples(tokens, np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes, mask)
+    targets = lora_targets(cfg, {"attn_q": 2, "ffn_down": 2}, alpha=4.0, tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(1))
+    params.data[...] += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
+    graph = Graph(cfg, FrozenBase(model), params, targets, batch, 16)
+    o = FinetuneOptions(ctx=16, batch=batch)
+    alone = Validator(samples, o, cfg.n_vocab, tok.bos_id, tok.eos_id)
+    packed = Validator(samples, dataclasses.replace(o, pack=True), cfg.n_vocab, tok.bos_id, tok.eos_id)
+    want = sum(int(mask[b + 1:b + n].sum()) for b, n in zip(samples.begins, samples.sizes))
+    assert alone.n_targets == packed.n_targets == want
+    assert alone.n_rows == 11 and packed.n_rows < 11
+    seen = np.concatenate([b.targets[b.targets >= 0] for b in packed.batches()])
+    np.testing.assert_array_equal(np.sort(seen), np.sort(np.concatenate([b.targets[b.targets >= 0]
+                                                                         for b in alone.batches()])))
+    assert packed.loss(graph) == pytest.approx(alone.loss(graph), rel=1e-5)
+    assert "in" in packed.describe() and f"{want} targets" in packed.describe()
 
 
 def reference_val_loss(model_path: Path, samples: Samples, bos: int, ctx: int, adapter: Path | None = None) -> float:

@@ -3,9 +3,10 @@ taken from it (the best step for --save-best, the patience of --early-stop).
 
 The samples come from --val-data (loaded exactly like the training data) or from
 --val-split (a seeded split of the training samples by sample index). They are cut into
-non-overlapping pieces of at most --ctx tokens and laid out one piece per row, in order,
-by the training Batcher's own row builder; so every validation target is scored exactly
-once, in the same fixed batches at every evaluation. The reported loss is the mean over
+non-overlapping pieces of at most --ctx tokens and laid out one piece per row (with
+--pack, as many whole conversations per row as fit, each attending to itself only), in
+order, by the training Batcher's own row builder, stopping after the last piece; so every
+validation target is scored exactly once, in the same fixed batches at every evaluation. The reported loss is the mean over
 all targets (sum of per-token losses / number of targets), the token-weighted mean that
 HF Trainer's and mlx-lm's evaluation loops report; `Graph.loss` computes it without
 dropout and without touching gradients.
@@ -102,12 +103,16 @@ def eval_pieces(samples: Samples, ctx: int) -> Samples:
 
 
 class _InOrder(Batcher):
-    """The training Batcher's rows with the samples in order and no random offsets."""
+    """The training Batcher's rows with the samples in order and no random offsets, one
+    pass only: rows after the last sample are padding."""
 
     def _shuffle(self) -> None:
         self._shuffle_state = None
         self.order = np.arange(len(self.samples))
         self.offsets = np.zeros(len(self.order), dtype=np.int64)
+
+    def _exhausted(self) -> bool:
+        return self.epoch > 0
 
 
 class Validator:
@@ -117,27 +122,26 @@ class Validator:
         self.opts = dataclasses.replace(opts, fill_with_next_samples=False, sample_random_offsets=False)
         self.samples = eval_pieces(samples, opts.ctx)
         self.vocab = (n_vocab, bos_id, eos_id)
-        self.n_targets = sum(b.n_targets for b in self.batches())   # > 0: every sample has a target
+        batches = list(self.batches())
+        self.n_targets = sum(b.n_targets for b in batches)   # > 0: every sample has a target
+        self.n_rows = sum(int((b.targets >= 0).any(axis=1).sum()) for b in batches)
 
     def describe(self) -> str:
-        return f"{len(self.samples)} rows of up to {self.opts.ctx} tokens, {self.n_targets} targets"
+        rows = "" if self.n_rows == len(self.samples) else f" in {self.n_rows} rows"
+        return f"{len(self.samples)} samples of up to {self.opts.ctx} tokens{rows}, {self.n_targets} targets"
 
     def batches(self) -> Iterator[Batch]:
-        """One piece per row, (B, T) batches; rows after the last piece are all padding."""
-        B, n = self.opts.batch, len(self.samples)
+        """(B, T) batches of the pieces in order, until the last one is taken; rows after it
+        are all padding."""
         batcher = _InOrder(self.samples, self.opts, *self.vocab)
-        for lo in range(0, n, B):
-            b = batcher.next_batch()
-            if n - lo < B:                         # the order wrapped around: drop the repeats
-                b.targets[n - lo:] = -1
-                b.n_targets = int((b.targets >= 0).sum())
-            yield b
+        while not batcher._exhausted():
+            yield batcher.next_batch()
 
     def loss(self, graph) -> float:
         """Mean loss over every validation target (forward only, no dropout)."""
         total = 0.0
         for b in self.batches():
-            total += graph.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32))
+            total += graph.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32), b.positions, b.segments)
         return total / self.n_targets
 
     def restore(self, saved: ValidationState | None) -> ValidationState:
