@@ -74,7 +74,7 @@ def finetune(prefix: list[str], env: dict, model: Path, text: Path, out: Path, s
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    m = re.search(r"(\d+) steps in ([\d.]+) s", r.stdout)
+    m = re.search(r"(\d+) steps? in ([\d.]+) s", r.stdout)
     return float(m.group(2)), r.stderr
 
 

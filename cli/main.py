@@ -310,8 +310,10 @@ def _report(name: str, res) -> None:
         k = max(1, min(10, len(res.losses) // 5))       # single steps are noisy: average k at each end
         first, last = sum(res.losses[:k]) / k, sum(res.losses[-k:]) / k
         steady = f", {res.steady_tokens_per_second:,.0f} after the first step" if res.steady_tokens_per_second else ""
-        out.print(f"{name}: {len(res.losses)} steps in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s{steady}), "
-                  f"loss (mean of {k} steps) {first:.4f} -> {last:.4f}")
+        n = len(res.losses)
+        span = "first and last step" if k == 1 else f"mean of the first and last {k} steps"
+        out.print(f"{name}: {n} step{'s' * (n != 1)} in {res.seconds:.1f} s ({res.tokens_per_second:,.0f} tokens/s{steady}), "
+                  f"loss ({span}) {first:.4f} -> {last:.4f}")
     v = res.state.validation
     if v is not None and v.last_loss is not None:
         out.print(f"validation loss {v.last_loss:.4f} at step {v.last_step}, best {v.best_loss:.4f} at step "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -176,6 +177,25 @@ def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
     return f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2])
 
 
+class TrainClock:
+    """Training time: wall time since the start, less evaluations and saves (they are
+    not training), so that tokens/s says how fast the steps run."""
+
+    def __init__(self):
+        self.start, self.excluded = time.perf_counter(), 0.0
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start - self.excluded
+
+    @contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t
+
+
 def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
                batches: list, bad: str | None, show) -> list[Path]:
     """Save the end of the run if the last step's batches still give a sane loss after
@@ -281,15 +301,14 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     tokens_per_step = o.batch * o.ctx * o.grad_acc * world.size
     grads = distributed.GradientSum(world, job.params)
     distributed.check_identical_parameters(world, job.params, state.iteration)
-    t0 = time.perf_counter()
+    clock = TrainClock()
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
     with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
             metrics:
         if validator is not None and state.iteration == 0:
-            t_eval = time.perf_counter()
-            evaluate(job, graph, validator, state, batcher, metrics, show)
-            t0 += time.perf_counter() - t_eval          # evaluations do not count as training time
+            with clock.paused():
+                evaluate(job, graph, validator, state, batcher, metrics, show)
         while state.iteration < o.adam_iter:
             step = state.iteration
             metrics.begin_step()
@@ -306,7 +325,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             gnorm = gradient_norm(job.params)
             bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
             if pending and not bad:                        # the state this step started from is healthy
-                files = save_all(job, state, batcher, data_state)
+                with clock.paused():
+                    files = save_all(job, state, batcher, data_state)
                 show.line(saved_line(state, loss, files))
                 pending = False
             lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
@@ -322,27 +342,26 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
                 state.loss_ema = float(np.float32(ema))  # as the checkpoint keeps it: a resumed run goes on from the same value
                 losses.append(loss)
-                first_seconds = time.perf_counter() - t0 if len(losses) == 1 else first_seconds
-            elapsed = time.perf_counter() - t0
-            show(state, loss, lr, gnorm, len(losses) * tokens_per_step / elapsed)
+                first_seconds = clock.seconds() if len(losses) == 1 else first_seconds
+            show(state, loss, lr, gnorm, len(losses) * tokens_per_step / max(clock.seconds(), 1e-9))
             metrics.step(state, loss, lr, gnorm, n_targets)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
             if validator is not None and validator.due(state.iteration, done):
-                t_eval = time.perf_counter()
-                done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
-                t0 += time.perf_counter() - t_eval
+                with clock.paused():
+                    done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
             if distributed.checksum_due(o, state.iteration, done):
                 distributed.check_identical_parameters(world, job.params, state.iteration)
             pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
             if done:
-                files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
+                with clock.paused():
+                    files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
                 break
-    seconds = time.perf_counter() - t0
+    seconds = clock.seconds()
     if o.plot and world.is_root:
         write_plot(metrics.path, quiet)
     tokens_per_second = len(losses) * tokens_per_step / max(seconds, 1e-9)
     if world.size > 1 and not quiet:
         notice(distributed.summary(world, tokens_per_second))
-    # after the first step (compilation, first page-in); evaluations are not training time
+    # after the first step (compilation, first page-in)
     steady = (len(losses) - 1) * tokens_per_step / max(seconds - first_seconds, 1e-9) if len(losses) > 1 else 0.0
     return TrainResult(state, losses, files, seconds, tokens_per_second, steady)
