@@ -120,6 +120,14 @@ def test_skip_bad_rows_counts_them(tmp_path, qwen_tokenizer, notices):
     assert notices == [f"{path}: skipped 2 malformed row(s) (first: line 2: text must be a string, got int)"]
 
 
+@pytest.mark.parametrize("name", ["d.jsonl", "d.JSON"])
+def test_a_json_file_that_does_not_parse_is_an_error_not_raw_text(tmp_path, qwen_tokenizer, name):
+    path = write_rows(tmp_path, ['{"messages": [{"role": "user"'], name)        # cut off mid-row
+    with pytest.raises(LlamatuneError, match=r"d\.(jsonl|JSON):1: not valid JSON"):
+        load_dataset(path, qwen_tokenizer, opts())
+    assert load_dataset(path, qwen_tokenizer, opts(ctx=4, data_format="text")).mask is None   # unless asked for
+
+
 def test_format_override_checks_rows(tmp_path, qwen_tokenizer):
     path = write_rows(tmp_path, [{"text": "x y"}])
     with pytest.raises(LlamatuneError, match=r":1: --data-format chat expects 'messages' or 'conversations'"):

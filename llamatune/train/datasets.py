@@ -36,11 +36,13 @@ class RowError(Exception):
     """A problem with one row; becomes `FILE:LINE: problem` (or is counted with --skip-bad-rows)."""
 
 
-def detect_format(text: str, requested: str) -> str:
-    """'text' or 'rows'. auto: rows when the file is a JSON array or its first line a JSON object."""
+def detect_format(text: str, requested: str, path=None) -> str:
+    """'text' or 'rows'. auto: rows when the file is named .jsonl or .json (a row that does
+    not parse is then an error naming its line, not a reason to train on the JSON as text),
+    or when it is a JSON array or its first line a JSON object."""
     if requested == "text":
         return "text"
-    if requested != "auto":
+    if requested != "auto" or str(path).lower().endswith((".jsonl", ".json")):
         return "rows"
     head = text.lstrip()
     if head.startswith("["):
@@ -207,7 +209,7 @@ def load_dataset(path, tokenizer, opts, role: str = "training") -> Samples:
     if path is None:
         raise LlamatuneError(f"--{'train' if role == 'training' else 'val'}-data is required")
     text = read_text(path, f"{role} data")
-    if detect_format(text, opts.data_format) == "text":
+    if detect_format(text, opts.data_format, path) == "text":
         return load_samples(text, tokenizer, opts, str(path))
     rows = read_rows(text, path)
     enc = RowEncoder(tokenizer, opts, str(path))
