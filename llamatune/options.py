@@ -156,6 +156,9 @@ class ScratchOptions(TrainOptions):
     """`llamatune train-from-scratch`: a new model (`--arch`), all parameters trained."""
     vocab_model: Optional[Path] = opt(None, "Copy the vocabulary from this GGUF (vocab-only or full model).", G_IO)
     vocab_size: int = opt(4096, "Without --vocab-model: train a SentencePiece vocabulary of this size on the data.", G_MODEL, frozen=True)
+    special_tokens: str = opt("", "Without --vocab-model: control tokens to add to the trained vocabulary, comma-separated "
+                              "(e.g. '<|im_start|>,<|im_end|>' for ChatML chat data; generation ends at <|im_end|>).",
+                              G_MODEL, frozen=True)
     model_out: Path = opt(Path("model-ITERATION.gguf"), "Model output GGUF.", G_IO)
     outtype: str = opt("f32", "Model output type: f32, f16 or q8_0.", G_IO)
     arch: str = opt("llama", "Architecture of the new model: one declared in llamatune/models/archs/ that "
@@ -338,6 +341,7 @@ def _validate_numbers(o: TrainOptions) -> None:
         check_number("--lora-dropout", o.lora_dropout, 0, 1, hi_open=True)
     if isinstance(o, ScratchOptions):
         check_number("--vocab-size", o.vocab_size, 8)
+        special_tokens(o)
         for flag, v in (("--embd", o.embd), ("--head", o.head), ("--layer", o.layer)):
             check_number(flag, v, 1)
         if o.head_kv is not None:
@@ -348,3 +352,15 @@ def _validate_numbers(o: TrainOptions) -> None:
             check_number("--ff", o.ff, 1)
         check_number("--norm-rms-eps", o.norm_rms_eps, 0, lo_open=True)
         check_number("--rope-freq-base", o.rope_freq_base, 0, lo_open=True)
+
+
+def special_tokens(o: ScratchOptions) -> tuple[str, ...]:
+    """--special-tokens as a tuple, checked: distinct, non-empty, no spaces, no vocabulary to copy."""
+    toks = tuple(t.strip() for t in o.special_tokens.split(",")) if o.special_tokens.strip() else ()
+    if toks and o.vocab_model is not None:
+        raise LlamatuneError("--special-tokens adds tokens to a trained vocabulary; --vocab-model brings its own")
+    for t in toks:
+        if not t or any(c.isspace() for c in t) or toks.count(t) > 1:
+            raise LlamatuneError(f"--special-tokens {o.special_tokens!r}: give distinct tokens without spaces, "
+                                 "separated by commas")
+    return toks

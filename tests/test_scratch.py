@@ -37,6 +37,36 @@ def test_trained_vocabulary_model_loads_and_scores(tmp_path):
     assert np.isfinite(perplexity(Runner(m), TEXT, 16, 64).ppl)
 
 
+def test_special_tokens_are_control_tokens_of_the_trained_vocabulary(tmp_path):
+    train_from_scratch(options(tmp_path, special_tokens="<|im_start|>, <|im_end|>"), quiet=True)
+    f = GGUFFile(tmp_path / "model-LATEST.gguf")
+    tokens, types = f.get("tokenizer.ggml.tokens"), f.get("tokenizer.ggml.token_type")
+    assert tokens[:5] == ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"] and types[:5] == [2, 3, 3, 3, 3]
+    assert len(tokens) == 300 and tokens.count("<|im_end|>") == 1
+    tok = Model(tmp_path / "model-LATEST.gguf").tokenizer
+    text = "<|im_start|>user\nFirst<|im_end|>\n"
+    ids = tok.encode(text, add_special=False, parse_special=True)
+    assert ids[0] == 3 and ids.count(4) == 1
+    assert tok.decode(ids) == " user\nFirst \n"     # control tokens render empty; llama.cpp's SPM space after each
+    assert 3 not in tok.encode(text, add_special=False)                                  # plain text without parsing
+    assert 4 in tok.eog_ids and 3 not in tok.eog_ids                                      # generation ends at <|im_end|>
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(special_tokens="<a>,<a>"), "give distinct tokens without spaces"),
+    (dict(special_tokens="<a>,,<b>"), "give distinct tokens without spaces"),
+    (dict(special_tokens="<a b>"), "give distinct tokens without spaces"),
+])
+def test_bad_special_tokens(tmp_path, over, match):
+    with pytest.raises(LlamatuneError, match=match):
+        train_from_scratch(options(tmp_path, **over), quiet=True)
+
+
+def test_special_tokens_need_a_trained_vocabulary(tmp_path, tiny_model):
+    with pytest.raises(LlamatuneError, match="--vocab-model brings its own"):
+        train_from_scratch(options(tmp_path, vocab_model=tiny_model, special_tokens="<|im_end|>"), quiet=True)
+
+
 def test_vocab_model_is_copied(tmp_path, tiny_model):
     train_from_scratch(options(tmp_path, vocab_model=tiny_model), quiet=True)
     a, b = GGUFFile(tiny_model), GGUFFile(tmp_path / "model-LATEST.gguf")

@@ -3,7 +3,8 @@
 Everything comes from the package itself: a public-domain Shakespeare sample
 (`llamatune/assets/shakespeare-sample.txt`). The tour
   1. trains a small llama from scratch on the first part of it (a SentencePiece
-     vocabulary trained on the text, the model written as Q8_0 GGUF),
+     vocabulary trained on the text, with ChatML's <|im_start|> and <|im_end|> as control
+     tokens for step 6; the model written as Q8_0 GGUF),
   2. finetunes a LoRA adapter on the quantized model with the last part, printing
      the loss as it falls,
   3. generates text with the adapter applied at run time,
@@ -92,7 +93,8 @@ def run(workdir: Path) -> None:
         raise write_error(workdir, e) from None
 
     out.print("[bold]1. train-from-scratch[/bold]: a 4-layer llama on the first 75 % of the sample")
-    base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048, embd=128, head=4, head_kv=2,
+    base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048,
+                               special_tokens="<|im_start|>,<|im_end|>", embd=128, head=4, head_kv=2,
                                layer=4, ctx=128, batch=8, adam_iter=150, warmup=10, cos_decay_steps=150,
                                adam_alpha=3e-3, save_every=0, outtype="q8_0",
                                checkpoint_out=workdir / "scratch-chk-ITERATION.gguf",

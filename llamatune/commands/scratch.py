@@ -31,7 +31,7 @@ from ..models.modelfile import (
     write_model,
 )
 from ..models.tokenizer import Tokenizer
-from ..options import ScratchOptions
+from ..options import ScratchOptions, special_tokens
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
@@ -48,11 +48,12 @@ def llama_ff(n_embd: int, multiple_of: int = 256) -> int:
 
 def _vocab(o: ScratchOptions, text: str):
     """(tokenizer keys, tokenizer) from --vocab-model or trained on the data."""
+    control = special_tokens(o)
     if o.vocab_model is not None:
         f = GGUFFile(o.vocab_model)
         kvs = vocab_kvs(f)
         return kvs, Tokenizer.from_gguf(f)
-    kvs = train_spm_vocab(text, o.vocab_size, str(o.train_data))
+    kvs = train_spm_vocab(text, o.vocab_size, str(o.train_data), control)
     md = {item.key: item.value for item in kvs}
     view = SimpleNamespace(path=Path(f"{o.train_data} (trained vocabulary)"), get=lambda k, d=None: md.get(k, d))
     return kvs, Tokenizer.from_gguf(view)

@@ -124,9 +124,13 @@ def vocab_kvs(f: GGUFFile) -> list[KV]:
     return kvs
 
 
-def train_spm_vocab(text: str, vocab_size: int, source: str = "training data") -> list[KV]:
+def train_spm_vocab(text: str, vocab_size: int, source: str = "training data",
+                    control: tuple[str, ...] = ()) -> list[KV]:
     """Train a llama-style SentencePiece BPE vocabulary (byte fallback, <unk>/<s>/</s>
-    at ids 0/1/2, identity normalization) and return it as GGUF tokenizer keys."""
+    at ids 0/1/2, identity normalization) and return it as GGUF tokenizer keys. `control`:
+    control tokens placed after </s> (e.g. ChatML's <|im_start|>, <|im_end|>): text parses
+    to them only with special-token parsing, as chat templates render, and llama.cpp ends
+    generation at the end-of-turn ones (<|im_end|>, <|eot_id|>, <end_of_turn>, ...)."""
     import sentencepiece as spm
     lines = [ln for ln in text.splitlines() if ln.strip()]
     if not lines:
@@ -140,7 +144,7 @@ def train_spm_vocab(text: str, vocab_size: int, source: str = "training data") -
             byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
             add_dummy_prefix=True, remove_extra_whitespaces=False, split_digits=True,
             allow_whitespace_only_pieces=True, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-            num_threads=2, minloglevel=2, hard_vocab_limit=False)
+            num_threads=2, minloglevel=2, hard_vocab_limit=False, control_symbols=list(control))
     except RuntimeError as e:
         raise LlamatuneError(f"{source}: SentencePiece training failed: {e}") from None
     sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
