@@ -34,8 +34,8 @@ class _TrainDisplay:
     """`show(state, loss, lr, gnorm, tokens_per_s)` updates the bar; `show.line(text)` prints above it;
     `show.refresh(state)` redraws the last status with the state's new validation loss."""
 
-    def __init__(self, progress: Progress | None, task, ranks: int = 1):
-        self.progress, self.task, self.ranks = progress, task, ranks
+    def __init__(self, progress: Progress | None, task, ranks: int = 1, compact: bool = False):
+        self.progress, self.task, self.ranks, self.compact = progress, task, ranks, compact
         self.last: tuple | None = None        # (loss, lr, gnorm, tps) of the last update
 
     def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
@@ -43,12 +43,15 @@ class _TrainDisplay:
         if self.progress is None:
             return
         skipped = (state.guard or {}).get("bad_total", 0)      # steps the divergence guard skipped
-        status = (f"epoch {state.epoch}  " + (f"skipped {skipped}  " if skipped else "")
-                  + f"loss {loss:.4f} (avg {state.loss_ema:.4f})  lr {lr:.2e}  |g| {gnorm:.3f}  {tps:,.0f} tok/s"
-                  + (f" ({tps / self.ranks:,.0f} per rank)" if self.ranks > 1 else ""))
+        fields = [] if self.compact else [f"epoch {state.epoch}"]
+        fields += [f"skipped {skipped}"] if skipped else []
+        fields += [f"loss {loss:.4f} (avg {state.loss_ema:.4f})"]
+        fields += [] if self.compact else [f"lr {lr:.2e}", f"|g| {gnorm:.3f}"]
+        fields += [f"{tps:,.0f} tok/s" + (f" ({tps / self.ranks:,.0f} per rank)" if self.ranks > 1 else "")]
         v = state.validation
         if v is not None and v.last_loss is not None:
-            status += f"  val {v.last_loss:.4f}"
+            fields += [f"val {v.last_loss:.4f}"]
+        status = (" " if self.compact else "  ").join(fields)
         self.progress.update(self.task, completed=state.iteration, status=status)
 
     def refresh(self, state) -> None:
@@ -60,15 +63,23 @@ class _TrainDisplay:
             self.progress.console.print(text, markup=False, highlight=False)
 
 
+WIDE_CONSOLE = 140       # columns the full training line needs
+
+
 @contextlib.contextmanager
 def train_progress(total: int, start: int, quiet: bool = False, ranks: int = 1) -> Iterator[_TrainDisplay]:
-    """Training display: iteration bar with loss, its moving average, lr, tokens/s (in total and
-    per rank when data-parallel over `ranks` MPI ranks), elapsed and ETA."""
+    """Training display: iteration bar with epoch, loss, its moving average, lr, gradient norm,
+    tokens/s (in total and per rank when data-parallel over `ranks` MPI ranks), validation
+    loss, elapsed and ETA. On a console narrower than WIDE_CONSOLE (80 columns when output is
+    not a terminal) the bar, epoch, lr, gradient norm and elapsed time are left out, so that
+    the rest fits on the line uncut (metrics.jsonl has them all)."""
     if quiet:
         yield _TrainDisplay(None, None)
         return
-    columns = (TextColumn("[bold]train[/bold]"), BarColumn(bar_width=24), MofNCompleteColumn(),
-               TextColumn("{task.fields[status]}"), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn())
+    compact = err.width < WIDE_CONSOLE
+    bar, elapsed = ((), ()) if compact else ((BarColumn(bar_width=24),), (TimeElapsedColumn(),))
+    columns = (TextColumn("[bold]train[/bold]"), *bar, MofNCompleteColumn(),
+               TextColumn("{task.fields[status]}"), *elapsed, TextColumn("eta"), TimeRemainingColumn())
     with Progress(*columns, console=err, transient=False) as progress:
         task = progress.add_task("train", total=total, completed=start, status="")
-        yield _TrainDisplay(progress, task, ranks)
+        yield _TrainDisplay(progress, task, ranks, compact)

@@ -379,6 +379,27 @@ def test_progress_line_shows_the_validation_loss():
     assert "loss 2.0000 (avg 2.0000)" in console.file.getvalue() and "val 2.2500" in console.file.getvalue()
 
 
+@pytest.mark.parametrize("width", [80, 200])
+def test_training_line_fits_the_console(monkeypatch, width):
+    """An 80-column console (the width of output that is not a terminal) gets the compact
+    line, uncut; a wide one the full line with the bar, epoch, lr and gradient norm."""
+    from io import StringIO
+    from rich.console import Console
+    from llamatune import progress
+    console = Console(file=StringIO(), width=width)
+    monkeypatch.setattr(progress, "err", console)
+    with progress.train_progress(1000, 0) as show:
+        state = ckpt.TrainState(iteration=1000, epoch=12, loss_ema=2.3456,
+                                validation=ValidationState(2.5, 3, 1, 2.75, 999, 0))
+        show(state, 2.0123, 1.5e-4, 12.345, 123456.0)
+    last = [line for line in console.file.getvalue().splitlines() if line.startswith("train")][-1]
+    assert "…" not in last and len(last) <= width
+    for part in ("1000/1000", "loss 2.0123 (avg 2.3456)", "123,456 tok/s", "val 2.7500", "eta"):
+        assert part in last
+    assert ("epoch 12" in last and "lr 1.50e-04  |g| 12.345" in last and "━" in last) == (width == 200)
+    assert "0:00:00 eta" in last or width == 80            # elapsed, then the ETA
+
+
 def test_train_from_scratch_keeps_the_best_model(tmp_path, tiny_model):
     from llamatune.commands.scratch import train_from_scratch
     (tmp_path / "t.txt").write_text(TEXT)
