@@ -97,6 +97,7 @@ def _excerpt(text: str, at: int, width: int = 20) -> str:
     lo, hi = max(0, at - width), min(len(text), at + width + 1)
     return ("..." if lo else "") + repr(text[lo:hi]) + ("..." if hi < len(text) else "")
 
+
 class Tokenizer:
     """llama.cpp-exact tokenizer for GGUF "llama" (SentencePiece) and "gpt2" (byte-level BPE) vocabularies."""
 

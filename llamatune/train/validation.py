@@ -6,9 +6,9 @@ The samples come from --val-data (loaded exactly like the training data) or from
 non-overlapping pieces of at most --ctx tokens and laid out one piece per row (with
 --pack, as many whole conversations per row as fit, each attending to itself only), in
 order, by the training Batcher's own row builder, stopping after the last piece; so every
-validation target is scored exactly once, in the same fixed batches at every evaluation. The reported loss is the mean over
-all targets (sum of per-token losses / number of targets), the token-weighted mean that
-HF Trainer's and mlx-lm's evaluation loops report; `Graph.loss` computes it without
+validation target is scored exactly once, in the same fixed batches at every evaluation.
+The reported loss is the mean over all targets (sum of per-token losses / number of
+targets), the token-weighted mean that HF Trainer's and mlx-lm's evaluation loops report; `Graph.loss` computes it without
 dropout and without touching gradients.
 
 `ValidationState` (best loss, its step, evaluations since, the last loss) is stored in
@@ -122,9 +122,10 @@ class Validator:
         self.opts = dataclasses.replace(opts, fill_with_next_samples=False, sample_random_offsets=False)
         self.samples = eval_pieces(samples, opts.ctx)
         self.vocab = (n_vocab, bos_id, eos_id)
-        batches = list(self.batches())
-        self.n_targets = sum(b.n_targets for b in batches)   # > 0: every sample has a target
-        self.n_rows = sum(int((b.targets >= 0).any(axis=1).sum()) for b in batches)
+        self.n_targets = self.n_rows = 0                  # n_targets > 0: every sample has a target
+        for b in self.batches():
+            self.n_targets += b.n_targets
+            self.n_rows += int((b.targets >= 0).any(axis=1).sum())
 
     def describe(self) -> str:
         rows = "" if self.n_rows == len(self.samples) else f" in {self.n_rows} rows"
