@@ -8,8 +8,8 @@ non-overlapping pieces of at most --ctx tokens and laid out one piece per row (w
 order, by the training Batcher's own row builder, stopping after the last piece; so every
 validation target is scored exactly once, in the same fixed batches at every evaluation.
 The reported loss is the mean over all targets (sum of per-token losses / number of
-targets), the token-weighted mean that HF Trainer's and mlx-lm's evaluation loops report; `Graph.loss` computes it without
-dropout and without touching gradients.
+targets), the token-weighted mean that HF Trainer's and mlx-lm's evaluation loops report;
+`Graph.loss` computes it without dropout and without touching gradients.
 
 `ValidationState` (best loss, its step, evaluations since, the last loss) is stored in
 the checkpoints, so a resumed run takes the same decisions as an uninterrupted one.
