@@ -42,12 +42,14 @@ def pytest_configure(config):
     # CUDA kernel tests run in numba's simulator when no GPU is present; this must be
     # decided before anything imports numba.cuda.
     global _SIMULATED
-    from conftest_cuda import enable_simulator_if_no_gpu, make_simulator_shared_arrays_thread_safe
+    from conftest_cuda import (enable_simulator_if_no_gpu, make_simulator_refuse_none_arguments,
+                               make_simulator_shared_arrays_thread_safe)
     enable_simulator_if_no_gpu()
     from llamatune.kernels.cuda import simulator_enabled
     _SIMULATED = simulator_enabled()
     if _SIMULATED:
         make_simulator_shared_arrays_thread_safe()
+        make_simulator_refuse_none_arguments()
 
 
 _SIMULATED = False  # numba.cuda is the simulator (decided in pytest_configure)

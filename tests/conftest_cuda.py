@@ -86,6 +86,29 @@ def make_simulator_shared_arrays_thread_safe() -> None:
     kernelapi.FakeCUDAShared.array = array
 
 
+def make_simulator_refuse_none_arguments() -> None:
+    """Make a simulated kernel launch refuse a None argument, as a GPU's does.
+
+    numba-cuda compiles a kernel for a None argument (type `none`), and the simulator
+    runs it, but the real launcher cannot pass one (`NotImplementedError: (none, None)`
+    in `_Kernel._prepare_args`, seen on an H200 with numba-cuda 0.30.4): without this,
+    such a kernel passes every simulated test and fails on its first GPU launch.
+    Device-function calls inside a kernel may still pass None."""
+    from numba.cuda.simulator import kernel as simulated
+
+    launch = simulated.FakeCUDAKernel.__call__
+
+    def __call__(self, *args):
+        if not (self._device or simulated._kernel_context):
+            bad = [i for i, a in enumerate(args) if a is None]
+            if bad:
+                raise NotImplementedError(f"{self.__name__}: argument {bad[0]} is None; a GPU "
+                                          "kernel launch cannot pass None")
+        return launch(self, *args)
+
+    simulated.FakeCUDAKernel.__call__ = __call__
+
+
 def compile_all_ptx(cc=(8, 0)) -> dict:
     """Compile every CUDA kernel of llamatune.kernels.cuda to PTX for compute
     capability cc, through the real (not simulated) numba-cuda pipeline, without
@@ -147,14 +170,15 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
     opts = (f32, f32, f32, i64)  # scale, softcap, scale / softcap, window
     for HS in (64, 128, 256):
         (br, bc), (br2, bc2) = attention.tiles(HS)
-        for seg, tag in ((t.none, ""), (A(t.int32, 2), " segments")):
+        seg = A(t.int32, 2)
+        for packed, tag in ((False, ""), (True, " segments")):
             jobs += [
-                (f"attention forward HS={HS}{tag}", attention._forward_kernel(HS, br, bc),
+                (f"attention forward HS={HS}{tag}", attention._forward_kernel(HS, br, bc, packed),
                  (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), seg, i64)
                  + opts),
-                (f"attention dq HS={HS}{tag}", attention._dq_kernel(HS, br, bc),
+                (f"attention dq HS={HS}{tag}", attention._dq_kernel(HS, br, bc, packed),
                  (A(f32, 4),) * 6 + (A(f32, 3), seg) + opts),
-                (f"attention dkdv HS={HS}{tag}", attention._dkdv_kernel(HS, br2, bc2),
+                (f"attention dkdv HS={HS}{tag}", attention._dkdv_kernel(HS, br2, bc2, packed),
                  (A(f32, 4),) * 7 + (A(f32, 3), seg) + opts),
             ]
     return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

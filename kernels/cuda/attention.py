@@ -18,8 +18,10 @@ before they existed. Packed rows
 so no row is empty. Each block finds the starts of its rows from `segments`
 (`_tile_starts`, one thread), starts its key loop at the first tile its rows can
 see, and the dk/dv blocks stop at the first query tile that sees none of their
-keys. segments=None compiles the kernels without any of this (numba prunes the
-`seg is not None` branches for a None argument).
+keys. segments=None launches kernels compiled without any of this (`packed` is a
+constant of each kernel factory, so its branches fold away); they take a 1 x 1 int32
+array in the place of `seg` and never read it (numba-cuda compiles a None argument
+but cannot launch with one).
 
 Nothing of size T x S is ever stored: every kernel works on tiles in shared
 memory and keeps per-row softmax statistics.
@@ -99,13 +101,13 @@ def tiles(HS: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 # ------------------------------------------------------------------- forward
 @lru_cache(maxsize=None)
-def _forward_kernel(HS: int, BR: int, BC: int):
+def _forward_kernel(HS: int, BR: int, BC: int, packed: bool):
     HP = HS + 1  # padded row length of the K/V tiles
     NEG_INF = -math.inf
 
     @cuda.jit
     def kernel(out, lse, q, k, v, seg, n_past, scale, cap, kcap, window):
-        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32;
+        # grid (ceil(T / BR), B * NH), block NTHREADS; seg (B, T) int32 when packed;
         # cap > 0: soft-capped scores (kcap = scale / cap); window > 0: sliding window
         T, NH = q.shape[1], q.shape[2]
         S, NKV = k.shape[1], k.shape[2]
@@ -127,7 +129,7 @@ def _forward_kernel(HS: int, BR: int, BC: int):
         sst = cuda.shared.array(BR, int32)  # first visible key of each row (packed rows)
 
         jlo = 0  # the first key tile any row of this block sees
-        if seg is not None:
+        if packed:
             if tid == 0:
                 _tile_starts(sst, seg, b, i0, T, BR, -1)
             cuda.syncthreads()
@@ -164,7 +166,7 @@ def _forward_kernel(HS: int, BR: int, BC: int):
                 visible = i < T and j <= n_past + i
                 if window > 0:
                     visible = visible and n_past + i - j < window
-                if seg is not None:
+                if packed:
                     visible = visible and j >= sst[r]
                 if visible:
                     acc = float32(0.0)
@@ -278,10 +280,10 @@ def _tile_starts(sst, seg, b, i0, T, BR, prev):
 
 
 @cuda.jit(device=True)
-def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC, scale,
+def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR, BC, scale,
                   cap, kcap, window, tid, nt):
     """sp = P, sds = dS = P * (dout.v - D) * ds/d(q.k) on the (BR, BC) tile (0 where
-    masked; with seg, keys before sst[r] are masked too, with a window the keys
+    masked; when packed, keys before sst[r] are masked too, with a window the keys
     i - j >= window); ds/d(q.k) = scale, or scale * (1 - t^2) when soft-capped."""
     for e in range(tid, BR * BC, nt):
         r = e // BC
@@ -291,7 +293,7 @@ def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, 
         visible = i < T and j <= i
         if window > 0:
             visible = visible and i - j < window
-        if seg is not None:
+        if packed:
             visible = visible and j >= sst[r]
         if visible:
             s = float32(0.0)
@@ -314,12 +316,12 @@ def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, 
 
 
 @lru_cache(maxsize=None)
-def _dq_kernel(HS: int, BR: int, BC: int):
+def _dq_kernel(HS: int, BR: int, BC: int, packed: bool):
     HP = HS + 1
 
     @cuda.jit
     def kernel(dq, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
-        # grid (ceil(T / BR), B * NH), block NTHREADS; seg None or (B, T) int32
+        # grid (ceil(T / BR), B * NH), block NTHREADS; seg (B, T) int32 when packed
         T, NH = q.shape[1], q.shape[2]
         G = NH // k.shape[2]
         tid = cuda.threadIdx.x
@@ -343,7 +345,7 @@ def _dq_kernel(HS: int, BR: int, BC: int):
         for e in range(tid, BR * HS, nt):
             sdq[e // HS, e % HS] = 0.0
         jlo = 0
-        if seg is not None:
+        if packed:
             if tid == 0:
                 _tile_starts(sst, seg, b, i0, T, BR, -1)
             cuda.syncthreads()
@@ -355,7 +357,7 @@ def _dq_kernel(HS: int, BR: int, BC: int):
             cuda.syncthreads()
             _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
             cuda.syncthreads()
-            _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR, BC,
+            _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR, BC,
                           scale, cap, kcap, window, tid, nt)
             cuda.syncthreads()
             for e in range(tid, BR * HS, nt):
@@ -376,12 +378,12 @@ def _dq_kernel(HS: int, BR: int, BC: int):
 
 
 @lru_cache(maxsize=None)
-def _dkdv_kernel(HS: int, BR: int, BC: int):
+def _dkdv_kernel(HS: int, BR: int, BC: int, packed: bool):
     HP = HS + 1
 
     @cuda.jit
     def kernel(dk, dv, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
-        # grid (ceil(T / BC), B * NKV), block NTHREADS; seg None or (B, T) int32
+        # grid (ceil(T / BC), B * NKV), block NTHREADS; seg (B, T) int32 when packed
         T, NH = q.shape[1], q.shape[2]
         NKV = k.shape[2]
         G = NH // NKV
@@ -414,7 +416,7 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
             h = kvh * G + g
             for i0 in range(first, i_end, BR):
                 cuda.syncthreads()
-                if seg is not None:
+                if packed:
                     if tid == 0:  # sst[BR - 1] is row i0 - 1's start after the first tile
                         _tile_starts(sst, seg, b, i0, T, BR, sst[BR - 1] if i0 > first else -1)
                     cuda.syncthreads()
@@ -422,7 +424,7 @@ def _dkdv_kernel(HS: int, BR: int, BC: int):
                         break
                 _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
                 cuda.syncthreads()
-                _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, seg, sst, i0, j0, T, HS, BR,
+                _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR,
                               BC, scale, cap, kcap, window, tid, nt)
                 cuda.syncthreads()
                 for e in range(tid, BC * HS, nt):
@@ -466,11 +468,18 @@ def _tiles(HS, block_q, block_k):
 
 
 def _check_segments(segments, B, T, n_past):
+    """The array the kernels take as `seg`: segments, or an unread 1 x 1 stand-in."""
     if segments is None:
-        return
+        return _no_segments()
     if n_past:
         raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
     check("attention", "segments", segments, (B, T), np.int32)
+    return segments
+
+
+@lru_cache(maxsize=None)
+def _no_segments():
+    return cuda.to_device(np.zeros((1, 1), np.int32))
 
 
 def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
@@ -491,13 +500,13 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
     B, T, NH, NKV, HS = _check_qkv(q, k, v, n_past + T, kv_contiguous=False)
     check("attention", "out", out, (B, T, NH, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
-    _check_segments(segments, B, T, n_past)
+    seg = _check_segments(segments, B, T, n_past)
     scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
     (BR, BC), _ = _tiles(HS, block_q, block_k)
-    kernel = _forward_kernel(HS, BR, BC)
-    kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, segments,
+    kernel = _forward_kernel(HS, BR, BC, segments is not None)
+    kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, seg,
                                                        np.int64(n_past), scale, cap, kcap,
                                                        np.int64(window))
 
@@ -519,14 +528,14 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     check("attention", "dk", dk, (B, T, NKV, HS), np.float32)
     check("attention", "dv", dv, (B, T, NKV, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
-    _check_segments(segments, B, T, 0)
+    seg = _check_segments(segments, B, T, 0)
     scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
     (BR, BC), (BR2, BC2) = _tiles(HS, block_q, block_k)
-    nt = threads or NTHREADS
+    nt, packed = threads or NTHREADS, segments is not None
     opts = (scale, cap, kcap, np.int64(window))
-    _dq_kernel(HS, BR, BC)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, segments,
-                                                      *opts)
-    _dkdv_kernel(HS, BR2, BC2)[(cdiv(T, BC2), B * NKV), nt](dk, dv, dout, q, k, v, out,
-                                                            lse, segments, *opts)
+    _dq_kernel(HS, BR, BC, packed)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, seg,
+                                                              *opts)
+    _dkdv_kernel(HS, BR2, BC2, packed)[(cdiv(T, BC2), B * NKV), nt](dk, dv, dout, q, k, v, out,
+                                                                    lse, seg, *opts)
