@@ -65,6 +65,23 @@ def test_loss_falls_and_step_zero_adapter_is_identity(tmp_path, tiny_model):
     assert np.mean(res.losses[-3:]) < res.losses[0] - 0.1
 
 
+def test_output_without_iteration_is_written_once_per_save(tmp_path, tiny_model, monkeypatch):
+    """--lora-out without ITERATION names one file for the iteration and LATEST tags:
+    written (and reported) once per save, not twice."""
+    from llamatune.commands import finetune as ft
+    written = []
+    real = ft.write_adapter
+    monkeypatch.setattr(ft, "write_adapter", lambda path, *a, **k: (written.append(path), real(path, *a, **k))[1])
+    res = finetune(options(tmp_path, tiny_model, adam_iter=2, save_every=1, lora_out=tmp_path / "adapter.gguf"),
+                   quiet=True)
+    assert written == [tmp_path / "adapter.gguf"] * 2            # steps 1 and 2
+    assert res.files == [tmp_path / "chk-2.gguf", tmp_path / "adapter.gguf", tmp_path / "chk-LATEST.gguf"]
+    written.clear()
+    (tmp_path / "t").mkdir()
+    finetune(options(tmp_path / "t", tiny_model, adam_iter=1), quiet=True)       # adapter-ITERATION.gguf
+    assert written == [tmp_path / "t" / "adapter-1.gguf", tmp_path / "t" / "adapter-LATEST.gguf"]
+
+
 def test_resume_refuses_changed_frozen_options(tmp_path, tiny_model):
     finetune(options(tmp_path, tiny_model, adam_iter=1), quiet=True)
     with pytest.raises(LlamatuneError, match=r"cannot resume with changed options: --lora-r 2 -> 3"):

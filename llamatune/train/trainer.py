@@ -135,8 +135,9 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
     files = [out] + job.write_outputs(str(state.iteration))
-    if o.fn_latest:
-        files += job.write_outputs(o.fn_latest)
+    template = job.output_size and job.output_size[0]
+    if o.fn_latest and (template is None or ckpt.iteration_path(template, o.fn_latest) not in files):
+        files += job.write_outputs(o.fn_latest)   # an output named without ITERATION is written once
     latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
     if latest != out:
         ckpt.copy_atomic(out, latest)
