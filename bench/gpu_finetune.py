@@ -4,11 +4,13 @@
 Every configuration runs in a fresh process (memory figures are its own):
   llamatune   random-weight GGUF base in Q4_K / Q8_0 (written once into --workdir by
               llamatune's own writer), LoRA r=8, alpha 8 on q,k,v,o,gate,up,down, AdamW with
-              gradient clipping, gradient checkpointing on/off; --modes: matmuls in fp32 (CuPy's
-              default cuBLAS sgemm) and/or tf32 (CUPY_TF32=1, tensor cores).
+              gradient clipping, checkpointing modes (--ckpt) layer / selective / none; --modes:
+              matmuls in fp32 (CuPy's default cuBLAS sgemm) and/or tf32 (CUPY_TF32=1, tensor
+              cores).
   torch+peft  transformers.LlamaForCausalLM of the same shape, random bf16 / fp32 weights (tf32:
               fp32 weights, TF32 matmuls), peft LoraConfig(r=8, lora_alpha=8, same targets),
-              AdamW + clip_grad_norm_, checkpointing on/off; skipped if not installed.
+              AdamW + clip_grad_norm_, its gradient checkpointing (each decoder layer's input
+              kept: llamatune's `layer`) or none; skipped if not installed.
 One warm-up step (numba JIT, weight upload), then --steps timed steps, the device synchronized
 before each clock reading. Reported: tokens/s; step time; peak GPU memory (CuPy pool bytes or
 torch.cuda.max_memory_allocated, and the driver's used memory: CUDA context and other processes
@@ -19,7 +21,8 @@ On a GPU machine (CUDA 12 driver):
     pip install -e ".[cuda]"                   # numba-cuda[cu12], cupy-cuda12x
     pip install torch transformers peft        # optional baseline
     python bench/gpu_finetune.py [--steps 5] [--ctx 512] [--batch 4] [--types q4_k,q8_0]
-        [--modes fp32,tf32] [--ckpt on,off] [--torch bf16,fp32] [--layers N] [--out results.json]
+        [--modes fp32,tf32] [--ckpt layer,selective,none] [--torch bf16,fp32] [--layers N] [--out results.json]
+        [--profile]
 Expected runtime (H100/H200, 16 cores): writing the 7B GGUFs takes ~5-10 min once (3.9 + 7.2 GB
 in --workdir); then ~1 min per configuration (load, JIT, 1 + 5 steps): ~15 min for the default
 8 llamatune + 4 torch runs. `--layers 4` is a quick check of a few minutes.
@@ -175,6 +178,21 @@ def run_llamatune(spec: dict) -> dict:
         optimizer_step(params, i, opts)
         return loss
     res = timed(step, sync, mem, spec["steps"])
+    if spec.get("profile"):                      # three more steps split into phases
+        from phases import Phases, device_clock, instrument, table
+        clock = device_clock(sync)
+        phases = Phases(clock)
+        instrument(graph, phases)
+        update = phases.timed("optimizer", optimizer_step)
+        runs = []
+        for i in range(spec["steps"] + 1, spec["steps"] + 4):
+            phases.clear()
+            t = clock()
+            params.zero_grad()
+            graph.step(inputs, labels, w, (0, i, 0))
+            update(params, i, opts)
+            runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
+        res["profile"] = table(runs)
     rng, (N, C, F) = np.random.default_rng(2), (B * T, cfg.n_embd, cfg.n_ff)
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
     out = xp.empty((N, F), np.float32)
@@ -200,7 +218,7 @@ def run_torch(spec: dict) -> dict:
     with torch.device("cuda"):                  # random init on the GPU, straight in `dtype`
         model = transformers.LlamaForCausalLM(hf)
     torch.set_default_dtype(torch.float32)
-    if spec["ckpt"]:
+    if spec["ckpt"] != "none":            # HF checkpointing keeps each layer's input: `layer`
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = peft.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=R, lora_dropout=0.0,
                                                        target_modules=HF_TARGETS, task_type="CAUSAL_LM"))
@@ -249,7 +267,7 @@ COLS = [("tok/s", "tokens_per_s", "8.1f"), ("step s", "step_s", "7.3f"), ("1st s
 
 
 def row_text(r: dict) -> str:
-    head = f"{r['impl']:10} {r['weights']:6} {r['mode']:6} {'on' if r['ckpt'] else 'off':4}"
+    head = f"{r['impl']:10} {r['weights']:6} {r['mode']:6} {r['ckpt']:9}"
     if "error" in r or "skipped" in r:
         return f"{head} " + (f"error: {r['error'][:200]}" if "error" in r else f"skipped: {r['skipped']}")
     return " ".join([head] + ["-".rjust(int(f.split(".")[0])) if r.get(k) is None else format(r[k], f)
@@ -265,10 +283,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
     ap.add_argument("--types", help="llamatune base quant types (7b: q4_k,q8_0; tiny: q8_0)")
     ap.add_argument("--modes", help="llamatune matmul precision: fp32 and/or tf32 (7b: fp32,tf32; tiny: fp32)")
-    ap.add_argument("--ckpt", default="on,off", help="gradient checkpointing settings to run")
+    ap.add_argument("--ckpt", default="layer,none",
+                    help="checkpointing modes: layer, selective, none (on = selective, off = none); "
+                         "torch+peft runs layer (its gradient checkpointing) and none")
     ap.add_argument("--torch", default="bf16,fp32", help="torch+peft dtypes: bf16, fp32, tf32 ('' skips)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-gpu-bench"))
     ap.add_argument("--out", type=Path, help="JSON results (default: WORKDIR/results-SHAPE.json)")
+    ap.add_argument("--profile", action="store_true",
+                    help="llamatune rows: where a step's time goes, by phase (device synchronized around each)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     modes = (a.modes or DEFAULTS[a.shape]["modes"]).split(",")
@@ -286,7 +308,9 @@ def main() -> None:
     shape = dict(SHAPES[a.shape], **({"n_layer": a.layers} if a.layers else {}))
     B, T = a.batch or d["batch"], a.ctx or d["ctx"]
     a.out = a.out or a.workdir / f"results-{a.shape}.json"
-    ckpts = [c == "on" for c in a.ckpt.split(",") if c]
+    ckpts = [{"on": "selective", "off": "none"}.get(c, c) for c in a.ckpt.split(",") if c]
+    if any(c not in ("layer", "selective", "none") for c in ckpts):
+        ap.error("--ckpt takes layer, selective, none (on, off)")
     flops = step_flops(shape, B, T)
     gpu = "numba CUDA simulator" if os.environ.get("NUMBA_ENABLE_CUDASIM", "0") not in ("", "0") else None
     if gpu is None and shutil.which("nvidia-smi"):
@@ -297,7 +321,7 @@ def main() -> None:
     print(f"GPU: {gpu}; model {a.shape} ({shape['n_layer']} layers); LoRA r={R} on {','.join(TARGETS)}; "
           f"ctx {T}, batch {B}; {flops / 1e9:.4g} GFLOP per step (matmuls)", flush=True)
     widths = [n.rjust(int(f.split(".")[0])) for n, _, f in COLS]
-    print(" ".join([f"{'impl':10} {'weights':6} {'mode':6} ckpt", *widths]), flush=True)
+    print(" ".join([f"{'impl':10} {'weights':6} {'mode':6} {'ckpt':9}", *widths]), flush=True)
 
     def record(r: dict, spec: dict, **labels) -> None:
         r = labels | {"ckpt": spec["ckpt"]} | r
@@ -315,15 +339,18 @@ def main() -> None:
         build(path, shape, qtype)
         for mode in modes:
             for ck in ckpts:
-                spec = dict(common, kind="llamatune", model=str(path), ckpt=ck)
-                record(run_child(spec, MODE_ENV[mode]), spec, impl="llamatune", weights=qtype, mode=mode)
+                spec = dict(common, kind="llamatune", model=str(path), ckpt=ck, profile=a.profile)
+                r = run_child(spec, MODE_ENV[mode])
+                record(r, spec, impl="llamatune", weights=qtype, mode=mode)
+                if "profile" in r:
+                    print(r["profile"], flush=True)
     missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
     dtypes = [t for t in a.torch.split(",") if t]
     if dtypes and missing:
         print(f"torch+peft baseline skipped: {', '.join(missing)} not installed", flush=True)
     elif dtypes:
         for dt in dtypes:
-            for ck in ckpts:
+            for ck in [c for c in ckpts if c != "selective"]:
                 spec = dict(common, kind="torch", shape=shape, dtype=dt, ckpt=ck)
                 record(run_child(spec, {}), spec, impl="torch+peft", weights=dt, mode=dt)
     print(f"results: {a.out}", flush=True)

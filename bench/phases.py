@@ -6,14 +6,14 @@ graph an `xp` whose `matmul` is timed, an `ops` whose kernel functions are timed
 and timed bound methods for the dequantization (`base.matrix_rows`) and the LoRA
 backward. Times are exclusive (a phase's own time, its timed callees subtracted),
 so they add up to the step; a matmul inside the output head is counted apart.
+On a GPU, give `Phases` a clock that synchronizes the device before reading the time
+(`device_clock`): each phase is then its kernels' time plus their launches.
 """
 from __future__ import annotations
 
 import time
 from collections import defaultdict
 from types import SimpleNamespace
-
-import numpy as np
 
 
 class Phases:
@@ -65,6 +65,14 @@ def table(runs: list[tuple[float, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+def device_clock(synchronize):
+    """perf_counter read after `synchronize()` (the device's queued work done)."""
+    def clock() -> float:
+        synchronize()
+        return time.perf_counter()
+    return clock
+
+
 class _Timed:
     """A module (numpy or a kernel module) whose chosen functions are timed."""
 
@@ -84,7 +92,7 @@ def instrument(graph, phases: Phases) -> None:
     """Time the phases of `graph`'s steps into `phases` (this instance only)."""
     def matmul_label():
         return "matmul head" if phases.inside("head") else "matmul layers"
-    graph.xp = _Timed(np, lambda n, f: phases.timed(matmul_label, f) if n == "matmul" else f)
+    graph.xp = _Timed(graph.xp, lambda n, f: phases.timed(matmul_label, f) if n == "matmul" else f)
     graph.ops = SimpleNamespace(**{
         op: _Timed(mod, lambda n, f, op=op: phases.timed(f"{op}.{n}", f))
         for op, mod in vars(graph.ops).items()})

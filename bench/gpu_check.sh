@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# The CUDA path on a real GPU, in one run: versions, the CUDA tests, the CLI against the
+# CPU on llama.cpp's reference models, and the GPU bench. Each stage has its own time
+# limit and a failed stage does not stop the next; logs go to $OUT (default ./gpu-check).
+#
+#   bash bench/gpu_check.sh [SHARED_DIR]
+#
+# SHARED_DIR holds models/tiny-Q4_K_M.gguf, models/tiny-Q2_K.gguf and
+# data/shakespeare-eval.txt (default ../shared); the CLI stage is skipped without them.
+# Wheels in .whl/ (a machine without a registry: gguf, and llamatune built with
+# `pip wheel --no-deps . -w .whl`) are installed to /tmp/site first; otherwise the
+# llamatune installed in the environment is used.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-check}
+mkdir -p "$OUT"
+SHARED=$(cd "${1:-../shared}" 2>/dev/null && pwd) || SHARED=${1:-../shared}   # absolute: stages cd elsewhere
+REPO=$PWD
+PY=python3
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+  export PATH=/tmp/site/bin:$PATH
+fi
+
+stage() { echo; echo "=== $1 ($(date +%T))"; }
+
+stage versions
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+cd /tmp     # not the repository root, whose llamatune/ would shadow the installed package
+$PY - <<'EOF'
+import importlib, sys
+print("python", sys.version.split()[0])
+for m in ("numpy", "numba", "numba_cuda", "cupy", "gguf", "llamatune", "torch", "peft"):
+    try:
+        mod = importlib.import_module(m)
+        print(m, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
+    except Exception as e:
+        print(m, "MISSING", type(e).__name__, e)
+import llamatune.kernels.cuda as kc
+print("cuda available:", kc.is_available(), "simulator:", kc.simulator_enabled())
+EOF
+cd "$REPO"
+
+stage "CUDA tests (pytest -m cuda --slow)"
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")    # pytest-xdist where installed
+(cd tests && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
+   --durations=10 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40)
+
+if [ -f "$SHARED/models/tiny-Q4_K_M.gguf" ]; then
+  stage "perplexity: llama.cpp reference models, cuda against cpu"
+  for m in Q4_K_M Q2_K; do
+    for d in cuda cpu; do
+      echo "--- tiny-$m --device $d"
+      timeout 120 llamatune perplexity -m "$SHARED/models/tiny-$m.gguf" -f "$SHARED/data/shakespeare-eval.txt" \
+        --ctx 256 --device $d 2>&1 | tail -2
+    done
+  done
+  stage "finetune 12 steps of tiny-Q4_K_M, cuda against cpu"
+  for d in cuda cpu; do
+    rm -rf "/tmp/ft-$d"; mkdir -p "/tmp/ft-$d"
+    (cd "/tmp/ft-$d" && timeout 150 llamatune finetune --model-base "$SHARED/models/tiny-Q4_K_M.gguf" \
+      --train-data "$SHARED/data/shakespeare-eval.txt" --lora-r 8 --ctx 64 --batch 4 --adam-iter 12 --seed 1 \
+      --device $d --lora-out "lora-$d.gguf" --save-every 0 > log.txt 2>&1; echo "exit $?"; tail -4 log.txt)
+  done
+  $PY - <<'EOF'
+import numpy as np
+from gguf import GGUFReader
+a, b = (GGUFReader(f"/tmp/ft-{d}/lora-{d}.gguf") for d in ("cuda", "cpu"))
+tb = {t.name: np.array(t.data, np.float32) for t in b.tensors}
+worst = max((float(np.abs(np.array(t.data, np.float32) - tb[t.name]).max() / (np.abs(tb[t.name]).max() + 1e-30)), t.name)
+            for t in a.tensors)
+print(f"adapter cuda vs cpu after 12 steps: {len(tb)} tensors, worst max|diff|/max|cpu| = {worst[0]:.2e} ({worst[1]})")
+EOF
+fi
+
+stage "bench/gpu_finetune.py (7B-shaped layers)"
+timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
+  --workdir /tmp/gpu-bench --out "$OUT/gpu-bench.json" 2>&1 | grep -v "done, "
+stage done
