@@ -14,10 +14,13 @@ and may run in place on the logits buffer (dlogits is logits).
 `cross_entropy_forward_backward` does both in one pass over each row (one max,
 one exp per logit), which training uses; `cross_entropy_backward` is the same
 kernel with its losses dropped. Its exps are vecmath's vectorized float32
-polynomial (within 3 ulp of expf) and its row sum is reassociated (float32 sums of
-1024 exps, added in double, and the gradient scaled in float: both loops run 8-wide
-where double arithmetic ran them 4-wide, 16.3 -> 9.2 ms for 512 x 32000 logits on
-two Zen 3 cores, 27.1 -> 14.2 on one), so its losses
+polynomial (within 3 ulp of expf) and its row sum is regrouped: float32 sums of
+1024 exps, each in 16 fixed lanes, added in double, and the gradient scaled in float
+(the loops run 8-wide where double arithmetic ran them 4-wide, 16.3 -> 9.2 ms for
+512 x 32000 logits on two Zen 3 cores, 27.1 -> 14.2 on one). The lanes, not LLVM's
+reassociation, make the sum vectorize, so its order is fixed by the code (left to
+LLVM, it differed between a kernel numba had just compiled and the same kernel
+loaded from its disk cache). Its losses
 agree with the forward's to float rounding, not bit for bit; the forward alone,
 which perplexity uses, keeps libm's expf and llama-perplexity's order. (Validation
 losses come from the fused kernel, so they equal training's bit for bit.)
@@ -49,26 +52,23 @@ def _ce_forward_kernel(losses, logits, targets):
 
 
 _CHUNK = np.uint64(1024)  # exps summed in the row's type before their sum joins the double
+_LANES = np.uint64(16)    # the chunk sum's fixed lanes
+_ROW_FLAGS = FASTMATH - {"reassoc"}  # no sum left to LLVM to regroup (_exp_lane_sum)
 
 
 @njit(inline="always")
-def _ce_row(dst, src, tgt, wn):
+def _ce_row(dst, src, tgt, wn, lanes):
     # dst[:] = wn * (softmax(src) - onehot(tgt)) (0 when wn == 0), row src (V,) read
     # before each slot of dst (which may be src) is written; returns the row's loss.
     # The row max in eight chains and the float32 exp by vecmath's polynomial, both
-    # vectorized; the sum of the exps in double, as the forward, over float32 sums of
-    # _CHUNK exps (a double accumulator in the loop would halve its vector width).
+    # vectorized; the sum of the exps in double, as the forward, over sums in the
+    # row's type of _CHUNK exps, each in _LANES lanes (lanes: scratch of _LANES).
     V = np.uint64(src.shape[0])
     lt = src[tgt]
     mx = row_max(src, np.uint64(0), V)
     tot = 0.0
     for c in range(np.uint64(0), V, _CHUNK):
-        part = mx - mx  # zero of the row's type
-        for j in range(c, min(c + _CHUNK, V)):
-            e = expf(src[j] - mx)
-            dst[j] = e
-            part += e
-        tot += part
+        tot += _exp_lane_sum(dst, src, mx, c, min(c + _CHUNK, V), lanes)
     if wn == 0:
         for j in range(V):
             dst[j] = 0.0
@@ -80,7 +80,34 @@ def _ce_row(dst, src, tgt, wn):
     return -((lt - mx) - np.log(tot))
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(inline="always")
+def _exp_lane_sum(dst, src, mx, lo, hi, lanes):
+    # dst[j] = expf(src[j] - mx) for j in [lo, hi), and their sum in a fixed order:
+    # lane l adds those of j = lo + l, lo + l + 16, ... (elementwise across lanes, which
+    # LLVM vectorizes without reassociating), then the lanes in order, then the tail.
+    # A sum left to LLVM to regroup ('reassoc') came out grouped one way in a kernel
+    # numba had just compiled and another in the same kernel loaded from its disk
+    # cache: a run that compiled its kernels and a resumed run that loaded them
+    # differed in the last bits.
+    lanes[:] = 0.0
+    j = lo
+    while j + _LANES <= hi:
+        for lane in range(_LANES):
+            e = expf(src[j + lane] - mx)
+            dst[j + lane] = e
+            lanes[lane] += e
+        j += _LANES
+    s = lanes[0]
+    for lane in range(np.uint64(1), _LANES):
+        s += lanes[lane]
+    for t in range(j, hi):
+        e = expf(src[t] - mx)
+        dst[t] = e
+        s += e
+    return s
+
+
+@njit(cache=True, parallel=True, fastmath=_ROW_FLAGS)
 def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
     # losses (N,), dlogits (N, V) = (not logits: see _inplace), logits (N, V), targets (N,) int64, weights (N,)
     N, V = logits.shape
@@ -89,10 +116,11 @@ def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
             losses[n] = 0.0
             dlogits[n, :] = 0.0
         else:
-            losses[n] = _ce_row(dlogits[n], logits[n], targets[n], weights[n])
+            lanes = np.empty(_LANES, logits.dtype)
+            losses[n] = _ce_row(dlogits[n], logits[n], targets[n], weights[n], lanes)
 
 
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
+@njit(cache=True, parallel=True, fastmath=_ROW_FLAGS)
 def _ce_forward_backward_inplace_kernel(losses, logits, targets, weights):
     # the same with dlogits = logits: one array, so LLVM sees each slot read then
     # written (two arrays that may alias would send it to its scalar fallback)
@@ -103,7 +131,8 @@ def _ce_forward_backward_inplace_kernel(losses, logits, targets, weights):
             logits[n, :] = 0.0
         else:
             row = logits[n]
-            losses[n] = _ce_row(row, row, targets[n], weights[n])
+            lanes = np.empty(_LANES, logits.dtype)
+            losses[n] = _ce_row(row, row, targets[n], weights[n], lanes)
 
 
 def _check(name, a, shape, dtype):

@@ -60,6 +60,27 @@ def test_resume_continues_the_same_trajectory(tmp_path, tiny_model):
         np.testing.assert_array_equal(arr, tensors(two / "adapter-LATEST.gguf")[name])
 
 
+def test_compiled_and_cached_kernels_train_the_same_bits(tmp_path, tiny_model):
+    """A run whose kernels numba compiles and a run that loads them from its disk cache
+    (a resumed run, after the first) train the same adapter bit for bit: the fused
+    cross-entropy's sum once came out grouped differently in the two."""
+    (tmp_path / "train.txt").write_text(TEXT)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}
+    adapters = []
+    for run in ("compiled", "cached"):
+        out = tmp_path / f"{run}.gguf"
+        p = subprocess.run([sys.executable, "-m", "llamatune.cli.main", "finetune", "--model-base", str(tiny_model),
+                            "--train-data", str(tmp_path / "train.txt"), "-c", "16", "-b", "2", "--adam-iter", "2",
+                            "--lora-r", "2", "--save-every", "0", "--lora-out", str(out),
+                            "--checkpoint-out", str(tmp_path / f"chk-{run}-ITERATION.gguf")],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        adapters.append(tensors(out))
+    assert adapters[0].keys() == adapters[1].keys()
+    for name, arr in adapters[0].items():
+        np.testing.assert_array_equal(arr, adapters[1][name], err_msg=name)
+
+
 def test_loss_falls_and_step_zero_adapter_is_identity(tmp_path, tiny_model):
     res = finetune(options(tmp_path, tiny_model, adam_iter=12, lora_dropout=0.0, adam_alpha=3e-2), quiet=True)
     assert np.mean(res.losses[-3:]) < res.losses[0] - 0.1
