@@ -9,7 +9,8 @@
 # data/shakespeare-eval.txt (default ../shared); the CLI stage is skipped without them.
 # Wheels in .whl/ (a machine without a registry: gguf, and llamatune built with
 # `pip wheel --no-deps . -w .whl`) are installed to /tmp/site first; otherwise the
-# llamatune installed in the environment is used.
+# llamatune installed in the environment is used. Variables: OUT, PYTEST_S and BENCH_S (stage
+# time limits), WORKERS (pytest-xdist), BENCH_ARGS, NO_BENCH=1 (skip the bench).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-check}
@@ -56,25 +57,27 @@ if [ -f "$SHARED/models/tiny-Q4_K_M.gguf" ]; then
         --ctx 256 --device $d 2>&1 | tail -2
     done
   done
-  stage "finetune 12 steps of tiny-Q4_K_M, cuda against cpu"
-  for d in cuda cpu; do
+  stage "finetune 12 steps of tiny-Q4_K_M: cuda, cuda --tf32, cpu"
+  for d in cuda cuda-tf32 cpu; do
     rm -rf "/tmp/ft-$d"; mkdir -p "/tmp/ft-$d"
     (cd "/tmp/ft-$d" && timeout 150 llamatune finetune --model-base "$SHARED/models/tiny-Q4_K_M.gguf" \
       --train-data "$SHARED/data/shakespeare-eval.txt" --lora-r 8 --ctx 64 --batch 4 --adam-iter 12 --seed 1 \
-      --device $d --lora-out "lora-$d.gguf" --save-every 0 > log.txt 2>&1; echo "exit $?"; tail -4 log.txt)
+      --device "${d%-tf32}" $([ "$d" = cuda-tf32 ] && echo --tf32) --lora-out "lora-$d.gguf" --save-every 0 \
+      > log.txt 2>&1; echo "$d: exit $?"; tail -4 log.txt)
   done
-  $PY - <<'EOF'
+  (cd /tmp && $PY - <<'EOF'
 import numpy as np
 from gguf import GGUFReader
-a, b = (GGUFReader(f"/tmp/ft-{d}/lora-{d}.gguf") for d in ("cuda", "cpu"))
-tb = {t.name: np.array(t.data, np.float32) for t in b.tensors}
-worst = max((float(np.abs(np.array(t.data, np.float32) - tb[t.name]).max() / (np.abs(tb[t.name]).max() + 1e-30)), t.name)
-            for t in a.tensors)
-print(f"adapter cuda vs cpu after 12 steps: {len(tb)} tensors, worst max|diff|/max|cpu| = {worst[0]:.2e} ({worst[1]})")
+cpu = {t.name: np.array(t.data, np.float32) for t in GGUFReader("/tmp/ft-cpu/lora-cpu.gguf").tensors}
+for d in ("cuda", "cuda-tf32"):
+    got = {t.name: np.array(t.data, np.float32) for t in GGUFReader(f"/tmp/ft-{d}/lora-{d}.gguf").tensors}
+    worst = max((float(np.abs(got[n] - w).max() / (np.abs(w).max() + 1e-30)), n) for n, w in cpu.items())
+    print(f"adapter {d} vs cpu after 12 steps: {len(cpu)} tensors, worst max|diff|/max|cpu| = {worst[0]:.2e} ({worst[1]})")
 EOF
+  )
 fi
 
 stage "bench/gpu_finetune.py (7B-shaped layers)"
-timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
+[ -n "${NO_BENCH:-}" ] || timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
   --workdir /tmp/gpu-bench --out "$OUT/gpu-bench.json" 2>&1 | grep -v "done, "
 stage done

@@ -72,6 +72,17 @@ def _cpu() -> Backend:
     return Backend("cpu", np, ops)
 
 
+def set_tf32(xp, on: bool) -> None:
+    """cuBLAS float32 matmuls of CuPy (`xp`) in TF32 on tensor cores, or exact float32
+    (CuPy's COMPUTE_TYPE_DEFAULT), from now on in this process. What the CUPY_TF32=1
+    variable does, except that CuPy reads that only at its first matmul. Nothing on
+    numpy (the CPU and the simulator)."""
+    if xp is np:
+        return
+    from cupy._core import _routines_linalg as linalg
+    linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_TF32 if on else linalg.COMPUTE_TYPE_DEFAULT)
+
+
 def _cuda() -> Backend:
     from .kernels import cuda as kc
     simulated = kc.simulator_enabled()
@@ -116,21 +127,25 @@ def cuda_visible() -> bool:
     return not kc.simulator_enabled() and kc.is_available()
 
 
-def get_backend(device: str = "cpu") -> Backend:
-    """cpu, cuda, or auto (cuda when a real GPU is visible and CuPy is installed)."""
+def get_backend(device: str = "cpu", tf32: bool = False) -> Backend:
+    """cpu, cuda, or auto (cuda when a real GPU is visible and CuPy is installed).
+    tf32: the GPU's float32 matmuls on tensor cores (set_tf32; nothing on the CPU)."""
     if device == "cpu":
         return cpu()
     if device == "cuda":
-        return _cuda()
-    if device == "auto":
+        backend = _cuda()
+    elif device == "auto":
+        backend = cpu()
         try:
             import cupy  # noqa: F401
             if cuda_visible():
-                return _cuda()
+                backend = _cuda()
         except Exception:
             pass
-        return cpu()
-    raise LlamatuneError(f"--device {device!r}: choose cpu, cuda or auto")
+    else:
+        raise LlamatuneError(f"--device {device!r}: choose cpu, cuda or auto")
+    set_tf32(backend.xp, tf32)
+    return backend
 
 
 @functools.cache

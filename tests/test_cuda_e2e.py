@@ -29,6 +29,48 @@ def micro_model(tmp_path_factory, tiny_vocab):
                             head_dim=4, n_rot=4, n_layer=1)
 
 
+def test_set_tf32_sets_cupys_float32_compute_type(monkeypatch):
+    """set_tf32 switches CuPy's float32 matmuls between TF32 and its default, and does
+    nothing for numpy (a fake CuPy here; the GPU test below runs the real one)."""
+    import sys
+    from types import ModuleType, SimpleNamespace
+    from llamatune.backend import set_tf32
+    calls = []
+    linalg = SimpleNamespace(COMPUTE_TYPE_DEFAULT=1, COMPUTE_TYPE_TF32=7,
+                             set_compute_type=lambda dtype, kind: calls.append((np.dtype(dtype), kind)))
+    core = ModuleType("cupy._core")
+    core._routines_linalg = linalg
+    for name, mod in (("cupy", ModuleType("cupy")), ("cupy._core", core), ("cupy._core._routines_linalg", linalg)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    set_tf32(object(), True)
+    set_tf32(object(), False)
+    set_tf32(np, True)
+    assert calls == [(np.dtype(np.float32), 7), (np.dtype(np.float32), 1)]
+
+
+def test_tf32_matmuls_round_on_a_gpu(cuda):
+    """On a GPU, --tf32 products differ from float32 ones by TF32's rounding (about 1e-4
+    relative on random data), and switching back restores float32 exactly."""
+    if cuda.on_host:
+        pytest.skip("the simulator multiplies with numpy: TF32 is a GPU setting")
+    from llamatune.backend import set_tf32
+    rng = np.random.default_rng(5)
+    a, b = rng.standard_normal((2, 512, 512), np.float32)
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    da, db = cuda.to_device(a), cuda.to_device(b)
+
+    def err(on):
+        set_tf32(cuda.xp, on)
+        got = cuda.to_host(cuda.xp.matmul(da, db)).astype(np.float64)
+        return np.linalg.norm(got - want) / np.linalg.norm(want)
+    try:
+        fp32, tf32, back = err(False), err(True), err(False)
+    finally:
+        set_tf32(cuda.xp, False)
+    assert fp32 < 1e-6 and back == fp32
+    assert 3e-5 < tf32 < 3e-3
+
+
 def test_runner_logits_match_cpu(cuda, micro_model):
     from llamatune.models.infer import Runner
     from llamatune.models.model import Model

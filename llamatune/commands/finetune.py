@@ -96,7 +96,7 @@ def build_job(o: FinetuneOptions) -> Job:
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
-    backend = get_backend(o.device)
+    backend = get_backend(o.device, o.tf32)
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,

@@ -119,7 +119,7 @@ def build_job(o: ScratchOptions) -> Job:
     block, block_bytes = GGML_QUANT_SIZES[outtype]
     model_bytes = params.size * block_bytes // block + 2**20 + sum(len(repr(item.value)) for item in vocab)
     return Job(ckpt.KIND_FULL, o, cfg, DenseWeights(params, tied), params, [], samples, tok, init, write_outputs,
-               model_kvs, backend=get_backend(o.device), output_size=(o.model_out, model_bytes),
+               model_kvs, backend=get_backend(o.device, o.tf32), output_size=(o.model_out, model_bytes),
                val_samples=val_samples)
 
 
