@@ -140,20 +140,9 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
             graph.step(inputs, targets_ids, w, (0, steps + 1, 0))
             optimizer_step(params, steps + 1, opts)
         pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(14)
-        from phases import Phases, instrument, table   # and three more split into phases
+        from phases import profile_steps                # and three more split into phases
         clock = time.process_time if cpu_clock else time.perf_counter
-        phases = Phases(clock)
-        instrument(graph, phases)
-        timed_update = phases.timed("optimizer", optimizer_step)
-        runs = []
-        for i in range(steps + 2, steps + 5):
-            phases.clear()
-            t = clock()
-            params.zero_grad()
-            graph.step(inputs, targets_ids, w, (0, i, 0))
-            timed_update(params, i, opts)
-            runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
-        print(table(runs), file=sys.stderr)
+        print(profile_steps(graph, params, inputs, targets_ids, w, steps + 2, opts, clock), file=sys.stderr)
     gf, gf_cpu = max(gf_before[0], sgemm_gflops()), max(gf_before[1], sgemm_gflops(cpu=True))
     flops = step_flops(cfg, B, T)
     return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,

@@ -179,20 +179,9 @@ def run_llamatune(spec: dict) -> dict:
         return loss
     res = timed(step, sync, mem, spec["steps"])
     if spec.get("profile"):                      # three more steps split into phases
-        from phases import Phases, device_clock, instrument, table
-        clock = device_clock(sync)
-        phases = Phases(clock)
-        instrument(graph, phases)
-        update = phases.timed("optimizer", optimizer_step)
-        runs = []
-        for i in range(spec["steps"] + 1, spec["steps"] + 4):
-            phases.clear()
-            t = clock()
-            params.zero_grad()
-            graph.step(inputs, labels, w, (0, i, 0))
-            update(params, i, opts)
-            runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
-        res["profile"] = table(runs)
+        from phases import device_clock, profile_steps
+        res["profile"] = profile_steps(graph, params, inputs, labels, w, spec["steps"] + 1, opts,
+                                       device_clock(sync))
     rng, (N, C, F) = np.random.default_rng(2), (B * T, cfg.n_embd, cfg.n_ff)
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
     out = xp.empty((N, F), np.float32)

@@ -65,6 +65,25 @@ def table(runs: list[tuple[float, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
+def profile_steps(graph, params, inputs, targets, weights, first: int, opts, clock=time.perf_counter,
+                  n: int = 3) -> str:
+    """`n` training steps of `graph` (iterations first, first + 1, ...; the optimizer
+    update included) split into phases: `table` of them. Instruments `graph`."""
+    from llamatune.train.optimizer import optimizer_step
+    phases = Phases(clock)
+    instrument(graph, phases)
+    update = phases.timed("optimizer", optimizer_step)
+    runs = []
+    for i in range(first, first + n):
+        phases.clear()
+        t = clock()
+        params.zero_grad()
+        graph.step(inputs, targets, weights, (0, i, 0))
+        update(params, i, opts)
+        runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
+    return table(runs)
+
+
 def device_clock(synchronize):
     """perf_counter read after `synchronize()` (the device's queued work done)."""
     def clock() -> float:
