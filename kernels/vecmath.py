@@ -48,7 +48,7 @@ def _float32_polynomial(numpy_fn):
         def fn(x):
             return numpy_fn(x)
 
-        @overload(fn)
+        @overload(fn, inline="always")     # into the caller's numba IR: LLVM sees the loop whole
         def _overload(x):
             return f32 if x == types.float32 else (lambda x: numpy_fn(x))
 
