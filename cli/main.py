@@ -41,7 +41,8 @@ def friendly_errors(fn):
             print("interrupted", file=sys.stderr)
             _end_job(130)
         except MemoryError:
-            print(f"error: {_rank()}out of memory (try a smaller --batch or --ctx)", file=sys.stderr)
+            print(f"error: {_rank()}out of memory (try --checkpointing layer, a smaller --batch or a smaller --ctx)",
+                  file=sys.stderr)
             _end_job(1)
     return wrapper
 

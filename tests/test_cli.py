@@ -113,3 +113,18 @@ def test_bad_input_is_one_line_without_traceback(tiny_model, tmp_path, args, mat
     assert "Traceback" not in p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
     assert len(lines) == 1 and match in lines[0], p.stderr
+
+
+def test_out_of_memory_is_one_line(tiny_model, tmp_path, monkeypatch, capsys):
+    """A MemoryError (numpy's, or CuPy's OutOfMemoryError, a subclass, on a GPU) is one
+    line with what to try, exit 1."""
+    from llamatune.commands import finetune
+
+    def oom(*args, **kwargs):
+        raise MemoryError("cannot allocate")
+    monkeypatch.setattr(finetune, "finetune", oom)
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = run("finetune", "--model-base", tiny_model, "--train-data", tmp_path / "t.txt", "-c", 16)
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert r.output.strip().splitlines()[-1] == ("error: out of memory (try --checkpointing layer, a smaller --batch "
+                                                 "or a smaller --ctx)")
