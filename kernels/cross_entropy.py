@@ -111,13 +111,13 @@ def _exp_lane_sum(dst, src, mx, lo, hi, lanes):
 def _ce_forward_backward_kernel(losses, dlogits, logits, targets, weights):
     # losses (N,), dlogits (N, V) = (not logits: see _inplace), logits (N, V), targets (N,) int64, weights (N,)
     N, V = logits.shape
+    lanes = np.empty((N, _LANES), logits.dtype)      # each row's own, for _exp_lane_sum
     for n in prange(N):
         if targets[n] < 0:
             losses[n] = 0.0
             dlogits[n, :] = 0.0
         else:
-            lanes = np.empty(_LANES, logits.dtype)
-            losses[n] = _ce_row(dlogits[n], logits[n], targets[n], weights[n], lanes)
+            losses[n] = _ce_row(dlogits[n], logits[n], targets[n], weights[n], lanes[n])
 
 
 @njit(cache=True, parallel=True, fastmath=_ROW_FLAGS)
@@ -125,14 +125,14 @@ def _ce_forward_backward_inplace_kernel(losses, logits, targets, weights):
     # the same with dlogits = logits: one array, so LLVM sees each slot read then
     # written (two arrays that may alias would send it to its scalar fallback)
     N, V = logits.shape
+    lanes = np.empty((N, _LANES), logits.dtype)
     for n in prange(N):
         if targets[n] < 0:
             losses[n] = 0.0
             logits[n, :] = 0.0
         else:
             row = logits[n]
-            lanes = np.empty(_LANES, logits.dtype)
-            losses[n] = _ce_row(row, row, targets[n], weights[n], lanes)
+            losses[n] = _ce_row(row, row, targets[n], weights[n], lanes[n])
 
 
 def _check(name, a, shape, dtype):
