@@ -227,7 +227,7 @@ class Batcher:
             self._shuffle()
         return idx, off
 
-    def _exhausted(self) -> bool:
+    def exhausted(self) -> bool:
         """No more samples to take: never for training, which goes on to the next epoch."""
         return False
 
@@ -265,7 +265,7 @@ class Batcher:
         targets tokens[1:] where masked in). The rest is padding (input EOS, no target)."""
         T, pack, s = inputs.shape[1], positions is not None, self.samples
         filled, seg = 0, 0
-        while filled < T and not self._exhausted():
+        while filled < T and not self.exhausted():
             j = int(self.order[self.next_sample])          # peek: a sample that does not fit waits
             n = int(s.sizes[j]) - 1
             if filled and n > T - filled:
@@ -292,7 +292,7 @@ class Batcher:
         targets = np.full((B, T), -1, dtype=np.int64)
         self._crossed = False
         for k in range(B):
-            if self._exhausted():
+            if self.exhausted():
                 break
             row = self._row(T)
             targets[k, :len(row)] = row

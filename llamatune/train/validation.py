@@ -111,7 +111,7 @@ class _InOrder(Batcher):
         self.order = np.arange(len(self.samples))
         self.offsets = np.zeros(len(self.order), dtype=np.int64)
 
-    def _exhausted(self) -> bool:
+    def exhausted(self) -> bool:
         return self.epoch > 0
 
 
@@ -135,7 +135,7 @@ class Validator:
         """(B, T) batches of the pieces in order, until the last one is taken; rows after it
         are all padding."""
         batcher = _InOrder(self.samples, self.opts, *self.vocab)
-        while not batcher._exhausted():
+        while not batcher.exhausted():
             yield batcher.next_batch()
 
     def loss(self, graph) -> float:
