@@ -97,6 +97,7 @@ def _cuda() -> Backend:
         import cupy
     except ImportError:
         raise LlamatuneError("--device cuda needs CuPy for cuBLAS matmuls: pip install 'llamatune[cuda]'") from None
+    kc.launch_without_sync()
     return Backend("cuda", cupy, ops)
 
 

@@ -167,18 +167,16 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("scale", optim._scale_kernel, (A(f32, 1), f32)),
         ("clip", optim._clip_kernel, (A(f32, 1), A(f64, 1), f64)),
     ]
+    i32 = t.int32
     opts = (f32, f32, f32, i64)  # scale, softcap, scale / softcap, window
-    for HS in (64, 128, 256):
-        (br, bc), (br2, bc2) = attention.tiles(HS)
-        seg = A(t.int32, 2)
-        for packed, tag in ((False, ""), (True, " segments")):
+    for packed in (False, True):
+        for capped in (False, True):
+            tag = " segments" * packed + " capped" * capped
             jobs += [
-                (f"attention forward HS={HS}{tag}", attention._forward_kernel(HS, br, bc, packed),
-                 (A(f32, 4), A(f32, 3), A(f32, 4), A(f32, 4, "A"), A(f32, 4, "A"), seg, i64)
-                 + opts),
-                (f"attention dq HS={HS}{tag}", attention._dq_kernel(HS, br, bc, packed),
-                 (A(f32, 4),) * 6 + (A(f32, 3), seg) + opts),
-                (f"attention dkdv HS={HS}{tag}", attention._dkdv_kernel(HS, br2, bc2, packed),
-                 (A(f32, 4),) * 7 + (A(f32, 3), seg) + opts),
+                (f"attention softmax{tag}", attention._softmax_kernel(packed, capped),
+                 (A(f32, 3), A(f32, 3), A(i32, 2), i64, i64, i64) + opts),
+                (f"attention softmax backward{tag}", attention._softmax_backward_kernel(packed, capped),
+                 (A(f32, 3), A(f32, 3), A(f32, 3), A(f32, 3), A(i32, 2), i64, i64) + opts),
             ]
+    jobs.append(("attention starts", attention._starts_kernel, (A(i32, 2), A(i32, 2))))
     return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

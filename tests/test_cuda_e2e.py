@@ -48,6 +48,33 @@ def test_set_tf32_sets_cupys_float32_compute_type(monkeypatch):
     assert calls == [(np.dtype(np.float32), 7), (np.dtype(np.float32), 1)]
 
 
+def test_launch_without_sync_turns_off_numbas_stream_wait(monkeypatch):
+    """The CUDA backend lets numba launch on CuPy arrays without synchronizing their
+    stream first: the variable (read again on a config reload) and the loaded config."""
+    import os
+    from llamatune.kernels import cuda as kc
+    try:
+        from numba.cuda.core import config
+    except ImportError:
+        from numba.core import config
+    monkeypatch.setattr(config, "CUDA_ARRAY_INTERFACE_SYNC", True)
+    monkeypatch.setenv("NUMBA_CUDA_ARRAY_INTERFACE_SYNC", "1")
+    kc.launch_without_sync()
+    assert config.CUDA_ARRAY_INTERFACE_SYNC is False
+    assert os.environ["NUMBA_CUDA_ARRAY_INTERFACE_SYNC"] == "0"
+
+
+def test_cuda_backend_launches_without_sync(cuda):
+    """On a GPU, get_backend("cuda") has switched numba's wait off."""
+    if cuda.on_host:
+        pytest.skip("the simulator has no streams")
+    try:
+        from numba.cuda.core import config
+    except ImportError:
+        from numba.core import config
+    assert config.CUDA_ARRAY_INTERFACE_SYNC is False
+
+
 def test_tf32_matmuls_round_on_a_gpu(cuda):
     """On a GPU, --tf32 products differ from float32 ones by TF32's rounding (about 1e-4
     relative on random data), and switching back restores float32 exactly."""

@@ -372,14 +372,14 @@ def qkv(rng, B, T, NH, NKV, HS, n_past=0):
     return q, k_cache, v_cache, S
 
 
-# tiles: None = the defaults (one tile covers T); 2x2 and 2x3: several query and
-# key tiles, diagonal tiles, partial tiles and (n_past > 0) fully visible tiles
-ATT_TILES = [(None, None), (2, 2), (2, 3)]
+# query blocks: None = the default (one block covers T); 2 and 3 rows: several
+# blocks, a partial last block, blocks whose keys start past 0 (windows)
+ATT_BLOCKS = [None, 2, 3]
 
 
-@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
+@pytest.mark.parametrize("block_q", ATT_BLOCKS, ids=["default", "2", "3"])
 @pytest.mark.parametrize("n_past", [0, 3])
-def test_attention_forward(n_past, tiles):
+def test_attention_forward(n_past, block_q):
     rng = np.random.default_rng(5)
     B, T, NH, NKV, HS = 1, 5, 2, 1, 4
     q, kc_, vc_, S = qkv(rng, B, T, NH, NKV, HS, n_past)
@@ -388,15 +388,15 @@ def test_attention_forward(n_past, tiles):
     attention.attention_forward_ref(out_ref, lse_ref, q, k, v, n_past)
     out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
     kd, vd = dev(kc_)[:, :S], dev(vc_)[:, :S]  # non-contiguous slices of a cache
-    kc.attention.attention_forward(out, lse, dev(q), kd, vd, n_past, block_q=tiles[0],
-                                   block_k=tiles[1], threads=32)
+    kc.attention.attention_forward(out, lse, dev(q), kd, vd, n_past, block_q=block_q,
+                                   threads=32)
     np.testing.assert_allclose(host(out), out_ref, **TOL_ATT)
     np.testing.assert_allclose(host(lse), lse_ref, **TOL_ATT)
 
 
-@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
+@pytest.mark.parametrize("block_q", ATT_BLOCKS, ids=["default", "2", "3"])
 @pytest.mark.parametrize("B,T,NH,NKV,HS", [(1, 5, 2, 1, 4), (1, 4, 4, 2, 3)])  # MQA, GQA
-def test_attention_backward(B, T, NH, NKV, HS, tiles):
+def test_attention_backward(B, T, NH, NKV, HS, block_q):
     rng = np.random.default_rng(6)
     q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
     k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
@@ -407,7 +407,7 @@ def test_attention_backward(B, T, NH, NKV, HS, tiles):
     attention.attention_backward_ref(dq_ref, dk_ref, dv_ref, dout, q, k, v, out, lse)
     dq, dk, dv = nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)
     kc.attention.attention_backward(dq, dk, dv, dev(dout), dev(q), dev(k), dev(v), dev(out),
-                                    dev(lse), block_q=tiles[0], block_k=tiles[1], threads=32)
+                                    dev(lse), block_q=block_q, threads=32)
     np.testing.assert_allclose(host(dq), dq_ref, **TOL_ATT)
     np.testing.assert_allclose(host(dk), dk_ref, **TOL_ATT)
     np.testing.assert_allclose(host(dv), dv_ref, **TOL_ATT)
@@ -417,10 +417,10 @@ def test_attention_backward(B, T, NH, NKV, HS, tiles):
 SEGMENTS = np.array([[4, 4, 4, 4, 0, 7, 7, -1], [2, 2, 2, 9, 9, 9, 9, 1]], np.int32)
 
 
-@pytest.mark.parametrize("tiles", ATT_TILES, ids=["default", "2x2", "2x3"])
-def test_attention_segments(tiles):
+@pytest.mark.parametrize("block_q", ATT_BLOCKS, ids=["default", "2", "3"])
+def test_attention_segments(block_q):
     """Forward and backward with segments against the reference, whole tensors; the
-    small tiles put sample starts inside tiles, at tile edges and in skipped tiles."""
+    small blocks put sample starts inside blocks and at block edges."""
     rng = np.random.default_rng(7)
     B, T, NH, NKV, HS = 2, 8, 4, 2, 3
     q, kc_, vc_, _ = qkv(rng, B, T, NH, NKV, HS)
@@ -430,7 +430,7 @@ def test_attention_segments(tiles):
     attention.attention_forward_ref(out_ref, lse_ref, q, k, v, 0, segments=SEGMENTS)
     grads_ref = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)]
     attention.attention_backward_ref(*grads_ref, dout, q, k, v, out_ref, lse_ref, segments=SEGMENTS)
-    kw = dict(block_q=tiles[0], block_k=tiles[1], threads=32)
+    kw = dict(block_q=block_q, threads=32)
     out, lse, seg = nan_dev(q.shape), nan_dev((B, NH, T)), dev(SEGMENTS)
     kc.attention.attention_forward(out, lse, dev(q), dev(k), dev(v), 0, seg, **kw)
     np.testing.assert_allclose(host(out), out_ref, **TOL_ATT)
@@ -442,12 +442,16 @@ def test_attention_segments(tiles):
         np.testing.assert_allclose(host(got), want, **TOL_ATT)
 
 
-def test_attention_tiles_fit_shared_memory():
-    for HS in (64, 80, 128, 256):
-        (br, bc), (br2, bc2) = kc.attention.tiles(HS)
-        assert kc.attention._smem_rows(HS, br, bc) <= 48 * 1024
-        assert kc.attention._smem_keys(HS, br2, bc2) <= 48 * 1024
-    assert kc.attention.tiles(128) == ((16, 16), (8, 16))
+def test_attention_query_block():
+    """A quarter of T (at least MIN_BLOCK rows, at most T), within the score budget."""
+    qb = kc.attention.query_block
+    assert qb(4, 32, 512, 512) == 128
+    assert qb(1, 8, 100, 100) == 64
+    assert qb(1, 8, 40, 40) == 40
+    assert qb(1, 32, 4096, 4096) == 256                   # 2^25 / (32 * 4096)
+    assert qb(64, 64, 65536, 65536) == 1                  # never 0
+    for B, NH, T in [(4, 32, 512), (1, 32, 8192), (8, 8, 256)]:
+        assert B * NH * qb(B, NH, T, T) * T <= kc.attention.SCORE_FLOATS
 
 
 def test_attention_argument_checks():
@@ -512,7 +516,7 @@ def test_per_head_rmsnorm_on_the_head_view():
     np.testing.assert_allclose(host(dw), np.sum(dout * x64 * r, axis=(0, 1)), **TOL32)
 
 
-# scale / softcap / window alone and together; windows of 1, across tiles, >= S
+# scale / softcap / window alone and together; windows of 1, across blocks, >= S
 ATT_OPTIONS = [dict(window=1), dict(window=3, softcap=2.0), dict(scale=0.4, softcap=1.5),
                dict(scale=0.6, softcap=2.5, window=2)]
 ATT_OPT_IDS = ["w1", "w3-cap", "scale-cap", "all"]
@@ -529,14 +533,14 @@ def _att_ref(q, k, v, n_past, dout=None, segments=None, **opts):
     return res
 
 
-@pytest.mark.parametrize("tiles", [(None, None), (2, 3)], ids=["default", "2x3"])
+@pytest.mark.parametrize("block_q", [None, 3], ids=["default", "3"])
 @pytest.mark.parametrize("opts", ATT_OPTIONS, ids=ATT_OPT_IDS)
-def test_attention_options(opts, tiles):
+def test_attention_options(opts, block_q):
     """Forward after a cache (n_past = 3) and forward + backward (n_past = 0) with the
     gemma options, whole tensors against the reference."""
     rng = np.random.default_rng(33)
     B, T, NH, NKV, HS = 1, 5, 2, 1, 4
-    kw = dict(block_q=tiles[0], block_k=tiles[1], threads=32, **opts)
+    kw = dict(block_q=block_q, threads=32, **opts)
     q, kc_, vc_, S = qkv(rng, B, T, NH, NKV, HS, 3)
     q *= 2  # large scores, so that the cap matters
     out_ref, lse_ref = _att_ref(q, kc_[:, :S], vc_[:, :S], 3, **opts)
@@ -559,7 +563,7 @@ def test_attention_options(opts, tiles):
 
 def test_attention_options_with_segments():
     """Packed rows with a window and soft-capping: the window counts within each
-    sample; small tiles put window edges and sample starts inside and across tiles."""
+    sample; small blocks put window edges and sample starts inside and across blocks."""
     rng = np.random.default_rng(34)
     B, T, NH, NKV, HS = 2, 8, 2, 1, 3
     opts = dict(scale=0.8, softcap=2.0, window=2)
@@ -567,7 +571,7 @@ def test_attention_options_with_segments():
     k, v = np.ascontiguousarray(kc_[:, :T]), np.ascontiguousarray(vc_[:, :T])
     dout = randn(rng, B, T, NH, HS)
     want = _att_ref(q, k, v, 0, dout, SEGMENTS, **opts)
-    kw = dict(block_q=2, block_k=2, threads=32, **opts)
+    kw = dict(block_q=2, threads=32, **opts)
     seg = dev(SEGMENTS)
     out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
     kc.attention.attention_forward(out, lse, dev(q), dev(k), dev(v), 0, seg, **kw)
@@ -588,11 +592,11 @@ def test_attention_option_defaults_are_the_plain_path():
     results = []
     for opts in ({}, dict(scale=0.5, softcap=0.0, window=T)):
         out, lse = nan_dev(q.shape), nan_dev((B, NH, T))
-        kc.attention.attention_forward(out, lse, dev(q), k, v, 0, block_q=2, block_k=2,
+        kc.attention.attention_forward(out, lse, dev(q), k, v, 0, block_q=2,
                                        threads=32, **opts)
         grads = [nan_dev(q.shape), nan_dev(k.shape), nan_dev(v.shape)]
         kc.attention.attention_backward(*grads, dout, dev(q), k, v, out, lse, block_q=2,
-                                        block_k=2, threads=32, **opts)
+                                        threads=32, **opts)
         results.append([host(a) for a in (out, lse, *grads)])
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
@@ -668,8 +672,8 @@ def test_kernels_compile_to_ptx_without_fma_in_dequant():
         pytest.skip(f"no CUDA compiler libraries to build PTX with: {res.stdout.strip()}")
     rows = [line.split(" | ") for line in res.stdout.strip().splitlines()]
     # dequant (plain, gather) per type; 19 elementwise, norm, loss and optimizer kernels;
-    # attention forward, dq, dkdv x HS 64/128/256 x (plain, packed)
-    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 19 + 18
+    # attention: softmax forward and backward x (plain, packed) x (plain, capped); starts
+    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 19 + 9
     for name, n_fma, n_mul in rows:
         if name.startswith("dequant"):
             assert n_fma == "0", name

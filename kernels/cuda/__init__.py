@@ -27,7 +27,7 @@ import sys
 _MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "geglu", "softcap", "attention",
             "cross_entropy", "optim")
 
-__all__ = [*_MODULES, "is_available", "simulator_enabled", "numpy_compat"]
+__all__ = [*_MODULES, "is_available", "simulator_enabled", "numpy_compat", "launch_without_sync"]
 
 
 def numpy_compat() -> None:
@@ -51,6 +51,25 @@ def __getattr__(name: str):
     if name in _MODULES:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def launch_without_sync() -> None:
+    """Launch the kernels on CuPy arrays without first waiting for the GPU.
+
+    A CuPy array's ``__cuda_array_interface__`` names the stream its data was
+    written on, and numba-cuda by default synchronizes that stream before a launch
+    that takes the array (``NUMBA_CUDA_ARRAY_INTERFACE_SYNC=1``): every kernel
+    launch then waited for all queued GPU work, so the GPU idled while Python
+    prepared the next launch. CuPy's products and these kernels all go to the
+    default stream, which runs its work in order, so the wait guards nothing
+    here. Sets the variable (for any later reload of numba's config) and the
+    loaded config. Imports numba.cuda."""
+    os.environ["NUMBA_CUDA_ARRAY_INTERFACE_SYNC"] = "0"
+    try:
+        from numba.cuda.core import config
+    except ImportError:
+        from numba.core import config
+    config.CUDA_ARRAY_INTERFACE_SYNC = False
 
 
 def is_available() -> bool:

@@ -1,53 +1,45 @@
-"""Causal grouped-query softmax attention on the GPU, forward and backward, tiled in
-the flash-attention way (float32; CPU twin and numpy references:
-``llamatune.kernels.attention``).
+"""Causal grouped-query softmax attention on the GPU, forward and backward
+(float32; CPU twin and numpy references: ``llamatune.kernels.attention``).
 
     out_i = sum_j P_ij v_j,  P_ij = softmax_j(s_ij),  s_ij = q_i . k_j * scale
 
 over keys j <= n_past + i; query head h reads kv head h // (NH // NKV). The options
 of the CPU twin (see its docstring) are here too: `scale` (None: 1/sqrt(HS)),
 `softcap` > 0 (s_ij = softcap * tanh(q_i . k_j * scale / softcap), and dS times
-scale * (1 - tanh^2) in the backward) and `window` > 0 (sliding window: also
-n_past + i - j < window; the forward and dq kernels start at the first key tile
-the window reaches, the dk/dv kernel stops at the last query tile that reaches its
-keys). They are runtime arguments: the default path runs the same arithmetic as
-before they existed. Packed rows
-(training): with `segments` (B, T) int32 sample ids, whose runs must be contiguous
-(the CPU twin's `segment_starts` checks that on the host), query i sees the keys
-[start_i, i], start_i the first token of its sample; a token always sees itself,
-so no row is empty. Each block finds the starts of its rows from `segments`
-(`_tile_starts`, one thread), starts its key loop at the first tile its rows can
-see, and the dk/dv blocks stop at the first query tile that sees none of their
-keys. segments=None launches kernels compiled without any of this (`packed` is a
-constant of each kernel factory, so its branches fold away); they take a 1 x 1 int32
-array in the place of `seg` and never read it (numba-cuda compiles a None argument
-but cannot launch with one).
+scale * (1 - tanh^2) in the backward), `window` > 0 (sliding window: also
+n_past + i - j < window) and, for packed training rows, `segments` (B, T) int32
+sample ids whose runs must be contiguous (the CPU twin's `segment_starts` checks
+that on the host): query i sees the keys [start_i, i], start_i the first token of
+its sample, found on the device by `_starts_kernel`.
 
-Nothing of size T x S is ever stored: every kernel works on tiles in shared
-memory and keeps per-row softmax statistics.
+The layout is the CPU twin's, with every product a cuBLAS batched matmul (CuPy)
+and the softmax rows numba-cuda kernels:
+* q, k, v (and in the backward dout) are first copied into head-major buffers:
+  q as (B*NKV, T*G, HS), the G query heads of a kv head interleaved row by row
+  (row t*G + g is query t of head kvh*G + g), k and v as (B*NKV, S, HS). So every
+  kv head's K and V meet all G of its query heads in one product, and a block of
+  query rows [i0, i1) is the contiguous rows [i0*G, i1*G) of each batch matrix.
+* queries go in blocks of `block_q` rows; block [i0, i1) meets only the keys
+  [j0, n_past + i1), j0 the first key its first row can see (0, or where its
+  sliding window starts), which skips most of the masked upper triangle. Its
+  scores are one (B*NKV, TQ*G, W) buffer: Q K^T, then `_softmax_kernel` (one thread
+  block per row: soft-cap, mask, max, exp, sum, normalize, the log-sum-exp saved
+  for the backward; 0 outside the row's visible keys), then P V.
+* the backward recomputes P = exp(s - lse) from the saved lse and
+  D_i = rowsum(dout_i * out_i): per block Q K^T and dout V^T, then
+  `_softmax_backward_kernel` (P, and dS = P * (dP - D) * ds/d(q.k)), then
+  dq = dS K, dk += dS^T Q and dv += P^T dout, the group sum done by the product
+  (its inner dimension runs over the G interleaved heads). All gradients are
+  overwritten; nothing uses atomics, so results are deterministic.
+The query block is sized so each score buffer stays under SCORE_FLOATS floats and
+the causal waste of the diagonal blocks is at most a quarter (at least four
+blocks once T >= 4 * MIN_BLOCK); the buffers come from CuPy's memory pool.
+Products run in float32, or TF32 after `llamatune.backend.set_tf32`.
 
-* forward: one block per (query tile of BR rows, b * NH + h). The block loads its
-  Q tile, then walks over key tiles of BC keys up to the last key its rows can
-  see: S = Q K^T * scale (masked entries -inf), online softmax (running max m and
-  sum l per row, the accumulator rescaled by exp(m_old - m_new)), O += P V.
-  Finally out = O / l and lse = m + log(l) (saved for the backward).
-* backward (n_past = 0), two kernels, both recomputing P = exp(q.k*scale - lse)
-  from the saved lse and D_i = rowsum(dout_i * out_i):
-  - dq: one block per (query tile, b * NH + h), over the key tiles it sees:
-    dS = P * (dout.v - D) * scale, dq += dS K;
-  - dk, dv: one block per (key tile, b * NKV + kvh), over the G query heads of
-    the kv head and the query tiles at or below the diagonal:
-    dv += P^T dout, dk += dS^T q; the group sum happens inside the block, so there
-    are no atomics and the result is deterministic.
-  All gradients are overwritten.
-
-Tile sizes are picked from the head size so the static shared memory stays under
-48 KiB (HS <= 256; see ``tiles``); K/V tiles are padded by one float per row against bank
-conflicts. Kernels are built per (HS, tile sizes, threads) on first use.
-Limits (see the report / docs): float32 scores and accumulators, scalar FMA
-loops over shared memory (no tensor cores), one kernel per query head (K/V tiles
-are re-read by each head of a group), block of 128 threads; good enough for
-LoRA fine-tuning of small models, not tuned against FlashAttention-2.
+Arrays: float32 device arrays (CuPy, numba DeviceNDArray or anything exporting
+``__cuda_array_interface__``; numpy host arrays are refused). They are viewed as
+CuPy arrays without a copy; under the simulator (``NUMBA_ENABLE_CUDASIM=1``) the
+products are numpy's on the simulator arrays' memory, so the whole path runs in CI.
 """
 from __future__ import annotations
 
@@ -59,431 +51,210 @@ import numpy as np
 from numba import int32
 
 from ..attention import attention_options
-from ._common import cdiv, check, check_ndim, cuda, float32
+from ._common import (MAX_THREADS, SIM, block_max, block_sum, cdiv, check, check_ndim, cuda,
+                      float32, row_threads)
 
-NTHREADS = 128
-MAX_HS = 256
-_SMEM_BUDGET = 48 * 1024 - 256  # static shared memory per block (48 KiB limit without opt-in)
+SCORE_FLOATS = 1 << 25  # 128 MiB per score buffer (the backward holds two)
+MIN_BLOCK = 64          # query rows of a block when the budget allows
 
-__all__ = ["attention_forward", "attention_backward", "tiles"]
-
-
-def _smem_rows(HS, BR, BC):
-    # forward / dq: two (BR, HS) row tiles, two padded (BC, HS+1) key tiles,
-    # two (BR, BC) score tiles, four (BR,) vectors (one: the rows' sample starts)
-    return 4 * (2 * BR * HS + 2 * BC * (HS + 1) + 2 * BR * BC + 4 * BR)
+__all__ = ["attention_forward", "attention_backward", "query_block"]
 
 
-def _smem_keys(HS, BR, BC):
-    # dk/dv: four padded (BC, HS+1) key tiles, two (BR, HS) row tiles, two (BR, BC)
-    # score tiles, three (BR,) vectors
-    return 4 * (4 * BC * (HS + 1) + 2 * BR * HS + 2 * BR * BC + 3 * BR)
-
-
-def _pick(HS, smem):
-    # largest tile area, then the most query rows, with BR <= BC
-    sizes = (32, 16, 8, 4)
-    cands = sorted(((BR * BC, BR, BC) for BR in sizes for BC in sizes if BR <= BC), reverse=True)
-    for _, BR, BC in cands:
-        if smem(HS, BR, BC) <= _SMEM_BUDGET:
-            return BR, BC
-    return 4, 4  # unreachable for HS <= MAX_HS
+# ------------------------------------------------------------------- kernels
+@cuda.jit(device=True)
+def _row(starts, packed, b, t, p, j0, window):
+    """(lo, hi): the block-local visible keys [lo, hi) of query t of row b at
+    absolute position p, the block's keys starting at key j0."""
+    first = 0
+    if packed:
+        first = starts[b, t]
+    if window > 0:
+        first = max(first, p - window + 1)
+    return max(first - j0, 0), p + 1 - j0
 
 
 @lru_cache(maxsize=None)
-def tiles(HS: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """((BR, BC) of the forward and dq kernels, (BR, BC) of the dk/dv kernel) for
-    head size HS: the power-of-two tiles (query rows BR <= keys BC <= 32) of the
-    largest area whose static shared memory fits the budget. HS=64: (32, 32),
-    (16, 32); HS=128: (16, 16), (8, 16); HS=256: (8, 8), (4, 8)."""
-    return _pick(HS, _smem_rows), _pick(HS, _smem_keys)
-
-
-# ------------------------------------------------------------------- forward
-@lru_cache(maxsize=None)
-def _forward_kernel(HS: int, BR: int, BC: int, packed: bool):
-    HP = HS + 1  # padded row length of the K/V tiles
-    NEG_INF = -math.inf
+def _softmax_kernel(packed: bool, capped: bool):
+    NEG_INF = float32(-math.inf)
 
     @cuda.jit
-    def kernel(out, lse, q, k, v, seg, n_past, scale, cap, kcap, window):
-        # grid (ceil(T / BR), B * NH), block NTHREADS; seg (B, T) int32 when packed;
-        # cap > 0: soft-capped scores (kcap = scale / cap); window > 0: sliding window
-        T, NH = q.shape[1], q.shape[2]
-        S, NKV = k.shape[1], k.shape[2]
-        G = NH // NKV
+    def kernel(att, lse, starts, i0, j0, n_past, scale, cap, kcap, window):
+        # grid (TQ * G, B * NKV), block a power of two <= MAX_THREADS;
+        # att (B*NKV, TQ*G, W): raw scores q.k in, P out; lse (B, NH, T) out
+        r = cuda.blockIdx.x
+        bk = cuda.blockIdx.y
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        b = cuda.blockIdx.y // NH
-        h = cuda.blockIdx.y % NH
-        kvh = h // G
-        i0 = cuda.blockIdx.x * BR
-        sq = cuda.shared.array((BR, HS), float32)
-        so = cuda.shared.array((BR, HS), float32)
-        sk = cuda.shared.array((BC, HP), float32)
-        sv = cuda.shared.array((BC, HP), float32)
-        ss = cuda.shared.array((BR, BC), float32)
-        sm = cuda.shared.array(BR, float32)  # running max
-        sl = cuda.shared.array(BR, float32)  # running sum
-        sa = cuda.shared.array(BR, float32)  # rescale of this step
-        sst = cuda.shared.array(BR, int32)  # first visible key of each row (packed rows)
-
-        jlo = 0  # the first key tile any row of this block sees
-        if packed:
-            if tid == 0:
-                _tile_starts(sst, seg, b, i0, T, BR, -1)
-            cuda.syncthreads()
-            jlo = (sst[0] // BC) * BC
-        if window > 0:  # the first row's window starts at n_past + i0 - window + 1
-            jlo = max(jlo, (max(n_past + i0 - window + 1, 0) // BC) * BC)
-        for e in range(tid, BR * HS, nt):
-            r = e // HS
-            d = e % HS
-            sq[r, d] = q[b, i0 + r, h, d] if i0 + r < T else 0.0
-            so[r, d] = 0.0
-        for r in range(tid, BR, nt):
-            sm[r] = NEG_INF
-            sl[r] = 0.0
-        # keys seen by some row of the tile: j <= n_past + min(i0 + BR, T) - 1
-        n_keys = n_past + min(i0 + BR, T)
-        for j0 in range(jlo, n_keys, BC):
-            cuda.syncthreads()  # the previous step is done with sk, sv, ss
-            for e in range(tid, BC * HS, nt):
-                c = e // HS
-                d = e % HS
-                if j0 + c < S:
-                    sk[c, d] = k[b, j0 + c, kvh, d]
-                    sv[c, d] = v[b, j0 + c, kvh, d]
-                else:
-                    sk[c, d] = 0.0
-                    sv[c, d] = 0.0
-            cuda.syncthreads()
-            for e in range(tid, BR * BC, nt):
-                r = e // BC
-                c = e % BC
-                i = i0 + r
-                j = j0 + c
-                visible = i < T and j <= n_past + i
-                if window > 0:
-                    visible = visible and n_past + i - j < window
-                if packed:
-                    visible = visible and j >= sst[r]
-                if visible:
-                    acc = float32(0.0)
-                    for d in range(HS):
-                        acc += sq[r, d] * sk[c, d]
-                    if cap > 0:
-                        ss[r, c] = cap * float32(math.tanh(acc * kcap))
-                    else:
-                        ss[r, c] = acc * scale
-                else:
-                    ss[r, c] = NEG_INF
-            cuda.syncthreads()
-            for r in range(tid, BR, nt):
-                m_old = sm[r]
-                mx = m_old
-                for c in range(BC):
-                    mx = max(mx, ss[r, c])
-                if mx == NEG_INF:  # nothing visible yet (or a padding row)
-                    for c in range(BC):
-                        ss[r, c] = 0.0
-                    sa[r] = 1.0
-                else:
-                    alpha = float32(math.exp(m_old - mx))  # 0 on the first visible tile
-                    tot = float32(0.0)
-                    for c in range(BC):
-                        p = float32(math.exp(ss[r, c] - mx))
-                        ss[r, c] = p
-                        tot += p
-                    sl[r] = sl[r] * alpha + tot
-                    sm[r] = mx
-                    sa[r] = alpha
-            cuda.syncthreads()
-            for e in range(tid, BR * HS, nt):
-                r = e // HS
-                d = e % HS
-                acc = so[r, d] * sa[r]
-                for c in range(BC):
-                    acc += ss[r, c] * sv[c, d]
-                so[r, d] = acc
-        cuda.syncthreads()
-        for e in range(tid, BR * HS, nt):
-            r = e // HS
-            d = e % HS
-            if i0 + r < T:
-                out[b, i0 + r, h, d] = so[r, d] / sl[r]
-        for r in range(tid, BR, nt):
-            if i0 + r < T:
-                lse[b, h, i0 + r] = sm[r] + math.log(sl[r])
-
-    return kernel
-
-
-# ------------------------------------------------------------------ backward
-@cuda.jit(device=True)
-def _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt):
-    """Load the Q and dout tiles of rows i0..i0+BR of head h, their lse and
-    D = rowsum(dout * out) (zeros for rows >= T)."""
-    for e in range(tid, BR * HS, nt):
-        r = e // HS
-        d = e % HS
-        if i0 + r < T:
-            sq[r, d] = q[b, i0 + r, h, d]
-            sdo[r, d] = dout[b, i0 + r, h, d]
-        else:
-            sq[r, d] = 0.0
-            sdo[r, d] = 0.0
-    for r in range(tid, BR, nt):
-        acc = float32(0.0)
-        if i0 + r < T:
-            for d in range(HS):
-                acc += dout[b, i0 + r, h, d] * out[b, i0 + r, h, d]
-            slse[r] = lse[b, h, i0 + r]
-        else:
-            slse[r] = 0.0
-        sdd[r] = acc
-
-
-@cuda.jit(device=True)
-def _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt):
-    for e in range(tid, BC * HS, nt):
-        c = e // HS
-        d = e % HS
-        if j0 + c < T:
-            sk[c, d] = k[b, j0 + c, kvh, d]
-            sv[c, d] = v[b, j0 + c, kvh, d]
-        else:
-            sk[c, d] = 0.0
-            sv[c, d] = 0.0
-
-
-@cuda.jit(device=True)
-def _tile_starts(sst, seg, b, i0, T, BR, prev):
-    """(One thread.) sst[r] = the first token of row i0 + r's sample (rows past T
-    repeat the last one); prev: that of row i0 - 1 when known, else -1 (then it is
-    found by scanning back). Runs of equal ids are samples."""
-    s = seg[b, i0]
-    st = i0
-    if i0 > 0 and seg[b, i0 - 1] == s:
-        if prev >= 0:
-            st = prev
-        else:
-            st = i0 - 1
-            while st > 0 and seg[b, st - 1] == s:
-                st -= 1
-    sst[0] = st
-    for r in range(1, BR):
-        i = i0 + r
-        if i < T and seg[b, i] != seg[b, i - 1]:
-            st = i
-        sst[r] = st
-
-
-@cuda.jit(device=True)
-def _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR, BC, scale,
-                  cap, kcap, window, tid, nt):
-    """sp = P, sds = dS = P * (dout.v - D) * ds/d(q.k) on the (BR, BC) tile (0 where
-    masked; when packed, keys before sst[r] are masked too, with a window the keys
-    i - j >= window); ds/d(q.k) = scale, or scale * (1 - t^2) when soft-capped."""
-    for e in range(tid, BR * BC, nt):
-        r = e // BC
-        c = e % BC
-        i = i0 + r
-        j = j0 + c
-        visible = i < T and j <= i
-        if window > 0:
-            visible = visible and i - j < window
-        if packed:
-            visible = visible and j >= sst[r]
-        if visible:
-            s = float32(0.0)
-            dp = float32(0.0)
-            for d in range(HS):
-                s += sq[r, d] * sk[c, d]
-                dp += sdo[r, d] * sv[c, d]
-            if cap > 0:
-                t = float32(math.tanh(s * kcap))
-                p = float32(math.exp(cap * t - slse[r]))
-                sp[r, c] = p
-                sds[r, c] = p * (dp - sdd[r]) * (scale - scale * t * t)
+        NH, W = lse.shape[1], att.shape[2]
+        NKV = att.shape[0] // lse.shape[0]
+        G = NH // NKV
+        b = bk // NKV
+        h = (bk % NKV) * G + r % G
+        t = i0 + r // G
+        p = n_past + t
+        lo, hi = _row(starts, packed, b, t, p, j0, window)
+        buf = cuda.shared.array(MAX_THREADS, float32)
+        mx = NEG_INF
+        for j in range(lo + tid, hi, nt):
+            if capped:
+                s = cap * float32(math.tanh(att[bk, r, j] * kcap))
+                att[bk, r, j] = s
             else:
-                p = float32(math.exp(s * scale - slse[r]))
-                sp[r, c] = p
-                sds[r, c] = p * (dp - sdd[r]) * scale
-        else:
-            sp[r, c] = 0.0
-            sds[r, c] = 0.0
-
-
-@lru_cache(maxsize=None)
-def _dq_kernel(HS: int, BR: int, BC: int, packed: bool):
-    HP = HS + 1
-
-    @cuda.jit
-    def kernel(dq, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
-        # grid (ceil(T / BR), B * NH), block NTHREADS; seg (B, T) int32 when packed
-        T, NH = q.shape[1], q.shape[2]
-        G = NH // k.shape[2]
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        b = cuda.blockIdx.y // NH
-        h = cuda.blockIdx.y % NH
-        kvh = h // G
-        i0 = cuda.blockIdx.x * BR
-        sq = cuda.shared.array((BR, HS), float32)
-        sdo = cuda.shared.array((BR, HS), float32)
-        sdq = cuda.shared.array((BR, HS), float32)
-        sk = cuda.shared.array((BC, HP), float32)
-        sv = cuda.shared.array((BC, HP), float32)
-        sp = cuda.shared.array((BR, BC), float32)
-        sds = cuda.shared.array((BR, BC), float32)
-        slse = cuda.shared.array(BR, float32)
-        sdd = cuda.shared.array(BR, float32)
-        sst = cuda.shared.array(BR, int32)
-
-        _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
-        for e in range(tid, BR * HS, nt):
-            sdq[e // HS, e % HS] = 0.0
-        jlo = 0
-        if packed:
-            if tid == 0:
-                _tile_starts(sst, seg, b, i0, T, BR, -1)
-            cuda.syncthreads()
-            jlo = (sst[0] // BC) * BC
-        if window > 0:
-            jlo = max(jlo, (max(i0 - window + 1, 0) // BC) * BC)
-        n_keys = min(i0 + BR, T)
-        for j0 in range(jlo, n_keys, BC):
-            cuda.syncthreads()
-            _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
-            cuda.syncthreads()
-            _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR, BC,
-                          scale, cap, kcap, window, tid, nt)
-            cuda.syncthreads()
-            for e in range(tid, BR * HS, nt):
-                r = e // HS
-                d = e % HS
-                acc = sdq[r, d]
-                for c in range(BC):
-                    acc += sds[r, c] * sk[c, d]
-                sdq[r, d] = acc
-        cuda.syncthreads()
-        for e in range(tid, BR * HS, nt):
-            r = e // HS
-            d = e % HS
-            if i0 + r < T:
-                dq[b, i0 + r, h, d] = sdq[r, d]
+                s = att[bk, r, j] * scale
+            mx = max(mx, s)
+        mx = block_max(buf, tid, mx)
+        tot = float32(0.0)
+        for j in range(lo + tid, hi, nt):  # the entries this thread wrote above
+            s = att[bk, r, j] if capped else att[bk, r, j] * scale
+            e = float32(math.exp(s - mx))
+            att[bk, r, j] = e
+            tot += e
+        tot = block_sum(buf, tid, tot)  # its barriers publish every thread's exps
+        inv = float32(1.0) / tot
+        for j in range(tid, W, nt):
+            if lo <= j and j < hi:
+                att[bk, r, j] *= inv
+            else:
+                att[bk, r, j] = 0.0
+        if tid == 0:
+            lse[b, h, t] = mx + float32(math.log(tot))
 
     return kernel
 
 
 @lru_cache(maxsize=None)
-def _dkdv_kernel(HS: int, BR: int, BC: int, packed: bool):
-    HP = HS + 1
-
+def _softmax_backward_kernel(packed: bool, capped: bool):
     @cuda.jit
-    def kernel(dk, dv, dout, q, k, v, out, lse, seg, scale, cap, kcap, window):
-        # grid (ceil(T / BC), B * NKV), block NTHREADS; seg (B, T) int32 when packed
-        T, NH = q.shape[1], q.shape[2]
-        NKV = k.shape[2]
+    def kernel(att, dp, lse, dd, starts, i0, j0, scale, cap, kcap, window):
+        # grid (TQ * G, B * NKV); att (B*NKV, TQ*G, W): raw scores q.k in, P out;
+        # dp (same): dout.v in, dS out; lse (B, NH, T); dd (B, T, NH) rowsum(dout * out)
+        r = cuda.blockIdx.x
+        bk = cuda.blockIdx.y
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        NH, W = lse.shape[1], att.shape[2]
+        NKV = att.shape[0] // lse.shape[0]
         G = NH // NKV
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        b = cuda.blockIdx.y // NKV
-        kvh = cuda.blockIdx.y % NKV
-        j0 = cuda.blockIdx.x * BC
-        sk = cuda.shared.array((BC, HP), float32)
-        sv = cuda.shared.array((BC, HP), float32)
-        sdk = cuda.shared.array((BC, HP), float32)
-        sdv = cuda.shared.array((BC, HP), float32)
-        sq = cuda.shared.array((BR, HS), float32)
-        sdo = cuda.shared.array((BR, HS), float32)
-        sp = cuda.shared.array((BR, BC), float32)
-        sds = cuda.shared.array((BR, BC), float32)
-        slse = cuda.shared.array(BR, float32)
-        sdd = cuda.shared.array(BR, float32)
-        sst = cuda.shared.array(BR, int32)
-
-        _load_keys(sk, sv, k, v, b, kvh, j0, T, HS, BC, tid, nt)
-        for e in range(tid, BC * HS, nt):
-            sdk[e // HS, e % HS] = 0.0
-            sdv[e // HS, e % HS] = 0.0
-        first = (j0 // BR) * BR  # first query tile with a row i >= j0
-        i_end = T  # past the last row that sees a key of this tile
-        if window > 0:  # row i sees key j0 + BC - 1 while i - (j0 + BC - 1) < window
-            i_end = min(T, j0 + BC - 1 + window)
-        for g in range(G):
-            h = kvh * G + g
-            for i0 in range(first, i_end, BR):
-                cuda.syncthreads()
-                if packed:
-                    if tid == 0:  # sst[BR - 1] is row i0 - 1's start after the first tile
-                        _tile_starts(sst, seg, b, i0, T, BR, sst[BR - 1] if i0 > first else -1)
-                    cuda.syncthreads()
-                    if sst[0] >= j0 + BC:  # starts never decrease: no later row sees this tile
-                        break
-                _load_rows(sq, sdo, slse, sdd, q, dout, out, lse, b, h, i0, T, HS, BR, tid, nt)
-                cuda.syncthreads()
-                _probs_and_ds(sp, sds, sq, sdo, sk, sv, slse, sdd, packed, sst, i0, j0, T, HS, BR,
-                              BC, scale, cap, kcap, window, tid, nt)
-                cuda.syncthreads()
-                for e in range(tid, BC * HS, nt):
-                    c = e // HS
-                    d = e % HS
-                    ak = sdk[c, d]
-                    av = sdv[c, d]
-                    for r in range(BR):
-                        ak += sds[r, c] * sq[r, d]
-                        av += sp[r, c] * sdo[r, d]
-                    sdk[c, d] = ak
-                    sdv[c, d] = av
-        cuda.syncthreads()
-        for e in range(tid, BC * HS, nt):
-            c = e // HS
-            d = e % HS
-            if j0 + c < T:
-                dk[b, j0 + c, kvh, d] = sdk[c, d]
-                dv[b, j0 + c, kvh, d] = sdv[c, d]
+        b = bk // NKV
+        h = (bk % NKV) * G + r % G
+        t = i0 + r // G
+        lo, hi = _row(starts, packed, b, t, t, j0, window)
+        lse_i = lse[b, h, t]
+        d = dd[b, t, h]
+        for j in range(tid, W, nt):
+            if lo <= j and j < hi:
+                if capped:
+                    th = float32(math.tanh(att[bk, r, j] * kcap))
+                    s = cap * th
+                    ds = scale - scale * th * th
+                else:
+                    s = att[bk, r, j] * scale
+                    ds = scale
+                pr = float32(math.exp(s - lse_i))
+                att[bk, r, j] = pr
+                dp[bk, r, j] = pr * (dp[bk, r, j] - d) * ds
+            else:
+                att[bk, r, j] = 0.0
+                dp[bk, r, j] = 0.0
 
     return kernel
+
+
+@cuda.jit
+def _starts_kernel(starts, seg):
+    # grid cdiv(B, 32), block 32: starts[b, t] = the first token of t's run of ids
+    b = cuda.grid(1)
+    if b < seg.shape[0]:
+        first = int32(0)
+        for t in range(seg.shape[1]):
+            if t > 0 and seg[b, t] != seg[b, t - 1]:
+                first = t
+            starts[b, t] = first
 
 
 # ---------------------------------------------------------------- Python API
+def _xp(a):
+    """(array module, a as an array of it): CuPy and a zero-copy CuPy view of a
+    device array; under the simulator numpy and the simulator array's memory."""
+    if SIM:
+        return np, getattr(a, "_ary", a)
+    import cupy
+    return cupy, cupy.asarray(a)
+
+
+def _dev(x):
+    """An array of `_xp` as a kernel argument (the simulator's wrapper over the same
+    memory: numba would copy a numpy argument in and back out)."""
+    if SIM:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(x)
+    return x
+
+
 def _check_qkv(q, k, v, S, kv_contiguous=True):
     B, T, NH, HS = check_ndim("attention", "q", q, 4, np.float32)
     Bk, Sk, NKV, HSk = check_ndim("attention", "k", k, 4, np.float32)
     if NKV < 1 or NH % NKV:
         raise ValueError(f"attention: query heads {NH} must be a multiple of kv heads {NKV}")
-    if not 0 < HS <= MAX_HS:
-        raise ValueError(f"attention: head size {HS} is not in [1, {MAX_HS}]")
     check("attention", "q", q, (B, T, NH, HS), np.float32)
     check("attention", "k", k, (B, S, NKV, HS), np.float32, contiguous=kv_contiguous)
     check("attention", "v", v, (B, S, NKV, HS), np.float32, contiguous=kv_contiguous)
     return B, T, NH, NKV, HS
 
 
-def _tiles(HS, block_q, block_k):
-    (r1, c1), (r2, c2) = tiles(HS)
-    return (block_q or r1, block_k or c1), (block_q or r2, block_k or c2)
-
-
 def _check_segments(segments, B, T, n_past):
-    """The array the kernels take as `seg`: segments, or an unread 1 x 1 stand-in."""
     if segments is None:
-        return _no_segments()
+        return
     if n_past:
         raise ValueError(f"attention: segments need n_past = 0 (training), got {n_past}")
     check("attention", "segments", segments, (B, T), np.int32)
-    return segments
 
 
-@lru_cache(maxsize=None)
-def _no_segments():
-    return cuda.to_device(np.zeros((1, 1), np.int32))
+def query_block(B: int, NH: int, T: int, S: int) -> int:
+    """Query rows per block: T/4 rounded up (at least MIN_BLOCK, at most T), fewer
+    where a (B*NH, rows, S) score buffer would pass SCORE_FLOATS (at least 1)."""
+    rows = min(T, max(MIN_BLOCK, cdiv(T, 4)))
+    return max(1, min(rows, SCORE_FLOATS // max(1, B * NH * S)))
+
+
+def _starts(xp, segments, B, T):
+    """The (B, T) int32 first-token index of each token's sample (a 1 x 1 stand-in,
+    never read, without segments: a kernel launch cannot take None)."""
+    if segments is None:
+        return _dev(xp.zeros((1, 1), np.int32))
+    starts = xp.empty((B, T), np.int32)
+    _starts_kernel[cdiv(B, 32), 32](_dev(starts), segments)
+    return _dev(starts)
+
+
+def _group_major(xp, a, B, NKV):
+    """(B, T, NKV*G, HS) -> contiguous (B*NKV, T*G, HS): head-major, a kv head's
+    query heads interleaved row by row."""
+    _, T, NH, HS = a.shape
+    G = NH // NKV
+    return xp.ascontiguousarray(a.reshape(B, T, NKV, G, HS).transpose(0, 2, 1, 3, 4)).reshape(
+        B * NKV, T * G, HS)
+
+
+def _to_rows(dst, src, B, NKV, i0, i1):
+    """dst (B, T, NH, HS)[:, i0:i1] = the group-major block src (B*NKV, (i1-i0)*G, HS)."""
+    _, T, NH, HS = dst.shape
+    G = NH // NKV
+    dst.reshape(B, T, NKV, G, HS)[:, i0:i1] = src.reshape(B, NKV, i1 - i0, G, HS).transpose(
+        0, 2, 1, 3, 4)
+
+
+def _blocks(T, n_past, window, block_q):
+    """[(i0, i1, j0)]: query block [i0, i1) computes the keys [j0, n_past + i1)."""
+    out = []
+    for i0 in range(0, T, block_q):
+        j0 = max(0, n_past + i0 - window + 1) if window > 0 else 0
+        out.append((i0, min(T, i0 + block_q), j0))
+    return out
 
 
 def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
-                      window=0, block_q=None, block_k=None, threads=None) -> None:
+                      window=0, block_q=None, threads=None) -> None:
     """Causal GQA attention for T new queries after n_past cached positions.
 
     out (B, T, NH, HS); lse (B, NH, T) saved log-sum-exp; q (B, T, NH, HS);
@@ -492,35 +263,46 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
     ids of packed rows (n_past = 0; contiguous runs, see the module docstring).
     scale (None: 1/sqrt(HS)), softcap (> 0: tanh soft-capping of the scores) and
     window (> 0: sliding-window mask) as in the CPU twin.
-    block_q / block_k / threads override the tile sizes and the block size
-    (tests: small tiles exercise the tile loops on tiny shapes)."""
+    block_q / threads override the query rows per block and the threads per
+    softmax row (tests: small blocks exercise the block loop on tiny shapes)."""
     if n_past < 0:
         raise ValueError(f"attention: n_past must be >= 0, got {n_past}")
     T = q.shape[1] if len(getattr(q, "shape", ())) == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, n_past + T, kv_contiguous=False)
     check("attention", "out", out, (B, T, NH, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
-    seg = _check_segments(segments, B, T, n_past)
+    _check_segments(segments, B, T, n_past)
     scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
-    (BR, BC), _ = _tiles(HS, block_q, block_k)
-    kernel = _forward_kernel(HS, BR, BC, segments is not None)
-    kernel[(cdiv(T, BR), B * NH), threads or NTHREADS](out, lse, q, k, v, seg,
-                                                       np.int64(n_past), scale, cap, kcap,
-                                                       np.int64(window))
+    S, G = n_past + T, NH // NKV
+    xp, outx = _xp(out)
+    qg = _group_major(xp, _xp(q)[1], B, NKV)
+    kb = xp.ascontiguousarray(_xp(k)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, S, HS)
+    vb = xp.ascontiguousarray(_xp(v)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, S, HS)
+    starts = _starts(xp, segments, B, T)
+    bq = block_q or query_block(B, NH, T, S)
+    scratch = xp.empty(B * NKV * bq * G * S, np.float32)
+    kernel = _softmax_kernel(segments is not None, bool(cap))
+    nt, lse_d = threads or row_threads(S), _dev(_xp(lse)[1])
+    for i0, i1, j0 in _blocks(T, n_past, int(window), bq):
+        W = n_past + i1 - j0
+        att = scratch[: B * NKV * (i1 - i0) * G * W].reshape(B * NKV, (i1 - i0) * G, W)
+        xp.matmul(qg[:, i0 * G:i1 * G], kb[:, j0:j0 + W].transpose(0, 2, 1), out=att)
+        kernel[((i1 - i0) * G, B * NKV), nt](_dev(att), lse_d, starts, np.int64(i0),
+                                             np.int64(j0), np.int64(n_past), scale, cap, kcap,
+                                             np.int64(window))
+        _to_rows(outx, xp.matmul(att, vb[:, j0:j0 + W]), B, NKV, i0, i1)
 
 
 def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
-                       softcap=0.0, window=0, block_q=None, block_k=None,
-                       threads=None) -> None:
+                       softcap=0.0, window=0, block_q=None, threads=None) -> None:
     """Gradients of causal GQA attention for training (n_past = 0, S = T), overwritten.
 
     dq (B, T, NH, HS); dk, dv (B, T, NKV, HS) summed over each kv head's query
     heads; dout, q, out (B, T, NH, HS); k, v (B, T, NKV, HS); lse (B, NH, T);
     all C-contiguous float32 device arrays; segments, scale, softcap and window as
-    in attention_forward.
-    Overrides as attention_forward."""
+    in attention_forward. Overrides as attention_forward."""
     T = q.shape[1] if len(getattr(q, "shape", ())) == 4 else 0
     B, T, NH, NKV, HS = _check_qkv(q, k, v, T)
     for name, a in (("dq", dq), ("dout", dout), ("out", out)):
@@ -528,14 +310,36 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     check("attention", "dk", dk, (B, T, NKV, HS), np.float32)
     check("attention", "dv", dv, (B, T, NKV, HS), np.float32)
     check("attention", "lse", lse, (B, NH, T), np.float32)
-    seg = _check_segments(segments, B, T, 0)
+    _check_segments(segments, B, T, 0)
     scale, cap, kcap = attention_options(np.float32, HS, scale, softcap, window)
     if B * T * NH == 0:
         return
-    (BR, BC), (BR2, BC2) = _tiles(HS, block_q, block_k)
-    nt, packed = threads or NTHREADS, segments is not None
-    opts = (scale, cap, kcap, np.int64(window))
-    _dq_kernel(HS, BR, BC, packed)[(cdiv(T, BR), B * NH), nt](dq, dout, q, k, v, out, lse, seg,
-                                                              *opts)
-    _dkdv_kernel(HS, BR2, BC2, packed)[(cdiv(T, BC2), B * NKV), nt](dk, dv, dout, q, k, v, out,
-                                                                    lse, seg, *opts)
+    G = NH // NKV
+    xp, dqx = _xp(dq)
+    doutx, outx = _xp(dout)[1], _xp(out)[1]
+    qg, dog = _group_major(xp, _xp(q)[1], B, NKV), _group_major(xp, doutx, B, NKV)
+    kb = xp.ascontiguousarray(_xp(k)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, T, HS)
+    vb = xp.ascontiguousarray(_xp(v)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, T, HS)
+    dd = (doutx * outx).sum(axis=3)  # (B, T, NH)
+    dkg = xp.zeros((B * NKV, T, HS), np.float32)
+    dvg = xp.zeros((B * NKV, T, HS), np.float32)
+    starts = _starts(xp, segments, B, T)
+    bq = block_q or query_block(B, NH, T, T)
+    scratch = xp.empty((2, B * NKV * bq * G * T), np.float32)
+    kernel = _softmax_backward_kernel(segments is not None, bool(cap))
+    nt, lse_d, dd_d = threads or row_threads(T), _dev(_xp(lse)[1]), _dev(dd)
+    for i0, i1, j0 in _blocks(T, 0, int(window), bq):
+        W, rows = i1 - j0, slice(i0 * G, i1 * G)
+        shape = (B * NKV, (i1 - i0) * G, W)
+        att = scratch[0, : math.prod(shape)].reshape(shape)
+        dp = scratch[1, : math.prod(shape)].reshape(shape)
+        xp.matmul(qg[:, rows], kb[:, j0:i1].transpose(0, 2, 1), out=att)
+        xp.matmul(dog[:, rows], vb[:, j0:i1].transpose(0, 2, 1), out=dp)
+        kernel[((i1 - i0) * G, B * NKV), nt](_dev(att), _dev(dp), lse_d, dd_d, starts,
+                                             np.int64(i0), np.int64(j0), scale, cap, kcap,
+                                             np.int64(window))
+        _to_rows(dqx, xp.matmul(dp, kb[:, j0:i1]), B, NKV, i0, i1)
+        dkg[:, j0:i1] += xp.matmul(dp.transpose(0, 2, 1), qg[:, rows])
+        dvg[:, j0:i1] += xp.matmul(att.transpose(0, 2, 1), dog[:, rows])
+    _xp(dk)[1][...] = dkg.reshape(B, NKV, T, HS).transpose(0, 2, 1, 3)
+    _xp(dv)[1][...] = dvg.reshape(B, NKV, T, HS).transpose(0, 2, 1, 3)
