@@ -10,7 +10,10 @@
 # Wheels in .whl/ (a machine without a registry: gguf, and llamatune built with
 # `pip wheel --no-deps . -w .whl`) are installed to /tmp/site first; otherwise the
 # llamatune installed in the environment is used. Variables: OUT, PYTEST_S and BENCH_S (stage
-# time limits), WORKERS (pytest-xdist), BENCH_ARGS, NO_BENCH=1 (skip the bench).
+# time limits), WORKERS (pytest-xdist), BENCH_ARGS, NO_BENCH=1 (skip the bench), STAGES (the
+# stages to run, default "tests cli bench"), BASE_WHL (a folder with an earlier llamatune wheel:
+# the bench also runs it, installed to /tmp/site-base, with BASE_BENCH_ARGS, as a baseline
+# measured on the same GPU in the same call).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-check}
@@ -43,12 +46,17 @@ print("cuda available:", kc.is_available(), "simulator:", kc.simulator_enabled()
 EOF
 cd "$REPO"
 
+STAGES=${STAGES:-tests cli bench}
+has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+
+if has tests; then
 stage "CUDA tests (pytest -m cuda --slow)"
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")    # pytest-xdist where installed
 (cd tests && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
    --durations=10 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40)
+fi
 
-if [ -f "$SHARED/models/tiny-Q4_K_M.gguf" ]; then
+if has cli && [ -f "$SHARED/models/tiny-Q4_K_M.gguf" ]; then
   stage "perplexity: llama.cpp reference models, cuda against cpu"
   for m in Q4_K_M Q2_K; do
     for d in cuda cpu; do
@@ -77,7 +85,17 @@ EOF
   )
 fi
 
-stage "bench/gpu_finetune.py (7B-shaped layers)"
-[ -n "${NO_BENCH:-}" ] || timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
-  --workdir /tmp/gpu-bench --out "$OUT/gpu-bench.json" 2>&1 | grep -v "done, "
+if has bench && [ -z "${NO_BENCH:-}" ]; then
+  if [ -n "${BASE_WHL:-}" ]; then
+    stage "bench baseline: $(ls "$BASE_WHL"/llamatune-*.whl)"
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base \
+      "$BASE_WHL"/llamatune-*.whl && \
+    PYTHONPATH=/tmp/site-base:/tmp/site timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py \
+      ${BASE_BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes tf32 --ckpt layer} \
+      --workdir /tmp/gpu-bench --out "$OUT/gpu-bench-base.json" 2>&1 | grep -v "done, "
+  fi
+  stage "bench/gpu_finetune.py (7B-shaped layers)"
+  timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
+    --workdir /tmp/gpu-bench --out "$OUT/gpu-bench.json" 2>&1 | grep -v "done, "
+fi
 stage done
