@@ -28,8 +28,9 @@ and the softmax rows numba-cuda kernels:
 * the backward recomputes P = exp(s - lse) from the saved lse and
   D_i = rowsum(dout_i * out_i): per block Q K^T and dout V^T, then
   `_softmax_backward_kernel` (P, and dS = P * (dP - D) * ds/d(q.k)), then
-  dq = dS K, dk += dS^T Q and dv += P^T dout, the group sum done by the product
-  (its inner dimension runs over the G interleaved heads). All gradients are
+  dq = dS K, dk^T += Q^T dS and dv^T += dout^T P, the group sum done by the product
+  (its inner dimension runs over the G interleaved heads; transposed, so the large
+  dS and P are the untransposed operand, which CuPy does not copy). All gradients are
   overwritten; nothing uses atomics, so results are deterministic.
 The query block is sized so each score buffer stays under SCORE_FLOATS floats and
 the causal waste of the diagonal blocks is at most a quarter (at least four
@@ -321,8 +322,8 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     kb = xp.ascontiguousarray(_xp(k)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, T, HS)
     vb = xp.ascontiguousarray(_xp(v)[1].transpose(0, 2, 1, 3)).reshape(B * NKV, T, HS)
     dd = (doutx * outx).sum(axis=3)  # (B, T, NH)
-    dkg = xp.zeros((B * NKV, T, HS), np.float32)
-    dvg = xp.zeros((B * NKV, T, HS), np.float32)
+    dkt = xp.zeros((B * NKV, HS, T), np.float32)  # dk, dv transposed: dS and P stay the
+    dvt = xp.zeros((B * NKV, HS, T), np.float32)  # right operand (CuPy copies a transposed one)
     starts = _starts(xp, segments, B, T)
     bq = block_q or query_block(B, NH, T, T)
     scratch = xp.empty((2, B * NKV * bq * G * T), np.float32)
@@ -339,7 +340,7 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                                              np.int64(i0), np.int64(j0), scale, cap, kcap,
                                              np.int64(window))
         _to_rows(dqx, xp.matmul(dp, kb[:, j0:i1]), B, NKV, i0, i1)
-        dkg[:, j0:i1] += xp.matmul(dp.transpose(0, 2, 1), qg[:, rows])
-        dvg[:, j0:i1] += xp.matmul(att.transpose(0, 2, 1), dog[:, rows])
-    _xp(dk)[1][...] = dkg.reshape(B, NKV, T, HS).transpose(0, 2, 1, 3)
-    _xp(dv)[1][...] = dvg.reshape(B, NKV, T, HS).transpose(0, 2, 1, 3)
+        dkt[:, :, j0:i1] += xp.matmul(qg[:, rows].transpose(0, 2, 1), dp)
+        dvt[:, :, j0:i1] += xp.matmul(dog[:, rows].transpose(0, 2, 1), att)
+    _xp(dk)[1][...] = dkt.reshape(B, NKV, HS, T).transpose(0, 3, 1, 2)
+    _xp(dv)[1][...] = dvt.reshape(B, NKV, HS, T).transpose(0, 3, 1, 2)
