@@ -14,7 +14,8 @@ Every configuration runs in a fresh process (memory figures are its own):
 One warm-up step (numba JIT, weight upload), then --steps timed steps, the device synchronized
 before each clock reading. Reported: tokens/s; step time; peak GPU memory (CuPy pool bytes or
 torch.cuda.max_memory_allocated, and the driver's used memory: CUDA context and other processes
-included); model GFLOP/s (the step's matmuls, recomputation not counted) and its share of the
+included), and for llamatune the GPU memory estimate finetune prints (`est GB`, to hold against
+`alloc GB`); model GFLOP/s (the step's matmuls, recomputation not counted) and its share of the
 matmul rate measured on this GPU in the same precision for an (N, C) x (C, F) product.
 
 On a GPU machine (CUDA 12 driver):
@@ -167,7 +168,16 @@ def run_llamatune(spec: dict) -> dict:
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     params.to_device(backend)
-    graph = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, spec["ckpt"], backend=backend)
+    base = FrozenBase(model, backend)
+    estimate = None
+    if not backend.on_host:                   # the GPU memory estimate finetune prints (an earlier
+        try:                                  # llamatune has none)
+            from llamatune.train.memory import Planner, device_runtime_bytes
+            estimate = Planner(cfg, targets, base, device_runtime_bytes(backend), Path(spec["model"]).stat().st_size,
+                               model.dequantizer.nbytes, 0.0, device=True).estimate(B, T, spec["ckpt"]).total
+        except ImportError:
+            pass
+    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend)
     inputs, labels = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
     opts = FinetuneOptions(warmup=1)
@@ -186,7 +196,8 @@ def run_llamatune(spec: dict) -> dict:
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
     out = xp.empty((N, F), np.float32)
     rate = matmul_gflops(lambda: xp.matmul(a, wt.T, out=out), sync, 3 if backend.on_host else 20, 2 * N * C * F)
-    return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": graph.activation_bytes() / 2**30}
+    return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": graph.activation_bytes() / 2**30,
+                  "estimate_gb": estimate and estimate / 2**30}
 
 
 def run_torch(spec: dict) -> dict:
@@ -250,7 +261,8 @@ def run_child(spec: dict, env: dict) -> dict:
 # --------------------------------------------------------------------------- driver
 MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}}       # CuPy reads CUPY_TF32 at its first matmul
 COLS = [("tok/s", "tokens_per_s", "8.1f"), ("step s", "step_s", "7.3f"), ("1st s", "first_step_s", "6.1f"),
-        ("alloc GB", "peak_alloc_gb", "8.2f"), ("driver GB", "peak_driver_used_gb", "9.2f"),
+        ("est GB", "estimate_gb", "6.2f"), ("alloc GB", "peak_alloc_gb", "8.2f"),
+        ("driver GB", "peak_driver_used_gb", "9.2f"),
         ("GFLOP/s", "gflops", "8.4g"), ("mm GFLOP/s", "matmul_ref_gflops", "10.4g"), ("share", "share", "6.1%"),
         ("loss", "loss", "6.3f")]
 

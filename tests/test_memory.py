@@ -125,7 +125,7 @@ def test_refusal_says_what_would_fit(model, tmp_path, monkeypatch):
     from conftest import TEXT
     data = tmp_path / "d.txt"
     data.write_text(TEXT)
-    monkeypatch.setattr(trainer, "available_memory", lambda: 20000)
+    monkeypatch.setattr(trainer, "free_memory", lambda backend: 20000)
     o = FinetuneOptions(model_base=model.path, train_data=data, ctx=32, batch=2, adam_iter=1,
                         checkpointing="none", checkpoint_out=tmp_path / "c-ITERATION.gguf",
                         lora_out=tmp_path / "a-ITERATION.gguf")
@@ -196,3 +196,40 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch
     g.loss(ids, ids, w)
     assert signatures() == before
     assert sum(before.values()) > 10
+
+
+def test_gpu_estimate_adds_the_attention_buffers(model):
+    """On a GPU the temporaries are the attention's working buffers (scratch_floats),
+    and the line says GPU memory; the host estimate has none without dropout."""
+    from llamatune.kernels.cuda.attention import scratch_floats
+    host = planner(model)
+    gpu = Planner(host.cfg, host.targets, host.base, 100 << 20, model.path.stat().st_size,
+                  model.dequantizer.nbytes, 0.0, device=True)
+    cfg = model.config
+    for mode in ("none", "selective", "layer"):
+        h, g = host.estimate(4, 64, mode), gpu.estimate(4, 64, mode)
+        assert h.temporaries == 0
+        assert g.temporaries == 4 * scratch_floats(4, 64, cfg.n_head, cfg.n_head_kv, cfg.head_dim) > 0
+        assert g.total == h.total + g.temporaries
+    assert "of GPU memory" in gpu.estimate(4, 64, "layer").describe()
+    assert "of GPU memory" not in host.estimate(4, 64, "layer").describe()
+
+
+def test_free_memory_is_the_hosts_on_the_cpu_and_unknown_in_the_simulator(monkeypatch):
+    from types import SimpleNamespace
+    import llamatune.train.memory as memory
+    monkeypatch.setattr(memory, "available_memory", lambda: 12345)
+    assert memory.free_memory(SimpleNamespace(name="cpu", on_host=True)) == 12345
+    assert memory.free_memory(SimpleNamespace(name="cuda", on_host=True)) is None
+
+
+def test_free_memory_on_a_gpu_counts_cupys_unused_pool():
+    """cudaMemGetInfo's free bytes plus the pool's cached, unused ones (a fake CuPy)."""
+    from types import SimpleNamespace
+    from llamatune.train.memory import device_runtime_bytes, free_memory
+    pool = SimpleNamespace(free_bytes=lambda: 300, used_bytes=lambda: 7000)
+    xp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (5000, 90000))),
+                         get_default_memory_pool=lambda: pool)
+    gpu = SimpleNamespace(name="cuda", on_host=False, xp=xp)
+    assert free_memory(gpu) == 5300
+    assert device_runtime_bytes(gpu) == 7000

@@ -39,6 +39,6 @@ def test_sgd_trains(tmp_path, tiny_model):
 def test_memory_estimate_refuses_what_does_not_fit(tmp_path, tiny_model, monkeypatch):
     import llamatune.train.trainer as trainer
     from llamatune.commands.finetune import finetune
-    monkeypatch.setattr(trainer, "available_memory", lambda: 1000)
+    monkeypatch.setattr(trainer, "free_memory", lambda backend: 1000)
     with pytest.raises(LlamatuneError, match=r"training needs about .* GiB but only 0.00 GiB is available"):
         finetune(options(tmp_path, tiny_model), quiet=True)

@@ -58,7 +58,7 @@ from ._common import (MAX_THREADS, SIM, block_max, block_sum, cdiv, check, check
 SCORE_FLOATS = 1 << 25  # 128 MiB per score buffer (the backward holds two)
 MIN_BLOCK = 64          # query rows of a block when the budget allows
 
-__all__ = ["attention_forward", "attention_backward", "query_block"]
+__all__ = ["attention_forward", "attention_backward", "query_block", "scratch_floats"]
 
 
 # ------------------------------------------------------------------- kernels
@@ -216,6 +216,16 @@ def query_block(B: int, NH: int, T: int, S: int) -> int:
     where a (B*NH, rows, S) score buffer would pass SCORE_FLOATS (at least 1)."""
     rows = min(T, max(MIN_BLOCK, cdiv(T, 4)))
     return max(1, min(rows, SCORE_FLOATS // max(1, B * NH * S)))
+
+
+def scratch_floats(B: int, T: int, NH: int, NKV: int, HS: int) -> int:
+    """The most float32s a training call (the backward; its forward holds less) has
+    allocated at once: head-major copies of q, dout (and dout * out, summed into D),
+    k, v; D; dk, dv transposed; two score buffers; a block's product outputs and the
+    copies CuPy makes of non-contiguous operands (at most a q block and a k slice)."""
+    N, bq = B * T, query_block(B, NH, T, T)
+    return (N * (3 * NH * HS + 4 * NKV * HS + NH) + 2 * B * NH * bq * T
+            + 2 * B * NH * bq * HS + 2 * B * NKV * T * HS)
 
 
 def _starts(xp, segments, B, T):

@@ -12,6 +12,12 @@ The estimate adds up, for a (batch, ctx, mode):
     same list the graph allocates from.
   - temporaries: arrays numpy creates inside a step (dropout masks and the inputs
     they multiply).
+On a GPU (`Planner(device=True)`) the same sum is of GPU memory: runtime is what
+CuPy's pool holds when training starts (the parameters, gradients and moments, the
+norm vectors), model the base model's bytes (uploaded in their stored form), and
+the temporaries add the attention's working buffers (kernels/cuda/attention.py
+`scratch_floats`); what is free is the GPU's free memory plus what CuPy's pool holds
+unused (`free_memory`). The CUDA context and cuBLAS's workspace are outside both.
 `auto` picks the fastest mode whose estimate fits; a run that fits in no mode is
 refused with what would fit.
 """
@@ -44,6 +50,24 @@ def _proc_bytes(path: str, key: str) -> int | None:
 
 def available_memory() -> int | None:
     return _proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+def free_memory(backend) -> int | None:
+    """Memory a run can still take where its buffers live: the host's available memory
+    for the CPU; on a GPU its free memory (cudaMemGetInfo) plus the bytes CuPy's pool
+    holds unused; None for the CUDA simulator (its device arrays are host arrays of a
+    test-sized model)."""
+    if backend.name == "cpu":
+        return available_memory()
+    if backend.on_host:
+        return None
+    free, _ = backend.xp.cuda.runtime.memGetInfo()
+    return int(free) + int(backend.xp.get_default_memory_pool().free_bytes())
+
+
+def device_runtime_bytes(backend) -> int:
+    """GPU memory this process's arrays hold now (CuPy's pool, in use)."""
+    return int(backend.xp.get_default_memory_pool().used_bytes())
 
 
 def resident_bytes(exclude: Path | None = None) -> tuple[int, int]:
@@ -98,30 +122,42 @@ class Estimate:
         """What training adds to the process as measured (runtime is already resident)."""
         return self.total - self.runtime
 
+    device: bool = False    # GPU memory (Planner(device=True))
+
     def describe(self) -> str:
+        if self.device:
+            return (f"{gib(self.total)} of GPU memory with --checkpointing {self.mode} (activations and scratch "
+                    f"{gib(self.graph)}, attention and temporaries {gib(self.temporaries)}, base model "
+                    f"{gib(self.model)}, dequantization {gib(self.scratch)}, parameters and state "
+                    f"{gib(self.runtime)})")
         return (f"{gib(self.total)} with --checkpointing {self.mode} (activations and scratch {gib(self.graph)}, "
                 f"base model {gib(self.model)} mapped, dequantization {gib(self.scratch)}, "
                 f"runtime {gib(self.runtime)} measured)")
 
 
-def temporaries_bytes(cfg, B: int, T: int, dropout: float) -> int:
-    """Dropout's mask, its random draw and the masked input, alive together in a step."""
-    if dropout <= 0:
-        return 0
-    return 3 * 4 * B * T * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q)
+def temporaries_bytes(cfg, B: int, T: int, dropout: float, device: bool = False) -> int:
+    """Dropout's mask, its random draw and the masked input, alive together in a step;
+    on a GPU also the attention's working buffers."""
+    n = 3 * 4 * B * T * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q) if dropout > 0 else 0
+    if device:
+        from ..kernels.cuda.attention import scratch_floats
+        n += 4 * scratch_floats(B, T, cfg.n_head, cfg.n_head_kv, cfg.head_dim)
+    return n
 
 
 class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
-    def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float):
+    def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float,
+                 device: bool = False):
         self.cfg, self.targets, self.base = cfg, targets, base
         self.runtime, self.model_bytes, self.scratch_bytes, self.dropout = runtime, model_bytes, scratch_bytes, dropout
+        self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable)
         return Estimate(mode, self.runtime, self.model_bytes, self.scratch_bytes, plan_bytes(plan),
-                        temporaries_bytes(self.cfg, B, T, self.dropout))
+                        temporaries_bytes(self.cfg, B, T, self.dropout, self.device), self.device)
 
     def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
         """The estimate of `mode`, or for auto of the fastest mode that fits `available`

@@ -36,8 +36,9 @@ from .lora import LoraTarget
 from .memory import (
     Estimate,
     Planner,
-    available_memory,
     compile_kernels,
+    device_runtime_bytes,
+    free_memory,
     gib,
     measure_runtime,
 )
@@ -84,9 +85,11 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     and refuse a run that does not fit with what would."""
     o = job.opts
     compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()}, job.cfg)
-    planner = Planner(job.cfg, job.targets, job.base, measure_runtime(job.params, job.model_path),
-                      job.mapped_bytes, job.scratch_bytes, getattr(o, "lora_dropout", 0.0))
-    have = available_memory() if backend.name == "cpu" else None
+    device = backend.name != "cpu" and not backend.on_host          # a real GPU
+    runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
+    planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
+                      getattr(o, "lora_dropout", 0.0), device=device)
+    have = free_memory(backend)
     mode = o.checkpointing_mode()
     est = planner.choose(o.batch, o.ctx, mode, have)
     if not quiet:
@@ -95,8 +98,9 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
                   + (f", available {gib(have)}" if have else "") + chosen)
     if have is not None and est.added > have:
-        raise LlamatuneError(f"training needs about {gib(est.total)} but only {gib(have)} is available (besides "
-                             f"{gib(est.runtime)} in use; --checkpointing {est.mode}): "
+        where = " on the GPU" if device else ""
+        raise LlamatuneError(f"training needs about {gib(est.total)}{where} but only {gib(have)} is available "
+                             f"(besides {gib(est.runtime)} in use; --checkpointing {est.mode}): "
                              f"{planner.what_fits(o.batch, o.ctx, mode, have)}")
     return est
 
