@@ -150,7 +150,7 @@ def run_llamatune(spec: dict) -> dict:
     from llamatune.options import FinetuneOptions
     from llamatune.train.params import ParamBuffer
     from llamatune.models.weights import FrozenBase
-    backend = get_backend("cuda")
+    backend = get_backend("cuda", tf32=spec.get("tf32", False))   # sets CuPy's compute type either way
     xp = backend.xp
     if backend.on_host:                       # the simulator: numpy arrays are the device memory
         sync, mem, gpu = (lambda: None), (lambda: (None, None)), "numba CUDA simulator (numpy)"
@@ -259,7 +259,7 @@ def run_child(spec: dict, env: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- driver
-MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}}       # CuPy reads CUPY_TF32 at its first matmul
+MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}}       # and spec["tf32"]: get_backend sets the compute type
 COLS = [("tok/s", "tokens_per_s", "8.1f"), ("step s", "step_s", "7.3f"), ("1st s", "first_step_s", "6.1f"),
         ("est GB", "estimate_gb", "6.2f"), ("alloc GB", "peak_alloc_gb", "8.2f"),
         ("driver GB", "peak_driver_used_gb", "9.2f"),
@@ -340,7 +340,8 @@ def main() -> None:
         build(path, shape, qtype)
         for mode in modes:
             for ck in ckpts:
-                spec = dict(common, kind="llamatune", model=str(path), ckpt=ck, profile=a.profile)
+                spec = dict(common, kind="llamatune", model=str(path), ckpt=ck, profile=a.profile,
+                            tf32=mode == "tf32")
                 r = run_child(spec, MODE_ENV[mode])
                 record(r, spec, impl="llamatune", weights=qtype, mode=mode)
                 if "profile" in r:
