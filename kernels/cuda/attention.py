@@ -256,12 +256,15 @@ def _to_rows(dst, src, B, NKV, i0, i1):
 
 
 def _blocks(T, n_past, window, block_q):
-    """[(i0, i1, j0)]: query block [i0, i1) computes the keys [j0, n_past + i1)."""
+    """[(i0, i1, j0)]: query block [i0, i1) computes the keys [j0, n_past + i1); the
+    last block first. Its buffers that scale with the keys (CuPy's copies of key
+    slices, the dk and dv products) are the largest, and the later blocks' fit in
+    the pool memory they leave free, so the pool grows by one block's, not by all."""
     out = []
     for i0 in range(0, T, block_q):
         j0 = max(0, n_past + i0 - window + 1) if window > 0 else 0
         out.append((i0, min(T, i0 + block_q), j0))
-    return out
+    return out[::-1]
 
 
 def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
