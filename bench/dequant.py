@@ -8,6 +8,13 @@ The rate is the best of --repeat expansions after one warm-up (compilation exclu
 the least disturbed by other processes on a shared machine.
 
     python bench/dequant.py [--threads 1,2] [--repeat 300] [--types Q4_K,Q6_K] [--json]
+
+`--device cuda` times the CUDA kernels instead (llamatune.kernels.cuda.dequant) on a
+(11008, 4096) matrix, Llama-7B's largest: per call, the mean of --repeat launches
+queued back to back (the kernel's own time) and the best of 20 launches each waited
+for (launch included); GB/s counts the quantized bytes read and the float32 written.
+
+    python bench/dequant.py --device cuda [--types Q4_K,Q6_K,Q8_0] [--repeat 200]
 """
 from __future__ import annotations
 
@@ -56,15 +63,58 @@ def child(args) -> None:
     print(json.dumps(rows))
 
 
+def cuda_rows(args) -> list[dict]:
+    import numpy as np
+    import cupy
+    from gguf import GGMLQuantizationType as T
+
+    from llamatune.backend import get_backend
+    dequant = get_backend("cuda").ops.dequant
+    rows_, cols = 11008, 4096
+    x = np.random.default_rng(0).standard_normal((rows_, cols)).astype(np.float32)
+    out = cupy.empty((rows_, cols), np.float32)
+    sync = cupy.cuda.Device().synchronize
+    rows = []
+    for name in args.types:
+        host, qtype = data_of(name, x), int(T[name])
+        data = cupy.asarray(np.ascontiguousarray(host).reshape(rows_, -1))
+        dequant.dequantize_into(data, qtype, out)  # compile
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.repeat):
+            dequant.dequantize_into(data, qtype, out)
+        sync()
+        queued = (time.perf_counter() - t0) / args.repeat
+        waited = float("inf")
+        for _ in range(20):
+            t0 = time.perf_counter()
+            dequant.dequantize_into(data, qtype, out)
+            sync()
+            waited = min(waited, time.perf_counter() - t0)
+        moved = data.nbytes + out.nbytes
+        rows.append(dict(type=name, us=round(queued * 1e6, 1), us_waited=round(waited * 1e6, 1),
+                         gb_per_s=round(moved / queued / 1e9, 1)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--repeat", type=int, default=300)
     ap.add_argument("--types", default=TYPES, help="comma-separated GGML type names")
     ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.types = args.types.split(",")
+    if args.device == "cuda":
+        rows = cuda_rows(args)
+        print("dequantize a (11008, 4096) matrix on the GPU: mean of queued launches, best waited one")
+        print(f"{'type':>5} {'us':>8} {'waited us':>10} {'GB/s':>7}")
+        for r in rows:
+            print(json.dumps(r) if args.json else
+                  f"{r['type']:>5} {r['us']:>8} {r['us_waited']:>10} {r['gb_per_s']:>7}")
+        return
     if args.threads_child:
         child(args)
         return
