@@ -77,3 +77,40 @@ def test_quickstart_chat_leg(tiny_model, tmp_path, capsys):
     chat_leg(tmp_path, tiny_model, ctx=64, chat_ctx=256)
     assert (tmp_path / "chat-adapter-LATEST.gguf").exists()
     assert "6. chat finetune" in capsys.readouterr().out
+
+
+class _PieceTok:                     # ids are text pieces
+    def decode(self, ids):
+        return "".join(ids)
+
+
+def test_stream_stops_at_the_stop_text_and_holds_back_its_start():
+    from llamatune.commands.chat import stream_ids
+    got = []
+    pieces = iter(["Hel", "lo <|im", "_e", "nd|>", "\n<|im_start|>user"])
+    assert stream_ids(_PieceTok(), pieces, got.append, "<|im_end|>") == "Hello "
+    assert got == ["Hel", "lo "]                      # "<|im" was held back, then dropped
+    assert next(pieces) == "\n<|im_start|>user"        # the stream was left at the stop text
+    got = []
+    assert stream_ids(_PieceTok(), iter(["a <", "b", "<|i", "x"]), got.append, "<|im_end|>") == "a <b<|ix"
+    assert "".join(got) == "a <b<|ix" and got == ["a ", "<b", "<|ix"]   # held, then released
+    got = []
+    assert stream_ids(_PieceTok(), iter(["x <|im_"]), got.append, "<|im_end|>") == "x <|im_"
+    assert "".join(got) == "x <|im_"                   # what is held is written at the end
+
+
+def test_chat_answer_ends_at_the_templates_end_of_turn_text(tiny_model, monkeypatch):
+    """A vocabulary without <|im_end|> as a control token: the model writes it as ordinary
+    tokens, and the answer (shown and kept) ends before it."""
+    import llamatune.commands.chat as chat_mod
+    model = Model(tiny_model)
+    tok = model.tokenizer
+    template = load_template(tok, "chatml")
+    assert not tok.has_special_text("<|im_end|>")
+    reply = tok.encode("Fine thanks<|im_end|>\n<|im_start|>user\nmore", add_special=False)
+    monkeypatch.setattr(chat_mod, "generate_ids", lambda *a, **k: iter(reply))
+    chat = Chat(Runner(model), template, sampling=Sampling(n_predict=len(reply), temp=0, n_ctx=256))
+    shown = []
+    answer = chat.say("how are you", shown.append)
+    assert answer == "".join(shown) == tok.decode(tok.encode("Fine thanks", add_special=False))
+    assert chat.messages[-1]["content"] == answer

@@ -60,3 +60,28 @@ def test_gemma_text_matches_hf(k):
             return ["<bos>", "<eos>"][i]
     conv = GOLDEN["gemma"]["conversations"][k]
     assert ChatTemplate(BUILTIN["gemma"], Tok()).render(conv["messages"]) == conv["text"]
+
+
+class _TextTok:                                  # rendering needs only the special-token texts
+    bos_id, eos_id = 0, 1
+
+    def token_text(self, i):
+        return ["<s>", "</s>"][i]
+
+
+@pytest.mark.parametrize("name,want", [("chatml", "<|im_end|>"), ("phi3", "<|end|>"),
+                                       ("gemma", "<end_of_turn>"),
+                                       ("llama3", "<|eot_id|><|start_header_id|>user<|end_header_id|>"),
+                                       ("mistral", "</s>[INST]")])
+def test_stop_text_is_the_first_line_between_an_answer_and_the_next_question(name, want):
+    assert ChatTemplate(BUILTIN[name], _TextTok()).stop_text() == want
+
+
+def test_stop_text_of_plain_text_templates():
+    alpaca = ("{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n\n"
+              "{% else %}### Response:\n{{ m['content'] }}\n\n{% endif %}{% endfor %}")
+    assert ChatTemplate(alpaca, _TextTok()).stop_text() == "### Instruction:"
+    blank = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"          # turns apart by blank lines
+    assert ChatTemplate(blank, _TextTok()).stop_text() is None
+    strict = "{% if messages|length > 2 %}{{ raise_exception('one turn only') }}{% endif %}x"
+    assert ChatTemplate(strict, _TextTok()).stop_text() is None

@@ -3,7 +3,10 @@
 Each turn renders the whole conversation with the template and its generation
 prompt (as llama.cpp's llama-cli / HF `apply_chat_template(add_generation_prompt=True)`),
 generates with the KV-cached path of generate.py, streams the answer and stops at
-any end-of-generation token (EOS, <|im_end|>, <|eot_id|>, <end_of_turn>, ...).
+any end-of-generation token (EOS, <|im_end|>, <|eot_id|>, <end_of_turn>, ...), or
+where the answer's text reaches the template's end of turn (`ChatTemplate.stop_text`:
+a model whose vocabulary has no such control token writes it as ordinary tokens);
+text that may be the start of it is held back until it is known not to be.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ class Chat:
         self.messages: list[dict] = [{"role": "system", "content": system}] if system else []
         tok = runner.model.tokenizer
         self._stop = set(tok.eog_ids)
+        self._stop_text = template.stop_text()
 
     def say(self, text: str, write: Callable[[str], None] = lambda s: None) -> str:
         self.messages.append({"role": "user", "content": text})
@@ -41,24 +45,42 @@ class Chat:
         ids = self.template.prompt_tokens(self.messages)
         answer = stream_ids(self.runner.model.tokenizer,
                             generate_ids(self.runner, ids, s.n_predict, s.temp, s.top_k, s.top_p,
-                                         s.seed + len(self.messages), s.n_ctx, self._stop), write)
+                                         s.seed + len(self.messages), s.n_ctx, self._stop), write,
+                            self._stop_text)
         self.messages.append({"role": "assistant", "content": answer})
         return answer
 
 
-def stream_ids(tok, token_ids, write: Callable[[str], None]) -> str:
-    """Write the decoded text of a token stream as it grows (waiting out partial UTF-8); return it."""
+def _held(text: str, stop: str | None) -> int:
+    """Characters at the end of text that begin `stop` (0 without one)."""
+    if stop:
+        for k in range(min(len(stop) - 1, len(text)), 0, -1):
+            if text.endswith(stop[:k]):
+                return k
+    return 0
+
+
+def stream_ids(tok, token_ids, write: Callable[[str], None], stop: str | None = None) -> str:
+    """Write the decoded text of a token stream as it grows (waiting out partial UTF-8)
+    and return it; with `stop`, the text ends before its first occurrence of `stop`
+    (the stream is left there), and an end that may begin it is not written yet."""
     out: list[int] = []
     shown = 0
     text = ""
     for t in token_ids:
         out.append(t)
         text = tok.decode(out)
+        if stop and stop in text:
+            break
         if text.endswith("\ufffd"):
             continue
-        write(text[shown:])
-        shown = len(text)
+        upto = len(text) - _held(text, stop)
+        if upto > shown:
+            write(text[shown:upto])
+            shown = upto
     text = tok.decode(out)
+    if stop and stop in text:
+        text = text[:text.index(stop)]
     if len(text) > shown:
         write(text[shown:])
     return text

@@ -154,6 +154,25 @@ class ChatTemplate:
         except Exception as e:  # noqa: BLE001 - a template's own runtime error is a data problem
             raise LlamatuneError(f"{self.name}: rendering failed ({type(e).__name__}: {e})") from None
 
+    def stop_text(self) -> str | None:
+        """The text that ends an assistant turn when a model writes it as ordinary
+        tokens (a base model finetuned on a template whose markers are not control
+        tokens of its vocabulary): the first line of what the template puts between
+        an answer and the next user message, whitespace stripped (ChatML
+        "<|im_end|>", Phi-3 "<|end|>", an Alpaca-style "### Instruction:"). None
+        where that is only whitespace or a two-turn conversation does not render."""
+        answer, question = "LLAMATUNE-ANSWER", "LLAMATUNE-QUESTION"
+        try:
+            text = self.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": answer},
+                                {"role": "user", "content": question}])
+        except LlamatuneError:
+            return None
+        i, j = text.find(answer), text.find(question)
+        if i < 0 or j < i:
+            return None
+        between = text[i + len(answer):j].strip()
+        return between.splitlines()[0].strip() if between else None
+
     def prompt_tokens(self, messages: list[dict]) -> list[int]:
         """Ids of the conversation followed by the generation prompt (for `chat`)."""
         text = self.render(messages, add_generation_prompt=True)
