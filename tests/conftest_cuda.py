@@ -53,6 +53,22 @@ def enable_simulator_if_no_gpu() -> str:
     return "set"
 
 
+def cuda_or_skip():
+    """numba.cuda, with the simulator enabled where no GPU is; a module-level skip of the
+    calling test module where numba-cuda does not import or has nothing to run on."""
+    import pytest
+    state = enable_simulator_if_no_gpu()
+    try:
+        from numba import cuda
+    except ImportError as e:  # numba-cuda missing, or its CUDA bindings
+        pytest.skip(f"numba.cuda is not importable ({e}); install llamatune[cuda] or numba-cuda",
+                    allow_module_level=True)
+    if not cuda.is_available():
+        pytest.skip(f"no CUDA GPU and the CUDA simulator is not enabled (setup: {state}); "
+                    "run with NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
+    return cuda
+
+
 def make_simulator_shared_arrays_thread_safe() -> None:
     """Make numba-cuda's simulated `cuda.shared.array` safe under thread switches.
 

@@ -12,18 +12,9 @@ import math
 
 import numpy as np
 import pytest
-from conftest_cuda import enable_simulator_if_no_gpu
+from conftest_cuda import cuda_or_skip
 
-_SIM_STATE = enable_simulator_if_no_gpu()
-
-try:
-    from numba import cuda
-except ImportError as e:  # numba-cuda missing, or its CUDA bindings
-    pytest.skip(f"numba.cuda is not importable ({e}); install llamatune[cuda] or numba-cuda",
-                allow_module_level=True)
-if not cuda.is_available():
-    pytest.skip(f"no CUDA GPU and the CUDA simulator is not enabled (setup: {_SIM_STATE}); "
-                "run with NUMBA_ENABLE_CUDASIM=1", allow_module_level=True)
+cuda = cuda_or_skip()
 
 import gguf  # noqa: E402
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402

@@ -74,6 +74,17 @@ def _row(starts, packed, b, t, p, j0, window):
     return max(first - j0, 0), p + 1 - j0
 
 
+@cuda.jit(device=True)
+def _score_row(att, lse, i0):
+    """(bk, r, b, h, t) of this thread block's score row: batch matrix bk = b * NKV +
+    kv head, row r = (t - i0) * G + g, query t of query head h = kv head * G + g."""
+    r = cuda.blockIdx.x
+    bk = cuda.blockIdx.y
+    NKV = att.shape[0] // lse.shape[0]
+    G = lse.shape[1] // NKV
+    return bk, r, bk // NKV, (bk % NKV) * G + r % G, i0 + r // G
+
+
 @lru_cache(maxsize=None)
 def _softmax_kernel(packed: bool, capped: bool):
     NEG_INF = float32(-math.inf)
@@ -82,16 +93,10 @@ def _softmax_kernel(packed: bool, capped: bool):
     def kernel(att, lse, starts, i0, j0, n_past, scale, cap, kcap, window):
         # grid (TQ * G, B * NKV), block a power of two <= MAX_THREADS;
         # att (B*NKV, TQ*G, W): raw scores q.k in, P out; lse (B, NH, T) out
-        r = cuda.blockIdx.x
-        bk = cuda.blockIdx.y
+        bk, r, b, h, t = _score_row(att, lse, i0)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        NH, W = lse.shape[1], att.shape[2]
-        NKV = att.shape[0] // lse.shape[0]
-        G = NH // NKV
-        b = bk // NKV
-        h = (bk % NKV) * G + r % G
-        t = i0 + r // G
+        W = att.shape[2]
         p = n_past + t
         lo, hi = _row(starts, packed, b, t, p, j0, window)
         buf = cuda.shared.array(MAX_THREADS, float32)
@@ -129,16 +134,10 @@ def _softmax_backward_kernel(packed: bool, capped: bool):
     def kernel(att, dp, lse, dd, starts, i0, j0, scale, cap, kcap, window):
         # grid (TQ * G, B * NKV); att (B*NKV, TQ*G, W): raw scores q.k in, P out;
         # dp (same): dout.v in, dS out; lse (B, NH, T); dd (B, T, NH) rowsum(dout * out)
-        r = cuda.blockIdx.x
-        bk = cuda.blockIdx.y
+        bk, r, b, h, t = _score_row(att, lse, i0)
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
-        NH, W = lse.shape[1], att.shape[2]
-        NKV = att.shape[0] // lse.shape[0]
-        G = NH // NKV
-        b = bk // NKV
-        h = (bk % NKV) * G + r % G
-        t = i0 + r // G
+        W = att.shape[2]
         lo, hi = _row(starts, packed, b, t, t, j0, window)
         lse_i = lse[b, h, t]
         d = dd[b, t, h]
