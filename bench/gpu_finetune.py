@@ -348,6 +348,8 @@ def main() -> None:
                     print(r["profile"], flush=True)
     missing = [m for m in ("torch", "transformers", "peft") if importlib.util.find_spec(m) is None]
     dtypes = [t for t in a.torch.split(",") if t]
+    if any(t not in ("bf16", "fp32", "tf32") for t in dtypes):
+        ap.error(f"--torch takes bf16, fp32, tf32 (or '' to skip), got {a.torch!r}")
     if dtypes and missing:
         print(f"torch+peft baseline skipped: {', '.join(missing)} not installed", flush=True)
     elif dtypes:
