@@ -112,6 +112,7 @@ class Estimate:
     scratch: int            # dequantization scratch
     graph: int              # graph.buffer_plan
     temporaries: int        # numpy temporaries inside a step
+    device: bool = False    # GPU memory (Planner(device=True))
 
     @property
     def total(self) -> int:
@@ -121,8 +122,6 @@ class Estimate:
     def added(self) -> int:
         """What training adds to the process as measured (runtime is already resident)."""
         return self.total - self.runtime
-
-    device: bool = False    # GPU memory (Planner(device=True))
 
     def describe(self) -> str:
         if self.device:
