@@ -34,7 +34,10 @@ and the softmax rows numba-cuda kernels:
   overwritten; nothing uses atomics, so results are deterministic.
 The query block is sized so each score buffer stays under SCORE_FLOATS floats and
 the causal waste of the diagonal blocks is at most a quarter (at least four
-blocks once T >= 4 * MIN_BLOCK); the buffers come from CuPy's memory pool.
+blocks once T >= 4 * MIN_BLOCK); the buffers come from CuPy's memory pool, and the
+blocks run last first (`_blocks`), so the pool grows by one block's key-sized
+buffers. The kernels are built per (packed, capped), so the plain path has neither
+branch; the GPU memory estimate counts `scratch_floats`.
 Products run in float32, or TF32 after `llamatune.backend.set_tf32`.
 
 Arrays: float32 device arrays (CuPy, numba DeviceNDArray or anything exporting
