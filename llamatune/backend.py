@@ -97,8 +97,31 @@ def _cuda() -> Backend:
         import cupy
     except ImportError:
         raise LlamatuneError("--device cuda needs CuPy for cuBLAS matmuls: pip install 'llamatune[cuda]'") from None
+    select_gpu(cuda_module(), cupy)
     kc.launch_without_sync()
     return Backend("cuda", cupy, ops)
+
+
+def cuda_module():
+    from numba import cuda
+    return cuda
+
+
+def select_gpu(cuda, cupy, environ=None) -> int | None:
+    """Under an MPI launcher with several ranks on this machine, make this rank's GPU
+    the one of index (local rank mod visible GPUs), for numba-cuda and CuPy alike
+    (one GPU per local rank, as Horovod and PyTorch DDP place them); before any CUDA
+    context exists. Returns the index chosen, or None (one rank: the default GPU)."""
+    import os
+
+    from .train.distributed import local_rank, local_ranks
+    environ = os.environ if environ is None else environ
+    if local_ranks(environ) <= 1:
+        return None
+    i = local_rank(environ) % max(1, len(cuda.gpus))
+    cuda.select_device(i)
+    cupy.cuda.Device(i).use()
+    return i
 
 
 class _SharedMemoryOps:

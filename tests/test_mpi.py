@@ -299,3 +299,34 @@ def test_parameters_that_drift_apart_stop_training(tmp_path):
         distributed.check_identical_parameters(world, params, 7)
     with pytest.raises(LlamatuneError, match=r"ranks were given different options \(rank 0 vs rank\(s\) 1\)"):
         distributed.check_same_job(world, FinetuneOptions(), 1, "x")
+
+
+def test_local_rank_from_each_launchers_variable():
+    assert distributed.local_rank({}) == 0                                    # not under MPI
+    assert distributed.local_rank({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
+    assert distributed.local_rank({"PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}) == 1
+    assert distributed.local_rank({"PMIX_RANK": "5", "SLURM_LOCALID": "2"}) == 2
+    assert distributed.local_rank({"OMPI_COMM_WORLD_SIZE": "4"}) == 0         # no local rank given
+
+
+def test_each_local_rank_takes_its_own_gpu():
+    """One GPU per local rank (local rank mod visible GPUs), set for numba and CuPy; a
+    single rank keeps the default GPU. Fake numba.cuda and CuPy modules."""
+    from types import SimpleNamespace
+    from llamatune.backend import select_gpu
+    picked = []
+
+    def fakes(n_gpus):
+        cuda = SimpleNamespace(gpus=[object()] * n_gpus, select_device=lambda i: picked.append(("numba", i)))
+        device = lambda i: SimpleNamespace(use=lambda: picked.append(("cupy", i)))  # noqa: E731
+        return cuda, SimpleNamespace(cuda=SimpleNamespace(Device=device))
+    env = {"OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}
+    assert select_gpu(*fakes(4), env) == 3
+    assert picked == [("numba", 3), ("cupy", 3)]
+    picked.clear()
+    assert select_gpu(*fakes(2), env) == 1                                     # 4 ranks share 2 GPUs
+    assert picked == [("numba", 1), ("cupy", 1)]
+    picked.clear()
+    assert select_gpu(*fakes(4), {"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}) is None
+    assert select_gpu(*fakes(4), {}) is None
+    assert picked == []

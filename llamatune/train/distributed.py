@@ -39,6 +39,8 @@ from ..errors import LlamatuneError
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
 # Ranks on this machine (to share its cores): Open MPI, MPICH hydra, Slurm
 LOCAL_SIZE_VARS = ("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+# This rank's index among them (to pick its GPU)
+LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 def launched_by_mpi(environ=os.environ) -> bool:
@@ -55,6 +57,18 @@ def local_ranks(environ=os.environ) -> int:
         except (KeyError, ValueError):
             continue
     return 1
+
+
+def local_rank(environ=os.environ) -> int:
+    """This rank's index among the ranks on its machine (0 when not launched by MPI)."""
+    if not launched_by_mpi(environ):
+        return 0
+    for k in LOCAL_RANK_VARS:
+        try:
+            return max(0, int(environ[k]))
+        except (KeyError, ValueError):
+            continue
+    return 0
 
 
 def share_cores(environ=os.environ) -> None:
