@@ -47,28 +47,26 @@ def launched_by_mpi(environ=os.environ) -> bool:
     return any(k in environ for k in LAUNCH_VARS)
 
 
+def _launcher_int(environ, names, least: int) -> int:
+    """The first of the launcher's variables `names` that holds an integer (at least
+    `least`); `least` when not launched by MPI or none does."""
+    if launched_by_mpi(environ):
+        for k in names:
+            try:
+                return max(least, int(environ[k]))
+            except (KeyError, ValueError):
+                continue
+    return least
+
+
 def local_ranks(environ=os.environ) -> int:
     """Ranks the launcher placed on this machine (1 when not launched by MPI)."""
-    if not launched_by_mpi(environ):
-        return 1
-    for k in LOCAL_SIZE_VARS:
-        try:
-            return max(1, int(environ[k]))
-        except (KeyError, ValueError):
-            continue
-    return 1
+    return _launcher_int(environ, LOCAL_SIZE_VARS, 1)
 
 
 def local_rank(environ=os.environ) -> int:
     """This rank's index among the ranks on its machine (0 when not launched by MPI)."""
-    if not launched_by_mpi(environ):
-        return 0
-    for k in LOCAL_RANK_VARS:
-        try:
-            return max(0, int(environ[k]))
-        except (KeyError, ValueError):
-            continue
-    return 0
+    return _launcher_int(environ, LOCAL_RANK_VARS, 0)
 
 
 def share_cores(environ=os.environ) -> None:
