@@ -114,7 +114,7 @@ def select_gpu(cuda, cupy, environ=None) -> int | None:
     context exists. Returns the index chosen, or None (one rank: the default GPU)."""
     import os
 
-    from .train.distributed import local_rank, local_ranks
+    from .launcher import local_rank, local_ranks
     environ = os.environ if environ is None else environ
     if local_ranks(environ) <= 1:
         return None

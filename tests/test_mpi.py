@@ -22,6 +22,7 @@ import pytest
 
 from llamatune.train import checkpoint as ckpt
 from llamatune.train import distributed
+from llamatune import launcher
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions
@@ -31,7 +32,7 @@ from conftest import TEXT
 # as root, Open MPI refuses to start without these; one thread per process for exact comparisons
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
        "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-for _k in distributed.LAUNCH_VARS:          # the test process itself must not look MPI-launched
+for _k in launcher.LAUNCH_VARS:          # the test process itself must not look MPI-launched
     ENV.pop(_k, None)
 CLI = [sys.executable, "-m", "llamatune.cli.main"]
 
