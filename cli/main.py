@@ -19,7 +19,7 @@ from .help import App
 
 app = App(
     name="llamatune",
-    help="LoRA-finetune GGUF llama-family models (quantized ones too) on CPU, and hand the result back to llama.cpp.",
+    help="LoRA-finetune GGUF llama-family models (quantized ones too) on a CPU or an NVIDIA GPU, and hand the result back to llama.cpp.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
