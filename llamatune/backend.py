@@ -17,6 +17,7 @@ without any CUDA library installed (`pip install llamatune[cuda]` adds them).
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +36,11 @@ class Backend:
     xp: Any                 # numpy or cupy: array creation and math, matmuls
     ops: SimpleNamespace    # kernel modules with the same API on every backend
     simulated: bool = False
+
+    @property
+    def gpu(self) -> bool:
+        """Arrays live in a real GPU's memory (cuda, not the simulator)."""
+        return self.name == "cuda" and not self.simulated
 
     @property
     def on_host(self) -> bool:
@@ -97,25 +103,18 @@ def _cuda() -> Backend:
         import cupy
     except ImportError:
         raise LlamatuneError("--device cuda needs CuPy for cuBLAS matmuls: pip install 'llamatune[cuda]'") from None
-    select_gpu(cuda_module(), cupy)
+    from numba import cuda
+    select_gpu(cuda, cupy)
     kc.launch_without_sync()
     return Backend("cuda", cupy, ops)
 
 
-def cuda_module():
-    from numba import cuda
-    return cuda
-
-
-def select_gpu(cuda, cupy, environ=None) -> int | None:
+def select_gpu(cuda, cupy, environ=os.environ) -> int | None:
     """Under an MPI launcher with several ranks on this machine, make this rank's GPU
     the one of index (local rank mod visible GPUs), for numba-cuda and CuPy alike
     (one GPU per local rank, as Horovod and PyTorch DDP place them); before any CUDA
     context exists. Returns the index chosen, or None (one rank: the default GPU)."""
-    import os
-
     from .launcher import local_rank, local_ranks
-    environ = os.environ if environ is None else environ
     if local_ranks(environ) <= 1:
         return None
     i = local_rank(environ) % max(1, len(cuda.gpus))

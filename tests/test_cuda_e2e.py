@@ -165,3 +165,9 @@ def test_finetune_on_cuda_resumes_on_cpu(cuda, micro_model, tmp_path):
     res = finetune(FinetuneOptions(device="cpu", adam_iter=3, checkpoint_in=tmp_path / "chk-LATEST.gguf", **common),
                    quiet=True)
     assert res.state.iteration == 3 and np.isfinite(res.losses[-1])
+
+
+def test_backend_gpu_is_a_real_gpu_only(cuda):
+    from llamatune.backend import cpu
+    assert cpu().gpu is False
+    assert cuda.gpu is (not cuda.simulated)

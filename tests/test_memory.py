@@ -219,8 +219,8 @@ def test_free_memory_is_the_hosts_on_the_cpu_and_unknown_in_the_simulator(monkey
     from types import SimpleNamespace
     import llamatune.train.memory as memory
     monkeypatch.setattr(memory, "available_memory", lambda: 12345)
-    assert memory.free_memory(SimpleNamespace(name="cpu", on_host=True)) == 12345
-    assert memory.free_memory(SimpleNamespace(name="cuda", on_host=True)) is None
+    assert memory.free_memory(SimpleNamespace(name="cpu", on_host=True, gpu=False)) == 12345
+    assert memory.free_memory(SimpleNamespace(name="cuda", on_host=True, gpu=False)) is None
 
 
 def test_free_memory_on_a_gpu_counts_cupys_unused_pool():
@@ -230,6 +230,6 @@ def test_free_memory_on_a_gpu_counts_cupys_unused_pool():
     pool = SimpleNamespace(free_bytes=lambda: 300, used_bytes=lambda: 7000)
     xp = SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(memGetInfo=lambda: (5000, 90000))),
                          get_default_memory_pool=lambda: pool)
-    gpu = SimpleNamespace(name="cuda", on_host=False, xp=xp)
+    gpu = SimpleNamespace(name="cuda", on_host=False, gpu=True, xp=xp)
     assert free_memory(gpu) == 5300
     assert device_runtime_bytes(gpu) == 7000

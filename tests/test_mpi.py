@@ -22,7 +22,7 @@ import pytest
 
 from llamatune.train import checkpoint as ckpt
 from llamatune.train import distributed
-from llamatune import launcher
+from llamatune.launcher import LAUNCH_VARS, launched_by_mpi, local_rank, local_ranks
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions
@@ -32,7 +32,7 @@ from conftest import TEXT
 # as root, Open MPI refuses to start without these; one thread per process for exact comparisons
 ENV = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
        "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
-for _k in launcher.LAUNCH_VARS:          # the test process itself must not look MPI-launched
+for _k in LAUNCH_VARS:          # the test process itself must not look MPI-launched
     ENV.pop(_k, None)
 CLI = [sys.executable, "-m", "llamatune.cli.main"]
 
@@ -258,9 +258,9 @@ def test_resume_freezes_the_global_batch_not_grad_acc(tmp_path):
 
 
 def test_launch_detection_and_core_sharing():
-    assert not distributed.launched_by_mpi({})
-    assert distributed.local_ranks({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
-    assert distributed.local_ranks({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}) == 2
+    assert not launched_by_mpi({})
+    assert local_ranks({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
+    assert local_ranks({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}) == 2
     env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "NUMBA_NUM_THREADS": "3"}
     distributed.share_cores(env)
     assert env["OPENBLAS_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
@@ -303,11 +303,11 @@ def test_parameters_that_drift_apart_stop_training(tmp_path):
 
 
 def test_local_rank_from_each_launchers_variable():
-    assert distributed.local_rank({}) == 0                                    # not under MPI
-    assert distributed.local_rank({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
-    assert distributed.local_rank({"PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}) == 1
-    assert distributed.local_rank({"PMIX_RANK": "5", "SLURM_LOCALID": "2"}) == 2
-    assert distributed.local_rank({"OMPI_COMM_WORLD_SIZE": "4"}) == 0         # no local rank given
+    assert local_rank({}) == 0                                    # not under MPI
+    assert local_rank({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}) == 3
+    assert local_rank({"PMI_SIZE": "2", "MPI_LOCALRANKID": "1"}) == 1
+    assert local_rank({"PMIX_RANK": "5", "SLURM_LOCALID": "2"}) == 2
+    assert local_rank({"OMPI_COMM_WORLD_SIZE": "4"}) == 0         # no local rank given
 
 
 def test_each_local_rank_takes_its_own_gpu():

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..errors import LlamatuneError
-from ..launcher import launched_by_mpi, local_rank, local_ranks  # noqa: F401  (here for callers)
+from ..launcher import launched_by_mpi, local_ranks
 
 
 def share_cores(environ=os.environ) -> None:

@@ -59,7 +59,7 @@ def free_memory(backend) -> int | None:
     test-sized model)."""
     if backend.name == "cpu":
         return available_memory()
-    if backend.on_host:
+    if not backend.gpu:
         return None
     free, _ = backend.xp.cuda.runtime.memGetInfo()
     return int(free) + int(backend.xp.get_default_memory_pool().free_bytes())

@@ -85,7 +85,7 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     and refuse a run that does not fit with what would."""
     o = job.opts
     compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()}, job.cfg)
-    device = backend.name != "cpu" and not backend.on_host          # a real GPU
+    device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
     planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
                       getattr(o, "lora_dropout", 0.0), device=device)
@@ -307,6 +307,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     grads = distributed.GradientSum(world, job.params)
     distributed.check_identical_parameters(world, job.params, state.iteration)
     clock = TrainClock()
+    first_seconds = 0.0                            # training time when the first step ended
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
     with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
@@ -347,7 +348,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
                 state.loss_ema = float(np.float32(ema))  # as the checkpoint keeps it: a resumed run goes on from the same value
                 losses.append(loss)
-                first_seconds = clock.seconds() if len(losses) == 1 else first_seconds
+                if len(losses) == 1:
+                    first_seconds = clock.seconds()
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / max(clock.seconds(), 1e-9))
             metrics.step(state, loss, lr, gnorm, n_targets)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
