@@ -31,17 +31,18 @@ it), so query i sees exactly the keys [start_i, i], start_i the first token of i
 sample. A token always sees itself, so no softmax row is ever empty (no 0/0, no
 -inf lse). segments=None is the plain causal mask (start_i = 0).
 
-Layout of the computation. The work is split into items, one per (batch element,
-kv head): the G = NH // NKV query heads of a kv head share its K and V, so K and V
-are never repeated and the items write disjoint parts of every output. Within an
-item:
+Layout of the computation. The work is split into tiles, each a batch row and a
+run of its kv heads (`_tiles`): the G = NH // NKV query heads of a kv head share
+its K and V, so K and V are never repeated and the tiles write disjoint parts of
+every output. Within a tile:
 * queries go in blocks of _QBLOCK rows; block [i0, i1) only meets keys
   [lo_i0, n_past + i1), lo_i0 the first key its first row sees, which skips most
   of the masked upper triangle (and, for packed rows, the keys of earlier samples;
   with a window, the keys that slid out of it) and bounds the score buffer to
-  (G, _QBLOCK, S), allocated once per worker and call;
-* the T x S products are batched `np.matmul` calls over (G, TQ, HS) views (no
-  copies, except the q/dout blocks of the dk/dv products);
+  (nk, G, _QBLOCK, S), allocated once per worker and call;
+* the T x S products are numpy's batched `np.matmul` calls over (nk, G, TQ, HS)
+  views, K and V broadcast over each kv head's query heads (no copies, except the
+  q/dout blocks of the dk/dv products);
 * the masked softmax (and its backward) is a numba kernel over rows that only
   touches each row's visible keys [lo, hi) and writes 0 elsewhere. The
   exponential is vecmath.py's branch-free float32 polynomial (<= 3 ulp from libm's
@@ -58,14 +59,14 @@ item:
   their dS by ds/d(q.k); its tanh is vecmath's vectorized float32 one (within 1.2
   ulp of tanhf). The default path calls the softmax kernels exactly as
   before the options existed (same signature, no extra argument to dispatch).
-Threading: the items are dealt to numba.get_num_threads() threads of one pool,
+Threading: the tiles are dealt to numba.get_num_threads() threads of one pool,
 each running single-threaded BLAS (threadpoolctl) and serial kernels, so one call
 has one fork-join. Before, every one of the many small matmuls ran multi-threaded
 OpenBLAS and every softmax a numba prange: under CPU contention each of those
 joins waited for a descheduled thread, and the attention of the bench shape
 (B=8, T=256, NH=8, NKV=4, HS=64, 2 threads, load average ~30 on 2 cores) ran at
-0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 now (bench/attention.py).
-Results do not depend on the thread count.
+0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 then (bench/attention.py).
+Results do not depend on the thread count or the tiles.
 
 The backward is flash-attention style: it recomputes P = exp(s - lse) from the
 saved log-sum-exp, so no (T, T) probabilities are kept between the passes:
@@ -88,14 +89,17 @@ from .vecmath import row_max as _row_max
 from .vecmath import tanhf as _tanh
 
 _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms for 256
+_TILE_FLOATS = 1 << 20  # scores of a tile's query block, at most (4 MB float32; see _tiles)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _softmax_causal_kernel(att, lse, scale, lo, hi):
-    # att (G, TQ, S): raw scores q.k in; out P = exp(s*scale - lse), 0 outside [lo[i], hi[i])
-    # lse (G, TQ) out
-    NH, TQ, S = att.shape
-    for r in range(NH * TQ):
+    # att (R, TQ, S): raw scores q.k in, R = nk * G score rows of one block of a tile
+    # (kv heads, query heads of each); out P = exp(s*scale - lse), 0 outside
+    # [lo[i], hi[i]); lse (nk, G, TQ) out (a view into the (B, NH, T) lse)
+    R, TQ, S = att.shape
+    G = lse.shape[1]
+    for r in range(R * TQ):
         h = r // TQ
         i = r % TQ
         row = att[h, i]
@@ -113,23 +117,25 @@ def _softmax_causal_kernel(att, lse, scale, lo, hi):
         inv = 1 / tot
         for j in range(a, n):  # normalized as ggml's soft_max, on the row while in L1
             row[j] *= inv
-        lse[h, i] = mx + np.log(tot)
+        lse[h // G, h % G, i] = mx + np.log(tot)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
-    # att (G, TQ, S): raw scores q.k in, P out; dp (G, TQ, S): dout.v in, dS*scale out
-    # lse (G, TQ); out, dout (TQ, G, HS): this block's rows; visible keys [lo[i], hi[i])
-    NH, TQ, S = att.shape
-    HS = out.shape[2]
-    for r in range(NH * TQ):
+    # att (R, TQ, S): raw scores q.k in, P out; dp (R, TQ, S): dout.v in, dS*scale out
+    # (R = nk * G rows as in the forward); lse (nk, G, TQ); out, dout (TQ, nk, G, HS):
+    # this block's rows; visible keys [lo[i], hi[i])
+    R, TQ, S = att.shape
+    G, HS = out.shape[2], out.shape[3]
+    for r in range(R * TQ):
         h = r // TQ
         i = r % TQ
+        kh, g = h // G, h % G
         a, n = np.uint64(lo[i]), np.uint64(hi[i])
         d = scale - scale  # rowsum(dout * out) = rowsum(P * dP), in the array's type
         for c in range(HS):
-            d += dout[i, h, c] * out[i, h, c]
-        lse_i = lse[h, i]
+            d += dout[i, kh, g, c] * out[i, kh, g, c]
+        lse_i = lse[kh, g, i]
         row, drow = att[h, i], dp[h, i]
         for j in range(a, n):
             p = _exp(row[j] * scale - lse_i)
@@ -145,9 +151,9 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")  # vecmath.tanhf: see there
 def _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi):
-    # att (G, TQ, S): raw scores q.k in; out s = cap*tanh(q.k*kcap) (kcap = scale/cap) on
+    # att (R, TQ, S): raw scores q.k in; out s = cap*tanh(q.k*kcap) (kcap = scale/cap) on
     # each row's visible keys [lo[i], hi[i]), the rest untouched (the softmax kernels
-    # never read it); deriv: None, or (G, TQ, S) out: ds/d(q.k) = scale*(1 - tanh^2)
+    # never read it); deriv: None, or (R, TQ, S) out: ds/d(q.k) = scale*(1 - tanh^2)
     # there and 0 elsewhere. The softmax kernels then run on s with scale 1.
     NH, TQ, S = att.shape
     for r in range(NH * TQ):
@@ -281,6 +287,23 @@ def _blas_one_thread():
     return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
 
 
+def _tiles(B, NKV, pair_floats):
+    """[(b, ks)]: the tiles of the work, a batch row and a slice of its kv heads, as
+    many as keep the tile's score block within _TILE_FLOATS (`pair_floats` floats a
+    kv head), but at least as many tiles as worker threads while heads can be split.
+    Per tile, the products are numpy's batched matmuls over (kv heads, query heads)
+    and each softmax one kernel call. At the bench shape (B=8, T=256, 8 heads, 4 kv
+    heads, HS 64, two Zen 5 cores, OpenBLAS's AVX-512 kernels) the backward took
+    7.4 ms (packed rows 5.0) against 8.6 (6.3) with a tile per (row, kv head); tiles
+    of 4 rows x 4 kv heads (4 MB of scores) took 9.4 ms.
+    (HS 128, 32/8 heads, B=1: the same within 5 %.)"""
+    most = max(1, _TILE_FLOATS // pair_floats)
+    nk = min(NKV, most)
+    while B * -(-NKV // nk) < numba.get_num_threads() and nk > 1:
+        nk = -(-nk // 2)
+    return [(b, slice(h, min(NKV, h + nk))) for b in range(B) for h in range(0, NKV, nk)]
+
+
 def _run_items(work, n_items):
     """work(items) for the work items 0..n_items-1, dealt round-robin to
     numba.get_num_threads() workers (threads of one pool), BLAS at one thread."""
@@ -294,6 +317,25 @@ def _run_items(work, n_items):
             _POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "llamatune-attention")
         for f in [_POOL.submit(work, range(w, n_items, nw)) for w in range(nw)]:
             f.result()
+
+
+def _heads(a, G):
+    """(B, T, NKV * G, HS) -> (B, T, NKV, G, HS) view."""
+    B, T, _, HS = a.shape
+    return a.reshape(B, T, -1, G, HS)
+
+
+def _rows(a, b, i0, i1, ks):
+    """A tile's query rows [i0, i1) of a (B, T, NKV, G, HS) array as an (nk, G, TQ, HS)
+    view: the batched products' layout."""
+    return a[b, i0:i1, ks].transpose(1, 2, 0, 3)
+
+
+def _keys(a, b, j0, j1, ks, transpose=False):
+    """A tile's keys [j0, j1) of a (B, S, NKV, HS) array as an (nk, 1, W, HS) view
+    ((nk, 1, HS, W) transposed), broadcast over each kv head's query heads."""
+    kv = a[b, j0:j1, ks]
+    return (kv.transpose(1, 2, 0) if transpose else kv.transpose(1, 0, 2))[:, None]
 
 
 def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
@@ -317,24 +359,26 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
     row_scale = q.dtype.type(1) if softcap > 0 else scale  # capped rows are scaled already
     starts = _starts(segments, B, T, n_past)
     blocks = [_blocks(T, n_past, starts[b], window) for b in range(B)]
-    G, QB = NH // NKV, min(T, _QBLOCK)
+    G, QB, S = NH // NKV, min(T, _QBLOCK), n_past + T
+    tiles = _tiles(B, NKV, G * QB * S)
+    q5, out5, lse4 = _heads(q, G), _heads(out, G), lse.reshape(B, NKV, G, T)
 
     def work(items):
-        scratch = np.empty(G * QB * (n_past + T), q.dtype)  # the score block, reused
+        scratch = np.empty(tiles[0][1].stop * G * QB * S, q.dtype)  # the largest tile's scores
         for item in items:
-            b, kvh = divmod(item, NKV)
-            hs = slice(kvh * G, kvh * G + G)  # the query heads of kv head kvh
-            kT, vb = k[b, :, kvh].T, v[b, :, kvh]  # (HS, S), (S, HS) views
+            b, ks = tiles[item]
+            nk = ks.stop - ks.start
             for i0, i1, j0, lo, hi in blocks[b]:
                 TQ, W = i1 - i0, n_past + i1 - j0
-                att = scratch[: G * TQ * W].reshape(G, TQ, W)
-                np.matmul(q[b, i0:i1, hs].transpose(1, 0, 2), kT[:, j0:j0 + W], out=att)
+                att = scratch[: nk * G * TQ * W].reshape(nk, G, TQ, W)
+                np.matmul(_rows(q5, b, i0, i1, ks), _keys(k, b, j0, j0 + W, ks, True), out=att)
+                rows = att.reshape(nk * G, TQ, W)
                 if cap:  # s = cap*tanh(q.k*kcap) in place, then softmax(s * 1)
-                    _softcap_scores_kernel(att, None, cap, kcap, scale, lo, hi)
-                _softmax_causal_kernel(att, lse[b, hs, i0:i1], row_scale, lo, hi)
-                np.matmul(att, vb[j0:j0 + W], out=out[b, i0:i1, hs].transpose(1, 0, 2))
+                    _softcap_scores_kernel(rows, None, cap, kcap, scale, lo, hi)
+                _softmax_causal_kernel(rows, lse4[b, ks, :, i0:i1], row_scale, lo, hi)
+                np.matmul(att, _keys(v, b, j0, j0 + W, ks), out=_rows(out5, b, i0, i1, ks))
 
-    _run_items(work, B * NKV)
+    _run_items(work, len(tiles))
 
 
 def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
@@ -357,37 +401,48 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     starts = _starts(segments, B, T, 0)
     blocks = [_blocks(T, 0, starts[b], window) for b in range(B)]
     G, QB = NH // NKV, min(T, _QBLOCK)
+    tiles = _tiles(B, NKV, G * QB * T)
+    q5, dq5, dout5, out5 = (_heads(a, G) for a in (q, dq, dout, out))
+    lse4 = lse.reshape(B, NKV, G, T)
     dk[...] = 0.0  # the query blocks add their share below
     dv[...] = 0.0
 
     def work(items):
-        scratch = np.empty((3 if cap else 2, G * QB * T), q.dtype)  # P, dS (, ds/dqk) blocks
+        nk = tiles[0][1].stop  # the largest tile's kv heads
+        scores = np.empty((3 if cap else 2, nk * G * QB * T), q.dtype)  # P, dS (, ds/dqk)
+        rows_copy = np.empty(nk * G * QB * HS, q.dtype)  # q or dout rows, (G, TQ) merged
+        kv_part = np.empty(nk * T * HS, q.dtype)  # a block's share of dk or dv
         for item in items:
-            b, kvh = divmod(item, NKV)
-            hs = slice(kvh * G, kvh * G + G)
-            kb, vb = k[b, :, kvh], v[b, :, kvh]  # (T, HS) views
+            b, ks = tiles[item]
+            nk = ks.stop - ks.start
             for i0, i1, j0, lo, hi in blocks[b]:
                 TQ, W = i1 - i0, i1 - j0
-                qb = q[b, i0:i1, hs].transpose(1, 0, 2)  # (G, TQ, HS) views
-                dob = dout[b, i0:i1, hs].transpose(1, 0, 2)
-                att = scratch[0, : G * TQ * W].reshape(G, TQ, W)
-                dp = scratch[1, : G * TQ * W].reshape(G, TQ, W)
-                np.matmul(qb, kb[j0:i1].T, out=att)
-                np.matmul(dob, vb[j0:i1].T, out=dp)
+                n = nk * G * TQ * W
+                att, dp = (scores[j, :n].reshape(nk, G, TQ, W) for j in (0, 1))
+                qb, dob = _rows(q5, b, i0, i1, ks), _rows(dout5, b, i0, i1, ks)
+                kb = _keys(k, b, j0, i1, ks)
+                np.matmul(qb, kb.swapaxes(-1, -2), out=att)
+                np.matmul(dob, _keys(v, b, j0, i1, ks, True), out=dp)
+                rows, drows = att.reshape(-1, TQ, W), dp.reshape(-1, TQ, W)
                 if cap:  # the capped scores s and ds/d(q.k) (deriv), then dS = dS(s) * deriv
-                    deriv = scratch[2, : G * TQ * W].reshape(G, TQ, W)
-                    _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi)
-                _softmax_causal_backward_kernel(att, dp, lse[b, hs, i0:i1], out[b, i0:i1, hs],
-                                                dout[b, i0:i1, hs], row_scale, lo, hi)
+                    deriv = scores[2, :n].reshape(-1, TQ, W)
+                    _softcap_scores_kernel(rows, deriv, cap, kcap, scale, lo, hi)
+                _softmax_causal_backward_kernel(rows, drows, lse4[b, ks, :, i0:i1], out5[b, i0:i1, ks],
+                                                dout5[b, i0:i1, ks], row_scale, lo, hi)
                 if cap:
-                    dp *= deriv
+                    drows *= deriv
                 # dq rows of this block are complete: the block saw all their keys
-                np.matmul(dp, kb[j0:i1], out=dq[b, i0:i1, hs].transpose(1, 0, 2))
+                np.matmul(dp, kb, out=_rows(dq5, b, i0, i1, ks))
                 # dk, dv: contract over (G, TQ) at once, i.e. sum over the group's heads
-                dk[b, j0:i1, kvh] += dp.reshape(G * TQ, W).T @ qb.reshape(G * TQ, HS)
-                dv[b, j0:i1, kvh] += att.reshape(G * TQ, W).T @ dob.reshape(G * TQ, HS)
+                part = kv_part[: nk * W * HS].reshape(nk, W, HS)
+                for grad, ds, x in ((dk, dp, qb), (dv, att, dob)):
+                    xc = rows_copy[: nk * G * TQ * HS].reshape(nk, G, TQ, HS)
+                    xc[...] = x
+                    np.matmul(ds.reshape(nk, G * TQ, W).swapaxes(-1, -2), xc.reshape(nk, G * TQ, HS),
+                              out=part)
+                    grad[b, j0:i1, ks] += part.transpose(1, 0, 2)
 
-    _run_items(work, B * NKV)
+    _run_items(work, len(tiles))
 
 
 # ----------------------------------------------------------------------------

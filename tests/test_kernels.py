@@ -393,6 +393,56 @@ def test_attention_results_do_not_depend_on_threads():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("segmented", [False, True])
+def test_attention_results_do_not_depend_on_tiles(segmented, monkeypatch):
+    """Tiles of one kv head each, of two, and of all of a batch row's kv heads give the
+    same bits: outputs, lse and gradients, plain, soft-capped and windowed."""
+    import numba
+    monkeypatch.setattr(attention, "_QBLOCK", 4)  # several query blocks
+    rng = np.random.default_rng(27)
+    B, T, NH, NKV, HS = 3, 11, 6, 3, 5
+    q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
+    dout = randn(rng, B, T, NH, HS)
+    seg = packed_segments(rng, B, T) if segmented else None
+    pair = (NH // NKV) * 4 * T                                   # score floats of one kv head
+    heads = {1: [1] * NKV, 2 * pair: [2, 1], 10 ** 9: [NKV]}      # _TILE_FLOATS: tiles' kv heads
+    before = numba.get_num_threads()
+    try:
+        numba.set_num_threads(1)
+        for opts in ({}, {"softcap": 2.0}, {"window": 3}):
+            results = []
+            for floats, want in heads.items():
+                monkeypatch.setattr(attention, "_TILE_FLOATS", floats)
+                tiles = attention._tiles(B, NKV, pair)
+                assert [ks.stop - ks.start for _, ks in tiles] == want * B
+                r = [np.zeros_like(q), np.zeros((B, NH, T), F32), np.zeros_like(q), np.zeros_like(k),
+                     np.zeros_like(v)]
+                attention.attention_forward(*r[:2], q, k, v, 0, segments=seg, **opts)
+                attention.attention_backward(*r[2:], dout, q, k, v, *r[:2], segments=seg, **opts)
+                results.append(r)
+            for r in results[1:]:
+                for a, b in zip(results[0], r):
+                    np.testing.assert_array_equal(a, b)
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_attention_tiles_cover_every_pair_once_and_feed_every_thread():
+    import numba
+    before = numba.get_num_threads()
+    try:
+        for nw in range(1, min(4, numba.config.NUMBA_NUM_THREADS) + 1):
+            numba.set_num_threads(nw)
+            for B, NKV, most in [(8, 4, 16), (1, 4, 4), (1, 1, 8), (5, 3, 2), (2, 8, 100), (3, 2, 1)]:
+                tiles = attention._tiles(B, NKV, attention._TILE_FLOATS // most)
+                pairs = [(b, h) for b, ks in tiles for h in range(NKV)[ks]]
+                assert sorted(pairs) == [(b, h) for b in range(B) for h in range(NKV)]
+                assert all(ks.stop - ks.start <= most for _, ks in tiles)
+                assert len(tiles) >= min(nw, B * NKV)
+    finally:
+        numba.set_num_threads(before)
+
+
 @pytest.mark.parametrize("fns", impls(attention, "attention_forward", "attention_backward"))
 def test_attention_segments_fd(fns, monkeypatch):
     monkeypatch.setattr(attention, "_QBLOCK", 3)
