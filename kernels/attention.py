@@ -155,8 +155,8 @@ def _softcap_scores_kernel(att, deriv, cap, kcap, scale, lo, hi):
     # each row's visible keys [lo[i], hi[i]), the rest untouched (the softmax kernels
     # never read it); deriv: None, or (R, TQ, S) out: ds/d(q.k) = scale*(1 - tanh^2)
     # there and 0 elsewhere. The softmax kernels then run on s with scale 1.
-    NH, TQ, S = att.shape
-    for r in range(NH * TQ):
+    R, TQ, S = att.shape
+    for r in range(R * TQ):
         h = r // TQ
         i = r % TQ
         row = att[h, i]
