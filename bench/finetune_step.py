@@ -99,8 +99,21 @@ def sgemm_gflops(cpu: bool = False) -> float:
     return 2 * a.shape[0] * 512 * 1536 / best / 1e9
 
 
+def bound_table(rows, step_flops_: float, sgemm: float) -> str:
+    """`phases.product_bound`'s groups as a table, and what they leave of the step time
+    that 80 % of the sgemm rate allows."""
+    lines = [f"{'products':14} {'calls':>6} {'GFLOP':>7} {'in step s':>10} {'alone s':>8} {'alone GFLOP/s':>14}"]
+    for g, n, fl, step_s, alone_s in rows + [("all", *(sum(r[i] for r in rows) for i in range(1, 5)))]:
+        lines.append(f"{g:14} {n:6d} {fl / 1e9:7.1f} {step_s:10.3f} {alone_s:8.3f} {fl / alone_s / 1e9:14.1f}")
+    budget, alone = step_flops_ / (0.8 * sgemm * 1e9), sum(r[4] for r in rows)
+    lines.append(f"80 % of {sgemm:.0f} GFLOP/s allows {budget:.3f} s a step for its {step_flops_ / 1e9:.0f} GFLOP; "
+                 f"these products alone take {alone:.3f} s of it ({alone / budget:.0%}), leaving "
+                 f"{budget - alone:.3f} s for attention and everything else")
+    return "\n".join(lines)
+
+
 def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B, T: int = T,
-            cpu_clock: bool = False) -> dict:
+            cpu_clock: bool = False, bound: bool = False) -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
@@ -132,6 +145,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
     step_s, cpu_s = min(times[1:]), min(cpu[1:])   # the least disturbed step, as the sgemm rate
+    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # before the profile's, bound's arrays
     if profile:                                     # one more step under cProfile, to stderr
         import cProfile
         import pstats
@@ -143,9 +157,14 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
         from phases import profile_steps                # and three more split into phases
         clock = time.process_time if cpu_clock else time.perf_counter
         print(profile_steps(graph, params, inputs, targets_ids, w, steps + 2, opts, clock), file=sys.stderr)
+    if bound:                                       # each product of a step, in it and alone
+        from phases import product_bound
+        rows = product_bound(graph, params, inputs, targets_ids, w, steps + 1, opts)
     gf, gf_cpu = max(gf_before[0], sgemm_gflops()), max(gf_before[1], sgemm_gflops(cpu=True))
     flops = step_flops(cfg, B, T)
-    return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    if bound:
+        print(bound_table(rows, flops, gf), file=sys.stderr)
+    return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": peak_mb,
             "activations_mb": graph.activation_bytes() / 2**20, "step_gflop": flops / 1e9,
             "achieved_gflops": flops / step_s / 1e9, "sgemm_gflops": gf, "share_of_sgemm": flops / step_s / 1e9 / gf,
             "cpu_share_of_sgemm": flops / cpu_s / 1e9 / gf_cpu,
@@ -159,6 +178,8 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-bench"))
     ap.add_argument("--modes", default="selective,layer,none")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of one step of each configuration")
+    ap.add_argument("--bound", action="store_true",
+                    help="time each matmul product of a step in the step and alone (hot, best of 10)")
     ap.add_argument("--cpu-clock", action="store_true", help="phases in CPU seconds of the process (for 1 thread)")
     ap.add_argument("--arch", choices=("llama", "gemma2"), default="llama",
                     help="the bench shape as this architecture")
@@ -168,7 +189,8 @@ def main() -> None:
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CHECKPOINTING"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile, a.batch, a.ctx, a.cpu_clock)))
+        print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile, a.batch, a.ctx, a.cpu_clock,
+                                 a.bound)))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {a.ctx}, batch {a.batch}; "
@@ -182,9 +204,10 @@ def main() -> None:
         for mode in a.modes.split(","):
             run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode,
                                   "--batch", str(a.batch), "--ctx", str(a.ctx)]
-                                 + (["--profile"] if a.profile else []) + (["--cpu-clock"] if a.cpu_clock else []),
+                                 + (["--profile"] if a.profile else []) + (["--cpu-clock"] if a.cpu_clock else [])
+                                 + (["--bound"] if a.bound else []),
                                  capture_output=True, text=True, check=True)
-            if a.profile:
+            if a.profile or a.bound:
                 print(run.stderr)
             r = json.loads(run.stdout.strip().splitlines()[-1])
             print(f"{qtype:6} {mode:9} {r['tokens_per_s']:8.0f} {r['step_s']:7.2f} "

@@ -122,3 +122,90 @@ def instrument(graph, phases: Phases) -> None:
     graph.linear_backward = phases.timed("linear_backward glue", graph.linear_backward)
     graph._dropout_mask = phases.timed("dropout masks", graph._dropout_mask)
     graph._head = phases.timed("head", graph._head)
+
+
+def _operand(a) -> tuple:
+    """What a product's speed depends on: shape, element strides, dtype."""
+    return a.shape, tuple(s // a.itemsize for s in a.strides), a.dtype.str
+
+
+def _rebuild(sig, rng):
+    """A random array laid out as `sig` (_operand), over a buffer of its own."""
+    import numpy as np
+    shape, strides, dtype = sig
+    size = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
+    buf = rng.random(size).astype(dtype)
+    return np.lib.stride_tricks.as_strided(buf, shape, tuple(s * buf.itemsize for s in strides))
+
+
+def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat: int = 10):
+    """Every matmul product of one training step (graph.xp.matmul and the LoRA
+    backward's `@` products; not attention's, which are inside its kernel), timed
+    where it runs in the step and again alone: each distinct (shape, layout) replayed
+    on fresh arrays, the best of `repeat` runs, with its operands hot in cache.
+    Returns [(group, calls, flops, seconds in the step, seconds alone)] for the
+    groups "layers", "head" and "lora backward"."""
+    import numpy as np
+    from collections import Counter
+    from llamatune.train.optimizer import optimizer_step
+    calls: Counter = Counter()
+    in_step: dict[str, float] = defaultdict(float)
+    where = ["layers"]
+
+    def record(group, a, b, out=None):
+        calls[(group, _operand(a), _operand(b), None if out is None else _operand(out))] += 1
+
+    xp = graph.xp
+
+    def matmul(a, b, out=None):
+        record(where[0], a, b, out)
+        t = time.perf_counter()
+        r = xp.matmul(a, b, out=out)
+        if where[0] != "lora backward":                 # that group is timed as a whole
+            in_step[where[0]] += time.perf_counter() - t
+        return r
+    lora_backward, head = graph._lora_backward, graph._head
+
+    def lora(t, dy, xd, xa, dx, mask=None):            # its three `@` products, then the call
+        r = xa.shape[1]
+        dxa = np.empty((dy.shape[0], r), dy.dtype)
+        for a, b in ((dy.T, xa), (dy, params[t.b]), (xd.T, dxa)):
+            record("lora backward", a, b)
+        outer, where[0] = where[0], "lora backward"
+        tm = time.perf_counter()
+        lora_backward(t, dy, xd, xa, dx, mask)
+        in_step["lora backward"] += time.perf_counter() - tm
+        where[0] = outer
+
+    def in_head(*args, **kwargs):
+        where[0] = "head"
+        try:
+            return head(*args, **kwargs)
+        finally:
+            where[0] = "layers"
+    graph.xp = _Timed(xp, lambda name, f: matmul if name == "matmul" else f)
+    graph._lora_backward, graph._head = lora, in_head
+    try:
+        params.zero_grad()
+        graph.step(inputs, targets, weights, (0, it, 0))
+        optimizer_step(params, it, opts)
+    finally:
+        graph.xp = xp
+        del graph._lora_backward, graph._head
+    rng = np.random.default_rng(0)
+    alone: dict[str, float] = defaultdict(float)
+    flops: dict[str, float] = defaultdict(float)
+    n: dict[str, int] = defaultdict(int)
+    for (group, sa, sb, so), count in calls.items():
+        a, b = _rebuild(sa, rng), _rebuild(sb, rng)
+        out = None if so is None else _rebuild(so, rng)
+        np.matmul(a, b, out=out)
+        best = float("inf")
+        for _ in range(repeat):
+            t = time.perf_counter()
+            np.matmul(a, b, out=out)
+            best = min(best, time.perf_counter() - t)
+        alone[group] += count * best
+        flops[group] += count * 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        n[group] += count
+    return [(g, n[g], flops[g], in_step[g], alone[g]) for g in ("layers", "head", "lora backward") if n[g]]
