@@ -13,13 +13,15 @@ is the same ratio per CPU-second of the process (with NUMBA_NUM_THREADS=1
 OPENBLAS_NUM_THREADS=1, the single-core share, which other processes hardly
 disturb). `--profile` prints where one step's time goes: a
 cProfile of one step and the same step split into phases (each matmul product,
-dequantization, each kernel), exclusive seconds. `--model` runs a given GGUF
+dequantization, each kernel), exclusive seconds. `--bound` times each matmul product
+of a step where it runs and again alone (hot, same shapes and layouts), against the
+step time that 80 % of the sgemm rate allows (docs/performance.md). `--model` runs a given GGUF
 (e.g. a real model) instead of the bench shape, at `--batch` x `--ctx`. `--arch
 gemma2` builds the bench shape as a Gemma 2 model (GEGLU, soft-capped attention
 scores and logits, a 128-token window on every other layer; tied head).
 
     python bench/finetune_step.py [--steps 3] [--types q8_0,q4_k] [--modes selective,layer,none] [--arch gemma2]
-        [--workdir /tmp/llamatune-bench] [--profile [--cpu-clock]] [--model M.gguf --batch 8 --ctx 256]
+        [--workdir /tmp/llamatune-bench] [--profile [--cpu-clock]] [--bound] [--model M.gguf --batch 8 --ctx 256]
 """
 from __future__ import annotations
 
