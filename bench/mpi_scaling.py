@@ -8,9 +8,11 @@ batch of 16 samples per step in both configurations:
     1 rank  x 2 threads:  llamatune finetune --batch 8 --grad-acc 2 --threads 2
     2 ranks x 1 thread:   mpiexec -n 2 llamatune finetune --batch 8
 
-Steady-state tokens/s = (tokens of an (1+N)-step run - tokens of a 1-step run) /
-(difference of their training times), which removes start-up and the first
-step's numba cache loading. Also prints the gradient bytes each rank handed to
+Steady-state tokens/s: the command's own figure after the first step (which holds
+the numba cache loading and the first page-in) of a (1+N)-step run. (It used to be
+the difference of a (1+N)-step and a 1-step run, two processes whose first steps
+differ by a good part of a step: 2119 tokens/s for one process that reports 1874.)
+Also prints the gradient bytes each rank handed to
 MPI per step (llamatune's own count) and what summing micro-batch gradients in
 a separate buffer (exact order, distributed.GradientSum) costs one process.
 
@@ -64,7 +66,7 @@ def mpiexec() -> str:
 
 
 def finetune(prefix: list[str], env: dict, model: Path, text: Path, out: Path, steps: int, extra: list[str]):
-    """(seconds, tokens/s, stderr) of one run, from the command's own report."""
+    """(steady tokens/s, stderr) of one run, from the command's own report."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = prefix + [sys.executable, "-m", "llamatune.cli.main", "finetune", "--model-base", str(model),
                     "--train-data", str(text), "-c", str(T), "-b", str(B), "--lora-r", str(R),
@@ -74,8 +76,8 @@ def finetune(prefix: list[str], env: dict, model: Path, text: Path, out: Path, s
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{r.stderr[-3000:]}")
-    m = re.search(r"(\d+) steps? in ([\d.]+) s", r.stdout)
-    return float(m.group(2)), r.stderr
+    m = re.search(r"([\d,]+) after the first step", r.stdout)
+    return float(m.group(1).replace(",", "")), r.stderr
 
 
 def fold_cost(model: Path) -> tuple[int, float]:
@@ -115,10 +117,8 @@ def main() -> None:
     }
     print(f"{os.cpu_count()} CPUs; model {SHAPE} Q8_0; ctx {T}, {GLOBAL} samples per step, LoRA r {R}")
     for name, (prefix, env, extra) in configs.items():
-        t1, _ = finetune(prefix, env, model, text, a.workdir / "mpi" / name.replace(" ", ""), 1, extra)
-        tn, err = finetune(prefix, env, model, text, a.workdir / "mpi" / name.replace(" ", ""), 1 + a.steps, extra)
-        tps = a.steps * GLOBAL * T / (tn - t1)
-        line = f"{name}: {tps:6.0f} tokens/s ({(tn - t1) / a.steps:.2f} s per step of {GLOBAL * T} tokens)"
+        tps, err = finetune(prefix, env, model, text, a.workdir / "mpi" / name.replace(" ", ""), 1 + a.steps, extra)
+        line = f"{name}: {tps:6.0f} tokens/s ({GLOBAL * T / tps:.2f} s per step of {GLOBAL * T} tokens)"
         sent = re.search(r"each rank sent ([\d.]+) MiB and received ([\d.]+) MiB", err)
         if sent:
             line += f"; gradient bytes per rank per step: sent {sent.group(1)} MiB, received {sent.group(2)} MiB"
