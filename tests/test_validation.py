@@ -369,6 +369,25 @@ def test_training_without_matplotlib_gives_one_notice(tmp_path, tiny_model, monk
     assert err.count("no loss plot: plotting needs matplotlib") == 1 and not (tmp_path / "metrics.png").exists()
 
 
+def test_the_graph_is_released_before_the_plot(tmp_path, tiny_model, monkeypatch):
+    """The plot's matplotlib (30-40 MB) comes in after the step buffers are gone, so the
+    end of a run does not raise its peak memory above the estimate's."""
+    import gc
+    import weakref
+    import llamatune.train.trainer as trainer
+    graphs, alive = [], []
+    init = Graph.__init__
+
+    def keep(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        graphs.append(weakref.ref(self))
+    monkeypatch.setattr(Graph, "__init__", keep)
+    monkeypatch.setattr(trainer, "write_plot", lambda path, quiet: alive.extend(g() is not None for g in graphs))
+    finetune(options(tmp_path, tiny_model, adam_iter=2, eval_every=1, plot=True), quiet=True)   # with validation
+    gc.collect()
+    assert graphs and alive == [False] * len(graphs)
+
+
 def test_end_of_training_line_shows_the_validation_loss(capsys):
     from llamatune.cli.main import _report
     from llamatune.train.trainer import TrainResult

@@ -11,6 +11,7 @@ seen healthy), the metrics log (metrics.py), and validation with --save-best and
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from contextlib import contextmanager
@@ -364,6 +365,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                     files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
                 break
     seconds = clock.seconds()
+    del graph                                      # its buffers go before the plot brings in matplotlib
+    gc.collect()                                   # (30-40 MB): the end of a run needs no more than its steps
     if o.plot and world.is_root:
         write_plot(metrics.path, quiet)
     tokens_per_second = len(losses) * tokens_per_step / max(seconds, 1e-9)
