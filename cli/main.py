@@ -37,8 +37,8 @@ def friendly_errors(fn):
         except LlamatuneError as e:
             print(f"error: {_rank()}{e}", file=sys.stderr)
             _end_job(1)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
+        except KeyboardInterrupt as e:                 # Interrupted (training) says how to go on
+            print(f"interrupted {e}".rstrip(), file=sys.stderr)
             _end_job(130)
         except MemoryError:
             print(f"error: {_rank()}out of memory (try --checkpointing layer, a smaller --batch or a smaller --ctx)",

@@ -10,3 +10,7 @@ keeps its traceback.
 
 class LlamatuneError(Exception):
     """A user-facing error: one clear line, no traceback."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C in a training run; its message says where the run stands and how to go on."""

@@ -386,6 +386,46 @@ def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypa
     assert [p.name for p in res.files] == ["chk-2.gguf", "adapter-2.gguf", "adapter-LATEST.gguf", "chk-LATEST.gguf"]
 
 
+def interrupt_at(monkeypatch, call: int):
+    """Graph.step raises KeyboardInterrupt (Ctrl-C) at its `call`-th call (1-based)."""
+    from llamatune.train.graph import Graph
+    real, calls = Graph.step, []
+
+    def step(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == call:
+            raise KeyboardInterrupt
+        return real(self, *args, **kw)
+    monkeypatch.setattr(Graph, "step", step)
+
+
+def test_ctrl_c_says_where_the_run_stands_and_how_to_go_on(work, monkeypatch):
+    """A save due at iteration 2 is made during the 3rd step, the one due at 4 during the
+    5th: Ctrl-C in the 5th step leaves LATEST at iteration 2, and says so."""
+    from llamatune.errors import Interrupted
+    latest = work / "out/chk-LATEST.gguf"
+    interrupt_at(monkeypatch, 5)
+    with pytest.raises(Interrupted) as e:
+        finetune(options(work, adam_iter=8, save_every=2), quiet=True)
+    assert str(e.value) == f"at iteration 4; {latest} holds iteration 2: go on with --checkpoint-in {latest}"
+    assert ckpt.load(latest).state.iteration == 2
+    interrupt_at(monkeypatch, 1)                                       # resumed, then stopped at once
+    with pytest.raises(Interrupted) as e:
+        finetune(options(work, adam_iter=8, save_every=2, checkpoint_in=latest), quiet=True)
+    assert str(e.value) == f"at iteration 2; nothing saved since iteration 2: go on with --checkpoint-in {latest}"
+    interrupt_at(monkeypatch, 1)
+    with pytest.raises(Interrupted) as e:                              # a fresh run
+        finetune(options(work, adam_iter=8, save_every=3, checkpoint_out=work / "new/chk-ITERATION.gguf"), quiet=True)
+    assert str(e.value) == "at iteration 0; nothing saved yet (--save-every 3)"
+    interrupt_at(monkeypatch, 1)                                       # and on the command line
+    p = cli_here(*expand(FT[:-1] + ["8", "--save-every", "2", "--checkpoint-in", str(latest),
+                                    "--checkpoint-out", "{w}/out/chk-ITERATION.gguf",
+                                    "--lora-out", "{w}/out/adapter-ITERATION.gguf"], work))
+    assert p.returncode == 130 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("interrupted at iteration 2; nothing saved since iteration 2: "
+                                                 f"go on with --checkpoint-in {latest}")
+
+
 def test_guard_rules():
     g = Guard(4.0, 2)
     assert g.judge(5.0, 1.0) is None

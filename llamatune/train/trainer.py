@@ -17,13 +17,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
 
 from ..backend import cpu
 from ..console import err, notice
-from ..errors import LlamatuneError
+from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV
 from ..models.config import ModelConfig
 from ..options import TrainOptions
@@ -202,6 +203,27 @@ class TrainClock:
             self.excluded += time.perf_counter() - t
 
 
+@contextmanager
+def resume_hint(o, state: ckpt.TrainState):
+    """Turn Ctrl-C in a run into `Interrupted`, whose message says where the run stands
+    and how to go on from its last save; `.iteration` of what it yields: the iteration
+    the last save of this run holds (None: none yet)."""
+    saves = SimpleNamespace(iteration=None)
+    start = state.iteration
+    try:
+        yield saves
+    except KeyboardInterrupt:
+        here = f"at iteration {state.iteration}"
+        if saves.iteration is not None:
+            latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest or saves.iteration)
+            line = f"{here}; {latest} holds iteration {saves.iteration}: go on with --checkpoint-in {latest}"
+        elif start > 0:
+            line = f"{here}; nothing saved since iteration {start}: go on with --checkpoint-in {o.checkpoint_in}"
+        else:
+            line = f"{here}; nothing saved yet (--save-every {o.save_every})"
+        raise Interrupted(line) from None
+
+
 def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
                batches: list, bad: str | None, show) -> list[Path]:
     """Save the end of the run if the last step's batches still give a sane loss after
@@ -312,7 +334,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
     with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
-            metrics:
+            metrics, resume_hint(o, state) as saves:
         if validator is not None and state.iteration == 0:
             with clock.paused():
                 evaluate(job, graph, validator, state, batcher, metrics, show)
@@ -334,6 +356,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             if pending and not bad:                        # the state this step started from is healthy
                 with clock.paused():
                     files = save_all(job, state, batcher, data_state)
+                saves.iteration = state.iteration
                 show.line(saved_line(state, loss, files))
                 pending = False
             lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
@@ -362,7 +385,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
             if done:
                 with clock.paused():
-                    files = final_save(job, state, batcher, graph, guard, batches, bad, show) or files
+                    last = final_save(job, state, batcher, graph, guard, batches, bad, show)
+                if last:
+                    files, saves.iteration = last, state.iteration
                 break
     seconds = clock.seconds()
     del graph                                      # its buffers go before the plot brings in matplotlib
