@@ -92,6 +92,8 @@ class TrainOptions:
     metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
     plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
     # ---- data parallelism (distributed.py)
+    dry_run: bool = opt(False, "Load the model and data, print the memory each --checkpointing mode needs, "
+                        "which one auto picks and what a save writes, then stop: nothing is trained or written.", G_MEM)
     mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
     mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
     mpi_timeout: float = opt(600.0, "Under MPI: end the job when the other ranks do not join an exchange within this many seconds (a hung rank; 0: wait for ever).", G_MEM)

@@ -134,6 +134,53 @@ def test_refusal_says_what_would_fit(model, tmp_path, monkeypatch):
         finetune(o, quiet=True)
 
 
+def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypatch):
+    """--dry-run: one line per mode (the planner's own estimates), the mode auto takes,
+    what a save writes; no step, no file; and when nothing fits, what would."""
+    import re
+    import llamatune.train.trainer as trainer
+    from typer.testing import CliRunner
+    from llamatune.cli.main import app
+    from conftest import TEXT
+    (tmp_path / "d.txt").write_text(TEXT)
+    (tmp_path / "m.gguf").write_bytes(model.path.read_bytes())      # its own file: the module's model
+    steps = []                                                        # stays the only mapping of that one
+    monkeypatch.setattr(Graph, "step", lambda *a, **k: steps.append(1))
+    args = ["finetune", "--model-base", str(tmp_path / "m.gguf"), "--train-data", str(tmp_path / "d.txt"), "-c", "32",
+            "-b", "2", "--checkpoint-out", str(tmp_path / "out/c-ITERATION.gguf"),
+            "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--dry-run"]
+    made = []
+
+    class Seen(Planner):                                              # the run's own planner
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            made.append(self)
+    monkeypatch.setattr(trainer, "Planner", Seen)
+    free = {}
+    monkeypatch.setattr(trainer, "free_memory", lambda backend: free["bytes"])
+    free["bytes"] = 1 << 40
+    assert CliRunner().invoke(app, args).exit_code == 0
+    p = made[-1]
+    e = {m: p.estimate(2, 32, m) for m in ("layer", "selective", "none")}
+    free["bytes"] = e["selective"].added
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    e = {m: made[-1].estimate(2, 32, m) for m in e}                  # (its runtime measured again)
+    assert lines[0] == "dry run: nothing trained or written"
+    assert lines[1:4] == [f"  {e['layer'].describe()}  fits", f"  {e['selective'].describe()}  fits",
+                          f"  {e['none'].describe()}  does not fit"]
+    assert re.fullmatch(r"  available [\d.]+ GiB: --checkpointing auto picks selective", lines[4])
+    assert re.fullmatch(r"  each save writes [\d.]+ MiB: c-ITERATION.gguf [\d.]+ MiB, c-LATEST.gguf [\d.]+ MiB, "
+                        r"a-ITERATION.gguf [\d.]+ MiB, a-LATEST.gguf [\d.]+ MiB", lines[5])
+    assert steps == [] and sorted(f.name for f in tmp_path.iterdir()) == ["d.txt", "m.gguf"]
+    free["bytes"] = e["layer"].added - 1
+    r = CliRunner().invoke(app, args + ["--checkpointing", "none"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.splitlines()[4].endswith("no mode fits; " + made[-1].what_fits(2, 32, "none", free["bytes"]))
+    assert steps == [] and sorted(f.name for f in tmp_path.iterdir()) == ["d.txt", "m.gguf"]
+
+
 def test_checkpointing_option_and_its_old_spelling(tmp_path):
     assert FinetuneOptions().checkpointing_mode() == "auto"
     assert build_options(FinetuneOptions, {"use_checkpointing": True}).checkpointing_mode() == "selective"

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from ..backend import cpu
-from ..console import err, notice
+from ..console import err, notice, out
 from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV
 from ..models.config import ModelConfig
@@ -99,12 +99,35 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
         chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
                   + (f", available {gib(have)}" if have else "") + chosen)
+    if getattr(o, "dry_run", False):
+        if not quiet:
+            out.print(dry_run_report(planner, o.batch, o.ctx, mode, have, est, save_sizes(job, "ITERATION")))
+        return est
     if have is not None and est.added > have:
         where = " on the GPU" if device else ""
         raise LlamatuneError(f"training needs about {gib(est.total)}{where} but only {gib(have)} is available "
                              f"(besides {gib(est.runtime)} in use; --checkpointing {est.mode}): "
                              f"{planner.what_fits(o.batch, o.ctx, mode, have)}")
     return est
+
+
+def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None, chosen: Estimate,
+                   saves: list[tuple[Path, int]]) -> str:
+    """--dry-run: each mode's estimate, which one this run would take, what a save writes."""
+    lines = ["dry run: nothing trained or written"]
+    for m in ("layer", "selective", "none"):
+        e = planner.estimate(B, T, m)
+        fits = "" if have is None else ("  fits" if e.added <= have else "  does not fit")
+        lines.append(f"  {e.describe()}{fits}")
+    why = "--checkpointing auto picks" if mode == "auto" else "this run takes"
+    if have is not None and chosen.added > have:
+        lines.append(f"  available {gib(have)}: no mode fits; {planner.what_fits(B, T, mode, have)}")
+    else:
+        lines.append(f"  {'' if have is None else f'available {gib(have)}: '}{why} {chosen.mode}")
+    total = sum(n for _, n in saves)
+    lines.append(f"  each save writes {total / 2**20:,.1f} MiB: " + ", ".join(f"{p.name} {n / 2**20:,.1f} MiB"
+                                                                           for p, n in saves))
+    return "\n".join(lines)
 
 
 def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
@@ -151,16 +174,17 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     return files
 
 
-def save_sizes(job: Job) -> list[tuple[Path, int]]:
-    """(path, bytes) of each file the first save writes: the checkpoint holds the
+def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
+    """(path, bytes) of each file a save at `iteration` writes: the checkpoint holds the
     parameters and both Adam moments (f32) plus metadata; outputs as the job says."""
     o = job.opts
     meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
-    sizes = [(ckpt.iteration_path(o.checkpoint_out, 0), 3 * 4 * job.params.size + meta),
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, iteration), 3 * 4 * job.params.size + meta),
              (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), 3 * 4 * job.params.size + meta)]
     if job.output_size is not None:
         template, nbytes = job.output_size
-        sizes += [(ckpt.iteration_path(template, 0), nbytes), (ckpt.iteration_path(template, o.fn_latest), nbytes)]
+        sizes += [(ckpt.iteration_path(template, iteration), nbytes),
+                  (ckpt.iteration_path(template, o.fn_latest), nbytes)]
     return sizes
 
 
@@ -305,6 +329,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
     est = memory_estimate(job, backend, quiet)
+    if getattr(o, "dry_run", False):
+        return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
     validator = make_validator(job, state)
