@@ -12,5 +12,12 @@ class LlamatuneError(Exception):
     """A user-facing error: one clear line, no traceback."""
 
 
+def listed(problems: list[str], shown: int = 3) -> str:
+    """The first `shown` problems and how many more: a file made for another model has
+    a problem per tensor, and one readable line beats hundreds of clauses."""
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + (f"; and {more} more" if more > 0 else "")
+
+
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C in a training run; its message says where the run stands and how to go on."""

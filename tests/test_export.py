@@ -235,6 +235,22 @@ def test_all_adapter_problems_in_one_error_and_nothing_written(tmp_path, tiny_vo
     assert sorted(p.name for p in tmp_path.iterdir() if "out" in p.name) == []
 
 
+def test_an_adapter_of_another_model_gets_a_short_line(tmp_path, tiny_vocab):
+    """Every tensor of an adapter made for a wider model misfits: the error names the
+    first three problems and counts the rest."""
+    base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab)
+    wide = write_tiny_model(tmp_path / "wide.gguf", tiny_vocab, n_embd=128)
+    names = [n for n in GGUFFile(wide).tensors if n.endswith(("attn_q.weight", "attn_k.weight", "ffn_up.weight"))]
+    adapter = saved(tmp_path, make_adapter(wide, names), "wide-adapter.gguf")
+    with pytest.raises(LlamatuneError) as err:
+        export_lora(base, [(adapter, 1.0)], tmp_path / "out.gguf")
+    problems = [f"'{n}': lora_a" for n in names]
+    message = str(err.value)
+    assert [p in message for p in problems] == [True] * 3 + [False] * (len(names) - 3)
+    assert message.endswith(f"; and {len(names) - 3} more") and len(names) > 4
+    assert not (tmp_path / "out.gguf").exists()
+
+
 @pytest.mark.parametrize("call, pattern", [
     (lambda d: export_lora(d / "base.gguf", [(d / "a.gguf", 1.0)], d / "out.gguf", outtype="q9"),
      "unknown output type 'q9'"),

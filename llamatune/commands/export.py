@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..console import notice
-from ..errors import LlamatuneError
+from ..errors import LlamatuneError, listed
 from ..formats.adapter import LoraAdapter, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from ..kernels import dequant
@@ -105,7 +105,7 @@ def export_lora(model_base: str | Path, adapters: list[tuple[str | Path, float]]
             report.merged[t.name] = qtype.name
         tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype)))
     if problems:
-        raise LlamatuneError("cannot export: " + "; ".join(problems))
+        raise LlamatuneError("cannot export: " + listed(problems))
     for note in report.notes:
         notice(note)
     write_gguf(out, base.arch, _metadata(base, target), tensors)

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..console import notice
-from ..errors import LlamatuneError
+from ..errors import LlamatuneError, listed
 from ..kernels import dequant
 from .gguf_io import KV, GGUFFile, kv, tensor_out, write_gguf
 from .tensors import check_finite, check_type
@@ -100,7 +100,7 @@ def read_adapter(path: str | Path, base: GGUFFile, allow_nonfinite: bool = False
     if not adapter.pairs and not problems:
         problems.append("it holds no adapter tensors")
     if problems:
-        raise LlamatuneError(f"{f.path}: adapter does not fit {base.path.name}: " + "; ".join(problems))
+        raise LlamatuneError(f"{f.path}: adapter does not fit {base.path.name}: " + listed(problems))
     tensors = [(t.name, t) for pair in adapter.pairs.values() for t in pair]
     for _, t in tensors:
         check_type(f, t)

@@ -31,11 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
-from ..errors import LlamatuneError
+from ..errors import LlamatuneError, listed
 from ..formats.gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
 from ..formats.tensors import check_finite
 from .params import ParamBuffer
@@ -130,7 +129,7 @@ class Checkpoint:
             if t is None or t.shape != (params.size,):
                 problems.append(f"'{name}' missing or not of {params.size} values")
         if problems:
-            raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + "; ".join(problems))
+            raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + listed(problems))
         used = [(s.name, f.tensors[s.name]) for s in params.specs]
         used += [(n, f.tensors[n]) for n in ("optimizer.adam.first_moments", "optimizer.adam.second_moments")]
         for name, t in used:
