@@ -244,7 +244,7 @@ def quickstart(
 @app.command("preview-data")
 @friendly_errors
 def preview_data(
-    model_base: Path = typer.Option(..., "-m", "--model-base", help="Model GGUF whose tokenizer and chat template are used."),
+    model_base: Path = typer.Option(..., "-m", "--model-base", "--model", help="Model GGUF whose tokenizer and chat template are used."),
     train_data: Path = typer.Option(..., "--train-data", help="Data file (raw text, JSONL or JSON rows)."),
     ctx: Optional[int] = typer.Option(None, "-c", "--ctx", help="Context length (default: finetune's)."),
     n: int = typer.Option(3, "-n", help="Number of samples to show."),
