@@ -99,7 +99,7 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
         chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
         err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
                   + (f", available {gib(have)}" if have else "") + chosen)
-    if getattr(o, "dry_run", False):
+    if o.dry_run:
         if not quiet:
             out.print(dry_run_report(planner, o.batch, o.ctx, mode, have, est, save_sizes(job, "ITERATION")))
         return est
@@ -329,7 +329,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
     est = memory_estimate(job, backend, quiet)
-    if getattr(o, "dry_run", False):
+    if o.dry_run:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
