@@ -38,8 +38,9 @@ def friendly_errors(fn):
             print(f"error: {_rank()}{e}", file=sys.stderr)
             _end_job(1)
         except KeyboardInterrupt as e:                 # Interrupted (training) says how to go on
-            print(f"interrupted {e}".rstrip(), file=sys.stderr)
-            _end_job(130)
+            code = getattr(e, "exit_code", 130)
+            print(f"{'terminated' if code == 143 else 'interrupted'} {e}".rstrip(), file=sys.stderr)
+            _end_job(code)
         except MemoryError:
             print(f"error: {_rank()}out of memory (try --checkpointing layer, a smaller --batch or a smaller --ctx)",
                   file=sys.stderr)

@@ -20,4 +20,10 @@ def listed(problems: list[str], shown: int = 3) -> str:
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C in a training run; its message says where the run stands and how to go on."""
+    """Ctrl-C (SIGINT) or SIGTERM in a training run; its message says where the run
+    stands and how to go on. `exit_code`: 130 or 143, what a shell reports for a
+    process those signals end."""
+
+    def __init__(self, line: str = "", exit_code: int = 130):
+        super().__init__(line)
+        self.exit_code = exit_code

@@ -426,6 +426,38 @@ def test_ctrl_c_says_where_the_run_stands_and_how_to_go_on(work, monkeypatch):
                                                  f"go on with --checkpoint-in {latest}")
 
 
+def test_sigterm_ends_a_run_like_ctrl_c_and_the_handler_is_put_back(work, monkeypatch):
+    """SIGTERM (a batch system's time limit) in the 5th step: the same line as Ctrl-C's,
+    exit code 143; the SIGTERM handler of the caller is back afterwards."""
+    import os
+    import signal
+    from llamatune.errors import Interrupted
+    from llamatune.train.graph import Graph
+    real, calls = Graph.step, []
+
+    def step(self, *args, **kw):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *args, **kw)
+    monkeypatch.setattr(Graph, "step", step)
+    before = signal.getsignal(signal.SIGTERM)
+    latest = work / "out/chk-LATEST.gguf"
+    with pytest.raises(Interrupted) as e:
+        finetune(options(work, adam_iter=8, save_every=2), quiet=True)
+    assert e.value.exit_code == 143 and len(calls) == 5
+    assert str(e.value) == f"at iteration 4; {latest} holds iteration 2: go on with --checkpoint-in {latest}"
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert not [p for p in (work / "out").iterdir() if p.name.startswith(".")]   # no temporary file left
+    calls.clear()
+    p = cli_here(*expand(FT[:-1] + ["8", "--save-every", "2", "--checkpoint-in", str(latest),
+                                    "--checkpoint-out", "{w}/out/chk-ITERATION.gguf",
+                                    "--lora-out", "{w}/out/adapter-ITERATION.gguf"], work))
+    assert p.returncode == 143 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (f"terminated at iteration 6; {latest} holds iteration 4: "
+                                                 f"go on with --checkpoint-in {latest}")
+
+
 def test_guard_rules():
     g = Guard(4.0, 2)
     assert g.judge(5.0, 1.0) is None

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import gc
 import math
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -229,11 +231,19 @@ class TrainClock:
 
 @contextmanager
 def resume_hint(o, state: ckpt.TrainState):
-    """Turn Ctrl-C in a run into `Interrupted`, whose message says where the run stands
-    and how to go on from its last save; `.iteration` of what it yields: the iteration
-    the last save of this run holds (None: none yet)."""
+    """Turn Ctrl-C in a run, and SIGTERM (a batch system's time limit, `kill`), into
+    `Interrupted`, whose message says where the run stands and how to go on from its
+    last save; a save under way deletes its temporary file on the way out, as on any
+    error. `.iteration` of what it yields: the iteration the last save of this run
+    holds (None: none yet)."""
     saves = SimpleNamespace(iteration=None)
-    start = state.iteration
+    start, terminated = state.iteration, []
+
+    def on_term(signum, frame):
+        terminated.append(signum)
+        raise KeyboardInterrupt
+    main = threading.current_thread() is threading.main_thread()     # signal handlers live there only
+    previous = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         yield saves
     except KeyboardInterrupt:
@@ -245,7 +255,10 @@ def resume_hint(o, state: ckpt.TrainState):
             line = f"{here}; nothing saved since iteration {start}: go on with --checkpoint-in {o.checkpoint_in}"
         else:
             line = f"{here}; nothing saved yet (--save-every {o.save_every})"
-        raise Interrupted(line) from None
+        raise Interrupted(line, 143 if terminated else 130) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
