@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
@@ -39,13 +40,21 @@ def friendly_errors(fn):
             _end_job(1)
         except KeyboardInterrupt as e:                 # Interrupted (training) says how to go on
             code = getattr(e, "exit_code", 130)
-            print(f"{'terminated' if code == 143 else 'interrupted'} {e}".rstrip(), file=sys.stderr)
-            _end_job(code)
+            if not _is_root():                        # every rank got the signal: rank 0 says where the run
+                time.sleep(3)                         # stands, and its abort ends this rank; still here,
+            print(f"{_rank()}{'terminated' if code == 143 else 'interrupted'} {e}".rstrip(), file=sys.stderr)
+            _end_job(code)                            # rank 0 did not get it, so this rank says it
         except MemoryError:
             print(f"error: {_rank()}out of memory (try --checkpointing layer, a smaller --batch or a smaller --ctx)",
                   file=sys.stderr)
             _end_job(1)
     return wrapper
+
+
+def _is_root() -> bool:
+    """False on ranks other than 0 of an MPI job of several ranks."""
+    mod = sys.modules.get("llamatune.train.distributed")
+    return mod is None or mod.current().is_root
 
 
 def _rank() -> str:
