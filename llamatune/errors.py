@@ -1,10 +1,11 @@
-"""The one exception type users see.
+"""The exceptions users see.
 
 Every problem a user can cause (a missing or corrupt file, a wrong shape, an
 unsupported architecture, empty data, an option out of range) is raised as a
 `LlamatuneError` whose message is one line naming the file or option and what is
 wrong. The CLI prints that line and exits non-zero; anything else is a bug and
-keeps its traceback.
+keeps its traceback. A training run stopped by Ctrl-C or SIGTERM raises
+`Interrupted`, whose line says how to go on.
 """
 
 

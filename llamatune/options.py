@@ -74,6 +74,8 @@ class TrainOptions:
     device: str = opt("cpu", "cpu, cuda or auto.", G_MEM)
     tf32: bool = opt(False, "GPU only: matmuls in TF32 on tensor cores (inputs rounded to 10 mantissa bits, float32 sums): about 3.4x faster steps on an H100 (7B-shaped layers), results no longer equal the CPU's.", G_MEM)
     checkpointing: str = opt("auto", "What backward recomputes: layer (keep each layer's input, recompute the layer), selective (keep matmul outputs, recompute norms and SwiGLU), none (keep everything), auto (the fastest whose memory estimate fits).", G_MEM)
+    dry_run: bool = opt(False, "Load the model and data, print the memory each --checkpointing mode needs, "
+                        "which one auto picks and what a save writes, then stop: nothing is trained or written.", G_MEM)
     # ---- checkpoints
     checkpoint_in: Optional[Path] = opt(None, "Resume from this checkpoint if it exists (a missing file starts fresh).", G_CKPT)
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
@@ -92,8 +94,6 @@ class TrainOptions:
     metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
     plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
     # ---- data parallelism (distributed.py)
-    dry_run: bool = opt(False, "Load the model and data, print the memory each --checkpointing mode needs, "
-                        "which one auto picks and what a save writes, then stop: nothing is trained or written.", G_MEM)
     mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
     mpi_check_every: int = opt(10, "Under MPI: compare a checksum of the parameters across ranks every N steps (0: only at start and end).", G_MEM)
     mpi_timeout: float = opt(600.0, "Under MPI: end the job when the other ranks do not join an exchange within this many seconds (a hung rank; 0: wait for ever).", G_MEM)
