@@ -386,17 +386,21 @@ def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypa
     assert [p.name for p in res.files] == ["chk-2.gguf", "adapter-2.gguf", "adapter-LATEST.gguf", "chk-LATEST.gguf"]
 
 
-def interrupt_at(monkeypatch, call: int):
-    """Graph.step raises KeyboardInterrupt (Ctrl-C) at its `call`-th call (1-based)."""
+def interrupt_at(monkeypatch, call: int, signum: int | None = None) -> list:
+    """Graph.step is stopped at its `call`-th call (1-based) of the list returned: by
+    Ctrl-C (KeyboardInterrupt), or by `signum` sent to this process."""
     from llamatune.train.graph import Graph
     real, calls = Graph.step, []
 
     def step(self, *args, **kw):
         calls.append(1)
         if len(calls) == call:
-            raise KeyboardInterrupt
+            if signum is None:
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signum)
         return real(self, *args, **kw)
     monkeypatch.setattr(Graph, "step", step)
+    return calls
 
 
 def test_ctrl_c_says_where_the_run_stands_and_how_to_go_on(work, monkeypatch):
@@ -429,18 +433,9 @@ def test_ctrl_c_says_where_the_run_stands_and_how_to_go_on(work, monkeypatch):
 def test_sigterm_ends_a_run_like_ctrl_c_and_the_handler_is_put_back(work, monkeypatch):
     """SIGTERM (a batch system's time limit) in the 5th step: the same line as Ctrl-C's,
     exit code 143; the SIGTERM handler of the caller is back afterwards."""
-    import os
     import signal
     from llamatune.errors import Interrupted
-    from llamatune.train.graph import Graph
-    real, calls = Graph.step, []
-
-    def step(self, *args, **kw):
-        calls.append(1)
-        if len(calls) == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return real(self, *args, **kw)
-    monkeypatch.setattr(Graph, "step", step)
+    calls = interrupt_at(monkeypatch, 5, signal.SIGTERM)
     before = signal.getsignal(signal.SIGTERM)
     latest = work / "out/chk-LATEST.gguf"
     with pytest.raises(Interrupted) as e:
