@@ -51,21 +51,26 @@ def friendly_errors(fn):
     return wrapper
 
 
+def _distributed():
+    """train/distributed.py when a command loaded it (training), else None."""
+    return sys.modules.get("llamatune.train.distributed")
+
+
 def _is_root() -> bool:
     """False on ranks other than 0 of an MPI job of several ranks."""
-    mod = sys.modules.get("llamatune.train.distributed")
+    mod = _distributed()
     return mod is None or mod.current().is_root
 
 
 def _rank() -> str:
     """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
-    mod = sys.modules.get("llamatune.train.distributed")
+    mod = _distributed()
     return mod.error_prefix() if mod else ""
 
 
 def _end_job(code: int):
     """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
-    mod = sys.modules.get("llamatune.train.distributed")
+    mod = _distributed()
     if mod:
         mod.abort_job(code)
     raise typer.Exit(code)

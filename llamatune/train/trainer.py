@@ -38,6 +38,7 @@ from .graph import Graph
 from .guard import Guard
 from .lora import LoraTarget
 from .memory import (
+    FASTEST_FIRST,
     Estimate,
     Planner,
     compile_kernels,
@@ -117,7 +118,7 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
                    saves: list[tuple[Path, int]]) -> str:
     """--dry-run: each mode's estimate, which one this run would take, what a save writes."""
     lines = ["dry run: nothing trained or written"]
-    for m in ("layer", "selective", "none"):
+    for m in reversed(FASTEST_FIRST):                  # the least memory first
         e = planner.estimate(B, T, m)
         fits = "" if have is None else ("  fits" if e.added <= have else "  does not fit")
         lines.append(f"  {e.describe()}{fits}")
