@@ -412,6 +412,11 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
         scores = np.empty((3 if cap else 2, nk * G * QB * T), q.dtype)  # P, dS (, ds/dqk)
         rows_copy = np.empty(nk * G * QB * HS, q.dtype)  # q or dout rows, (G, TQ) merged
         kv_part = np.empty(nk * T * HS, q.dtype)  # a block's share of dk or dv
+        # a block's out and dout rows, copied: the softmax kernel then always sees C-contiguous
+        # arrays, so numba runs one compiled version of its rowsum(dout * out) whatever the tile
+        # (a tile of all kv heads is contiguous, a slice of them is not, and the two versions
+        # group that sum differently: the bits depended on the tiling)
+        od_rows = np.empty((2, QB * nk * G * HS), q.dtype)
         for item in items:
             b, ks = tiles[item]
             nk = ks.stop - ks.start
@@ -427,8 +432,9 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                 if cap:  # the capped scores s and ds/d(q.k) (deriv), then dS = dS(s) * deriv
                     deriv = scores[2, :n].reshape(-1, TQ, W)
                     _softcap_scores_kernel(rows, deriv, cap, kcap, scale, lo, hi)
-                _softmax_causal_backward_kernel(rows, drows, lse4[b, ks, :, i0:i1], out5[b, i0:i1, ks],
-                                                dout5[b, i0:i1, ks], row_scale, lo, hi)
+                oc, dc = (od_rows[j, : TQ * nk * G * HS].reshape(TQ, nk, G, HS) for j in (0, 1))
+                oc[...], dc[...] = out5[b, i0:i1, ks], dout5[b, i0:i1, ks]
+                _softmax_causal_backward_kernel(rows, drows, lse4[b, ks, :, i0:i1], oc, dc, row_scale, lo, hi)
                 if cap:
                     drows *= deriv
                 # dq rows of this block are complete: the block saw all their keys
