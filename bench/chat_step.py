@@ -34,7 +34,8 @@ def main() -> None:
     import llamatune  # noqa: F401  (threading policy before numpy loads)
     import numpy as np
     from llamatune.models.model import Model
-    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
 

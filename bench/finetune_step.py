@@ -119,7 +119,8 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
-    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step

@@ -426,14 +426,14 @@ def emulating_runner(base_path: Path):
     cache: dict[str, np.ndarray] = {}
 
     class EmulatingRunner(Runner):
-        def linear(self, x, name, *args, **kw):
-            y = super().linear(x, name, *args, **kw)          # exact, adapters included
+        def linear(self, y, x, name):
+            super().linear(y, x, name)                        # exact, adapters included
             t = tensors[name]
             if t.tensor_type in kquants:
                 if name not in cache:
                     cache[name] = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
                 x = np.asarray(x)
-                y = y + (q8k_round(x) - x) @ cache[name].T
+                y += (q8k_round(x) - x) @ cache[name].T
             return y
     return EmulatingRunner
 

@@ -118,7 +118,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     import llamatune  # noqa: F401  (first: threading policy before numpy loads)
     import numpy as np
     from llamatune.backend import cpu
-    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.memory import Planner, compile_kernels, measure_runtime, peak_resident_bytes
     from llamatune.models.model import Model

@@ -214,7 +214,8 @@ def check_dense_gradients(cfg, tied: bool, n_probe=250):
     """train-from-scratch: every weight a float64 parameter, gradients by finite differences."""
     from fdcheck import fd_check
     from llamatune.models.modelfile import tensor_names
-    from llamatune.train.graph import DenseWeights, Graph
+    from llamatune.train.graph import Graph
+    from llamatune.train.params import DenseWeights
     from llamatune.train.params import ParamBuffer, ParamSpec
     shapes = tensor_names(cfg, tied=tied)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()], np.float64)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from fdcheck import fd_check
-from llamatune.train.graph import DenseWeights, FrozenBase, Graph
+from llamatune.models.weights import FrozenBase
+from llamatune.train.graph import Graph
+from llamatune.train.params import DenseWeights
 from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
@@ -77,7 +79,7 @@ def test_dense_gradient_matches_finite_differences(tiny_vocab):
     for n in shapes:                                         # norms away from 1 to test their grads
         if n.endswith("norm.weight"):
             params[n][...] += np.random.default_rng(1).normal(0, 0.1, shapes[n])
-    g = Graph(cfg, DenseWeights(params), params, [], 2, 4, True, dtype=np.float64)
+    g = Graph(cfg, DenseWeights(params), params, [], 2, 4, "selective", dtype=np.float64)
     inputs, tg, w = batch(cfg, 2, 4, seed=5)
 
     def loss(p):
@@ -93,7 +95,7 @@ def test_dense_gradient_matches_finite_differences(tiny_vocab):
 def test_checkpointing_gives_identical_gradients(small_model):
     cfg = small_model.config
     grads = []
-    for ckpt in (True, False):
+    for ckpt in ("selective", "none"):
         targets, params = lora_setup(small_model, ALL_RANKS, np.float32)
         g = Graph(cfg, FrozenBase(small_model), params, targets, 2, 8, ckpt)
         inputs, tg, w = batch(cfg, 2, 8)
@@ -118,16 +120,16 @@ def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_
         targets, params = lora_setup(model, ALL_RANKS, np.float32)
         g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode)
         g.merge_lora = merge
-        assert g._matrix("blk.0.ffn_down.weight", B * T)[1] is merge
+        assert g.matrix("blk.0.ffn_down.weight", B * T)[1] is merge
         runs.append((g.step(inputs, tg, w), params.grad.copy()))
     (loss_m, grad_m), (loss_f, grad_f) = runs
     np.testing.assert_allclose(loss_m, loss_f, rtol=1e-6)
     np.testing.assert_allclose(grad_m, grad_f, rtol=2e-4, atol=2e-5 * np.abs(grad_f).max())
     targets, params = lora_setup(model, ALL_RANKS, np.float32)
-    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1)._matrix("blk.0.ffn_down.weight", B * T)[1]
-    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode)._matrix("blk.0.ffn_down.weight", 8)[1]
+    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1).matrix("blk.0.ffn_down.weight", B * T)[1]
+    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode).matrix("blk.0.ffn_down.weight", 8)[1]
     f32 = Model(write_tiny_model(tmp_path / "f32.gguf", tiny_vocab))
-    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode)._matrix("blk.0.ffn_down.weight", B * T)[1]
+    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode).matrix("blk.0.ffn_down.weight", B * T)[1]
 
 
 def test_step_zero_equals_base_model(small_model):
@@ -346,7 +348,7 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
 def test_head_chunk_sizes():
     """As few chunks as fit the room (or HEAD_CHUNK_BYTES, and at least HEAD_CHUNK_TOKENS
     tokens), all about the same size."""
-    from llamatune.train.graph import HEAD_CHUNK_BYTES, HEAD_CHUNK_TOKENS, head_chunk
+    from llamatune.train.buffers import HEAD_CHUNK_BYTES, HEAD_CHUNK_TOKENS, head_chunk
     K = HEAD_CHUNK_TOKENS
     V = HEAD_CHUNK_BYTES // 4 // (2 * K)                  # HEAD_CHUNK_BYTES hold 2K rows of logits
     assert head_chunk(5 * K, V) == -(-5 * K // 3)         # 3 chunks of 5K/3, not 2K + 2K + K
@@ -362,7 +364,7 @@ def test_head_chunk_sizes():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_logits_overlay_the_gradient_scratch_and_chunking_changes_nothing(small_model, mode):
-    from llamatune.train.graph import grad_scratch
+    from llamatune.train.buffers import grad_scratch
     """The head's logits live in the layer backward's scratch (one buffer); a
     step with one token per chunk equals one with every token in one chunk (LoRA on
     the head too), in float64 to the last few bits."""

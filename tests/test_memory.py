@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 from llamatune.errors import LlamatuneError
-from llamatune.train.graph import DenseWeights, FrozenBase, Graph, buffer_plan, plan_bytes
+from llamatune.models.weights import FrozenBase
+from llamatune.train.buffers import buffer_plan, plan_bytes
+from llamatune.train.graph import Graph
+from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.memory import Planner
 from llamatune.models.model import Model

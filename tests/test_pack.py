@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from llamatune.train.graph import DenseWeights, FrozenBase, Graph
+from llamatune.models.weights import FrozenBase
+from llamatune.train.graph import Graph
+from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.models.model import Model
 from llamatune.models.modelfile import random_weights, tensor_names
@@ -133,7 +135,7 @@ def test_positions_beyond_the_row_and_bad_packing(tiny_vocab, tmp_path):
     w = np.full((1, 10), 0.1)
     long.step(inputs, targets, w)
     short.step(inputs[:, 6:], targets[:, 6:], w[:, 6:], positions=np.arange(6, 10)[None])
-    np.testing.assert_array_equal(short.cos, long.cos[None, 6:10])
+    np.testing.assert_array_equal(short.ropes[0][0], long.ropes[0][0][None, 6:10])
     with pytest.raises(ValueError, match=r"positions must be an integer array of shape \(1, 4\)"):
         short.step(inputs[:, :4], targets[:, :4], w[:, :4], positions=np.zeros((1, 5), np.int64))
     with pytest.raises(ValueError, match="sample id 1 appears in two separate runs"):

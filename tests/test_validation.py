@@ -19,7 +19,8 @@ from llamatune.train.data import Samples, load_samples
 from llamatune.errors import LlamatuneError
 from llamatune.commands.finetune import finetune
 from llamatune.formats.gguf_io import GGUFFile
-from llamatune.train.graph import FrozenBase, Graph
+from llamatune.models.weights import FrozenBase
+from llamatune.train.graph import Graph
 from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
 from llamatune.train.lora import init_lora, lora_specs, lora_targets

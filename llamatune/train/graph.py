@@ -1,16 +1,19 @@
-"""Training forward and backward of a llama model, written out by hand.
+"""Training forward and backward of a llama-family model, written out by hand.
 
-One micro-batch step runs the forward pass layer by layer, keeping what backward
-needs; the output head computes logits, loss and the logits' gradient chunk by
-chunk (the (N, V) logits never exist in full); then backward runs the layers in
-reverse and accumulates parameter gradients (+=) into the flat `ParamBuffer`.
+One micro-batch step runs the forward pass layer by layer (models/forward.py, the
+same blocks inference runs), keeping what backward needs; the output head computes
+logits, loss and the logits' gradient chunk by chunk (head.py); then backward runs
+the layers in reverse and accumulates parameter gradients (+=) into the flat
+`ParamBuffer`. The parts: buffers.py plans and carves every buffer, linear.py is the
+trainable side of a linear (LoRA, its backward), head.py the loss head; this file
+holds the layer backward and the step.
 
-The same graph trains two kinds of model (weights.py): `FrozenBase` (LoRA
-finetuning: base weights stay quantized, each dequantized right before its
-matmul, in forward and again in backward; adapters in factored form, lora.py) and
-`DenseWeights` (train-from-scratch: every weight an f32 parameter). Arrays and
-kernels come from a backend (backend.py): numpy + numba on the CPU, CuPy +
-numba-cuda on a GPU; the code below is the same for both.
+The same graph trains two kinds of model: `weights.FrozenBase` (LoRA finetuning: base
+weights stay quantized, each dequantized right before its matmul, in forward and again
+in backward; adapters in factored form, lora.py) and `params.DenseWeights`
+(train-from-scratch: every weight an f32 parameter). Arrays and kernels come from a
+backend (backend.py): numpy + numba on the CPU, CuPy + numba-cuda on a GPU; the code
+below is the same for both.
 
 What backward recomputes (`checkpointing`, the same gradients bit for bit in each):
   - "none": every activation is kept;
@@ -19,222 +22,59 @@ What backward recomputes (`checkpointing`, the same gradients bit for bit in eac
   - "layer": only each layer's input is kept (as PyTorch's per-layer gradient
     checkpointing); backward recomputes the layer's forward into one set of buffers
     shared by all layers, then runs its backward.
-Every buffer is listed by `buffer_plan` (what the memory estimate counts) and
-carved from one arena allocated from that list; a micro-batch whose last columns
-have no target runs in a graph of shorter rows over the same arena (`_trimmed`).
-The output head is expanded in row blocks inside the token-chunked head loop, so
-nothing of size vocabulary x embedding exists in f32.
-
-Per layer, with xn = RMSNorm(x), the architecture's options (models/arch.py) in brackets:
-    q, k, v = xn Wq^T, xn Wk^T, xn Wv^T      [qk_norm: q, k = RMSNorm per head (qp, kp kept)]
-    q, k    = rope(q), rope(k)               (the layer's rope cache: gemma3's local layers differ)
-    o       = attn(q, k, v) Wo^T             (the layer's scale, soft-cap and sliding window)
-    x_mid   = x + o                          [post_norms: x + RMSNorm(o, post_attention_norm)]
-    g, u    = n2 Wg^T, n2 Wu^T               n2 = RMSNorm(x_mid)
-    f       = (act(g) * u) Wd^T              act = silu (SwiGLU) or gelu (GeGLU)
-    x_out   = x_mid + f                      [post_norms: x_mid + RMSNorm(f, post_ffw_norm)]
-The embedding may be scaled (gemma: sqrt(n_embd)) and the logits soft-capped (gemma2)
-before the loss, chunk by chunk.
-Fused projections (Arch.fused_qkv / fused_gate_up, phi3) compute q|k|v or g|u in one
-matmul (one LoRA pair on the whole product) and split it into the same activations.
+A micro-batch whose last columns have no target runs in a graph of shorter rows over
+the same arena (`_trimmed`).
 """
 from __future__ import annotations
-
-import zlib
-from dataclasses import dataclass, fields
 
 import numpy as np
 
 from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
-from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
+from ..models.forward import Forward, LayerActs
 from ..models.rope import rope_cache
-from ..models.weights import FrozenBase  # noqa: F401
+from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
+                      head_floats, plan_bytes)
+from .head import LossHead
+from .linear import LoraLinear
 from .lora import LoraTarget
-from .params import (
-    DenseWeights,  # noqa: F401  (re-exported: the graph's weight providers)
-    ParamBuffer,
-)
+from .params import ParamBuffer
 
-HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time,
-HEAD_CHUNK_TOKENS = 128       # and for at least this many tokens (large vocabularies)
-MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
-LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
 
 
-def _has_xa(cfg: ModelConfig, kind: str) -> bool:
-    """Whether an adapter on `kind` keeps an (N, r) x A^T buffer (matrices inside a layer)."""
-    return kind not in LORA_VECTOR_KINDS and kind not in cfg.spec.norms
-
-
-@dataclass
-class LayerActs:
-    """One layer's activations (N = B*T rows); in layer mode all but x are shared."""
-    x: np.ndarray        # (N, C)   layer input (residual stream)
-    rstd1: np.ndarray    # (N,)
-    q: np.ndarray        # (N, NH*HS) after rope
-    k: np.ndarray        # (N, NKV*HS) after rope
-    v: np.ndarray        # (N, NKV*HS)
-    att: np.ndarray      # (N, NH*HS) attention output
-    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
-    x_mid: np.ndarray    # (N, C)   residual after attention
-    rstd2: np.ndarray    # (N,)
-    g: np.ndarray        # (N, F)
-    u: np.ndarray        # (N, F)
-    xn1: np.ndarray | None = None   # (N, C) only in mode "none"
-    xn2: np.ndarray | None = None   # (N, C)
-    h: np.ndarray | None = None     # (N, F)
-    qp: np.ndarray | None = None     # (N, NH*HS)  q before its per-head norm (qk_norm)
-    kp: np.ndarray | None = None     # (N, NKV*HS) k before its per-head norm
-    rstd_q: np.ndarray | None = None  # (N*NH,)
-    rstd_k: np.ndarray | None = None  # (N*NKV,)
-    o: np.ndarray | None = None      # (N, C) attention output projection (post_norms)
-    rstd_o: np.ndarray | None = None  # (N,)
-    f: np.ndarray | None = None      # (N, C) feed-forward output (post_norms)
-    rstd_f: np.ndarray | None = None  # (N,)
-
-
-def checkpointing_mode(checkpointing) -> str:
-    """A mode of MODES; True / False are the old spellings of selective / none."""
-    if checkpointing is True or checkpointing is False:
-        return "selective" if checkpointing else "none"
-    if checkpointing not in MODES:
-        raise ValueError(f"checkpointing {checkpointing!r}: choose one of {MODES}")
-    return checkpointing
-
-
-def grad_scratch(cfg: ModelConfig, N: int, mode: str) -> dict[str, tuple[int, int]]:
-    """Scratch of the layer backward (gradients, dx2) and the SwiGLU output that backward
-    recomputes (not in mode none, whose layers keep theirs), (N, *) each. The output head
-    uses none of them and runs before any layer backward (evaluation runs none), so its
-    logits overlay them all in one shared buffer: a larger token chunk at no memory cost."""
-    F, Cq, Ckv = cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
-    views = {"dg": (N, F), "du": (N, F), "dh": (N, F), "dq": (N, Cq), "dk": (N, Ckv), "dv": (N, Ckv),
-             "datt": (N, Cq), "dx2": (N, cfg.n_embd)}
-    if checkpointing_mode(mode) != "none":
-        views["h"] = (N, F)
-    return views
-
-
-def head_floats(cfg: ModelConfig) -> int:
-    """Floats the head keeps per token of a chunk: its logits, and with a final soft-cap
-    their gradient beside them (the capped logits stay for the cap's backward)."""
-    return cfg.n_vocab * (2 if cfg.final_softcap else 1)
-
-
-def head_chunk(N: int, per_token: int, room: int = 0) -> int:
-    """Token rows of the head computed at a time (`per_token` floats each, head_floats):
-    the N tokens in as few chunks as fit `room` floats (the scratch they overlay) or
-    HEAD_CHUNK_BYTES, whichever holds more, but at least HEAD_CHUNK_TOKENS tokens, all
-    of about the same size. Every chunk expands the quantized head twice (logits,
-    gradient to its input), so fewer, larger chunks expand it less often and multiply
-    it in better-shaped products: with Qwen2.5-0.5B's Q8_0 head (151936 x 896), chunks
-    of 74 tokens (what its room held, 43 MB) took 2.66 s per 512 tokens for the head's
-    expansions and products on two Zen 3 cores, chunks of 128 tokens (74 MB) 2.09 s,
-    of 512 tokens (297 MB) 1.70 s (bench/head_chunks.py)."""
-    most = max(HEAD_CHUNK_BYTES // 4, room) // per_token
-    return even_chunk(N, max(1, min(N, max(most, HEAD_CHUNK_TOKENS))))
-
-
-def even_chunk(n: int, most: int) -> int:
-    """The size of n rows' chunks when they go in as few chunks of at most `most` rows
-    as possible, all about the same size: ceil(n / ceil(n / most)); 1 when n is 0."""
-    return -(-n // -(-n // most)) if n else 1
-
-
-def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
-                trainable: bool) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every array a Graph allocates (it allocates exactly these).
-
-    `blk.I.*` are kept per layer; `layer.*` is the one set of activations that layer
-    mode recomputes into, shared by all layers; the rest is scratch reused by every layer."""
-    mode = checkpointing_mode(mode)
-    N, C, F, Cq, Ckv, V = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv, cfg.n_vocab
-    acts = {"x": (N, C), "rstd1": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq),
-            "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
-    if mode == "none":
-        acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
-    if cfg.spec.qk_norm:
-        acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
-    if cfg.spec.post_norms:
-        acts |= {"o": (N, C), "rstd_o": (N,), "f": (N, C), "rstd_f": (N,)}
-    plan: dict[str, tuple[int, ...]] = {}
-    for i in range(cfg.n_layer):
-        for k, shape in acts.items():
-            plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
-    plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
-    for t in targets:                                              # x A^T of each adapter (shared per kind
-        if _has_xa(cfg, t.kind):                                   # in layer mode: recomputed with the layer)
-            plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
-    room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
-    per_token = head_floats(cfg)
-    chunk = head_chunk(N, per_token, room)
-    mats = layer_matrix_shapes(cfg)
-    plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
-             "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
-             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "losses": (N,),
-             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
-    fused = [w for on, w in ((cfg.spec.fused_qkv, Cq + 2 * Ckv), (cfg.spec.fused_gate_up, 2 * F)) if on]
-    if fused:                                                      # a fused product, or its gradient,
-        plan["fused"] = (N * max(fused),)                          # before it is split / after it is joined
-    for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
-        plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
-    if cfg.spec.qk_norm:
-        plan |= {"dqp": (N, Cq), "dkp": (N, Ckv)}
-    head_tmp = 0                                                   # products added to a block in the head
-    if any(t.kind == "output" for t in targets):
-        head_tmp = chunk * head_rows                               # (chunk, rows) LoRA share of the logits
-    if trainable:                                                  # weight gradients before they are added
-        head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in mats))
-    if head_tmp:
-        plan["head_tmp"] = (head_tmp,)
-    return plan
-
-
-def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:
-    return int(sum(np.prod(s, dtype=np.int64) for s in plan.values())) * itemsize
-
-
-class Graph:
+class Graph(LoraLinear, LossHead, Forward):
     """Buffers for one (B, T) shape and the step that uses them."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
-                 B: int, T: int, checkpointing: str | bool = "selective", lora_dropout: float = 0.0,
+                 B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
                  dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None):
         """`within`: a graph of the same batch and longer rows whose memory this one uses
         (its `_trimmed` views, for micro-batches whose last columns have no target)."""
-        self.cfg, self.base, self.params = cfg, base, params
-        self.backend = backend or cpu()
-        self.xp, self.ops = self.backend.xp, self.backend.ops
+        super().__init__(cfg, base, backend or cpu())
         xp = self.xp
+        self.params = params
         self.lora = {t.weight: t for t in targets}
         self.B, self.T, self.N = B, T, B * T
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
-        self.merge_lora = True                 # _matrix may merge adapters into dequantized W
+        self.merge_lora = True                 # `matrix` may merge adapters into dequantized W
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
-        sizes = {k: int(np.prod(v, dtype=np.int64)) for k, v in self.plan.items() if not k.startswith("rope_")}
-        self.arena = xp.zeros(sum(sizes.values()), dtype) if within is None else within.arena
-        assert self.arena.size >= sum(sizes.values())
-        buf, at = {}, 0
-        for name, n in sizes.items():
-            buf[name] = self.arena[at: at + n].reshape(self.plan[name])
-            at += n
+        self.arena = xp.zeros(arena_size(self.plan), dtype) if within is None else within.arena
+        assert self.arena.size >= arena_size(self.plan)
+        buf = carve(self.plan, self.arena)
         self._trimmed_graphs: dict[int, Graph] = {}
-        self.layers = []
-        for i in range(cfg.n_layer):
-            get = lambda k: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}"))  # noqa: E731
-            self.layers.append(LayerActs(*(get(f.name) for f in fields(LayerActs))))
+        self.layers = [LayerActs.of(lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
+                       for i in range(cfg.n_layer)]
         self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
-                   for t in targets if _has_xa(cfg, t.kind)}
+                   for t in targets if has_xa(cfg, t.kind)}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
@@ -271,22 +111,8 @@ class Graph:
         self.segments = None
         self.step_key = (0,)
 
-    # ------------------------------------------------------------------ sizes
-    @property
-    def checkpointing(self) -> bool:
-        return self.mode != "none"
-
-    @property
-    def cos(self) -> np.ndarray:
-        """The step's rope cos table of the first rope set (every layer's, for most models)."""
-        return self.ropes[0][0]
-
-    @property
-    def sin(self) -> np.ndarray:
-        return self.ropes[0][1]
-
     def activation_bytes(self) -> int:
-        """Bytes of every buffer the graph allocated (= plan_bytes of its plan)."""
+        """Bytes of every buffer the graph allocated (the plan's)."""
         return plan_bytes(self.plan, self.tmp.dtype.itemsize)
 
     def _set_packing(self, positions, segments) -> None:
@@ -322,312 +148,13 @@ class Graph:
             host_attention.segment_starts(segments, shape)                # shape, contiguous runs
             self.segments = self.backend.to_device(segments)
 
-    # ------------------------------------------------------------------ building blocks
-    def _scratch(self, rows: int, cols: int) -> np.ndarray:
-        return self.tmp[: rows * cols].reshape(rows, cols)
-
-    def _head_scratch(self, rows: int, cols: int) -> np.ndarray:
-        return self.head_tmp[: rows * cols].reshape(rows, cols)
-
-    def _dropout_mask(self, name: str, shape) -> np.ndarray | None:
-        """Inverted-dropout mask for an adapter input; regenerated identically in backward."""
-        if self.dropout <= 0:
-            return None
-        key = [zlib.crc32(name.encode()), *self.step_key]
-        keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
-        return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
-
-    def _norm_weight(self, name: str) -> np.ndarray:
-        """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
-        w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
-        t = self.lora.get(name)
-        if t is None:
-            return w
-        return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
-
-    def _norm_grad(self, name: str, dw: np.ndarray) -> None:
-        """Route a norm weight's gradient to its parameter or its adapter."""
-        if self.base.trainable:
-            self.params.grad_of(name)[...] += dw
-        t = self.lora.get(name)
-        if t is not None:
-            A, B = self.params[t.a], self.params[t.b]
-            self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
-            self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
-
-    def _matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
-        """The base matrix W (n_out, n_in) of a linear over N tokens, and whether its
-        adapter was merged into it: W + s B A, when the matrix is a dequantized copy
-        (a scratch of the step's dtype), the adapter sees x without dropout, and
-        N > max(n_out, n_in), where adding (r-factored) B A to W costs less than adding
-        the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
-        share to dx). Either way the product is the same up to float rounding."""
-        W = self.base.matrix(name)
-        t = self.lora.get(name)
-        merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
-                 and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
-        if merge:
-            W += self.xp.matmul(t.scale * self.params[t.b], self.params[t.a], out=self._scratch(*W.shape))
-        return W, merge
-
-    def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
-        """y (N, n_out) = x W^T (+ bias) + s (drop(x) A^T) B^T."""
-        W, merged = self._matrix(name, x.shape[0])
-        self.xp.matmul(x, W.T, out=y)
-        bias = self.base.vector(name.replace(".weight", ".bias"))
-        if bias is not None:
-            y += bias
-        t = self.lora.get(name)
-        if t is not None:
-            mask = self._dropout_mask(name, x.shape)
-            xa = self.xa[name]                                  # kept for the backward
-            self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
-            if not merged:
-                y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self._scratch(*y.shape))
-        return y
-
-    def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
-                        accumulate: bool) -> None:
-        """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
-        W, merged = self._matrix(name, dy.shape[0])
-        if dx is not None:
-            if accumulate:
-                tmp = self._scratch(*dx.shape)
-                self.xp.matmul(dy, W, out=tmp)
-                dx += tmp
-            else:
-                self.xp.matmul(dy, W, out=dx)
-        if self.base.trainable:
-            dW = self.base.grad(name)
-            dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
-            bias = name.replace(".weight", ".bias")
-            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
-                self.base.grad(bias)[...] += dy.sum(axis=0)
-        t = self.lora.get(name)
-        if t is not None:
-            mask = self._dropout_mask(name, x.shape)
-            self._lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], None if merged else dx, mask)
-
-    def _lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
-        """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
-        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
-        dx None: the adapter was merged into the W of dy W, which gave that share)."""
-        A, B = self.params[t.a], self.params[t.b]
-        self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
-        dxa = t.scale * (dy @ B)                                       # (N, r)
-        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
-        #                                   to 50x longer with the r-row transposed operand on the left
-        if dx is not None:
-            dxd = self.xp.matmul(dxa, A, out=self._scratch(*dx.shape))
-            dx += dxd if mask is None else dxd * mask
-
-    # ------------------------------------------------------------------ projections
-    # q/k/v and gate/up: separate matmuls, or one fused matmul (Arch.fused_qkv /
-    # fused_gate_up) whose product is split into the same activations; backward joins
-    # their gradients into one dy for the fused weight (and its LoRA pair).
-    def _fused_rows(self, width: int) -> np.ndarray:
-        return self.fused[: self.N * width].reshape(self.N, width)
-
-    def _qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
-        """q (N, Cq), k, v (N, Ckv) = the projections of xn."""
-        if not self.cfg.spec.fused_qkv:
-            for c, y in (("q", q), ("k", k), ("v", v)):
-                self.linear(y, xn, f"{p}attn_{c}.weight")
-            return
-        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
-        qkv = self.linear(self._fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
-        q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
-
-    def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
-        """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""
-        if not self.cfg.spec.fused_qkv:
-            for j, (c, dy) in enumerate((("q", dq), ("k", dk), ("v", self.dv))):
-                self.linear_backward(self.dxn, dy, xn, f"{p}attn_{c}.weight", accumulate=j > 0)
-            return
-        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
-        dqkv = self._fused_rows(Cq + 2 * Ckv)
-        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, self.dv
-        self.linear_backward(self.dxn, dqkv, xn, p + "attn_qkv.weight", accumulate=False)
-
-    def _gate_up_forward(self, a: LayerActs, xn: np.ndarray, p: str) -> None:
-        if not self.cfg.spec.fused_gate_up:
-            self.linear(a.g, xn, p + "ffn_gate.weight")
-            self.linear(a.u, xn, p + "ffn_up.weight")
-            return
-        F = self.cfg.n_ff
-        gu = self.linear(self._fused_rows(2 * F), xn, p + "ffn_up.weight")
-        a.g[...], a.u[...] = gu[:, :F], gu[:, F:]
-
-    def _gate_up_backward(self, xn: np.ndarray, p: str) -> None:
-        """self.dxn = dL/dxn from dg, du."""
-        if not self.cfg.spec.fused_gate_up:
-            self.linear_backward(self.dxn, self.dg, xn, p + "ffn_gate.weight", accumulate=False)
-            self.linear_backward(self.dxn, self.du, xn, p + "ffn_up.weight", accumulate=True)
-            return
-        F = self.cfg.n_ff
-        dgu = self._fused_rows(2 * F)
-        dgu[:, :F], dgu[:, F:] = self.dg, self.du
-        self.linear_backward(self.dxn, dgu, xn, p + "ffn_up.weight", accumulate=False)
-
-    # ------------------------------------------------------------------ forward
-    def _embd_scale(self):
-        """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
-        return self.tmp.dtype.type(np.sqrt(np.float32(self.cfg.n_embd)))
-
-    def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
-        self.base.embed(tokens, x)
-        t = self.lora.get("token_embd.weight")
-        if t is not None:
-            x += self.xp.matmul(t.scale * self.params[t.a][tokens], self.params[t.b].T, out=self._scratch(*x.shape))
-        if self.cfg.spec.embd_scale:
-            x *= self._embd_scale()
-
-    def _gate(self):
-        """The feed-forward gate's (forward, backward) kernels: SwiGLU or GeGLU (Arch.activation)."""
-        if self.cfg.spec.activation == "gelu":
-            return self.ops.geglu.geglu_forward, self.ops.geglu.geglu_backward
-        return self.ops.swiglu.swiglu_forward, self.ops.swiglu.swiglu_backward
-
-    def _head_norm(self, y: np.ndarray, rstd: np.ndarray, x: np.ndarray, name: str) -> None:
-        """y = RMSNorm of every head of x (N, H*HS) with one (HS,) weight (qk_norm)."""
-        HS = self.cfg.head_dim
-        self.ops.rmsnorm.rmsnorm_forward(y.reshape(-1, HS), rstd, x.reshape(-1, HS), self._norm_weight(name),
-                                         self.cfg.norm_eps)
-
-    def _head_norm_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, rstd: np.ndarray,
-                            name: str) -> None:
-        HS = self.cfg.head_dim
-        dw = self.dnorm[:HS]
-        dw.fill(0.0)
-        self.ops.rmsnorm.rmsnorm_backward(dx.reshape(-1, HS), dw, dy.reshape(-1, HS), x.reshape(-1, HS),
-                                          self._norm_weight(name), rstd)
-        self._norm_grad(name, dw)
-
-    def _layer_forward(self, i: int, x_out: np.ndarray) -> None:
-        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
-        B, T = self.B, self.T
-        cos, sin = self.ropes[cfg.rope_set(i)]
-        xn = self.xn if a.xn1 is None else a.xn1
-        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self._norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
-        if cfg.spec.qk_norm:
-            self._qkv_forward(a.qp, a.kp, a.v, xn, p)
-            self._head_norm(a.q, a.rstd_q, a.qp, p + "attn_q_norm.weight")
-            self._head_norm(a.k, a.rstd_k, a.kp, p + "attn_k_norm.weight")
-        else:
-            self._qkv_forward(a.q, a.k, a.v, xn, p)
-        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
-        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        self.ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        self.ops.rope.rope_forward(k4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        self.ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k4,
-                                    a.v.reshape(k4.shape), 0, segments=self.segments, **cfg.attention_options(i))
-        if cfg.spec.post_norms:
-            self.linear(a.o, a.att, p + "attn_output.weight")
-            self.ops.rmsnorm.rmsnorm_forward(a.x_mid, a.rstd_o, a.o, self._norm_weight(p + "post_attention_norm.weight"),
-                                             cfg.norm_eps)
-        else:
-            self.linear(a.x_mid, a.att, p + "attn_output.weight")
-        a.x_mid += a.x
-        xn = self.xn if a.xn2 is None else a.xn2
-        self.ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self._norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
-        self._gate_up_forward(a, xn, p)
-        h = self.h if a.h is None else a.h
-        self._gate()[0](h, a.g, a.u)
-        if cfg.spec.post_norms:
-            self.linear(a.f, h, p + "ffn_down.weight")
-            self.ops.rmsnorm.rmsnorm_forward(x_out, a.rstd_f, a.f, self._norm_weight(p + "post_ffw_norm.weight"),
-                                             cfg.norm_eps)
-        else:
-            self.linear(x_out, h, p + "ffn_down.weight")
-        x_out += a.x_mid
-
-    def _head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
-        """Output norm, logits, loss and (backward) the gradient back to the last layer's
-        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
-        is expanded `head_rows` rows at a time, once for the logits and once for the
-        gradient to the chunk's input (the block still expanded is used first).
-        Only the tokens with a target (>= 0) go through the head: the others (prompts
-        and padding of chat data, trained on answers only) have loss 0 and gradient 0,
-        so their normed inputs are first gathered into the rows of self.dx, idle until
-        the norm's backward fills it, and their input gradients scattered back over
-        zeros in self.xn. Returns sum(weights * loss)."""
-        cfg, xp, N, V, C = self.cfg, self.xp, self.N, self.cfg.n_vocab, self.cfg.n_embd
-        wn = self._norm_weight("output_norm.weight")
-        self.ops.rmsnorm.rmsnorm_forward(self.xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
-        scored = xp.flatnonzero(targets >= 0)
-        M = int(scored.shape[0])
-        if M < N:                                            # compact: row k is token scored[k]
-            xn, dxn, losses = self.dx[:M], self.dxn[:M], self.losses[:M]
-            xp.take(self.xn, scored, axis=0, out=xn)
-            targets, weights = targets[scored], weights[scored]
-        else:
-            xn, dxn, losses = self.xn, self.dxn, self.losses
-        chunk = even_chunk(M, self.chunk)
-        t = self.lora.get("output.weight")
-        dW = self.base.grad("output.weight") if self.base.trainable else None
-        blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
-        held = [None, None]                                  # (block, its expanded rows)
-
-        def rows(block):
-            if held[0] != block:
-                held[:] = block, self.base.matrix_rows("output.weight", *block)
-            return held[1]
-        for lo in range(0, M, chunk):
-            hi = min(M, lo + chunk)
-            x, logits, dx = xn[lo:hi], self.logits[: hi - lo], dxn[lo:hi]
-            if t is not None:
-                xa = x @ self.params[t.a].T                  # (n, r)
-                sxa, Bt = t.scale * xa, self.params[t.b]
-            for vlo, vhi in blocks:
-                xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
-                if t is not None:
-                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self._head_scratch(hi - lo, vhi - vlo))
-            if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
-                self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
-            if not backward:                                 # the step's kernel: the same losses bit for bit
-                self.ops.cross_entropy.cross_entropy_forward_backward(
-                    losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # gradient dropped
-                continue
-            if cfg.final_softcap:                            # d(capped) aside, then back through the cap
-                dcap = self.dlogits[: hi - lo]
-                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], dcap, logits,
-                                                                      targets[lo:hi], weights[lo:hi])
-                self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
-            else:
-                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], logits, logits,
-                                                                      targets[lo:hi], weights[lo:hi])
-            for j, (vlo, vhi) in enumerate(reversed(blocks)):
-                W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
-                if j == 0:
-                    xp.matmul(g, W, out=dx)
-                else:
-                    dx += xp.matmul(g, W, out=self._scratch(hi - lo, C))
-                if dW is not None:
-                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self._head_scratch(vhi - vlo, C))
-            if t is not None:
-                self._lora_backward(t, logits, x, xa, dx)
-        loss = float(xp.dot(losses.astype(np.float64), weights.astype(np.float64)))
-        if M < N:                                            # the tokens without a target: loss 0
-            kept = losses.copy()
-            self.losses.fill(0.0)
-            self.losses[scored] = kept
-        if backward:
-            if M < N:                                        # and gradient 0
-                dxn = self.xn
-                dxn.fill(0.0)
-                dxn[scored] = self.dxn[:M]
-            self.dnorm.fill(0.0)
-            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
-            self._norm_grad("output_norm.weight", self.dnorm)
-        return loss
-
     # ------------------------------------------------------------------ backward
     def _layer_backward(self, i: int) -> None:
         """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input)."""
         cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
         B, T = self.B, self.T
         dx_out = self.dx
-        gate_forward, gate_backward = self._gate()
+        gate_forward, gate_backward = self.gate()
         # ---- feed-forward
         if a.h is None:
             gate_forward(self.h, a.g, a.u)
@@ -635,14 +162,14 @@ class Graph:
         self.linear_backward(self.dh, self._post_norm_backward(dx_out, a.f, a.rstd_f, p + "post_ffw_norm.weight"),
                              h, p + "ffn_down.weight", accumulate=False)
         gate_backward(self.dg, self.du, self.dh, a.g, a.u)
-        wn2 = self._norm_weight(p + "ffn_norm.weight")
+        wn2 = self.norm_weight(p + "ffn_norm.weight")
         if a.xn2 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
         self._gate_up_backward(xn2, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
-        self._norm_grad(p + "ffn_norm.weight", self.dnorm)
+        self.norm_grad(p + "ffn_norm.weight", self.dnorm)
         dx_mid = dx_out
         dx_mid += self.dx2                                   # residual: dL/d(x_mid)
         # ---- attention
@@ -662,14 +189,14 @@ class Graph:
             self._head_norm_backward(self.dqp, dq, a.qp, a.rstd_q, p + "attn_q_norm.weight")
             self._head_norm_backward(self.dkp, dk, a.kp, a.rstd_k, p + "attn_k_norm.weight")
             dq, dk = self.dqp, self.dkp
-        wn1 = self._norm_weight(p + "attn_norm.weight")
+        wn1 = self.norm_weight(p + "attn_norm.weight")
         if a.xn1 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
         self._qkv_backward(dq, dk, xn1, p)
         self.dnorm.fill(0.0)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
-        self._norm_grad(p + "attn_norm.weight", self.dnorm)
+        self.norm_grad(p + "attn_norm.weight", self.dnorm)
         self.dx += self.dx2                                   # residual: dL/d(layer input)
 
     def _post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
@@ -679,15 +206,15 @@ class Graph:
         if y_in is None:
             return dy
         self.dnorm.fill(0.0)
-        w = self._norm_weight(name)
+        w = self.norm_weight(name)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, dy, y_in, w, rstd)
-        self._norm_grad(name, self.dnorm)
+        self.norm_grad(name, self.dnorm)
         return self.dx2
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
         if self.cfg.spec.embd_scale:
-            dx *= self._embd_scale()
+            dx *= self.embd_scale()
         if self.base.trainable:
             self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
         t = self.lora.get("token_embd.weight")
@@ -695,6 +222,37 @@ class Graph:
             A, B = self.params[t.a], self.params[t.b]
             self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
             self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
+
+    def _head_norm_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, rstd: np.ndarray,
+                            name: str) -> None:
+        HS = self.cfg.head_dim
+        dw = self.dnorm[:HS]
+        dw.fill(0.0)
+        self.ops.rmsnorm.rmsnorm_backward(dx.reshape(-1, HS), dw, dy.reshape(-1, HS), x.reshape(-1, HS),
+                                          self.norm_weight(name), rstd)
+        self.norm_grad(name, dw)
+
+    def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""
+        if not self.cfg.spec.fused_qkv:
+            for j, (c, dy) in enumerate((("q", dq), ("k", dk), ("v", self.dv))):
+                self.linear_backward(self.dxn, dy, xn, f"{p}attn_{c}.weight", accumulate=j > 0)
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        dqkv = self.fused_rows(Cq + 2 * Ckv)
+        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, self.dv
+        self.linear_backward(self.dxn, dqkv, xn, p + "attn_qkv.weight", accumulate=False)
+
+    def _gate_up_backward(self, xn: np.ndarray, p: str) -> None:
+        """self.dxn = dL/dxn from dg, du."""
+        if not self.cfg.spec.fused_gate_up:
+            self.linear_backward(self.dxn, self.dg, xn, p + "ffn_gate.weight", accumulate=False)
+            self.linear_backward(self.dxn, self.du, xn, p + "ffn_up.weight", accumulate=True)
+            return
+        F = self.cfg.n_ff
+        dgu = self.fused_rows(2 * F)
+        dgu[:, :F], dgu[:, F:] = self.dg, self.du
+        self.linear_backward(self.dxn, dgu, xn, p + "ffn_up.weight", accumulate=False)
 
     # ------------------------------------------------------------------ the step
     def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,),
@@ -753,10 +311,10 @@ class Graph:
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
-        loss = self._head(tg, w)
+        loss = self.loss_head(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
-                self._layer_forward(i, self.dx2)                    # recompute; its output is not needed
+                self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
             self._layer_backward(i)
         self._embed_backward(tokens)
         return loss
@@ -767,7 +325,7 @@ class Graph:
         in `step`), without dropout; no gradient is computed and params.grad is untouched."""
         dropout, self.dropout = self.dropout, 0.0
         try:
-            return self._trimmed(lambda g, *batch: g._head(*g._forward(*batch)[1:], backward=False),
+            return self._trimmed(lambda g, *batch: g.loss_head(*g._forward(*batch)[1:], backward=False),
                                  inputs, targets, weights, positions, segments)
         finally:
             self.dropout = dropout
@@ -780,8 +338,8 @@ class Graph:
         tokens = to_device(np.asarray(inputs, np.int64).reshape(-1))
         tg = to_device(np.asarray(targets, np.int64).reshape(-1))
         w = to_device(np.asarray(weights, self.tmp.dtype).reshape(-1))
-        self._embed(tokens, self.layers[0].x)
+        self.embed(tokens, self.layers[0].x)
         for i in range(self.cfg.n_layer):
             x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final
-            self._layer_forward(i, x_out)
+            self.layer_forward(i, self.layers[i], x_out)
         return tokens, tg, w

@@ -8,7 +8,7 @@ The estimate adds up, for a (batch, ctx, mode):
     ParamBuffer. The base model's file pages are left out here and counted below.
   - model: the memory-mapped base model, counted in full (every page is read each step).
   - scratch: the dequantization scratch (model.Dequantizer.size floats).
-  - graph: every buffer the training graph allocates, from `graph.buffer_plan`, the
+  - graph: every buffer the training graph allocates, from `buffers.buffer_plan`, the
     same list the graph allocates from.
   - temporaries: arrays numpy creates inside a step (dropout masks and the inputs
     they multiply).
@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .graph import Graph, buffer_plan, plan_bytes
+from .buffers import buffer_plan, plan_bytes
+from .graph import Graph
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
 

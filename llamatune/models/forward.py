@@ -1,0 +1,234 @@
+"""The forward pass of the llama-family blocks, once, for inference and for training.
+
+Mirrors llama.cpp's per-architecture graph builders (src/models/llama.cpp, qwen2,
+qwen3, gemma, gemma2, gemma3, phi3), read from the architecture's declaration
+(models/arch.py) and its config. Per layer, with xn = RMSNorm(x), the declaration's
+options in brackets:
+    q, k, v = xn Wq^T, xn Wk^T, xn Wv^T      [qk_norm: q, k = RMSNorm per head (qp, kp before)]
+    q, k    = rope(q), rope(k)               (the layer's rope: gemma3's local layers differ)
+    o       = attn(q, k, v) Wo^T             (the layer's scale, soft-cap and sliding window)
+    x_mid   = x + o                          [post_norms: x + RMSNorm(o, post_attention_norm)]
+    g, u    = n2 Wg^T, n2 Wu^T               n2 = RMSNorm(x_mid)
+    f       = (act(g) * u) Wd^T              act = silu (SwiGLU) or gelu (GeGLU)
+    x_out   = x_mid + f                      [post_norms: x_mid + RMSNorm(f, post_ffw_norm)]
+The embedding may be scaled (gemma: sqrt(n_embd)). q/k/v and gate/up come from one
+fused matmul split by rows where the architecture declares it (phi3's attn_qkv,
+ffn_up), one LoRA pair on the whole product as llama.cpp's build_lora_mm applies it.
+
+`Forward` is the block; its users differ only in what they hand it:
+  - `infer.Runner` (perplexity, generate, chat): activations of one call, a KV cache
+    (`kv` appends the step's keys and values and attends over the cache), runtime
+    adapters (llama.cpp's --lora), the full logits;
+  - `train.graph.Graph`: activations it keeps for backward (per layer, or shared in
+    checkpointing mode `layer`), trainable adapters (dropout, the x A^T it keeps, the
+    merge into a dequantized matrix), the loss head and the backward.
+Every product with a base weight goes through `base_product`: the one place where its
+precision is chosen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+from ..backend import Backend
+from .config import ModelConfig
+
+
+@dataclass
+class LayerActs:
+    """One layer's activations (N = B*T rows); which exist depends on the architecture
+    (`act_shapes`) and on what the user keeps (training's checkpointing mode)."""
+    x: np.ndarray        # (N, C)   layer input (residual stream)
+    rstd1: np.ndarray    # (N,)
+    q: np.ndarray        # (N, NH*HS) after rope
+    k: np.ndarray        # (N, NKV*HS) after rope
+    v: np.ndarray        # (N, NKV*HS)
+    att: np.ndarray      # (N, NH*HS) attention output
+    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
+    x_mid: np.ndarray    # (N, C)   residual after attention
+    rstd2: np.ndarray    # (N,)
+    g: np.ndarray        # (N, F)
+    u: np.ndarray        # (N, F)
+    xn1: np.ndarray | None = None   # (N, C) kept only in checkpointing mode "none"
+    xn2: np.ndarray | None = None   # (N, C)
+    h: np.ndarray | None = None     # (N, F)
+    qp: np.ndarray | None = None     # (N, NH*HS)  q before its per-head norm (qk_norm)
+    kp: np.ndarray | None = None     # (N, NKV*HS) k before its per-head norm
+    rstd_q: np.ndarray | None = None  # (N*NH,)
+    rstd_k: np.ndarray | None = None  # (N*NKV,)
+    o: np.ndarray | None = None      # (N, C) attention output projection (post_norms)
+    rstd_o: np.ndarray | None = None  # (N,)
+    f: np.ndarray | None = None      # (N, C) feed-forward output (post_norms)
+    rstd_f: np.ndarray | None = None  # (N,)
+
+    @classmethod
+    def of(cls, get) -> "LayerActs":
+        """The activations `get(name)` hands out (None where it has none)."""
+        return cls(*(get(f.name) for f in fields(cls)))
+
+
+def act_shapes(cfg: ModelConfig, B: int, T: int, keep_inputs: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one layer's activations (LayerActs); `keep_inputs` adds the
+    normed inputs and the gate's output (what checkpointing mode "none" keeps)."""
+    N, C, F, Cq, Ckv = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
+    acts = {"x": (N, C), "rstd1": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq),
+            "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
+    if keep_inputs:
+        acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
+    if cfg.spec.qk_norm:
+        acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
+    if cfg.spec.post_norms:
+        acts |= {"o": (N, C), "rstd_o": (N,), "f": (N, C), "rstd_f": (N,)}
+    return acts
+
+
+def fused_width(cfg: ModelConfig) -> int:
+    """Columns of the widest fused product (q|k|v or gate|up), 0 without fused projections."""
+    return max([w for on, w in ((cfg.spec.fused_qkv, cfg.n_embd_q + 2 * cfg.n_embd_kv),
+                                (cfg.spec.fused_gate_up, 2 * cfg.n_ff)) if on], default=0)
+
+
+class Forward:
+    """The block forward over a weight provider (weights.FrozenBase or params.DenseWeights).
+
+    A user sets, before a layer runs: `ropes` ((cos, sin) per rope set of the config),
+    `segments` (packed rows or None), `xn` (N, C) and `h` (N, F) scratch (used where the
+    layer's LayerActs keeps no xn1/xn2/h), `fused` (a flat buffer of N * fused_width
+    floats, with fused projections)."""
+    segments = None
+
+    def __init__(self, cfg: ModelConfig, base, backend: Backend):
+        self.cfg, self.base, self.backend = cfg, base, backend
+        self.xp, self.ops = backend.xp, backend.ops
+
+    # ------------------------------------------------------------------ overridable parts
+    def adapter_pairs(self, name: str) -> list:
+        """[(A, B, scale)] applied to base weight `name` (token_embd: A (V, r), B (C, r))."""
+        return []
+
+    def scratch(self, rows: int, cols: int) -> np.ndarray:
+        """A (rows, cols) buffer for a product about to be added somewhere."""
+        return self.xp.empty((rows, cols), np.float32)
+
+    def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
+        """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
+        share is already in it (training may merge B A into a dequantized copy)."""
+        return self.base.matrix(name), False
+
+    def norm_weight(self, name: str) -> np.ndarray:
+        return self.base.vector(name)
+
+    def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
+        """y += sum_i s_i (x A_i^T) B_i^T."""
+        for a, b, s in self.adapter_pairs(name):
+            y += self.xp.matmul(s * (x @ a.T), b.T, out=self.scratch(*y.shape))
+
+    def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """The keys and values layer i attends over, and the position of k's first row:
+        the step's own (training); inference appends them to its cache."""
+        return k, v, 0
+
+    # ------------------------------------------------------------------ building blocks
+    def base_product(self, y: np.ndarray, x: np.ndarray, W: np.ndarray) -> None:
+        """y (N, n_out) = x (N, n_in) W^T: every product with a base weight."""
+        self.xp.matmul(x, W.T, out=y)
+
+    def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
+        """y (N, n_out) = x W^T (+ bias) + the adapters' share."""
+        W, merged = self.matrix(name, x.shape[0])
+        self.base_product(y, x, W)
+        bias = self.base.vector(name.replace(".weight", ".bias"))
+        if bias is not None:
+            y += bias
+        self.adapter_forward(y, x, name, merged)
+        return y
+
+    def fused_rows(self, width: int) -> np.ndarray:
+        N = self.xn.shape[0]
+        return self.fused[: N * width].reshape(N, width)
+
+    def qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
+        """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
+        if not self.cfg.spec.fused_qkv:
+            for c, y in (("q", q), ("k", k), ("v", v)):
+                self.linear(y, xn, f"{p}attn_{c}.weight")
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        qkv = self.linear(self.fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
+        q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
+
+    def gate_up_forward(self, g: np.ndarray, u: np.ndarray, xn: np.ndarray, p: str) -> None:
+        """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
+        if not self.cfg.spec.fused_gate_up:
+            self.linear(g, xn, p + "ffn_gate.weight")
+            self.linear(u, xn, p + "ffn_up.weight")
+            return
+        F = self.cfg.n_ff
+        gu = self.linear(self.fused_rows(2 * F), xn, p + "ffn_up.weight")
+        g[...], u[...] = gu[:, :F], gu[:, F:]
+
+    def gate(self):
+        """The feed-forward gate's (forward, backward) kernels: SwiGLU or GeGLU (Arch.activation)."""
+        if self.cfg.spec.activation == "gelu":
+            return self.ops.geglu.geglu_forward, self.ops.geglu.geglu_backward
+        return self.ops.swiglu.swiglu_forward, self.ops.swiglu.swiglu_backward
+
+    def head_norm(self, y: np.ndarray, rstd: np.ndarray, x: np.ndarray, name: str) -> None:
+        """y = RMSNorm of every head of x (N, H*HS) with one (HS,) weight (qk_norm)."""
+        HS = self.cfg.head_dim
+        self.ops.rmsnorm.rmsnorm_forward(y.reshape(-1, HS), rstd, x.reshape(-1, HS), self.norm_weight(name),
+                                         self.cfg.norm_eps)
+
+    def embd_scale(self):
+        """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
+        return self.xn.dtype.type(np.sqrt(np.float32(self.cfg.n_embd)))
+
+    # ------------------------------------------------------------------ the forward
+    def embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
+        """x (N, C) = rows of token_embd for tokens (N,) on the device (+ adapters, scale)."""
+        self.base.embed(tokens, x)
+        for a, b, s in self.adapter_pairs("token_embd.weight"):
+            x += self.xp.matmul(s * a[tokens], b.T, out=self.scratch(*x.shape))
+        if self.cfg.spec.embd_scale:
+            x *= self.embd_scale()
+
+    def layer_forward(self, i: int, a: LayerActs, x_out: np.ndarray) -> None:
+        """x_out = layer i of a.x, filling the rest of `a`."""
+        cfg, ops, p = self.cfg, self.ops, f"blk.{i}."
+        B, T = a.lse.shape[0], a.lse.shape[2]
+        cos, sin = self.ropes[cfg.rope_set(i)]
+        xn = self.xn if a.xn1 is None else a.xn1
+        ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self.norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
+        if cfg.spec.qk_norm:
+            self.qkv_forward(a.qp, a.kp, a.v, xn, p)
+            self.head_norm(a.q, a.rstd_q, a.qp, p + "attn_q_norm.weight")
+            self.head_norm(a.k, a.rstd_k, a.kp, p + "attn_k_norm.weight")
+        else:
+            self.qkv_forward(a.q, a.k, a.v, xn, p)
+        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
+        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+        ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        ops.rope.rope_forward(k4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        k_all, v_all, n_past = self.kv(i, k4, a.v.reshape(k4.shape))
+        ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                        segments=self.segments, **cfg.attention_options(i))
+        if cfg.spec.post_norms:
+            self.linear(a.o, a.att, p + "attn_output.weight")
+            ops.rmsnorm.rmsnorm_forward(a.x_mid, a.rstd_o, a.o, self.norm_weight(p + "post_attention_norm.weight"),
+                                        cfg.norm_eps)
+        else:
+            self.linear(a.x_mid, a.att, p + "attn_output.weight")
+        a.x_mid += a.x
+        xn = self.xn if a.xn2 is None else a.xn2
+        ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
+        self.gate_up_forward(a.g, a.u, xn, p)
+        h = self.h if a.h is None else a.h
+        self.gate()[0](h, a.g, a.u)
+        if cfg.spec.post_norms:
+            self.linear(a.f, h, p + "ffn_down.weight")
+            ops.rmsnorm.rmsnorm_forward(x_out, a.rstd_f, a.f, self.norm_weight(p + "post_ffw_norm.weight"),
+                                        cfg.norm_eps)
+        else:
+            self.linear(x_out, h, p + "ffn_down.weight")
+        x_out += a.x_mid

@@ -1,0 +1,96 @@
+"""The output head of training: final norm, logits, loss and their gradient, chunk by chunk.
+
+The (N, V) logits never exist: tokens go through the head in chunks (buffers.head_chunk)
+whose logits overlay the layer backward's idle scratch, and inside a chunk the head
+W (V, C) is expanded `head_rows` rows at a time. Loss and logit gradient come from one
+fused pass (`cross_entropy_forward_backward`). Only tokens with a target go through
+the head. `LossHead` is a part of train.graph.Graph.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .buffers import even_chunk
+
+
+class LossHead:
+    def loss_head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
+        """Output norm, logits, loss and (backward) the gradient back to the last layer's
+        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
+        is expanded `head_rows` rows at a time, once for the logits and once for the
+        gradient to the chunk's input (the block still expanded is used first).
+        Only the tokens with a target (>= 0) go through the head: the others (prompts
+        and padding of chat data, trained on answers only) have loss 0 and gradient 0,
+        so their normed inputs are first gathered into the rows of self.dx, idle until
+        the norm's backward fills it, and their input gradients scattered back over
+        zeros in self.xn. Returns sum(weights * loss)."""
+        cfg, xp, N, V, C = self.cfg, self.xp, self.N, self.cfg.n_vocab, self.cfg.n_embd
+        wn = self.norm_weight("output_norm.weight")
+        self.ops.rmsnorm.rmsnorm_forward(self.xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
+        scored = xp.flatnonzero(targets >= 0)
+        M = int(scored.shape[0])
+        if M < N:                                            # compact: row k is token scored[k]
+            xn, dxn, losses = self.dx[:M], self.dxn[:M], self.losses[:M]
+            xp.take(self.xn, scored, axis=0, out=xn)
+            targets, weights = targets[scored], weights[scored]
+        else:
+            xn, dxn, losses = self.xn, self.dxn, self.losses
+        chunk = even_chunk(M, self.chunk)
+        t = self.lora.get("output.weight")
+        dW = self.base.grad("output.weight") if self.base.trainable else None
+        blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
+        held = [None, None]                                  # (block, its expanded rows)
+
+        def rows(block):
+            if held[0] != block:
+                held[:] = block, self.base.matrix_rows("output.weight", *block)
+            return held[1]
+        for lo in range(0, M, chunk):
+            hi = min(M, lo + chunk)
+            x, logits, dx = xn[lo:hi], self.logits[: hi - lo], dxn[lo:hi]
+            if t is not None:
+                xa = x @ self.params[t.a].T                  # (n, r)
+                sxa, Bt = t.scale * xa, self.params[t.b]
+            for vlo, vhi in blocks:
+                xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
+                if t is not None:
+                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(hi - lo, vhi - vlo))
+            if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
+                self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
+            if not backward:                                 # the step's kernel: the same losses bit for bit
+                self.ops.cross_entropy.cross_entropy_forward_backward(
+                    losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # gradient dropped
+                continue
+            if cfg.final_softcap:                            # d(capped) aside, then back through the cap
+                dcap = self.dlogits[: hi - lo]
+                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], dcap, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
+                self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
+            else:
+                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], logits, logits,
+                                                                      targets[lo:hi], weights[lo:hi])
+            for j, (vlo, vhi) in enumerate(reversed(blocks)):
+                W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
+                if j == 0:
+                    xp.matmul(g, W, out=dx)
+                else:
+                    dx += xp.matmul(g, W, out=self.scratch(hi - lo, C))
+                if dW is not None:
+                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+            if t is not None:
+                self.lora_backward(t, logits, x, xa, dx)
+        loss = float(xp.dot(losses.astype(np.float64), weights.astype(np.float64)))
+        if M < N:                                            # the tokens without a target: loss 0
+            kept = losses.copy()
+            self.losses.fill(0.0)
+            self.losses[scored] = kept
+        if backward:
+            if M < N:                                        # and gradient 0
+                dxn = self.xn
+                dxn.fill(0.0)
+                dxn[scored] = self.dxn[:M]
+            self.dnorm.fill(0.0)
+            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
+            self.norm_grad("output_norm.weight", self.dnorm)
+        return loss
+

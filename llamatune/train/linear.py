@@ -1,0 +1,122 @@
+"""The trainable side of a linear: LoRA in factored form, and the backward of a linear.
+
+    y = x W^T (+ bias) + s (drop(x) A^T) B^T        s = alpha / r
+    dx = dy W + s (dy B) A,  dB += s dy^T (x A^T),  dA += (s dy B)^T x   (dW += dy^T x when W trains)
+
+No full-size gradient of a frozen W ever exists. `x A^T` is kept for backward (the
+graph's `xa` buffers). Where a step's N tokens outnumber both sides of a dequantized
+matrix (and no dropout), the adapter is added into that copy (`W + s B A`) and the
+product runs once, instead of the factored terms' (N, n_out) and (N, n_in) shares.
+Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
+with an adapter are used as `w + s (B A)[0]`.
+`LoraLinear` is a part of train.graph.Graph (it uses the graph's parameters, buffers
+and step key).
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+
+from .lora import LoraTarget
+
+
+class LoraLinear:
+    # ---------------------------------------------------------------- Forward's hooks
+    def adapter_pairs(self, name: str) -> list:
+        t = self.lora.get(name)
+        return [] if t is None else [(self.params[t.a], self.params[t.b], t.scale)]
+
+    def scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.tmp[: rows * cols].reshape(rows, cols)
+
+    def norm_weight(self, name: str) -> np.ndarray:
+        """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
+        w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
+        t = self.lora.get(name)
+        if t is None:
+            return w
+        return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
+
+    def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
+        """The base matrix W (n_out, n_in) of a linear over N tokens, and whether its
+        adapter was merged into it: W + s B A, when the matrix is a dequantized copy
+        (a scratch of the step's dtype), the adapter sees x without dropout, and
+        N > max(n_out, n_in), where adding (r-factored) B A to W costs less than adding
+        the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
+        share to dx). Either way the product is the same up to float rounding."""
+        W = self.base.matrix(name)
+        t = self.lora.get(name)
+        merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
+                 and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
+        if merge:
+            W += self.xp.matmul(t.scale * self.params[t.b], self.params[t.a], out=self.scratch(*W.shape))
+        return W, merge
+
+    def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
+        """y += s (drop(x) A^T) B^T, keeping x A^T for the backward."""
+        t = self.lora.get(name)
+        if t is None:
+            return
+        mask = self.dropout_mask(name, x.shape)
+        xa = self.xa[name]
+        self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
+        if not merged:
+            y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self.scratch(*y.shape))
+
+    # ---------------------------------------------------------------- training only
+    def dropout_mask(self, name: str, shape) -> np.ndarray | None:
+        """Inverted-dropout mask for an adapter input; regenerated identically in backward."""
+        if self.dropout <= 0:
+            return None
+        key = [zlib.crc32(name.encode()), *self.step_key]
+        keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
+        return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
+
+    def norm_grad(self, name: str, dw: np.ndarray) -> None:
+        """Route a norm weight's gradient to its parameter or its adapter."""
+        if self.base.trainable:
+            self.params.grad_of(name)[...] += dw
+        t = self.lora.get(name)
+        if t is not None:
+            A, B = self.params[t.a], self.params[t.b]
+            self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
+            self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
+
+    def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
+                        accumulate: bool) -> None:
+        """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
+        W, merged = self.matrix(name, dy.shape[0])
+        if dx is not None:
+            if accumulate:
+                tmp = self.scratch(*dx.shape)
+                self.xp.matmul(dy, W, out=tmp)
+                dx += tmp
+            else:
+                self.xp.matmul(dy, W, out=dx)
+        if self.base.trainable:
+            dW = self.base.grad(name)
+            dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))
+            bias = name.replace(".weight", ".bias")
+            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
+                self.base.grad(bias)[...] += dy.sum(axis=0)
+        t = self.lora.get(name)
+        if t is not None:
+            mask = self.dropout_mask(name, x.shape)
+            self.lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], None if merged else dx, mask)
+
+    def lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
+        """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
+        dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
+        dx None: the adapter was merged into the W of dy W, which gave that share)."""
+        A, B = self.params[t.a], self.params[t.b]
+        self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
+        dxa = t.scale * (dy @ B)                                       # (N, r)
+        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
+        #                                   to 50x longer with the r-row transposed operand on the left
+        if dx is not None:
+            dxd = self.xp.matmul(dxa, A, out=self.scratch(*dx.shape))
+            dx += dxd if mask is None else dxd * mask
+
+    def head_scratch(self, rows: int, cols: int) -> np.ndarray:
+        return self.head_tmp[: rows * cols].reshape(rows, cols)
