@@ -356,6 +356,6 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
                            str(c.file.get("general.name") or "llamatune"))
     if base is not None and src.kind in ("train-2023", "llamatune-full"):
         notes.append(f"--model-base {base.path.name} was not needed")
-    text = f"Converted {what} {src.path} to {to}: {done}."
+    text = f"Converted {src.what} {src.path} to {to}: {done}."
     return text + "".join(f" Note: {n}." for n in notes if n)
 
