@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 
 from .console import notice
 from .errors import LlamatuneError
-from .outputs import ITERATION, Out, _resolve, check_training_paths, training_paths
+from .outputs import ITERATION, Out, check_training_paths, training_paths
 
 NOT_SUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 
@@ -48,7 +48,7 @@ def lock_paths(out: Out) -> list[Path]:
     """The lock files of one output: `.STEM.lock` beside it, for the path as given and,
     for an ITERATION template, for its LATEST form too (another run may name that file
     directly)."""
-    folder = _resolve(out.concrete().parent)
+    folder = out.concrete().parent.expanduser().resolve()     # symlinked folders: one lock
     stems = {out.path.stem, out.concrete().stem} if ITERATION in out.path.name else {out.path.stem}
     return [folder / f".{stem}.lock" for stem in sorted(stems)]
 

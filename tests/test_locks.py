@@ -49,8 +49,9 @@ def held_elsewhere(output: Path):
 
 
 def holder_pattern(pid: int, command: str) -> str:
-    return (rf"\(pid {pid} on host {re.escape(socket.gethostname())}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d "
-            rf"\w+: llamatune {command}\)")
+    """The line a holder writes into its lock files, which a blocked run quotes."""
+    return (rf"pid {pid} on host {re.escape(socket.gethostname())}, started \d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d "
+            rf"\w+: llamatune {command}")
 
 
 def lock_files(folder: Path) -> list[str]:
@@ -58,11 +59,14 @@ def lock_files(folder: Path) -> list[str]:
 
 
 def test_lock_files_are_named_after_each_output_stem(tmp_path):
+    tmp_path = tmp_path.resolve()
     assert lock_paths(Out("--checkpoint-out", tmp_path / "chk-ITERATION.gguf", "LATEST")) == \
         [tmp_path / ".chk-ITERATION.lock", tmp_path / ".chk-LATEST.lock"]
     assert lock_paths(Out("--output", tmp_path / "merged.Q8_0.gguf")) == [tmp_path / ".merged.Q8_0.lock"]
     # the metrics log and its plot share one lock
     assert lock_paths(Out("--metrics-out", tmp_path / "m.jsonl")) == lock_paths(Out("plot", tmp_path / "m.png"))
+    (tmp_path / "link").symlink_to(tmp_path)          # one folder by two names: one lock
+    assert lock_paths(Out("--output", tmp_path / "link" / "x.gguf")) == [tmp_path / ".x.lock"]
 
 
 def test_a_held_output_stops_the_second_run_with_the_holders_line(tmp_path):
@@ -71,9 +75,9 @@ def test_a_held_output_stops_the_second_run_with_the_holders_line(tmp_path):
     with held_elsewhere(out) as other:
         assert (tmp_path / ".merged.lock").read_text().startswith(f"pid {other.pid} on host ")
         # the base model does not exist: the lock is checked before anything loads
-        with pytest.raises(Held, match=r"^--output .*merged\.gguf: another run writes these outputs "
+        with pytest.raises(Held, match=r"^--output .*merged\.gguf: another run writes these outputs \("
                            + holder_pattern(other.pid, "export-lora")
-                           + r": wait for it to end or choose other output names \(lock .*\.merged\.lock\)$"):
+                           + r"\): wait for it to end or choose other output names \(lock .*\.merged\.lock\)$"):
             export_lora(tmp_path / "missing-base.gguf", [(tmp_path / "a.gguf", 1.0)], out)
     assert lock_files(tmp_path) == []                 # its holder removed it on the way out
     with pytest.raises(LlamatuneError, match="missing-base.gguf"):
@@ -97,7 +101,7 @@ def test_a_stale_lock_file_is_reused_and_removed(tmp_path):
                                         "with a long tail that the next holder's line must not keep\n")
     with hold([Out("-o", tmp_path / "out.gguf")], "export-lora"):
         line = (tmp_path / ".out.lock").read_text()
-        assert re.fullmatch(holder_pattern(os.getpid(), "export-lora") + "\n", f"({line[:-1]})\n"), line
+        assert re.fullmatch(holder_pattern(os.getpid(), "export-lora") + "\n", line), line
     assert lock_files(tmp_path) == []
 
 
@@ -198,8 +202,8 @@ def test_two_real_runs_race_for_one_output_set(tmp_path, tiny_model):
         winner = next(p for p in runs if p is not loser)
         err = logs[runs.index(loser)].read_text()
         assert loser.returncode == 1, err
-        assert re.fullmatch(r"error: --\S+ \S+: another run writes these outputs " + holder_pattern(winner.pid, "finetune")
-                            + r": wait for it to end or choose other output names \(lock \S+\.lock\)\n", err), err
+        assert re.fullmatch(r"error: --\S+ \S+: another run writes these outputs \(" + holder_pattern(winner.pid, "finetune")
+                            + r"\): wait for it to end or choose other output names \(lock \S+\.lock\)\n", err), err
         # another output set in the same folder: trains to the end while the winner runs
         o = FinetuneOptions(model_base=tiny_model, train_data=tmp_path / "train.txt", ctx=16, batch=2, lora_r=2,
                             adam_iter=2, save_every=0, plot=False, checkpoint_out=tmp_path / "b-chk-ITERATION.gguf",

@@ -38,6 +38,11 @@ def test_each_command_gets_its_presets_by_name():
             assert build_options(cls, {}, name) == build_options(cls, {}, CONFIGS / f"{name}.toml"), name
 
 
+def test_a_checkout_installed_before_the_configs_mapping_finds_configs(monkeypatch):
+    monkeypatch.setattr(presets, "find_spec", lambda name: None)
+    assert presets.preset_dir() == CONFIGS.resolve()
+
+
 def test_every_preset_has_a_one_line_description():
     for name, path in presets.presets().items():
         text = presets.description(path)
