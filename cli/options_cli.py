@@ -28,11 +28,14 @@ def _show(value: Any) -> str:
 def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], None], help: str,
                         wrap: Callable[[Callable], Callable]) -> None:
     """Register `name` on `app`: parses every field of `cls`, builds the options and calls `run`."""
+    from llamatune import presets
     from llamatune.options import build_options, cli_flag
     hints = typing.get_type_hints(cls)
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, "--config", help="TOML preset of options "
-                                                     "(see configs/); command-line options override it.",
+                                default=typer.Option(None, "--config", help="Preset of options: a shipped "
+                                                     f"preset's name ({presets.names(cls)}; `--config list` "
+                                                     "describes them) or a TOML file; command-line options "
+                                                     "override it.",
                                                      rich_help_panel="Input and output"))]
     for f in dataclasses.fields(cls):
         t = _base_type(hints[f.name])
@@ -46,6 +49,9 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], N
 
     def command(**kwargs):
         preset = kwargs.pop("config")
+        if preset is not None and str(preset) == presets.LIST:
+            print(presets.listing(cls))
+            return
         run(build_options(cls, kwargs, preset))
 
     command.__signature__ = inspect.Signature(params)

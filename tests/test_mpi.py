@@ -109,6 +109,7 @@ def test_two_ranks_train_the_adapter_of_one_process_with_grad_acc_2(tmp_path, ti
     for name, a in tensors(single / "adapter-LATEST.gguf").items():
         np.testing.assert_array_equal(a, tensors(tmp_path / "out" / "adapter-LATEST.gguf")[name], err_msg=name)
     assert GGUFFile(tmp_path / "out" / "chk-4.gguf").get("llamatune.ranks") == 2
+    assert not list((tmp_path / "out").glob(".*.lock"))           # rank 0's locks end with the run
     # rank 0 alone reports; the per-step exchange is one LoRA gradient (P float32) per rank
     assert r.stdout.count("finetune: 4 steps") == 1
     n_params = sum(a.size for n, a in tensors(single / "chk-4.gguf").items() if not n.startswith("optimizer."))
@@ -147,6 +148,20 @@ def test_ranks_given_different_data_are_refused(tmp_path, tiny_model, launcher):
     assert r.returncode != 0
     assert "ranks were given different training data (rank 0 vs rank(s) 1)" in r.stderr   # printed before the abort
     assert not list((tmp_path / "out").iterdir())                 # nothing trained, nothing written
+
+
+def test_rank_0_alone_locks_the_outputs(tmp_path, tiny_model, launcher):
+    """The two-rank runs above would stop on their own lock if every rank took it; a job
+    whose outputs another run holds stops on rank 0 with the holder's line."""
+    from llamatune.locks import hold
+    from llamatune.outputs import Out
+    args = train_args(tmp_path, tiny_model, "out")
+    lora_out = tmp_path / "out" / "adapter-ITERATION.gguf"
+    with hold([Out("--lora-out", lora_out, "LATEST")], "finetune"):          # held by this process
+        r = subprocess.run(launcher + CLI + args, env=ENV, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert f"error: rank 0: --lora-out {lora_out}: another run writes these outputs (pid {os.getpid()} " in r.stderr
+    assert not list((tmp_path / "out").iterdir())                 # nothing written, lock files gone
 
 
 def _pid_of_rank(rank: int, tag: str) -> int | None:

@@ -39,6 +39,7 @@ from ..formats.adapter import LoraAdapter, is_norm, read_adapter, write_adapter
 from ..formats.gguf_io import GGUFFile, atomic_path, check_float, kv, write_error
 from ..formats.peft import Heads, PeftNames, peft_files, read_peft
 from ..formats.tensors import float_array
+from ..locks import hold
 from ..models.arch import get_arch
 from ..models.config import ModelConfig
 from ..models.modelfile import tensor_names, vocab_kvs, write_model
@@ -303,7 +304,14 @@ def convert(input: Path, output: Path, to: str | None = None, model_base: Path |
         raise LlamatuneError(f"--to {to!r}: choose one of {', '.join(TARGETS)}")
     if to not in allowed:
         raise LlamatuneError(f"{src.path}: is {what}, which converts to {' or '.join(allowed)}, not {to}")
-    check_paths([("INPUT", src.path), ("--model-base", model_base)], [Out("--output", output, is_dir=to == "peft")])
+    out = Out("--output", output, is_dir=to == "peft")
+    check_paths([("INPUT", src.path), ("--model-base", model_base)], [out])
+    with hold([out], "convert-checkpoint"):     # before loading: another run may be writing `output`
+        return _convert(src, output, to, model_base)
+
+
+def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str:
+    """convert once its paths are checked and its output is locked."""
     base = load_base(model_base)
     notes: list[str] = []
 
@@ -348,6 +356,6 @@ def convert(input: Path, output: Path, to: str | None = None, model_base: Path |
                            str(c.file.get("general.name") or "llamatune"))
     if base is not None and src.kind in ("train-2023", "llamatune-full"):
         notes.append(f"--model-base {base.path.name} was not needed")
-    text = f"Converted {what} {src.path} to {to}: {done}."
+    text = f"Converted {src.what} {src.path} to {to}: {done}."
     return text + "".join(f" Note: {n}." for n in notes if n)
 

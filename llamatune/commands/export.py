@@ -37,6 +37,7 @@ from ..formats.adapter import LoraAdapter, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from ..kernels import dequant
 from ..kernels.quantize import QUANTIZABLE, quantize
+from ..locks import hold
 from ..models.modelfile import FILE_TYPE, fit_type, parse_outtype
 from ..outputs import Out, check_paths
 
@@ -66,12 +67,18 @@ def export_lora(model_base: str | Path, adapters: list[tuple[str | Path, float]]
     outtype "same" keeps each tensor's type; f32/f16/bf16/q8_0/.../q6_k converts
     every matrix (1-D tensors stay F32). Raises LlamatuneError before writing."""
     target = None if outtype.lower() == "same" else parse_outtype(outtype)
-    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters],
-                [Out("--output", Path(out))])
+    output = Out("--output", Path(out))
+    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters], [output])
+    with hold([output], "export-lora"):          # before loading: another run may be writing `out`
+        return _export(model_base, adapters, Path(out), target)
+
+
+def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], out: Path,
+            target: QType | None) -> ExportReport:
+    """export_lora once its paths are checked and its output is locked."""
     base = GGUFFile(model_base)
     if base.get("general.type") == "adapter":
         raise LlamatuneError(f"{base.path}: is a LoRA adapter, not a model (pass it with --lora)")
-    out = Path(out)
     loaded = _load_adapters(base, adapters, out)
     report = ExportReport(out, notes=_set_differences(loaded))
 

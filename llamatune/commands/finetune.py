@@ -13,6 +13,7 @@ from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
 from ..formats.gguf_io import kv
+from ..locks import hold_training
 from ..models.model import Model
 from ..models.weights import FrozenBase
 from ..options import FinetuneOptions
@@ -105,5 +106,6 @@ def build_job(o: FinetuneOptions) -> Job:
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
-    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
-    return run(build_job(o), quiet=quiet)
+    world = distributed.setup(o)          # join an MPI job first: only rank 0 prints while loading
+    with hold_training(o, "finetune", world.is_root):     # before loading: another run may hold the outputs
+        return run(build_job(o), quiet=quiet)

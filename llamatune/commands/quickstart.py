@@ -67,6 +67,16 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
 
 
 def run(workdir: Path) -> None:
+    from ..locks import hold
+    from ..outputs import Out, check_paths
+    work = Out("--workdir", workdir, is_dir=True)
+    check_paths([], [work])
+    with hold([work], "quickstart"):            # its commands lock their own files inside too
+        _tour(workdir)
+
+
+def _tour(workdir: Path) -> None:
+    """run once the work directory is checked and locked."""
     import sys
 
     from ..formats.adapter import load_runtime_adapters
@@ -74,14 +84,12 @@ def run(workdir: Path) -> None:
     from ..models.infer import Runner
     from ..models.model import Model
     from ..options import FinetuneOptions, ScratchOptions
-    from ..outputs import Out, check_paths
     from .export import export_lora
     from .finetune import finetune
     from .generate import generate, stream_text
     from .perplexity import perplexity
     from .scratch import train_from_scratch
 
-    check_paths([], [Out("--workdir", workdir, is_dir=True)])
     text = sample_text()
     cut = int(len(text) * 0.75)
     cut = text.rindex("\n\n", 0, cut) + 2

@@ -19,6 +19,7 @@ from ..backend import get_backend
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, kv
+from ..locks import hold_training
 from ..models.arch import get_arch, supported
 from ..models.config import ModelConfig
 from ..models.model import Model
@@ -124,5 +125,6 @@ def build_job(o: ScratchOptions) -> Job:
 
 
 def train_from_scratch(o: ScratchOptions, quiet: bool = False) -> TrainResult:
-    distributed.setup(o)                  # join an MPI job first: only rank 0 prints while loading
-    return run(build_job(o), quiet=quiet)
+    world = distributed.setup(o)          # join an MPI job first: only rank 0 prints while loading
+    with hold_training(o, "train-from-scratch", world.is_root):   # before loading: another run may hold the outputs
+        return run(build_job(o), quiet=quiet)
