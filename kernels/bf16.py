@@ -66,17 +66,15 @@ def _round_bits(u):
 
 
 @njit(cache=True, parallel=True)
-def _to_bf16(out, x):
-    u = x.view(np.uint32)
-    for i in prange(u.shape[0]):
-        out[i] = np.uint16(_round_bits(np.uint64(u[i])))
+def _to_bf16(out, x_bits):
+    for i in prange(x_bits.shape[0]):
+        out[i] = np.uint16(_round_bits(np.uint64(x_bits[i])))
 
 
 @njit(cache=True, parallel=True)
-def _from_bf16(out, x):
-    u = out.view(np.uint32)
+def _from_bf16(out_bits, x):
     for i in prange(x.shape[0]):
-        u[i] = np.uint32(x[i]) << np.uint32(16)
+        out_bits[i] = np.uint32(x[i]) << np.uint32(16)
 
 
 def _flat(op: str, out, x, out_dtype, x_dtype):
@@ -90,12 +88,14 @@ def _flat(op: str, out, x, out_dtype, x_dtype):
 
 def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
     """out (uint16, bf16 bits) = x (float32) rounded to nearest even; any shape, C order."""
-    _to_bf16(*_flat("to_bf16", out, x, np.uint16, np.float32))
+    out, x = _flat("to_bf16", out, x, np.uint16, np.float32)
+    _to_bf16(out, x.view(np.uint32))
 
 
 def from_bf16(out: np.ndarray, x: np.ndarray) -> None:
     """out (float32) = x (uint16 bf16 bits), exact; any shape, C order."""
-    _from_bf16(*_flat("from_bf16", out, x, np.float32, np.uint16))
+    out, x = _flat("from_bf16", out, x, np.float32, np.uint16)
+    _from_bf16(out.view(np.uint32), x)
 
 
 def to_bf16_ref(x: np.ndarray) -> np.ndarray:
@@ -134,7 +134,7 @@ def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray, scratch: np.n
         r1 = min(r0 + step, n_rows)
         chunk = flat[:(r1 - r0) * n_cols].reshape(r1 - r0, n_cols)
         dequant.dequantize_into(data[r0:r1], qtype, chunk)
-        _to_bf16(out[r0:r1].reshape(-1), chunk.reshape(-1))
+        _to_bf16(out[r0:r1].reshape(-1), chunk.reshape(-1).view(np.uint32))
 
 
 # ---------------------------------------------------------------- the library
