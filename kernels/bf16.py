@@ -231,15 +231,18 @@ class _Library:
             ctypes.byref(md), len(dims), _DIMS(*dims), dtype, _DIMS(*strides)), "memory_desc_create")
         return md
 
-    def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int):
-        """(primitive, [src, weights, dst memories], exec args, implementation name)."""
-        key = (M, N, K, trans_b, accumulate, threads)
+    def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int,
+                  lda: int = 0, ldb: int = 0, ldc: int = 0):
+        """(primitive, [src, weights, dst memories], exec args, implementation name);
+        ld*: the row strides in elements (0: the row length)."""
+        lda, ldb, ldc = lda or K, ldb or (K if trans_b else N), ldc or N
+        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc)
         if key in self.primitives:
             return self.primitives[key]
         lib = self.lib
-        a = self._desc((M, K), (K, 1), _BF16)
-        b = self._desc((K, N), (1, K) if trans_b else (N, 1), _BF16)
-        c = self._desc((M, N), (N, 1), _F32)
+        a = self._desc((M, K), (lda, 1), _BF16)
+        b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _BF16)
+        c = self._desc((M, N), (ldc, 1), _F32)
         attr = None
         if accumulate:  # out = out + a @ b: a "sum" post-op
             attr, post_ops = _VP(), _VP()
@@ -275,8 +278,9 @@ class _Library:
     def matmul(self, out, a, b, trans_b: bool, accumulate: bool) -> None:
         M, K = a.shape
         N = out.shape[1]
+        ld = [arr.strides[0] // arr.itemsize for arr in (a, b, out)]
         with self.lock:  # the memories' data handles are shared per primitive
-            prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads())
+            prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld)
             for mem, arr in zip(mems, (a, b, out)):
                 _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
             _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
@@ -339,23 +343,33 @@ def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
 
 
 # ---------------------------------------------------------------- products
+def _rows_contiguous(a: np.ndarray) -> bool:
+    """Unit stride along rows, rows at a positive stride no shorter than a row."""
+    if a.size == 0:
+        return True
+    s0, s1 = a.strides
+    return (s1 == a.itemsize or a.shape[1] == 1) and s0 >= a.shape[1] * a.itemsize \
+        and s0 % a.itemsize == 0
 def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
          accumulate: bool = False) -> None:
     """out (M, N) float32 = a (M, K) @ B, or out += a @ B when accumulate, where
     B = b (K, N), or b (N, K) transposed when trans_b. a and b bf16 (uint16 bits),
-    float32 accumulation. All three C-contiguous."""
+    float32 accumulation. Each array's rows contiguous (unit inner stride, rows in
+    order and apart: a column slice of a wider array, say the head's logits)."""
     for name, arr in (("a", a), ("b", b)):
         if not (isinstance(arr, np.ndarray) and arr.dtype == np.uint16 and arr.ndim == 2
-                and arr.flags.c_contiguous):
-            raise ValueError(f"gemm: {name} must be a C-contiguous 2-D uint16 (bf16) array")
+                and _rows_contiguous(arr)):
+            raise ValueError(f"gemm: {name} must be a 2-D uint16 (bf16) array with contiguous rows")
     M, K = a.shape
     if (b.shape[1] if trans_b else b.shape[0]) != K:
         raise ValueError(f"gemm: a is {a.shape} but b is {b.shape}"
                          f"{' (transposed)' if trans_b else ''}")
     N = b.shape[0] if trans_b else b.shape[1]
-    check_array("gemm", "out", out, (M, N), np.float32)
-    if not out.flags.writeable:
-        raise ValueError("gemm: out must be writeable")
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (M, N)
+            and _rows_contiguous(out) and out.flags.writeable):
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"gemm: out must be a writeable float32 array of shape {(M, N)} "
+                         f"with contiguous rows, got {got}")
     if M == 0 or N == 0:
         return
     if K == 0:

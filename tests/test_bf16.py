@@ -151,6 +151,22 @@ def test_gemm_within_bf16_bounds(M, K, N, trans_b):
 
 
 @native
+def test_gemm_row_strided_operands():
+    """a, b and out as column slices of wider arrays (the head writes logits[:, lo:hi])."""
+    rng = np.random.default_rng(3)
+    a_wide = bf16.to_bf16_ref(rng.standard_normal((20, 70)))
+    b_wide = bf16.to_bf16_ref(rng.standard_normal((30, 50)))
+    a, b = a_wide[:, 5:45], b_wide[:, 10:50]          # (20, 40) and (30, 40): b transposed
+    out_wide = np.full((20, 90), 7.0, np.float32)
+    bf16.gemm(out_wide[:, 20:50], a, b, trans_b=True)
+    exact = bf16.gemm_ref(np.ascontiguousarray(a), np.ascontiguousarray(b), trans_b=True)
+    bound, _ = product_bounds(bf16.from_bf16_ref(a), bf16.from_bf16_ref(b), True)
+    assert np.all(np.abs(out_wide[:, 20:50] - exact) <= bound)
+    np.testing.assert_array_equal(out_wide[:, :20], 7.0)  # nothing written outside the slice
+    np.testing.assert_array_equal(out_wide[:, 50:], 7.0)
+
+
+@native
 def test_gemm_empty_and_zero_k():
     out = np.full((3, 2), 5.0, np.float32)
     bf16.gemm(out, np.zeros((3, 0), np.uint16), np.zeros((0, 2), np.uint16))
@@ -163,11 +179,14 @@ def test_gemm_empty_and_zero_k():
 
 def test_gemm_argument_checks():
     a, b = np.zeros((3, 4), np.uint16), np.zeros((4, 5), np.uint16)
-    with pytest.raises(ValueError, match="gemm: a must be a C-contiguous 2-D uint16"):
+    with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows"):
         bf16.gemm(np.zeros((3, 5), np.float32), a.astype(np.float32), b)
+    with pytest.raises(ValueError, match="gemm: b must be a 2-D uint16 .bf16. array with contiguous rows"):
+        bf16.gemm(np.zeros((3, 5), np.float32), a, np.zeros((5, 4), np.uint16).T)
     with pytest.raises(ValueError, match=r"gemm: a is \(3, 4\) but b is \(4, 5\) \(transposed\)"):
         bf16.gemm(np.zeros((3, 4), np.float32), a, b, trans_b=True)
-    with pytest.raises(ValueError, match=r"gemm: out must be a C-contiguous float32 array of shape \(3, 5\)"):
+    with pytest.raises(ValueError, match=r"gemm: out must be a writeable float32 array of shape \(3, 5\) "
+                                         r"with contiguous rows, got float32 \(5, 3\)"):
         bf16.gemm(np.zeros((5, 3), np.float32), a, b)
 
 
