@@ -16,9 +16,10 @@ product, so a dtype package would add nothing but a dependency.
   ``b (K, N)``, or ``b (N, K)`` used as ``b^T`` when ``trans_b`` (x @ W^T in the
   forward, dy @ W in the backward, W never transposed in memory). Inputs bf16,
   products accumulated in float32 by oneDNN's matmul primitive (AMX or AVX512_BF16
-  brgemm kernels). oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` gives the same sums
-  but measured 1.5-3x slower on a Sapphire Rapids CPU (no AMX kernel behind it;
-  bench/bf16_gemm.py), hence the primitive.
+  brgemm kernels). oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
+  the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896, no AMX
+  kernel named behind it) and level only at (2048, 4096) x (4096, 4096)
+  (bench/bf16_gemm.py --api), hence the primitive.
 
 The library: ``libdnnl.so.3`` from the PyPI package ``onednn-cpu-gomp`` (the
 ``cpu-bf16`` extra), found once, lazily, at the first use; ``available()`` says

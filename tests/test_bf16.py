@@ -177,6 +177,24 @@ def test_gemm_empty_and_zero_k():
     bf16.gemm(np.zeros((0, 2), np.float32), np.zeros((0, 4), np.uint16), np.zeros((4, 2), np.uint16))
 
 
+@native
+def test_gemm_runs_on_numbas_thread_count():
+    """oneDNN and numba share GNU OpenMP's pool: a product first makes OpenMP's
+    thread count numba's."""
+    import numba
+    before = numba.get_num_threads()
+    a = bf16.to_bf16_ref(np.ones((4, 4)))
+    try:
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            out = np.zeros((4, 4), np.float32)
+            bf16.gemm(out, a, a)
+            np.testing.assert_array_equal(out, np.full((4, 4), 4.0, np.float32))
+            assert bf16._library().gomp.omp_get_max_threads() == n
+    finally:
+        numba.set_num_threads(before)
+
+
 def test_gemm_argument_checks():
     a, b = np.zeros((3, 4), np.uint16), np.zeros((4, 5), np.uint16)
     with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows"):
