@@ -17,8 +17,8 @@ product, so a dtype package would add nothing but a dependency.
   forward, dy @ W in the backward, W never transposed in memory). Inputs bf16,
   products accumulated in float32 by oneDNN's matmul primitive (AMX or AVX512_BF16
   brgemm kernels). oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
-  the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896, no AMX
-  kernel named behind it) and level only at (2048, 4096) x (4096, 4096)
+  the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896; its
+  verbose line names no kernel) and level only at (2048, 4096) x (4096, 4096)
   (bench/bf16_gemm.py --api), hence the primitive.
 
 The library: ``libdnnl.so.3`` from the PyPI package ``onednn-cpu-gomp`` (the
