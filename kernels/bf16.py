@@ -216,6 +216,9 @@ class _Library:
         lib.dnnl_memory_desc_create_with_strides.argtypes = [ctypes.POINTER(_VP), ctypes.c_int,
                                                              _DIMS, ctypes.c_int, _DIMS]
         lib.dnnl_memory_set_data_handle.argtypes = [_VP, _VP]
+        for name in ("dnnl_memory_desc_destroy", "dnnl_post_ops_destroy", "dnnl_primitive_attr_destroy",
+                     "dnnl_primitive_desc_destroy"):
+            getattr(lib, name).argtypes = [_VP]
         lib.dnnl_post_ops_append_sum.argtypes = [_VP, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
         lib.dnnl_primitive_execute.argtypes = [_VP, _VP, ctypes.c_int, ctypes.POINTER(_ExecArg)]
         self.engine, self.stream = _VP(), _VP()
@@ -266,6 +269,13 @@ class _Library:
         args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]),
                               _ExecArg(_ARG_DST, mems[2]))
         self.primitives[key] = (prim, mems, args, (impl.value or b"?").decode())
+        # the primitive and memories hold copies of what they were made from
+        for md in (a, b, c):
+            lib.dnnl_memory_desc_destroy(md)
+        if attr is not None:
+            lib.dnnl_post_ops_destroy(post_ops)
+            lib.dnnl_primitive_attr_destroy(attr)
+        lib.dnnl_primitive_desc_destroy(pd)
         return self.primitives[key]
 
     def threads(self) -> int:
