@@ -42,12 +42,13 @@ class Products:
         return getattr(self.np, name)
 
     def _rounded(self, x, slot):
-        """x (float32, rows contiguous) rounded to bf16 into a kept buffer."""
+        """x (float32, rows contiguous: C order or a column slice) rounded to bf16 into
+        a kept buffer."""
         key = (slot, x.shape)
         buf = self.buffers.get(key)
         if buf is None:
             buf = self.buffers[key] = self.np.empty(x.shape, self.np.uint16)
-        self.k.to_bf16(buf, self.np.ascontiguousarray(x))
+        self.k.to_bf16(buf, x)
         return buf
 
     def matmul(self, a, b, out=None):

@@ -73,6 +73,14 @@ def _to_bf16(out, x_bits):
 
 
 @njit(cache=True, parallel=True)
+def _to_bf16_rows(out, x_bits):
+    # 2-D, rows contiguous but apart (a column slice such as the head's logits[:, lo:hi])
+    for i in prange(x_bits.shape[0]):
+        for j in range(x_bits.shape[1]):
+            out[i, j] = np.uint16(_round_bits(np.uint64(x_bits[i, j])))
+
+
+@njit(cache=True, parallel=True)
 def _from_bf16(out_bits, x):
     for i in prange(x.shape[0]):
         out_bits[i] = np.uint32(x[i]) << np.uint32(16)
@@ -80,7 +88,8 @@ def _from_bf16(out_bits, x):
 
 def _flat(op: str, out, x, out_dtype, x_dtype):
     if not (isinstance(x, np.ndarray) and x.dtype == x_dtype and x.flags.c_contiguous):
-        raise ValueError(f"{op}: x must be a C-contiguous {np.dtype(x_dtype)} array")
+        raise ValueError(f"{op}: x must be a C-contiguous {np.dtype(x_dtype)} array"
+                         + (" (or 2-D with contiguous rows)" if op == "to_bf16" else ""))
     check_array(op, "out", out, x.shape, out_dtype)
     if not out.flags.writeable:
         raise ValueError(f"{op}: out must be writeable")
@@ -88,7 +97,15 @@ def _flat(op: str, out, x, out_dtype, x_dtype):
 
 
 def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
-    """out (uint16, bf16 bits) = x (float32) rounded to nearest even; any shape, C order."""
+    """out (uint16, bf16 bits) = x (float32) rounded to nearest even; any shape, C order,
+    or x 2-D with contiguous rows (a column slice: rounded in place of a copy)."""
+    if (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2
+            and not x.flags.c_contiguous and _rows_contiguous(x)):
+        check_array("to_bf16", "out", out, x.shape, np.uint16)
+        if not out.flags.writeable:
+            raise ValueError("to_bf16: out must be writeable")
+        _to_bf16_rows(out, x.view(np.uint32))
+        return
     out, x = _flat("to_bf16", out, x, np.uint16, np.float32)
     _to_bf16(out, x.view(np.uint32))
 

@@ -66,6 +66,13 @@ def test_to_bf16_matches_reference():
     assert np.all(err <= ulp / 2)
 
 
+def test_to_bf16_of_a_column_slice():
+    x = special_values()[:40 * 64].reshape(40, 64)
+    out = np.zeros((40, 24), np.uint16)
+    bf16.to_bf16(out, x[:, 30:54])
+    np.testing.assert_array_equal(out, bf16.to_bf16_ref(x[:, 30:54]))
+
+
 def test_from_bf16_every_pattern_and_round_trip():
     h = np.arange(2 ** 16, dtype=np.uint16)
     out = np.zeros(h.shape, np.float32)
@@ -81,8 +88,10 @@ def test_from_bf16_every_pattern_and_round_trip():
 
 def test_conversion_argument_checks():
     x = np.zeros((2, 3), np.float32)
-    with pytest.raises(ValueError, match="to_bf16: x must be a C-contiguous float32"):
+    with pytest.raises(ValueError, match="to_bf16: x must be a C-contiguous float32 array .or 2-D with contiguous rows."):
         bf16.to_bf16(np.zeros((2, 3), np.uint16), x.astype(np.float64))
+    with pytest.raises(ValueError, match="to_bf16: x must be a C-contiguous float32"):
+        bf16.to_bf16(np.zeros((3, 2), np.uint16), x.T)
     with pytest.raises(ValueError, match=r"to_bf16: out must be a C-contiguous uint16 array of shape \(2, 3\)"):
         bf16.to_bf16(np.zeros((3, 2), np.uint16), x)
     with pytest.raises(ValueError, match="from_bf16: x must be a C-contiguous uint16"):
