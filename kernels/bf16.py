@@ -47,8 +47,8 @@ from . import dequant
 from ._checks import check_array
 
 __all__ = ["to_bf16", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
-           "gemm", "gemm_ref", "available", "unavailable_reason", "cpu_bf16_flags",
-           "SCRATCH_VALUES"]
+           "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
+           "library_version", "implementation", "cpu_bf16_flags", "SCRATCH_VALUES"]
 
 SCRATCH_VALUES = 1 << 19
 """Suggested size of dequantize_into's float32 scratch (2 MiB: stays in the L2 caches)."""
