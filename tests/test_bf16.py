@@ -127,12 +127,18 @@ def test_dequantize_to_bf16_argument_checks():
 
 def product_bounds(a32, b32, trans_b):
     """|out - exact| bounds of a bf16 product with float32 accumulation, elementwise:
-    against the same bf16 inputs multiplied exactly (float32 sums of exact products:
-    K*u relative to sum|a||b|), and against the unrounded float32 inputs (each input
-    off by at most UB of itself, plus the float32 sums on both sides)."""
+    against the same bf16 inputs multiplied exactly (the products of bf16 values are
+    exact in float32, K float32 additions: (K+1) U sum|a~||b~|), and against numpy's
+    float32 product of the unrounded inputs (each input off by at most UB of itself:
+    (2 UB + UB^2) sum|a||b|, plus the float32 sums on both sides)."""
     K = a32.shape[1]
-    mag = np.abs(a32.astype(np.float64)) @ np.abs(b32.T if trans_b else b32).astype(np.float64)
-    return (K + 1) * U * mag, ((2 * UB + UB * UB) * (1 + 2 * UB) + 2 * (K + 1) * U) * mag
+
+    def mag(a, b):
+        return np.abs(a.astype(np.float64)) @ np.abs(b.T if trans_b else b).astype(np.float64)
+    rounded = mag(bf16.from_bf16_ref(bf16.to_bf16_ref(a32)), bf16.from_bf16_ref(bf16.to_bf16_ref(b32)))
+    unrounded = mag(a32, b32)
+    same = (K + 1) * U * rounded
+    return same, same + ((2 * UB + UB * UB) + (K + 1) * U) * unrounded
 
 
 @native
