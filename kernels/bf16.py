@@ -1,0 +1,415 @@
+"""bfloat16 conversions and bf16 x bf16 -> f32 products (oneDNN's matmul primitive).
+
+bf16 arrays are held as ``np.uint16`` (the upper half of a float32's bits): numpy has
+no bfloat16 dtype, and the only operations here are bit conversions and a library
+product, so a dtype package would add nothing but a dependency.
+
+- ``to_bf16(out, x)``: float32 -> bf16, round to nearest, ties to even; NaN stays a
+  (quiet) NaN with its sign, as oneDNN's ``bfloat16_t`` and PyTorch convert;
+  infinities and subnormals are kept, finite values past the largest bf16 round to
+  infinity. ``from_bf16(out, x)``: exact (bits << 16).
+- ``dequantize_into(data, qtype, out, scratch)``: a GGUF tensor's rows straight into a
+  bf16 buffer (half the bytes of a float32 expansion), through ``kernels/dequant.py``
+  into a small float32 scratch a chunk of rows at a time, so the result is bit for
+  bit ``to_bf16(dequant_f32(...))``.
+- ``gemm(out, a, b, trans_b, accumulate)``: ``out (M, N) [+]= a (M, K) @ b`` with
+  ``b (K, N)``, or ``b (N, K)`` used as ``b^T`` when ``trans_b`` (x @ W^T in the
+  forward, dy @ W in the backward, W never transposed in memory). Inputs bf16,
+  products accumulated in float32 by oneDNN's matmul primitive (AMX or AVX512_BF16
+  brgemm kernels). oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
+  the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896; its
+  verbose line names no kernel) and level only at (2048, 4096) x (4096, 4096)
+  (bench/bf16_gemm.py --api), hence the primitive.
+
+The library: ``libdnnl.so.3`` from the PyPI package ``onednn-cpu-gomp`` (the
+``cpu-bf16`` extra), found once, lazily, at the first use; ``available()`` says
+whether it loaded and ``unavailable_reason()`` why not. That build runs its threads
+on GNU OpenMP, the runtime numba's OpenMP threading layer uses (both link the
+system's libgomp.so.1, loaded once per process): one pool of workers for both, with
+the same short spin (GOMP_SPINCOUNT, llamatune/__init__.py). Each product first sets
+OpenMP's thread count for the calling thread to ``numba.get_num_threads()`` when it
+differs, so oneDNN runs on exactly the threads numba's kernels run on.
+
+A primitive is built (and JIT-compiled by oneDNN) once per (M, N, K, trans_b,
+accumulate, threads) and kept; a training step repeats a handful of shapes.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+from numba import njit, prange
+
+from . import dequant
+from ._checks import check_array
+
+__all__ = ["to_bf16", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
+           "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
+           "library_version", "implementation", "cpu_bf16_flags", "SCRATCH_VALUES"]
+
+SCRATCH_VALUES = 1 << 19
+"""Suggested size of dequantize_into's float32 scratch (2 MiB: stays in the L2 caches)."""
+
+
+# ---------------------------------------------------------------- conversions
+@njit(cache=True, inline="always")
+def _round_bits(u):
+    """bf16 bits of the float32 with bits u (an integer < 2**32): round to nearest
+    even on the 16 dropped bits; a NaN keeps its sign and top payload and is made
+    quiet (bit 6 of the bf16), as oneDNN's bfloat16_t does."""
+    U = np.uint64  # every constant unsigned: numba turns uint64-with-int64 arithmetic into float64
+    if (u & U(0x7FFFFFFF)) > U(0x7F800000):
+        return (u >> U(16)) | U(0x40)
+    return (u + U(0x7FFF) + ((u >> U(16)) & U(1))) >> U(16)
+
+
+@njit(cache=True, parallel=True)
+def _to_bf16(out, x_bits):
+    for i in prange(x_bits.shape[0]):
+        out[i] = np.uint16(_round_bits(np.uint64(x_bits[i])))
+
+
+@njit(cache=True, parallel=True)
+def _to_bf16_rows(out, x_bits):
+    # 2-D, rows contiguous but apart (a column slice such as the head's logits[:, lo:hi])
+    for i in prange(x_bits.shape[0]):
+        for j in range(x_bits.shape[1]):
+            out[i, j] = np.uint16(_round_bits(np.uint64(x_bits[i, j])))
+
+
+@njit(cache=True, parallel=True)
+def _from_bf16(out_bits, x):
+    for i in prange(x.shape[0]):
+        out_bits[i] = np.uint32(x[i]) << np.uint32(16)
+
+
+def _flat(op: str, out, x, out_dtype, x_dtype):
+    if not (isinstance(x, np.ndarray) and x.dtype == x_dtype and x.flags.c_contiguous):
+        raise ValueError(f"{op}: x must be a C-contiguous {np.dtype(x_dtype)} array"
+                         + (" (or 2-D with contiguous rows)" if op == "to_bf16" else ""))
+    check_array(op, "out", out, x.shape, out_dtype)
+    if not out.flags.writeable:
+        raise ValueError(f"{op}: out must be writeable")
+    return out.reshape(-1), x.reshape(-1)
+
+
+def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
+    """out (uint16, bf16 bits) = x (float32) rounded to nearest even; any shape, C order,
+    or x 2-D with contiguous rows (a column slice: rounded in place of a copy)."""
+    if (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2
+            and not x.flags.c_contiguous and _rows_contiguous(x)):
+        check_array("to_bf16", "out", out, x.shape, np.uint16)
+        if not out.flags.writeable:
+            raise ValueError("to_bf16: out must be writeable")
+        _to_bf16_rows(out, x.view(np.uint32))
+        return
+    out, x = _flat("to_bf16", out, x, np.uint16, np.float32)
+    _to_bf16(out, x.view(np.uint32))
+
+
+def from_bf16(out: np.ndarray, x: np.ndarray) -> None:
+    """out (float32) = x (uint16 bf16 bits), exact; any shape, C order."""
+    out, x = _flat("from_bf16", out, x, np.float32, np.uint16)
+    _from_bf16(out.view(np.uint32), x)
+
+
+def to_bf16_ref(x: np.ndarray) -> np.ndarray:
+    """Numpy reference of to_bf16 (new array)."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
+
+
+def from_bf16_ref(x: np.ndarray) -> np.ndarray:
+    """Numpy reference of from_bf16 (new array)."""
+    return (np.asarray(x, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+# ------------------------------------------------------ dequantization to bf16
+def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray, scratch: np.ndarray) -> None:
+    """out (n_rows, n_cols) uint16 = to_bf16(dequant(data)): the types of
+    kernels/dequant.py (``dequant.NUMBA_TYPES``), bit for bit. ``scratch``: a
+    C-contiguous float32 array of at least n_cols values (SCRATCH_VALUES suggested);
+    rows are dequantized into it as many at a time as fit, then rounded into out."""
+    data = np.asarray(data)
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.ndim == 2
+            and out.flags.c_contiguous and out.flags.writeable):
+        raise ValueError("dequantize_into: out must be a writeable C-contiguous 2-D uint16 array")
+    n_rows, n_cols = out.shape
+    if not (isinstance(scratch, np.ndarray) and scratch.dtype == np.float32
+            and scratch.flags.c_contiguous and scratch.size >= n_cols):
+        raise ValueError(f"dequantize_into: scratch must be a C-contiguous float32 array of "
+                         f"at least {n_cols} values")
+    if data.ndim != 2 or data.shape[0] != n_rows:
+        raise ValueError(f"dequantize_into: data must be 2-D with {n_rows} rows, got shape {data.shape}")
+    step = scratch.size // n_cols
+    flat = scratch.reshape(-1)
+    for r0 in range(0, n_rows, step):
+        r1 = min(r0 + step, n_rows)
+        chunk = flat[:(r1 - r0) * n_cols].reshape(r1 - r0, n_cols)
+        dequant.dequantize_into(data[r0:r1], qtype, chunk)
+        _to_bf16(out[r0:r1].reshape(-1), chunk.reshape(-1).view(np.uint32))
+
+
+# ---------------------------------------------------------------- the library
+_BF16, _F32 = 2, 3                                  # dnnl_data_type_t
+_ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17        # DNNL_ARG_*
+_RUNTIME_OMP, _RUNTIME_SEQ = 2, 1                   # DNNL_RUNTIME_*
+_QUERY_IMPL_INFO_STR = 8                            # dnnl_query_impl_info_str
+_VP = ctypes.c_void_p
+_DIMS = ctypes.c_int64 * 12                         # dnnl_dims_t
+
+
+class _Version(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_int), ("minor", ctypes.c_int), ("patch", ctypes.c_int),
+                ("hash", ctypes.c_char_p), ("cpu_runtime", ctypes.c_uint),
+                ("gpu_runtime", ctypes.c_uint)]
+
+
+class _ExecArg(ctypes.Structure):
+    _fields_ = [("arg", ctypes.c_int), ("memory", _VP)]
+
+
+class Unavailable(Exception):
+    """The library cannot be used here; the message says why (one line)."""
+
+
+def _library_paths() -> list[str]:
+    """Where libdnnl.so.3 may be: the onednn-cpu-gomp package's own copy, then the
+    system's loader path."""
+    paths = []
+    try:
+        for f in metadata.files("onednn-cpu-gomp") or []:
+            if f.name == "libdnnl.so.3":
+                paths.append(str(Path(f.locate()).resolve()))
+    except metadata.PackageNotFoundError:
+        pass
+    return paths + ["libdnnl.so.3"]
+
+
+def _load_library() -> ctypes.CDLL:
+    """The first libdnnl.so.3 that loads; Unavailable when none does."""
+    errors = []
+    for path in _library_paths():
+        try:
+            return ctypes.CDLL(path)
+        except OSError as e:
+            errors.append(str(e).split(":")[-1].strip())
+    raise Unavailable("oneDNN (libdnnl.so.3) is not installed: pip install 'llamatune[cpu-bf16]'"
+                      + (f" ({errors[-1]})" if errors else ""))
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"oneDNN {call} failed with status {status}")
+
+
+class _Library:
+    """libdnnl loaded: a CPU engine and stream, and the matmul primitives built so far."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        lib.dnnl_version.restype = ctypes.POINTER(_Version)
+        v = lib.dnnl_version().contents
+        self.version = f"{v.major}.{v.minor}.{v.patch}"
+        if v.major < 3:
+            raise Unavailable(f"oneDNN {self.version} is too old (3.x needed)")
+        if v.cpu_runtime not in (_RUNTIME_OMP, _RUNTIME_SEQ):
+            raise Unavailable(f"oneDNN {self.version} is not an OpenMP build (runtime "
+                              f"{v.cpu_runtime}): pip install onednn-cpu-gomp")
+        for name in ("dnnl_engine_create", "dnnl_stream_create", "dnnl_stream_wait",
+                     "dnnl_memory_desc_create_with_strides", "dnnl_matmul_primitive_desc_create",
+                     "dnnl_primitive_desc_query", "dnnl_primitive_create", "dnnl_memory_create",
+                     "dnnl_memory_set_data_handle", "dnnl_primitive_execute",
+                     "dnnl_primitive_attr_create", "dnnl_post_ops_create",
+                     "dnnl_post_ops_append_sum", "dnnl_primitive_attr_set_post_ops"):
+            getattr(lib, name).restype = ctypes.c_int
+        lib.dnnl_engine_create.argtypes = [ctypes.POINTER(_VP), ctypes.c_int, ctypes.c_size_t]
+        lib.dnnl_stream_create.argtypes = [ctypes.POINTER(_VP), _VP, ctypes.c_uint]
+        lib.dnnl_memory_desc_create_with_strides.argtypes = [ctypes.POINTER(_VP), ctypes.c_int,
+                                                             _DIMS, ctypes.c_int, _DIMS]
+        lib.dnnl_memory_set_data_handle.argtypes = [_VP, _VP]
+        for name in ("dnnl_memory_desc_destroy", "dnnl_post_ops_destroy", "dnnl_primitive_attr_destroy",
+                     "dnnl_primitive_desc_destroy"):
+            getattr(lib, name).argtypes = [_VP]
+        lib.dnnl_post_ops_append_sum.argtypes = [_VP, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
+        lib.dnnl_primitive_execute.argtypes = [_VP, _VP, ctypes.c_int, ctypes.POINTER(_ExecArg)]
+        self.engine, self.stream = _VP(), _VP()
+        _check(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, 0), "engine_create")  # dnnl_cpu
+        _check(lib.dnnl_stream_create(ctypes.byref(self.stream), self.engine, 1), "stream_create")
+        # OpenMP's per-thread thread count: the libgomp that libdnnl (and numba) loaded
+        self.gomp = ctypes.CDLL("libgomp.so.1") if v.cpu_runtime == _RUNTIME_OMP else None
+        self.primitives: dict[tuple, tuple] = {}
+        self.lock = threading.Lock()
+
+    def _desc(self, dims, strides, dtype) -> _VP:
+        md = _VP()
+        _check(self.lib.dnnl_memory_desc_create_with_strides(
+            ctypes.byref(md), len(dims), _DIMS(*dims), dtype, _DIMS(*strides)), "memory_desc_create")
+        return md
+
+    def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int,
+                  lda: int = 0, ldb: int = 0, ldc: int = 0):
+        """(primitive, [src, weights, dst memories], exec args, implementation name);
+        ld*: the row strides in elements (0: the row length)."""
+        lda, ldb, ldc = lda or K, ldb or (K if trans_b else N), ldc or N
+        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc)
+        if key in self.primitives:
+            return self.primitives[key]
+        lib = self.lib
+        a = self._desc((M, K), (lda, 1), _BF16)
+        b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _BF16)
+        c = self._desc((M, N), (ldc, 1), _F32)
+        attr = None
+        if accumulate:  # out = out + a @ b: a "sum" post-op
+            attr, post_ops = _VP(), _VP()
+            _check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive_attr_create")
+            _check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post_ops_create")
+            _check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, 0), "post_ops_append_sum")
+            _check(lib.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr_set_post_ops")
+        pd, prim = _VP(), _VP()
+        _check(lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine, a, b, None, c, attr),
+               f"matmul_primitive_desc_create ({M}x{K} @ {K}x{N})")
+        impl = ctypes.c_char_p()
+        _check(lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl)),
+               "primitive_desc_query")
+        _check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive_create")
+        mems = []
+        for md in (a, b, c):
+            mem = _VP()
+            _check(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None), "memory_create")
+            mems.append(mem)
+        args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]),
+                              _ExecArg(_ARG_DST, mems[2]))
+        self.primitives[key] = (prim, mems, args, (impl.value or b"?").decode())
+        # the primitive and memories hold copies of what they were made from
+        for md in (a, b, c):
+            lib.dnnl_memory_desc_destroy(md)
+        if attr is not None:
+            lib.dnnl_post_ops_destroy(post_ops)
+            lib.dnnl_primitive_attr_destroy(attr)
+        lib.dnnl_primitive_desc_destroy(pd)
+        return self.primitives[key]
+
+    def threads(self) -> int:
+        """numba's thread count, made OpenMP's for this thread (oneDNN reads it)."""
+        import numba
+        n = numba.get_num_threads()
+        if self.gomp is not None and self.gomp.omp_get_max_threads() != n:
+            self.gomp.omp_set_num_threads(n)
+        return n if self.gomp is not None else 1
+
+    def matmul(self, out, a, b, trans_b: bool, accumulate: bool) -> None:
+        M, K = a.shape
+        N = out.shape[1]
+        ld = [arr.strides[0] // arr.itemsize for arr in (a, b, out)]
+        with self.lock:  # the memories' data handles are shared per primitive
+            prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld)
+            for mem, arr in zip(mems, (a, b, out)):
+                _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
+            _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
+            _check(self.lib.dnnl_stream_wait(self.stream), "stream_wait")
+
+
+_STATE: dict = {}  # "lib": _Library, or "reason": why not
+
+
+def _library() -> _Library:
+    """The loaded library (found once); Unavailable with the reason otherwise."""
+    if "lib" not in _STATE and "reason" not in _STATE:
+        try:
+            _STATE["lib"] = _Library(_load_library())
+        except Unavailable as e:
+            _STATE["reason"] = str(e)
+    if "reason" in _STATE:
+        raise Unavailable(_STATE["reason"])
+    return _STATE["lib"]
+
+
+def available() -> bool:
+    """True when oneDNN loaded (the CPU's bf16 support is a separate question:
+    cpu_bf16_flags)."""
+    return unavailable_reason() is None
+
+
+def unavailable_reason() -> str | None:
+    """Why the library cannot be used (one line), or None when it can."""
+    try:
+        _library()
+    except Unavailable as e:
+        return str(e)
+    return None
+
+
+def library_version() -> str:
+    """oneDNN's version, e.g. "3.2.0" (Unavailable when it is not loaded)."""
+    return _library().version
+
+
+def implementation(M: int, N: int, K: int, trans_b: bool = False, accumulate: bool = False) -> str:
+    """The kernel oneDNN picked for this product, e.g. "brg:avx512_core_amx"."""
+    lib = _library()
+    return lib.primitive(M, N, K, trans_b, accumulate, lib.threads())[3]
+
+
+def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
+    """The CPU's native bf16 flags among avx512_bf16 and amx_bf16 (empty when none, or
+    when the file cannot be read: then the CPU is taken to lack them)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return []
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
+    return []
+
+
+# ---------------------------------------------------------------- products
+def _rows_contiguous(a: np.ndarray) -> bool:
+    """Unit stride along rows, rows at a positive stride no shorter than a row."""
+    if a.size == 0:
+        return True
+    s0, s1 = a.strides
+    return (s1 == a.itemsize or a.shape[1] == 1) and s0 >= a.shape[1] * a.itemsize \
+        and s0 % a.itemsize == 0
+def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
+         accumulate: bool = False) -> None:
+    """out (M, N) float32 = a (M, K) @ B, or out += a @ B when accumulate, where
+    B = b (K, N), or b (N, K) transposed when trans_b. a and b bf16 (uint16 bits),
+    float32 accumulation. Each array's rows contiguous (unit inner stride, rows in
+    order and apart: a column slice of a wider array, say the head's logits)."""
+    for name, arr in (("a", a), ("b", b)):
+        if not (isinstance(arr, np.ndarray) and arr.dtype == np.uint16 and arr.ndim == 2
+                and _rows_contiguous(arr)):
+            raise ValueError(f"gemm: {name} must be a 2-D uint16 (bf16) array with contiguous rows")
+    M, K = a.shape
+    if (b.shape[1] if trans_b else b.shape[0]) != K:
+        raise ValueError(f"gemm: a is {a.shape} but b is {b.shape}"
+                         f"{' (transposed)' if trans_b else ''}")
+    N = b.shape[0] if trans_b else b.shape[1]
+    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (M, N)
+            and _rows_contiguous(out) and out.flags.writeable):
+        got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
+        raise ValueError(f"gemm: out must be a writeable float32 array of shape {(M, N)} "
+                         f"with contiguous rows, got {got}")
+    if M == 0 or N == 0:
+        return
+    if K == 0:
+        if not accumulate:
+            out[...] = 0
+        return
+    _library().matmul(out, a, b, trans_b, accumulate)
+
+
+def gemm_ref(a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:
+    """Numpy reference of gemm: the bf16 inputs widened to float64, multiplied exactly
+    enough (float64), returned as float64."""
+    A = from_bf16_ref(a).astype(np.float64)
+    B = from_bf16_ref(b).astype(np.float64)
+    return A @ (B.T if trans_b else B)

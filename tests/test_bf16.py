@@ -1,0 +1,269 @@
+"""bf16 conversions (bit-exact against a numpy reference and hand-worked values), GGUF
+dequantization straight to bf16, bf16 products through oneDNN within the rounding
+bounds, and the compute-dtype resolver (with the library hidden)."""
+import numpy as np
+import pytest
+from test_dequant import ALL_TYPES, random_tensor
+
+from llamatune.errors import LlamatuneError
+from llamatune.kernels import bf16, dequant
+from llamatune.precision import compute_dtype
+
+U = 2.0 ** -24  # float32 unit roundoff
+UB = 2.0 ** -9  # bf16 unit roundoff (8 significant bits, round to nearest)
+
+native = pytest.mark.skipif(not (bf16.cpu_bf16_flags() and bf16.available()),
+                            reason="needs oneDNN (pip install 'llamatune[cpu-bf16]') and a CPU "
+                                   "with avx512_bf16 or amx_bf16")
+
+
+def bits(*u32):
+    return np.array(u32, dtype=np.uint32).view(np.float32)
+
+
+def special_values():
+    """Every exponent with several mantissas, ties both ways, NaNs with payloads,
+    infinities, zeros, subnormals, values that round up to infinity."""
+    rng = np.random.default_rng(0)
+    exps = np.arange(256, dtype=np.uint32) << 23
+    mants = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0x18000, 0x10000, 0x7FFFFF, 0x7F8000,
+                      0x7F7FFF], dtype=np.uint32)
+    grid = (exps[:, None] | mants[None, :]).reshape(-1)
+    randoms = rng.integers(0, 2 ** 32, 4096, dtype=np.uint64).astype(np.uint32)
+    u = np.concatenate([grid, grid | 0x80000000, randoms])
+    return u.view(np.float32)
+
+
+def test_to_bf16_hand_worked():
+    x = bits(0x3F808000,   # 1 + 2^-8: a tie, to the even 1.0
+             0x3F818000,   # 1 + 3*2^-8: a tie, up to the even 1 + 2^-6
+             0x3F808001,   # just above the tie: up
+             0x7F7FFFFF,   # largest float32: past bf16's largest, rounds to +inf
+             0xFF800000,   # -inf
+             0x7F800001,   # signalling NaN with a low payload: quiet NaN
+             0xFFC12345,   # negative quiet NaN: sign and top payload kept
+             0x00000001,   # smallest subnormal: rounds to +0
+             0x00018000,   # subnormal tie, up to the even 0x0002
+             0x80000000)   # -0
+    expected = np.array([0x3F80, 0x3F82, 0x3F81, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x0000,
+                         0x0002, 0x8000], dtype=np.uint16)
+    out = np.zeros(x.shape, np.uint16)
+    bf16.to_bf16(out, x)
+    np.testing.assert_array_equal(out, expected)
+    np.testing.assert_array_equal(bf16.to_bf16_ref(x), expected)
+
+
+def test_to_bf16_matches_reference():
+    x = special_values().reshape(2, -1)
+    out = np.zeros(x.shape, np.uint16)
+    bf16.to_bf16(out, x)
+    np.testing.assert_array_equal(out, bf16.to_bf16_ref(x))
+    # finite results are the nearest bf16: no other bf16 is closer
+    finite = np.isfinite(x) & np.isfinite(bf16.from_bf16_ref(out))
+    err = np.abs(bf16.from_bf16_ref(out)[finite].astype(np.float64) - x[finite])
+    ulp = np.abs(bf16.from_bf16_ref(out[finite] | 1).astype(np.float64)
+                 - bf16.from_bf16_ref(out[finite] & 0xFFFE))
+    assert np.all(err <= ulp / 2)
+
+
+def test_to_bf16_of_a_column_slice():
+    x = special_values()[:40 * 64].reshape(40, 64)
+    out = np.zeros((40, 24), np.uint16)
+    bf16.to_bf16(out, x[:, 30:54])
+    np.testing.assert_array_equal(out, bf16.to_bf16_ref(x[:, 30:54]))
+
+
+def test_from_bf16_every_pattern_and_round_trip():
+    h = np.arange(2 ** 16, dtype=np.uint16)
+    out = np.zeros(h.shape, np.float32)
+    bf16.from_bf16(out, h)
+    np.testing.assert_array_equal(out.view(np.uint32), h.astype(np.uint32) << 16)
+    np.testing.assert_array_equal(out.view(np.uint32), bf16.from_bf16_ref(h).view(np.uint32))
+    back = np.zeros(h.shape, np.uint16)
+    bf16.to_bf16(back, out)
+    nan = np.isnan(out)
+    np.testing.assert_array_equal(back[~nan], h[~nan])  # exact for every non-NaN
+    np.testing.assert_array_equal(back[nan], h[nan] | 0x40)  # NaNs come back quiet
+
+
+def test_conversion_argument_checks():
+    x = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="to_bf16: x must be a C-contiguous float32 array .or 2-D with contiguous rows."):
+        bf16.to_bf16(np.zeros((2, 3), np.uint16), x.astype(np.float64))
+    with pytest.raises(ValueError, match="to_bf16: x must be a C-contiguous float32"):
+        bf16.to_bf16(np.zeros((3, 2), np.uint16), x.T)
+    with pytest.raises(ValueError, match=r"to_bf16: out must be a C-contiguous uint16 array of shape \(2, 3\)"):
+        bf16.to_bf16(np.zeros((3, 2), np.uint16), x)
+    with pytest.raises(ValueError, match="from_bf16: x must be a C-contiguous uint16"):
+        bf16.from_bf16(x, x)
+    out = np.zeros((2, 3), np.uint16)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="to_bf16: out must be writeable"):
+        bf16.to_bf16(out, x)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_to_bf16_bit_identical(qtype):
+    n_rows, n_cols = 7, 512
+    data = random_tensor(qtype, n_rows, n_cols)
+    f32 = np.zeros((n_rows, n_cols), np.float32)
+    dequant.dequantize_into(data, int(qtype), f32)
+    out = np.zeros((n_rows, n_cols), np.uint16)
+    scratch = np.zeros(3 * n_cols + 5, np.float32)  # three rows a chunk, the last one short
+    bf16.dequantize_into(data, int(qtype), out, scratch)
+    np.testing.assert_array_equal(out, bf16.to_bf16_ref(f32))
+
+
+def test_dequantize_to_bf16_argument_checks():
+    data = random_tensor(dequant.T.Q8_0, 2, 64)
+    scratch = np.zeros(64, np.float32)
+    with pytest.raises(ValueError, match="out must be a writeable C-contiguous 2-D uint16"):
+        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((2, 64), np.float32), scratch)
+    with pytest.raises(ValueError, match="scratch must be a C-contiguous float32 array of at least 64"):
+        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((2, 64), np.uint16), scratch[:32])
+    with pytest.raises(ValueError, match=r"data must be 2-D with 3 rows, got shape \(2, 68\)"):
+        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((3, 64), np.uint16), scratch)
+
+
+def product_bounds(a32, b32, trans_b):
+    """|out - exact| bounds of a bf16 product with float32 accumulation, elementwise:
+    against the same bf16 inputs multiplied exactly (the products of bf16 values are
+    exact in float32, K float32 additions: (K+1) U sum|a~||b~|), and against numpy's
+    float32 product of the unrounded inputs (each input off by at most UB of itself:
+    (2 UB + UB^2) sum|a||b|, plus the float32 sums on both sides)."""
+    K = a32.shape[1]
+
+    def mag(a, b):
+        return np.abs(a.astype(np.float64)) @ np.abs(b.T if trans_b else b).astype(np.float64)
+    rounded = mag(bf16.from_bf16_ref(bf16.to_bf16_ref(a32)), bf16.from_bf16_ref(bf16.to_bf16_ref(b32)))
+    unrounded = mag(a32, b32)
+    same = (K + 1) * U * rounded
+    return same, same + ((2 * UB + UB * UB) + (K + 1) * U) * unrounded
+
+
+@native
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("M,K,N", [(37, 100, 53), (64, 1024, 96), (1, 8, 1)])
+def test_gemm_within_bf16_bounds(M, K, N, trans_b):
+    rng = np.random.default_rng(M + K + N)
+    a32 = (rng.standard_normal((M, K)) * np.exp(rng.uniform(-3, 3, (M, 1)))).astype(np.float32)
+    b32 = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    a, b = bf16.to_bf16_ref(a32), bf16.to_bf16_ref(b32)
+    out = np.full((M, N), np.nan, np.float32)
+    bf16.gemm(out, a, b, trans_b=trans_b)
+    exact = bf16.gemm_ref(a, b, trans_b=trans_b)
+    bound_same, bound_f32 = product_bounds(a32, b32, trans_b)
+    assert np.all(np.abs(out - exact) <= bound_same)
+    f32 = a32 @ (b32.T if trans_b else b32)  # numpy's float32 product of the unrounded inputs
+    assert np.all(np.abs(out - f32) <= bound_f32)
+    # the bound is not vacuous: bf16 inputs do move the result by more than float32 sums would
+    assert np.abs(out - f32).max() > 2 * (K + 1) * U * np.abs(f32).max() or K < 16
+
+    acc = rng.standard_normal((M, N)).astype(np.float32)
+    out = acc.copy()
+    bf16.gemm(out, a, b, trans_b=trans_b, accumulate=True)
+    assert np.all(np.abs(out - (acc + exact)) <= bound_same + U * np.abs(acc + exact) + U * np.abs(acc))
+
+
+@native
+def test_gemm_row_strided_operands():
+    """a, b and out as column slices of wider arrays (the head writes logits[:, lo:hi])."""
+    rng = np.random.default_rng(3)
+    a_wide = bf16.to_bf16_ref(rng.standard_normal((20, 70)))
+    b_wide = bf16.to_bf16_ref(rng.standard_normal((30, 50)))
+    a, b = a_wide[:, 5:45], b_wide[:, 10:50]          # (20, 40) and (30, 40): b transposed
+    out_wide = np.full((20, 90), 7.0, np.float32)
+    bf16.gemm(out_wide[:, 20:50], a, b, trans_b=True)
+    exact = bf16.gemm_ref(np.ascontiguousarray(a), np.ascontiguousarray(b), trans_b=True)
+    bound, _ = product_bounds(bf16.from_bf16_ref(a), bf16.from_bf16_ref(b), True)
+    assert np.all(np.abs(out_wide[:, 20:50] - exact) <= bound)
+    np.testing.assert_array_equal(out_wide[:, :20], 7.0)  # nothing written outside the slice
+    np.testing.assert_array_equal(out_wide[:, 50:], 7.0)
+
+
+@native
+def test_gemm_empty_and_zero_k():
+    out = np.full((3, 2), 5.0, np.float32)
+    bf16.gemm(out, np.zeros((3, 0), np.uint16), np.zeros((0, 2), np.uint16))
+    np.testing.assert_array_equal(out, np.zeros((3, 2), np.float32))
+    out[...] = 5.0
+    bf16.gemm(out, np.zeros((3, 0), np.uint16), np.zeros((2, 0), np.uint16), trans_b=True, accumulate=True)
+    np.testing.assert_array_equal(out, np.full((3, 2), 5.0, np.float32))
+    bf16.gemm(np.zeros((0, 2), np.float32), np.zeros((0, 4), np.uint16), np.zeros((4, 2), np.uint16))
+
+
+@native
+def test_gemm_runs_on_numbas_thread_count():
+    """oneDNN and numba share GNU OpenMP's pool: a product first makes OpenMP's
+    thread count numba's."""
+    import numba
+    before = numba.get_num_threads()
+    a = bf16.to_bf16_ref(np.ones((4, 4)))
+    try:
+        for n in sorted({1, before}):
+            numba.set_num_threads(n)
+            out = np.zeros((4, 4), np.float32)
+            bf16.gemm(out, a, a)
+            np.testing.assert_array_equal(out, np.full((4, 4), 4.0, np.float32))
+            assert bf16._library().gomp.omp_get_max_threads() == n
+    finally:
+        numba.set_num_threads(before)
+
+
+def test_gemm_argument_checks():
+    a, b = np.zeros((3, 4), np.uint16), np.zeros((4, 5), np.uint16)
+    with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows"):
+        bf16.gemm(np.zeros((3, 5), np.float32), a.astype(np.float32), b)
+    with pytest.raises(ValueError, match="gemm: b must be a 2-D uint16 .bf16. array with contiguous rows"):
+        bf16.gemm(np.zeros((3, 5), np.float32), a, np.zeros((5, 4), np.uint16).T)
+    with pytest.raises(ValueError, match=r"gemm: a is \(3, 4\) but b is \(4, 5\) \(transposed\)"):
+        bf16.gemm(np.zeros((3, 4), np.float32), a, b, trans_b=True)
+    with pytest.raises(ValueError, match=r"gemm: out must be a writeable float32 array of shape \(3, 5\) "
+                                         r"with contiguous rows, got float32 \(5, 3\)"):
+        bf16.gemm(np.zeros((5, 3), np.float32), a, b)
+
+
+@pytest.fixture
+def hidden_library(monkeypatch):
+    """oneDNN as if not installed: the loader finds nothing, the found-once state reset."""
+    monkeypatch.setattr(bf16, "_STATE", {})
+    monkeypatch.setattr(bf16, "_library_paths", lambda: ["/nonexistent/libdnnl.so.3"])
+
+
+def test_fallback_when_library_hidden(hidden_library):
+    assert not bf16.available()
+    assert bf16.unavailable_reason().startswith(
+        "oneDNN (libdnnl.so.3) is not installed: pip install 'llamatune[cpu-bf16]'")
+    with pytest.raises(bf16.Unavailable, match="oneDNN .* is not installed"):
+        bf16.gemm(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.uint16), np.zeros((1, 1), np.uint16))
+    dtype, why = compute_dtype("auto")
+    assert dtype == "f32" and why.startswith("f32 products: ")
+    with pytest.raises(LlamatuneError, match=r"--compute-dtype bf16: (oneDNN .* is not installed|this CPU has no native bf16)"):
+        compute_dtype("bf16")
+
+
+def test_compute_dtype_without_cpu_support(monkeypatch):
+    monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda cpuinfo="/proc/cpuinfo": [])
+    assert compute_dtype("auto") == (
+        "f32", "f32 products: this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16)")
+    with pytest.raises(LlamatuneError, match="--compute-dtype bf16: this CPU has no native bf16"):
+        compute_dtype("bf16")
+    assert compute_dtype("f32") == ("f32", "f32 as asked")
+    with pytest.raises(LlamatuneError, match="--compute-dtype: unknown value 'f16' .choose one of auto, f32, bf16."):
+        compute_dtype("f16")
+
+
+@native
+def test_compute_dtype_native():
+    assert compute_dtype("auto")[0] == "bf16"
+    dtype, why = compute_dtype("bf16")
+    assert dtype == "bf16" and why.startswith("bf16 products (oneDNN 3.") and why.endswith(" as asked")
+
+
+def test_cpu_flags_from_cpuinfo(tmp_path):
+    f = tmp_path / "cpuinfo"
+    f.write_text("processor : 0\nflags : fpu avx2 amx_bf16 avx512_bf16 amx_tile\n")
+    assert bf16.cpu_bf16_flags(str(f)) == ["avx512_bf16", "amx_bf16"]
+    f.write_text("processor : 0\nflags : fpu avx2\n")
+    assert bf16.cpu_bf16_flags(str(f)) == []
+    assert bf16.cpu_bf16_flags(str(tmp_path / "missing")) == []
