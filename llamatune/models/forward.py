@@ -33,6 +33,7 @@ import numpy as np
 
 from ..backend import Backend
 from .config import ModelConfig
+from .products import Products
 
 
 @dataclass
@@ -98,9 +99,10 @@ class Forward:
     floats, with fused projections)."""
     segments = None
 
-    def __init__(self, cfg: ModelConfig, base, backend: Backend):
+    def __init__(self, cfg: ModelConfig, base, backend: Backend, compute_dtype: str = "f32"):
         self.cfg, self.base, self.backend = cfg, base, backend
         self.xp, self.ops = backend.xp, backend.ops
+        self.products = Products(self.xp, compute_dtype)   # every product with a base weight
 
     # ------------------------------------------------------------------ overridable parts
     def adapter_pairs(self, name: str) -> list:
@@ -131,8 +133,8 @@ class Forward:
 
     # ------------------------------------------------------------------ building blocks
     def base_product(self, y: np.ndarray, x: np.ndarray, W: np.ndarray) -> None:
-        """y (N, n_out) = x (N, n_in) W^T: every product with a base weight."""
-        self.xp.matmul(x, W.T, out=y)
+        """y (N, n_out) = x (N, n_in) W^T, in the compute dtype (products.py)."""
+        self.products(y, x, W, trans_b=True)
 
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + the adapters' share."""

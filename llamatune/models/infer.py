@@ -47,9 +47,10 @@ class KVCache:
 class Runner(Forward):
     """Runs the forward pass of one model (optionally with runtime adapters)."""
 
-    def __init__(self, model: Model, adapters: RuntimeAdapters | None = None, backend: Backend | None = None):
+    def __init__(self, model: Model, adapters: RuntimeAdapters | None = None, backend: Backend | None = None,
+                 compute_dtype: str = "f32"):
         backend = backend or cpu()
-        super().__init__(model.config, FrozenBase(model, backend), backend)
+        super().__init__(model.config, FrozenBase(model, backend), backend, compute_dtype)
         self.model = model
         self.adapters = {name: [(backend.to_device(a), backend.to_device(b), s) for a, b, s in pairs]
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}

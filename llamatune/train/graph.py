@@ -50,10 +50,13 @@ class Graph(LoraLinear, LossHead, Forward):
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
-                 dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None):
+                 dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None,
+                 compute_dtype: str = "f32"):
         """`within`: a graph of the same batch and longer rows whose memory this one uses
-        (its `_trimmed` views, for micro-batches whose last columns have no target)."""
-        super().__init__(cfg, base, backend or cpu())
+        (its `_trimmed` views, for micro-batches whose last columns have no target).
+        `compute_dtype` (products.py) applies to a frozen base's products; trained weights
+        (train-from-scratch) multiply in float32."""
+        super().__init__(cfg, base, backend or cpu(), "f32" if base.trainable else compute_dtype)
         xp = self.xp
         self.params = params
         self.lora = {t.weight: t for t in targets}
@@ -61,7 +64,8 @@ class Graph(LoraLinear, LossHead, Forward):
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
-        self.merge_lora = True                 # `matrix` may merge adapters into dequantized W
+        self.merge_lora = self.products.dtype == "f32"   # `matrix` may merge adapters into dequantized W
+        #                                        (not in bf16: rounding W + s B A would lose the adapter's share)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
@@ -282,7 +286,8 @@ class Graph(LoraLinear, LossHead, Forward):
         g = self._trimmed_graphs.get(T)
         if g is None:
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
-                                                self.mode, self.dropout, self.tmp.dtype, self.backend, within=self)
+                                                self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
+                                                compute_dtype=self.products.dtype)
         g.dropout, g.merge_lora = self.dropout, self.merge_lora
 
         def cut(a):

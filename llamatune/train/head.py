@@ -52,7 +52,7 @@ class LossHead:
                 xa = x @ self.params[t.a].T                  # (n, r)
                 sxa, Bt = t.scale * xa, self.params[t.b]
             for vlo, vhi in blocks:
-                xp.matmul(x, rows((vlo, vhi)).T, out=logits[:, vlo:vhi])
+                self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)
                 if t is not None:
                     logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(hi - lo, vhi - vlo))
             if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
@@ -72,9 +72,9 @@ class LossHead:
             for j, (vlo, vhi) in enumerate(reversed(blocks)):
                 W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
                 if j == 0:
-                    xp.matmul(g, W, out=dx)
+                    self.products(dx, g, W, trans_b=False)
                 else:
-                    dx += xp.matmul(g, W, out=self.scratch(hi - lo, C))
+                    dx += self.products(self.scratch(hi - lo, C), g, W, trans_b=False)
                 if dW is not None:
                     dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
             if t is not None:

@@ -89,11 +89,9 @@ class LoraLinear:
         W, merged = self.matrix(name, dy.shape[0])
         if dx is not None:
             if accumulate:
-                tmp = self.scratch(*dx.shape)
-                self.xp.matmul(dy, W, out=tmp)
-                dx += tmp
+                dx += self.products(self.scratch(*dx.shape), dy, W, trans_b=False)
             else:
-                self.xp.matmul(dy, W, out=dx)
+                self.products(dx, dy, W, trans_b=False)
         if self.base.trainable:
             dW = self.base.grad(name)
             dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))

@@ -1,0 +1,47 @@
+"""The products with the frozen base's weights, in the compute dtype chosen once.
+
+    f32   numpy's (or CuPy's) matmul, float32 throughout: the bit-exact paths.
+    bf16  both operands rounded to bf16 (round to nearest even), the product through
+          oneDNN with float32 accumulation (kernels/bf16.py): on CPUs that multiply
+          bf16 natively (AVX512_BF16, AMX) about twice the float32 rate or more.
+precision.compute_dtype resolves --compute-dtype; this object applies it. Every base
+product of the forward (x W^T), of the backward (dy W) and of the output head goes
+through one `Products`; the adapters' rank-r products, norms, softmax, the loss and
+every accumulation stay float32.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class Products:
+    def __init__(self, xp, dtype: str = "f32"):
+        if dtype not in ("f32", "bf16"):
+            raise ValueError(f"compute dtype {dtype!r}: f32 or bf16")
+        if dtype == "bf16" and xp is not np:
+            raise ValueError("bf16 products run on the CPU (numpy arrays)")
+        self.xp, self.dtype = xp, dtype
+        self._rounded: dict[tuple, np.ndarray] = {}   # (operand, shape) -> kept bf16 buffer
+
+    def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
+        """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out."""
+        if self.dtype == "f32":
+            return self.xp.matmul(a, W.T if trans_b else W, out=out)
+        from ..kernels import bf16
+        bf16.gemm(out, self._round(a, "a"), self._round(W, "w"), trans_b=trans_b)
+        return out
+
+    def _round(self, x: np.ndarray, operand: str) -> np.ndarray:
+        key = (operand, x.shape)
+        buf = self._rounded.get(key)
+        if buf is None:
+            buf = self._rounded[key] = np.empty(x.shape, np.uint16)
+        from ..kernels import bf16
+        if x.strides[-1] != x.itemsize:
+            x = np.ascontiguousarray(x)
+        bf16.to_bf16(buf, x)
+        return buf
+
+    def buffer_bytes(self, shapes) -> int:
+        """Bytes of the bf16 copies a step keeps (0 in f32): one per operand shape."""
+        return 0 if self.dtype == "f32" else 2 * sum(int(np.prod(s)) for s in shapes)
