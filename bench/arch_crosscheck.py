@@ -122,7 +122,7 @@ def structured(c: lc.Ctx, arch: str, vocab: list) -> None:
     from arch_reference import random_model_weights
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import vocab_kvs, write_model
+    from llamatune.models.writer import vocab_kvs, write_model
     d = c.work / arch
     d.mkdir(exist_ok=True)
     n_vocab = len(next(k.value for k in vocab if k.key == "tokenizer.ggml.tokens"))
@@ -178,7 +178,7 @@ def requantize(src: Path, dst: Path, outtype: str) -> None:
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.kernels import dequant
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import parse_outtype, vocab_kvs, write_model
+    from llamatune.models.writer import parse_outtype, vocab_kvs, write_model
     f = GGUFFile(src)
     cfg = ModelConfig.from_metadata(f.metadata, str(src))
     w = {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape) for n, t in f.tensors.items()}
@@ -219,7 +219,7 @@ def phi3_model(c: lc.Ctx) -> Path:
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.kernels import dequant
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import vocab_kvs, write_model
+    from llamatune.models.writer import vocab_kvs, write_model
     d = c.work / "phi3"
     out, src = d / "phi3-longrope-f32.gguf", d / "scratch-LATEST.gguf"
     if c.reuse and out.exists():
@@ -318,7 +318,7 @@ def main() -> int:
                 phi3_record(c)
         if not a.no_structured:
             if families:
-                from llamatune.models.modelfile import train_spm_vocab
+                from llamatune.models.writer import train_spm_vocab
                 vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"],
                                         str(lc.TRAIN))
             for arch in families:

@@ -31,7 +31,7 @@ def make_corpus(out: Path) -> dict[str, Path]:
     from llamatune.formats.adapter import LoraAdapter, write_adapter
     from llamatune.models.config import ModelConfig
     from llamatune.train.lora import lora_specs, lora_targets
-    from llamatune.models.modelfile import random_weights, train_spm_vocab, write_model
+    from llamatune.models.writer import random_weights, train_spm_vocab, write_model
     from llamatune.options import FinetuneOptions
     from llamatune.train.params import ParamBuffer
 

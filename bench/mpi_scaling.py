@@ -49,7 +49,7 @@ def byte_vocab(n: int):
 def build(workdir: Path) -> tuple[Path, Path]:
     import numpy as np
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import parse_outtype, random_weights, write_model
+    from llamatune.models.writer import parse_outtype, random_weights, write_model
     model, text = workdir / "bench-512x8-bytes.q8_0.gguf", workdir / "random-words.txt"
     if not model.exists():
         cfg = ModelConfig(**SHAPE)

@@ -95,7 +95,7 @@ def build(path: Path, shape: str) -> None:
     from gguf import GGMLQuantizationType as QType
     from llamatune.models.config import ModelConfig
     from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
-    from llamatune.models.modelfile import tensor_names
+    from llamatune.models.writer import tensor_names
     if path.exists():
         return
     cfg = ModelConfig(**SHAPES[shape])

@@ -16,7 +16,7 @@ from llamatune.kernels import cross_entropy
 from llamatune.models.arch import get_arch, tensor_shape
 from llamatune.models.infer import KVCache, Runner
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names, write_model
+from llamatune.models.writer import random_weights, tensor_names, write_model
 from llamatune.train.graph import DenseWeights, FrozenBase, Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer, ParamSpec

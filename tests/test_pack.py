@@ -12,7 +12,7 @@ import pytest
 from llamatune.train.graph import DenseWeights, FrozenBase, Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names
+from llamatune.models.writer import random_weights, tensor_names
 from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import tiny_config, write_tiny_model

@@ -22,7 +22,7 @@ from ..formats.gguf_io import GGUFFile, kv
 from ..models.arch import get_arch, supported
 from ..models.config import ModelConfig
 from ..models.model import Model
-from ..models.modelfile import (
+from ..models.writer import (
     parse_outtype,
     random_weights,
     tensor_names,
