@@ -51,28 +51,22 @@ def friendly_errors(fn):
     return wrapper
 
 
-def _distributed():
-    """train/distributed.py when a command loaded it (training), else None."""
-    return sys.modules.get("llamatune.train.distributed")
-
-
 def _is_root() -> bool:
     """False on ranks other than 0 of an MPI job of several ranks."""
-    mod = _distributed()
-    return mod is None or mod.current().is_root
+    from llamatune.train import distributed          # light: imports mpi4py and numpy only when used
+    return distributed.current().is_root
 
 
 def _rank() -> str:
-    """'rank R: ' inside an MPI job of several ranks (distributed.py), else ''."""
-    mod = _distributed()
-    return mod.error_prefix() if mod else ""
+    """'rank R: ' inside an MPI job of several ranks, else ''."""
+    from llamatune.train import distributed
+    return distributed.error_prefix()
 
 
 def _end_job(code: int):
     """Exit; inside an MPI job, take the other ranks down too (they would wait for this one)."""
-    mod = _distributed()
-    if mod:
-        mod.abort_job(code)
+    from llamatune.train import distributed
+    distributed.abort_job(code)
     raise typer.Exit(code)
 
 
@@ -252,7 +246,7 @@ def quickstart(
     workdir: Path = typer.Option(Path("llamatune-quickstart"), "--workdir", help="Where the demo writes its files."),
 ):
     """Run the whole tool on built-in data: no downloads, a few minutes on a laptop CPU."""
-    from llamatune.commands.quickstart import run
+    from llamatune.quickstart import run
     run(workdir)
 
 

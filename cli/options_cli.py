@@ -29,6 +29,7 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], N
                         wrap: Callable[[Callable], Callable]) -> None:
     """Register `name` on `app`: parses every field of `cls`, builds the options and calls `run`."""
     from llamatune.options import build_options, cli_flag
+    from llamatune.outputs import check_training_paths
     hints = typing.get_type_hints(cls)
     params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
                                 default=typer.Option(None, "--config", help="TOML preset of options "
@@ -46,7 +47,10 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], N
 
     def command(**kwargs):
         preset = kwargs.pop("config")
-        run(build_options(cls, kwargs, preset))
+        opts = build_options(cls, kwargs, preset)
+        if preset is not None:                     # no output may overwrite the preset
+            check_training_paths(opts, preset)
+        run(opts)
 
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}

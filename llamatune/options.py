@@ -229,14 +229,12 @@ def load_preset(path: Path, cls) -> dict[str, Any]:
 
 
 def build_options(cls, cli_values: dict[str, Any], preset: Path | None = None):
-    """CLI values (None = not given) over preset values over dataclass defaults."""
+    """CLI values (None = not given) over preset values over dataclass defaults, validated.
+    (That no output overwrites the preset is outputs.check_training_paths's to say.)"""
     values = load_preset(preset, cls) if preset is not None else {}
     values.update({k: v for k, v in cli_values.items() if v is not None})
     opts = cls(**values)
     validate(opts)
-    if preset is not None:
-        from .outputs import check_training_paths
-        check_training_paths(opts, preset)
     return opts
 
 

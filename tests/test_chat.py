@@ -11,7 +11,7 @@ from llamatune.commands.chat import Chat, Sampling
 from llamatune.models.chat_template import load_template
 from llamatune.cli.main import app
 from llamatune.train.datasets import load_dataset, preview
-from llamatune.commands.generate import generate_ids
+from llamatune.models.sampling import generate_ids
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions
@@ -73,7 +73,7 @@ def test_preview_data_bad_row_is_one_line(qwen_vocab, tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_chat_leg(tiny_model, tmp_path, capsys):
-    from llamatune.commands.quickstart import chat_leg
+    from llamatune.quickstart import chat_leg
     chat_leg(tmp_path, tiny_model, ctx=64, chat_ctx=256)
     assert (tmp_path / "chat-adapter-LATEST.gguf").exists()
     assert "6. chat finetune" in capsys.readouterr().out

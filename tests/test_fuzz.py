@@ -350,7 +350,7 @@ def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
 
 
 def test_sampling_refuses_nonfinite_logits():
-    from llamatune.commands.generate import sample
+    from llamatune.models.sampling import sample
     rng = np.random.default_rng(0)
     assert sample(np.array([0.0, 2.0, 1.0], np.float32), rng, 0.8, 40, 0.95) in (0, 1, 2)
     with pytest.raises(LlamatuneError, match=r"cannot sample: the model's logits are not finite"):

@@ -22,7 +22,7 @@ import pytest
 
 from llamatune.train import checkpoint as ckpt
 from llamatune.train import distributed
-from llamatune.launcher import LAUNCH_VARS, launched_by_mpi, local_rank, local_ranks
+from llamatune.launcher import LAUNCH_VARS, launched_by_mpi, local_rank, local_ranks, share_cores
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions
@@ -262,11 +262,11 @@ def test_launch_detection_and_core_sharing():
     assert local_ranks({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
     assert local_ranks({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}) == 2
     env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "NUMBA_NUM_THREADS": "3"}
-    distributed.share_cores(env)
+    share_cores(env)
     assert env["OPENBLAS_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     assert env["NUMBA_NUM_THREADS"] == "3"                                   # the user's setting wins
     untouched = {}
-    distributed.share_cores(untouched)
+    share_cores(untouched)
     assert untouched == {}
 
 

@@ -2,7 +2,7 @@
 
 Each turn renders the whole conversation with the template and its generation
 prompt (as llama.cpp's llama-cli / HF `apply_chat_template(add_generation_prompt=True)`),
-generates with the KV-cached path of generate.py, streams the answer and stops at
+generates with the KV-cached loop of models/sampling.py, streams the answer and stops at
 any end-of-generation token (EOS, <|im_end|>, <|eot_id|>, <end_of_turn>, ...), or
 where the answer's text reaches the template's end of turn (`ChatTemplate.stop_text`:
 a model whose vocabulary has no such control token writes it as ordinary tokens);
@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..models.chat_template import ChatTemplate
 from ..models.infer import Runner
-from .generate import generate_ids
+from ..models.sampling import generate_ids
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The no-download tour: every command of llamatune on built-in data.
+"""`llamatune quickstart`, the no-download tour: every command of llamatune on built-in
+data. It runs the other commands, so it sits above them (the one module besides the
+command line that imports commands).
 
 Everything comes from the package itself: a public-domain Shakespeare sample
 (`llamatune/assets/shakespeare-sample.txt`). The tour
@@ -19,7 +21,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from ..console import out
+from .console import out
 
 
 def sample_text() -> str:
@@ -34,14 +36,14 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     """Step 6: conversations, template, answers-only loss, packed rows, one chat turn."""
     import sys
 
-    from ..formats.adapter import load_runtime_adapters
-    from ..models.chat_template import load_template
-    from ..models.infer import Runner
-    from ..models.model import Model
-    from ..options import FinetuneOptions
-    from ..train.datasets import load_dataset, preview
-    from .chat import Chat, Sampling
-    from .finetune import finetune
+    from .formats.adapter import load_runtime_adapters
+    from .models.chat_template import load_template
+    from .models.infer import Runner
+    from .models.model import Model
+    from .options import FinetuneOptions
+    from .train.datasets import load_dataset, preview
+    from .commands.chat import Chat, Sampling
+    from .commands.finetune import finetune
 
     opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
                            pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
@@ -69,17 +71,17 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
 def run(workdir: Path) -> None:
     import sys
 
-    from ..formats.adapter import load_runtime_adapters
-    from ..formats.gguf_io import write_error
-    from ..models.infer import Runner
-    from ..models.model import Model
-    from ..options import FinetuneOptions, ScratchOptions
-    from ..outputs import Out, check_paths
-    from .export import export_lora
-    from .finetune import finetune
-    from .generate import generate, stream_text
-    from .perplexity import perplexity
-    from .scratch import train_from_scratch
+    from .formats.adapter import load_runtime_adapters
+    from .formats.gguf_io import write_error
+    from .models.infer import Runner
+    from .models.model import Model
+    from .options import FinetuneOptions, ScratchOptions
+    from .outputs import Out, check_paths
+    from .commands.export import export_lora
+    from .commands.finetune import finetune
+    from .commands.generate import generate, stream_text
+    from .commands.perplexity import perplexity
+    from .commands.scratch import train_from_scratch
 
     check_paths([], [Out("--workdir", workdir, is_dir=True)])
     text = sample_text()
