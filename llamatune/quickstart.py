@@ -36,10 +36,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     """Step 6: conversations, template, answers-only loss, packed rows, one chat turn."""
     import sys
 
-    from .formats.adapter import load_runtime_adapters
     from .models.chat_template import load_template
-    from .models.infer import Runner
-    from .models.model import Model
+    from .models.runner import make_runner
     from .options import FinetuneOptions
     from .train.datasets import load_dataset, preview
     from .commands.chat import Chat, Sampling
@@ -50,8 +48,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
                            save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
                            lora_out=workdir / "chat-adapter-ITERATION.gguf",
                            metrics_out=workdir / "chat-metrics.jsonl")
-    model = Model(base)
-    tok = model.tokenizer
+    runner = make_runner(base)
+    tok = runner.model.tokenizer
     tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
     trained = tok.decode([t for t, m in zip(tokens.tolist(), targets.tolist()) if m])
     out.print(f"\n[bold]6. chat finetune[/bold] on {opts.train_data.name} (24 conversations, ChatML, --pack); "
@@ -59,8 +57,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     res = finetune(opts)
     out.print(f"   loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} in {len(res.losses)} steps")
     adapter = workdir / "chat-adapter-LATEST.gguf"
-    runner = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
-    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, n_ctx=chat_ctx))
+    runner = make_runner(base, [(str(adapter), 1.0)])
+    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, ctx=chat_ctx))
     question = "What is the weather like today?"
     out.print(f"   llamatune chat -m {base.name} --lora {adapter.name} --chat-template chatml -p {question!r}")
     sys.stdout.write("   ")
@@ -71,10 +69,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
 def run(workdir: Path) -> None:
     import sys
 
-    from .formats.adapter import load_runtime_adapters
     from .formats.gguf_io import write_error
-    from .models.infer import Runner
-    from .models.model import Model
+    from .models.runner import make_runner
     from .options import FinetuneOptions, ScratchOptions
     from .outputs import Out, check_paths
     from .commands.export import export_lora
@@ -115,8 +111,7 @@ def run(workdir: Path) -> None:
     out.print(f"   loss {ft.losses[0]:.3f} -> {ft.losses[-1]:.3f} in {len(ft.losses)} steps "
               f"({ft.tokens_per_second:,.0f} tokens/s)")
 
-    model = Model(base)
-    tuned = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
+    tuned = make_runner(base, [(str(adapter), 1.0)])
     prompt = "HELENA."
     out.print(f"\n[bold]3. generate[/bold] with the adapter (llamatune generate -m {base.name} --lora {adapter.name}):")
     sys.stdout.write(prompt)
@@ -130,7 +125,7 @@ def run(workdir: Path) -> None:
 
     out.print("\n[bold]5. perplexity[/bold] on the finetuning text (c=64):")
     eval_text = text[cut:]
-    for label, runner in (("base", Runner(model)), ("base + adapter", tuned), ("merged", Runner(Model(merged)))):
+    for label, runner in (("base", make_runner(base)), ("base + adapter", tuned), ("merged", make_runner(merged))):
         res = perplexity(runner, eval_text, 64, 512, source="finetune text")
         out.print(f"   {label:15} PPL = {res.ppl:8.3f} +/- {res.ppl_err:.3f}")
     chat_leg(workdir, base)

@@ -7,26 +7,18 @@ from typing import Callable, Iterator
 from ..errors import LlamatuneError
 from ..models.infer import Runner
 from ..models.sampling import generate_ids
-from ..options import check_number
+from ..options import SamplingOptions
+
+D = SamplingOptions            # the defaults, declared once (options.py)
 
 
-def check_sampling(n_predict: int, temp: float, top_k: int, top_p: float, seed: int, n_ctx: int | None) -> None:
-    """Range checks of generate's arguments, with the command-line flag names."""
-    check_number("-n/--n-predict", n_predict, 0, also=(-1,))
-    check_number("--temp", temp, 0)
-    check_number("--top-k", top_k, 0)
-    check_number("--top-p", top_p, 0, 1, lo_open=True)
-    check_number("--seed", seed, 0)
-    if n_ctx is not None:
-        check_number("-c/--ctx", n_ctx, 1)
-
-
-def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top_k: int = 40,
-             top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
+def generate(runner: Runner, prompt: str, n_predict: int, temp: float = D.temp, top_k: int = D.top_k,
+             top_p: float = D.top_p, seed: int = D.seed, n_ctx: int | None = None,
              stop_at_eos: bool = True) -> Iterator[int]:
     """Yield generated token ids (the prompt is not echoed). `n_predict` -1 generates
-    until EOS or until the context is full."""
-    check_sampling(n_predict, temp, top_k, top_p, seed, n_ctx)
+    until EOS or until the context is full. The arguments are range-checked as
+    generate's flags are (SamplingOptions.check)."""
+    SamplingOptions(n_predict, temp, top_k, top_p, seed, n_ctx).check()
     ids = runner.model.tokenizer.encode(prompt, add_special=True)
     if not ids:
         raise LlamatuneError("prompt is empty (and the vocabulary adds no BOS token)")

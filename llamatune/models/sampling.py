@@ -12,7 +12,10 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import LlamatuneError
+from ..options import SamplingOptions
 from .infer import KVCache, Runner
+
+D = SamplingOptions            # the defaults, declared once (options.py)
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int, top_p: float) -> int:
@@ -34,8 +37,8 @@ def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int
     return int(ids[rng.choice(len(ids), p=p)])
 
 
-def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
+def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = D.temp, top_k: int = D.top_k,
+                 top_p: float = D.top_p, seed: int = D.seed, n_ctx: int | None = None,
                  stop: set[int] = frozenset()) -> Iterator[int]:
     """Yield ids generated after the prompt ids, ending before any id in `stop`."""
     model = runner.model
