@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import SHAPE  # noqa: E402
+from finetune_step import SHAPE  # bench/ is sys.path[0] when run as a script
 
 B, T, R, GLOBAL = 8, 256, 8, 16
 

@@ -67,7 +67,7 @@ def test_compiled_and_cached_kernels_train_the_same_bits(tmp_path, tiny_model, t
     cross-entropy's sum once came out grouped differently in the two. gemma2 adds the
     soft-capped scores and logits, GEGLU and sliding-window attention."""
     if arch != "llama":
-        from arch_reference import write_arch_model
+        from checks.arch_reference import write_arch_model
         from conftest import tiny_config
         from test_arch_cli import CONFIGS
         tiny_model = write_arch_model(tmp_path / f"{arch}.gguf", tiny_config(arch, **CONFIGS[arch]), tiny_vocab, seed=3)

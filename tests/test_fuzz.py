@@ -1,4 +1,4 @@
-"""The fuzz suite (bench/fuzz.py) in the default run: a few hundred seeded mutants of models,
+"""The fuzz suite (checks/fuzz.py) in the default run: a few hundred seeded mutants of models,
 adapters and checkpoints through every library reader and a sample through the CLI; plus one
 test per kind of bad input the readers must name (each `raise` reached by a pytest.raises)."""
 from __future__ import annotations
@@ -21,11 +21,9 @@ from llamatune.formats.gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
 from llamatune.models.model import Model
 from llamatune.formats.tensors import NonFiniteError
 
+from checks import fuzz
+from checks import fuzz_mutate as fm
 from conftest import REPO, TEXT, write_tiny_model
-
-sys.path.insert(0, str(REPO / "bench"))
-import fuzz  # noqa: E402
-import fuzz_mutate as fm  # noqa: E402
 
 
 def test_fuzz_campaign(tmp_path):

@@ -6,6 +6,7 @@
   kernels nothing of llamatune but the kernels;
 - no command imports another command;
 - no circles among modules (imports inside functions count too);
+- tests, bench and checks import each other normally, never through sys.path;
 - importing the package, its command line and its kernel packages has no side
   effect beyond the threading policy's environment defaults: no cache folder, no
   numpy patch, numpy and numba not even loaded.
@@ -155,6 +156,34 @@ def test_the_checks_see_wrong_imports(tmp_path):
         "llamatune.kernels.rope (a kernel) imports llamatune.options",
         "llamatune.models.probe imports llamatune.train.params, against the arrows"]
     assert circles(graph) == [["llamatune.models.probe", "llamatune.train.params"]]
+
+
+def sys_path_uses(path: Path) -> list[str]:
+    """Places in a file that touch sys.path."""
+    tree = ast.parse(path.read_text())
+    return [f"{path.relative_to(path.parents[1])}:{n.lineno}" for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
+            and n.value.id == "sys"]
+
+
+def test_tests_bench_and_checks_never_touch_sys_path():
+    found = [use for folder in ("tests", "bench", "checks") for path in sorted((REPO / folder).rglob("*.py"))
+             for use in sys_path_uses(path)]
+    assert not found, "sys.path changed in: " + ", ".join(found)
+
+
+def test_sys_path_check_sees_an_insert(tmp_path):
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "t.py").write_text("import sys\nsys.path.insert(0, 'tests')\n")
+    assert sys_path_uses(tmp_path / "bench" / "t.py") == ["bench/t.py:2"]
+
+
+def test_bench_measures_and_checks_verify():
+    """bench/ holds measurements only: no tool there is named as a check."""
+    verifying = ("fuzz", "crosscheck", "vocab_suites", "memory_check", "arch_reference")
+    assert not [p.name for p in (REPO / "bench").glob("*.py") if any(v in p.name for v in verifying)]
+    assert all((REPO / "checks" / f"{v}.py").exists() for v in ("fuzz", "fuzz_mutate", "llamacpp_crosscheck",
+                                                                 "arch_crosscheck", "vocab_suites", "memory_check"))
 
 
 PROBE = """

@@ -251,7 +251,7 @@ def check_modes_identical(model, ranks, dtype, packed=False):
 
 
 # --------------------------------------------------------------------------- llama.cpp figures
-# tiny seeded models whose llama-perplexity bench/arch_crosscheck.py --record writes to
+# tiny seeded models whose llama-perplexity checks/arch_crosscheck.py --record writes to
 # tests/fixtures/arch_llamacpp.json (test_arch_llamacpp.py rebuilds them and compares)
 LLAMACPP_SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
                       n_rot=16, n_layer=2, norm_eps=1e-6)
@@ -329,7 +329,7 @@ def seeded_phi3(work, vocab):
     and a seeded random adapter on attn_qkv, attn_output, ffn_up and ffn_down; returns
     (model, adapter) paths. Rebuilt bit for bit anywhere from numpy's seeded generator, so
     test_arch_phi3.py checks llamatune against the llama.cpp figures recorded for it by
-    `bench/arch_crosscheck.py --record --arch phi3` without llama.cpp."""
+    `checks/arch_crosscheck.py --record --arch phi3` without llama.cpp."""
     from pathlib import Path
 
     from llamatune.formats.adapter import LoraAdapter, write_adapter

@@ -1,4 +1,4 @@
-"""Seed files and mutators of the fuzz suite (bench/fuzz.py drives them).
+"""Seed files and mutators of the fuzz suite (checks/fuzz.py drives them).
 
 Seeds: a tiny F32 llama, the same in Q8_0, a Q4_K llama, a LoRA adapter, a resumable
 finetune checkpoint, the adapter as a PEFT directory and as a 2023 ggla .bin, all
