@@ -210,3 +210,30 @@ def test_import_has_no_side_effects(tmp_path):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout) == {"numpy": False, "numba": False, "NUMBA_CACHE_DIR": None,
                                       "GOMP_SPINCOUNT": "2000", "files": [], "row_stack": False}
+
+
+def missing_sources(doc: str, files: list[str]) -> list[str]:
+    """Python files a document names (paths, bare names or patterns) that match no file;
+    a pattern must match more than its plain name (`convert*.py` is not `convert.py`)."""
+    import re
+    from pathlib import PurePosixPath
+    missing = []
+    for name in sorted(set(re.findall(r"[\w./*-]+\.py\b", doc))):
+        name = name.lstrip("./")
+        if "*" in name:
+            plain = name.replace("*", "")
+            found = any(PurePosixPath(f).match(name) and not f.endswith(plain) for f in files)
+        else:
+            found = any(f == name or f.endswith("/" + name) for f in files)
+        if not found:
+            missing.append(name)
+    return missing
+
+
+def test_architecture_doc_names_only_files_that_exist():
+    files = [p.relative_to(REPO).as_posix() for folder in ("llamatune", "kernels", "cli", "tests", "bench", "checks")
+             for p in (REPO / folder).rglob("*.py")]
+    assert missing_sources((REPO / "docs" / "architecture.md").read_text(), files) == []
+    assert missing_sources("`convert*.py`, kernels/*.py, `graph.py`, old/legacy.py",
+                           ["llamatune/commands/convert.py", "kernels/rope.py", "llamatune/train/graph.py"]) \
+        == ["convert*.py", "old/legacy.py"]
