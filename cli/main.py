@@ -172,7 +172,7 @@ def _train_from_scratch(opts) -> None:
 
 
 def _register_commands() -> None:
-    """Every command, its options generated from its dataclass in llamatune/options.py."""
+    """Every command, its options generated from its dataclass in llamatune/options/."""
     from llamatune import options as o
     from .options_cli import add_options_command
 

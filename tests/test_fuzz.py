@@ -23,7 +23,7 @@ from llamatune.formats.tensors import NonFiniteError
 
 from checks import fuzz
 from checks import fuzz_mutate as fm
-from conftest import REPO, TEXT, write_tiny_model
+from conftest import TEXT, write_tiny_model
 
 
 def test_fuzz_campaign(tmp_path):

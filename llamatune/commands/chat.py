@@ -18,7 +18,7 @@ from ..models.sampling import generate_ids
 from ..options import ChatSampling
 
 
-Sampling = ChatSampling        # n_predict, temp, top_k, top_p, seed, ctx (options.py)
+Sampling = ChatSampling        # n_predict, temp, top_k, top_p, seed, ctx (llamatune/options/)
 
 
 class Chat:

@@ -9,7 +9,7 @@ from ..models.infer import Runner
 from ..models.sampling import generate_ids
 from ..options import SamplingOptions
 
-D = SamplingOptions            # the defaults, declared once (options.py)
+D = SamplingOptions            # the defaults, declared once (llamatune/options/)
 
 
 def generate(runner: Runner, prompt: str, n_predict: int, temp: float = D.temp, top_k: int = D.top_k,

@@ -15,7 +15,7 @@ from ..errors import LlamatuneError
 from ..options import SamplingOptions
 from .infer import KVCache, Runner
 
-D = SamplingOptions            # the defaults, declared once (options.py)
+D = SamplingOptions            # the defaults, declared once (llamatune/options/)
 
 
 def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int, top_p: float) -> int:

@@ -17,7 +17,7 @@ from ..errors import LlamatuneError
 from ..options import PlotOptions
 
 INSTALL_HINT = "pip install 'llamatune[plot]' (or pip install matplotlib)"
-SMOOTH = PlotOptions.smooth        # weight of the moving average over the training loss (options.py)
+SMOOTH = PlotOptions.smooth        # weight of the moving average over the training loss (llamatune/options/)
 
 
 @dataclass
