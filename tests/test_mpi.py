@@ -277,6 +277,15 @@ def test_single_process_world_without_mpi(monkeypatch):
     distributed.check_same_job(w, FinetuneOptions(), 1, "x")                  # nothing to compare with
 
 
+def test_parameter_checks_follow_the_option_default():
+    """--mpi-check-every comes from the options (default 10), with no fallback of its own."""
+    every = FinetuneOptions().mpi_check_every
+    assert [i for i in range(1, 31) if distributed.checksum_due(FinetuneOptions(), i, False)] == [every, 2 * every,
+                                                                                                  3 * every]
+    assert distributed.checksum_due(FinetuneOptions(mpi_check_every=0), 7, True)
+    assert not distributed.checksum_due(FinetuneOptions(mpi_check_every=0), 10, False)
+
+
 def test_mpi_options_are_validated():
     from llamatune.options import validate
     with pytest.raises(LlamatuneError, match=r"--mpi-check-every -1: must be at least 0"):
