@@ -60,7 +60,7 @@ def dummy_vocab(n: int):
 
 def build(path: Path, qtype: str, arch: str = "llama") -> None:
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import parse_outtype, random_weights, write_model
+    from llamatune.models.writer import parse_outtype, random_weights, write_model
     if path.exists():
         return
     cfg = ModelConfig(**bench_shape(arch))

@@ -68,7 +68,7 @@ def build(path: Path, shape: dict, qtype_name: str, seed: int = 0) -> None:
     from gguf import GGMLQuantizationType as Q
     from llamatune.models.config import ModelConfig
     from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
-    from llamatune.models.modelfile import FILE_TYPE, encode_tensor, fit_type, parse_outtype, tensor_names
+    from llamatune.models.writer import FILE_TYPE, encode_tensor, fit_type, parse_outtype, tensor_names
     from finetune_step import dummy_vocab       # bench/ is sys.path[0] when run as a script
     cfg, qtype, t0 = ModelConfig(**shape), parse_outtype(qtype_name), time.perf_counter()
     fallback = []

@@ -28,8 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import SHAPE  # noqa: E402
+from finetune_step import SHAPE  # bench/ is sys.path[0] when run as a script
 
 B, T, R, GLOBAL = 8, 256, 8, 16
 
@@ -49,7 +48,7 @@ def byte_vocab(n: int):
 def build(workdir: Path) -> tuple[Path, Path]:
     import numpy as np
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import parse_outtype, random_weights, write_model
+    from llamatune.models.writer import parse_outtype, random_weights, write_model
     model, text = workdir / "bench-512x8-bytes.q8_0.gguf", workdir / "random-words.txt"
     if not model.exists():
         cfg = ModelConfig(**SHAPE)

@@ -31,8 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from finetune_step import TARGETS, dummy_vocab, sgemm_gflops  # noqa: E402
+from finetune_step import TARGETS, dummy_vocab, sgemm_gflops  # bench/ is sys.path[0] when run as a script
 
 SHAPES = {
     "llama2-7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
@@ -95,7 +94,7 @@ def build(path: Path, shape: str) -> None:
     from gguf import GGMLQuantizationType as QType
     from llamatune.models.config import ModelConfig
     from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
-    from llamatune.models.modelfile import tensor_names
+    from llamatune.models.writer import tensor_names
     if path.exists():
         return
     cfg = ModelConfig(**SHAPES[shape])

@@ -22,8 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mpi_scaling import build  # noqa: E402
+from mpi_scaling import build  # bench/ is sys.path[0] when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "llamatune" / "assets" / "shakespeare-sample.txt"

@@ -1,9 +1,10 @@
-"""Training commands built from the option dataclasses (llamatune/options.py).
+"""Commands built from the option dataclasses (llamatune/options.py).
 
-Each dataclass field becomes one command-line option with the field's help text,
-help group and default; nothing about an option is written twice. Every option
-defaults to None on the command line so that `build_options` can tell "given"
-from "not given" and apply the precedence CLI > --config preset > default.
+Each dataclass field becomes one command-line option (or argument) with the field's
+help text, help group, spellings and default; nothing about an option is written
+twice. Every option defaults to None on the command line so that `build_options`
+can tell "given" from "not given" and apply the precedence CLI > --config preset >
+default (training commands) or CLI > default (the others).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import dataclasses
 import inspect
 import typing
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import typer
 
@@ -25,34 +26,82 @@ def _show(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def add_options_command(app: typer.Typer, name: str, cls, run: Callable[[Any], None], help: str,
-                        wrap: Callable[[Callable], Callable]) -> None:
-    """Register `name` on `app`: parses every field of `cls`, builds the options and calls `run`."""
+def _parameter(f: dataclasses.Field, hint: Any, prefix: str = "", **override) -> inspect.Parameter:
+    """The typer parameter of one field; `override` replaces metadata (flags, required)."""
+    from llamatune.options import cli_flag
+    meta = {**f.metadata, **override}
+    t = _base_type(hint)
+    is_list = typing.get_origin(t) is list
+    if meta.get("argument"):
+        info = typer.Argument(..., help=meta["help"], show_default=False)
+        return inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=t)
+    flag = cli_flag(f)
+    if meta.get("names"):
+        decls = list(meta["names"])
+    else:
+        decls = [flag if meta.get("switch") or t is not bool else f"{flag}/--no-{flag[2:]}"]
+        decls += list(meta.get("flags", ()))
+    default = None if f.default is dataclasses.MISSING else f.default
+    shown = "" if meta.get("required") or default is None or is_list or meta.get("switch") \
+        else f" [default: {_show(default)}]"
+    info = typer.Option(... if meta.get("required") else None, *decls, help=meta["help"] + shown,
+                        rich_help_panel=meta.get("group"), show_default=False)
+    annotation = List[typing.get_args(t)[0]] if is_list else t if meta.get("required") else Optional[t]
+    return inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
+
+
+def _values(kwargs: dict, cls, names, prefix: str = "") -> dict:
+    """The given values of these fields of `cls` (None, an empty list or an unset switch:
+    not given, so the default applies)."""
+    switch = {f.name for f in dataclasses.fields(cls) if f.metadata.get("switch")}
+    out = {}
+    for name in names:
+        v = kwargs.get(prefix + name)
+        unset = (v is False and name in switch) or (isinstance(v, (list, tuple)) and not v)
+        out[name] = None if unset else list(v) if isinstance(v, tuple) else v
+    return out
+
+
+def add_options_command(app: typer.Typer, name: str, cls, run: Callable[..., None], help: str,
+                        wrap: Callable[[Callable], Callable], *, preset: bool = False,
+                        borrowed: tuple[Any, dict[str, dict]] | None = None) -> None:
+    """Register `name` on `app`: parses every field of `cls`, builds the options and calls
+    `run(options)`. `preset`: a --config TOML preset (training commands). `borrowed`:
+    (another options class, {field name: metadata override}) whose named fields the
+    command also takes; then `run(borrowed_options, options)`."""
     from llamatune import presets
-    from llamatune.options import build_options, cli_flag
+    from llamatune.options import build_options
+    params = []
+    if preset:
+        params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
+                                        default=typer.Option(None, "--config", help="Preset of options: a shipped "
+                                                             f"preset's name ({presets.names(cls)}; `--config list` "
+                                                             "describes them) or a TOML file; command-line options "
+                                                             "override it.",
+                                                             rich_help_panel="Input and output")))
+    if borrowed is not None:
+        other, picks = borrowed
+        other_fields = {f.name: f for f in dataclasses.fields(other)}
+        hints = typing.get_type_hints(other)
+        params += [_parameter(other_fields[n], hints[n], "borrowed_", **o) for n, o in picks.items()]
     hints = typing.get_type_hints(cls)
-    params = [inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                default=typer.Option(None, "--config", help="Preset of options: a shipped "
-                                                     f"preset's name ({presets.names(cls)}; `--config list` "
-                                                     "describes them) or a TOML file; command-line options "
-                                                     "override it.",
-                                                     rich_help_panel="Input and output"))]
-    for f in dataclasses.fields(cls):
-        t = _base_type(hints[f.name])
-        flag = cli_flag(f)
-        decls = [f"{flag}/--no-{flag[2:]}"] if t is bool else [flag]
-        decls += list(f.metadata.get("flags", ()))
-        info = typer.Option(None, *decls, help=f"{f.metadata['help']} [default: {_show(f.default)}]",
-                            rich_help_panel=f.metadata["group"], show_default=False)
-        params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=info,
-                                        annotation=Optional[t]))
+    own = [f.name for f in dataclasses.fields(cls)]
+    params += [_parameter(f, hints[f.name]) for f in dataclasses.fields(cls)]
 
     def command(**kwargs):
-        preset = kwargs.pop("config")
-        if preset is not None and str(preset) == presets.LIST:
+        config = kwargs.pop("config", None)
+        if config is not None and str(config) == presets.LIST:
             print(presets.listing(cls))
             return
-        run(build_options(cls, kwargs, preset))
+        if config is not None:
+            config = presets.resolve(config, cls)       # a shipped preset's name, or a path
+        opts = build_options(cls, _values(kwargs, cls, own), config)
+        if config is not None:                     # no output may overwrite the preset
+            from llamatune.outputs import check_training_paths
+            check_training_paths(opts, config)
+        if borrowed is None:
+            return run(opts)
+        return run(build_options(borrowed[0], _values(kwargs, borrowed[0], borrowed[1], "borrowed_")), opts)
 
     command.__signature__ = inspect.Signature(params)
     command.__annotations__ = {p.name: p.annotation for p in params}

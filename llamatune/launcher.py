@@ -1,7 +1,7 @@
 """What an MPI launcher tells a process through its environment: whether it was
 started by one, how many ranks share its machine and which of them it is. Read by
-the package's start-up (threads per rank, train/distributed.py) and by the CUDA
-backend (a GPU per rank); imports nothing.
+the package's start-up (threads per rank: share_cores), train/distributed.py and the
+CUDA backend (a GPU per rank); imports nothing.
 """
 from __future__ import annotations
 
@@ -39,3 +39,14 @@ def local_ranks(environ=os.environ) -> int:
 def local_rank(environ=os.environ) -> int:
     """This rank's index among the ranks on its machine (0 when not launched by MPI)."""
     return _launcher_int(environ, LOCAL_RANK_VARS, 0)
+
+
+def share_cores(environ=os.environ) -> None:
+    """Before numpy and numba load: ranks on one machine split its cores between them
+    (OpenBLAS and numba threads), unless the user set the thread counts. Run by the
+    package's __init__."""
+    n = local_ranks(environ)
+    if n > 1:
+        per_rank = str(max(1, (os.cpu_count() or 1) // n))
+        for k in ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+            environ.setdefault(k, per_rank)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterable
 
 from .errors import LlamatuneError
+from .options import cli_flag
 
 ITERATION = "ITERATION"
 
@@ -137,7 +138,6 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     with --save-best also the BEST forms, and the metrics log and its plot."""
     from dataclasses import fields
 
-    from .options import cli_flag
     inputs: list[tuple[str, Path | None]] = [("--config", preset)]
     outputs: list[Out] = []
     for f in fields(opts):

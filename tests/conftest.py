@@ -90,13 +90,13 @@ def tiny_config(arch: str = "llama", **over):
 
 @pytest.fixture(scope="session")
 def tiny_vocab():
-    from llamatune.models.modelfile import train_spm_vocab
+    from llamatune.models.writer import train_spm_vocab
     return train_spm_vocab(TEXT, 400)
 
 
 def write_tiny_model(path: Path, vocab, outtype=None, seed: int = 0, arch: str = "llama", tied=False, **over) -> Path:
     from gguf import GGMLQuantizationType as QType
-    from llamatune.models.modelfile import random_weights, write_model
+    from llamatune.models.writer import random_weights, write_model
     cfg = tiny_config(arch, **over)
     w = random_weights(cfg, seed=seed, std=0.08, tied=tied)
     write_model(path, cfg, w, vocab, outtype or QType.F32)

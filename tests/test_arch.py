@@ -4,7 +4,7 @@ import pytest
 from llamatune.errors import LlamatuneError
 from llamatune.models.arch import NEOX, NORM, get_arch, supported, tensor_shape
 from llamatune.models.config import ModelConfig
-from llamatune.models.modelfile import tensor_names
+from llamatune.models.writer import tensor_names
 
 
 def tiny(arch: str) -> ModelConfig:

@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType as QType
 from typer.testing import CliRunner
 
-from arch_reference import write_arch_model
+from checks.arch_reference import write_arch_model
 from conftest import TEXT, tiny_config
 from llamatune.cli.main import app
 from llamatune.formats.gguf_io import GGUFFile

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arch_reference import all_ranks, lora_setup, write_arch_model
+from checks.arch_reference import all_ranks, lora_setup, write_arch_model
 from conftest import tiny_config
 from test_cuda_e2e import cuda  # noqa: F401  (the fixture: the CUDA backend, or a skip)
 

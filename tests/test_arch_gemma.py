@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arch_reference import (Block, all_ranks, check_dense_gradients, check_forward, check_lora_gradients,
+from checks.arch_reference import (Block, all_ranks, check_dense_gradients, check_forward, check_lora_gradients,
                             check_modes_identical, write_arch_model)
 from conftest import tiny_config
 from llamatune.errors import LlamatuneError
@@ -142,7 +142,7 @@ def test_unsupported_hparams_are_refused_by_name():
 
 
 def test_tied_architectures_never_write_or_read_an_output_tensor(tmp_path, tiny_vocab):
-    from llamatune.models.modelfile import random_weights, tensor_names, write_model
+    from llamatune.models.writer import random_weights, tensor_names, write_model
     cfg = tiny_config("gemma", **SHAPE)
     assert "output.weight" not in tensor_names(cfg)
     w = random_weights(cfg) | {"output.weight": np.ones((cfg.n_vocab, cfg.n_embd), np.float32)}
@@ -207,7 +207,7 @@ def test_packed_rows_equal_samples_alone(model):
 def test_new_model_of_a_family_round_trips(arch, tmp_path, tiny_vocab):
     """ModelConfig.new (train-from-scratch) gives the family's defaults, and the file the
     writer makes of it reads back as the same config."""
-    from llamatune.models.modelfile import random_weights, write_model
+    from llamatune.models.writer import random_weights, write_model
     cfg = ModelConfig.new(arch, n_vocab=400, n_ctx_train=64, n_embd=32, n_layer=2, n_ff=64, n_head=4,
                           n_head_kv=2, head_dim=8, n_rot=8, norm_eps=1e-6)
     write_model(tmp_path / "m.gguf", cfg, random_weights(cfg), tiny_vocab)

@@ -1,14 +1,14 @@
 """Agreement with llama.cpp for qwen3, gemma, gemma2, gemma3: llamatune's perplexity of
 tiny seeded models (F32 and Q8_0, alone and with a seeded adapter) against the figures
 llama-perplexity gave on the same files (`-c 32`, F32 without activation rounding),
-recorded in fixtures/arch_llamacpp.json by `bench/arch_crosscheck.py --record`."""
+recorded in fixtures/arch_llamacpp.json by `checks/arch_crosscheck.py --record`."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from arch_reference import llamacpp_models
+from checks.arch_reference import llamacpp_models
 from conftest import REPO, TEXT
 
 RECORDED = json.loads((REPO / "tests" / "fixtures" / "arch_llamacpp.json").read_text())

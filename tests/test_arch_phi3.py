@@ -16,8 +16,8 @@ from llamatune.kernels import cross_entropy
 from llamatune.models.arch import get_arch, tensor_shape
 from llamatune.models.infer import KVCache, Runner
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names, write_model
 from llamatune.models.weights import FrozenBase
+from llamatune.models.writer import random_weights, tensor_names, write_model
 from llamatune.train.graph import Graph
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
@@ -365,11 +365,11 @@ def test_perplexity_equals_llama_cpps_recorded_figures(tmp_path):
     """The seeded phi3 of arch_reference.seeded_phi3 (random weights from numpy's seeded
     generator, longrope, 3/4 of each head rotated, Phi-3's vocabulary, a seeded adapter on
     every fused tensor) scored by llamatune equals llama-perplexity's figures recorded by
-    `bench/arch_crosscheck.py --record --arch phi3` (F32, no activation rounding: -fa off,
+    `checks/arch_crosscheck.py --record --arch phi3` (F32, no activation rounding: -fa off,
     F32 KV), with the short (-c 64) and the long (-c 320) rope factors, without and with
     the adapter."""
     import json
-    from arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
+    from checks.arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
     from conftest import DATA, REPO, VOCAB, need
     from llamatune.commands.perplexity import perplexity
     from llamatune.formats.adapter import load_runtime_adapters

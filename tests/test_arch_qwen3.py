@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from arch_reference import (Block, all_ranks, check_dense_gradients, check_forward, check_lora_gradients,
+from checks.arch_reference import (Block, all_ranks, check_dense_gradients, check_forward, check_lora_gradients,
                             check_modes_identical, write_arch_model)
 from conftest import tiny_config
 from llamatune.models.arch import NEOX

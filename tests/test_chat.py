@@ -11,7 +11,7 @@ from llamatune.commands.chat import Chat, Sampling
 from llamatune.models.chat_template import load_template
 from llamatune.cli.main import app
 from llamatune.train.datasets import load_dataset, preview
-from llamatune.commands.generate import generate_ids
+from llamatune.models.sampling import generate_ids
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions
@@ -28,7 +28,7 @@ def run(*args):
 def test_chat_turn_is_greedy_generation_after_the_generation_prompt(tiny_model):
     model = Model(tiny_model)
     template = load_template(model.tokenizer, "chatml")
-    chat = Chat(Runner(model), template, system="Be kind.", sampling=Sampling(n_predict=6, temp=0, n_ctx=256))
+    chat = Chat(Runner(model), template, system="Be kind.", sampling=Sampling(n_predict=6, temp=0, ctx=256))
     got = []
     answer = chat.say("hello there", got.append)
     prompt = template.prompt_tokens([{"role": "system", "content": "Be kind."},
@@ -73,7 +73,7 @@ def test_preview_data_bad_row_is_one_line(qwen_vocab, tmp_path):
 
 @pytest.mark.slow
 def test_quickstart_chat_leg(tiny_model, tmp_path, capsys):
-    from llamatune.commands.quickstart import chat_leg
+    from llamatune.quickstart import chat_leg
     chat_leg(tmp_path, tiny_model, ctx=64, chat_ctx=256)
     assert (tmp_path / "chat-adapter-LATEST.gguf").exists()
     assert "6. chat finetune" in capsys.readouterr().out
@@ -109,7 +109,7 @@ def test_chat_answer_ends_at_the_templates_end_of_turn_text(tiny_model, monkeypa
     assert not tok.has_special_text("<|im_end|>")
     reply = tok.encode("Fine thanks<|im_end|>\n<|im_start|>user\nmore", add_special=False)
     monkeypatch.setattr(chat_mod, "generate_ids", lambda *a, **k: iter(reply))
-    chat = Chat(Runner(model), template, sampling=Sampling(n_predict=len(reply), temp=0, n_ctx=256))
+    chat = Chat(Runner(model), template, sampling=Sampling(n_predict=len(reply), temp=0, ctx=256))
     shown = []
     answer = chat.say("how are you", shown.append)
     assert answer == "".join(shown) == tok.decode(tok.encode("Fine thanks", add_special=False))

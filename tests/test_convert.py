@@ -22,14 +22,14 @@ from safetensors.numpy import load_file, save_file
 from llamatune.train import checkpoint as ckpt
 from llamatune.formats.adapter import load_runtime_adapters, read_adapter
 from llamatune.commands.convert import convert
-from llamatune.train.legacy import ORDER_LABELS, choose_order, param_orders
+from llamatune.train.llamacpp2023 import ORDER_LABELS, choose_order, param_orders
 from llamatune.errors import LlamatuneError
 from llamatune.commands.finetune import finetune
 from llamatune.formats.gguf_io import GGUFFile, kv
 from llamatune.models.infer import Runner
 from llamatune.models.arch import tensor_shape
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names, vocab_kvs, write_model
+from llamatune.models.writer import random_weights, tensor_names, vocab_kvs, write_model
 from llamatune.options import FinetuneOptions
 from llamatune.train.params import ParamBuffer, ParamSpec
 

@@ -67,7 +67,7 @@ def test_compiled_and_cached_kernels_train_the_same_bits(tmp_path, tiny_model, t
     cross-entropy's sum once came out grouped differently in the two. gemma2 adds the
     soft-capped scores and logits, GEGLU and sliding-window attention."""
     if arch != "llama":
-        from arch_reference import write_arch_model
+        from checks.arch_reference import write_arch_model
         from conftest import tiny_config
         from test_arch_cli import CONFIGS
         tiny_model = write_arch_model(tmp_path / f"{arch}.gguf", tiny_config(arch, **CONFIGS[arch]), tiny_vocab, seed=3)
@@ -215,7 +215,7 @@ def test_runtime_adapter_changes_generation_as_merge_does(tmp_path, tiny_model):
 @pytest.mark.parametrize("pack", [False, True])
 def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
     """Conversations (answers-only targets, padded or packed rows): 3 steps == 2 steps + resume + 1 step."""
-    from llamatune.commands.quickstart import chat_sample
+    from llamatune.quickstart import chat_sample
     chat = dict(train_data=chat_sample(), chat_template="chatml", ctx=64, batch=3, rank_out=0, rank_att_norm=0,
                 pack=pack)
     one, two = tmp_path / "one", tmp_path / "two"
@@ -231,7 +231,7 @@ def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
 
 
 def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
-    from llamatune.commands import finetune as ft
+    from llamatune.train import inputs as ft
     from llamatune.train.data import Samples
     from llamatune.train.graph import Graph
     rows = Samples([1, 2, 3], [0], [3], [0, 1, 1])

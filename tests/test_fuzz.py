@@ -1,4 +1,4 @@
-"""The fuzz suite (bench/fuzz.py) in the default run: a few hundred seeded mutants of models,
+"""The fuzz suite (checks/fuzz.py) in the default run: a few hundred seeded mutants of models,
 adapters and checkpoints through every library reader and a sample through the CLI; plus one
 test per kind of bad input the readers must name (each `raise` reached by a pytest.raises)."""
 from __future__ import annotations
@@ -21,11 +21,9 @@ from llamatune.formats.gguf_io import GGUFFile, KV, kv, tensor_out, write_gguf
 from llamatune.models.model import Model
 from llamatune.formats.tensors import NonFiniteError
 
-from conftest import REPO, TEXT, write_tiny_model
-
-sys.path.insert(0, str(REPO / "bench"))
-import fuzz  # noqa: E402
-import fuzz_mutate as fm  # noqa: E402
+from checks import fuzz
+from checks import fuzz_mutate as fm
+from conftest import TEXT, write_tiny_model
 
 
 def test_fuzz_campaign(tmp_path):
@@ -350,7 +348,7 @@ def test_checkpoint_metadata(tmp_path, corpus, key, value, match):
 
 
 def test_sampling_refuses_nonfinite_logits():
-    from llamatune.commands.generate import sample
+    from llamatune.models.sampling import sample
     rng = np.random.default_rng(0)
     assert sample(np.array([0.0, 2.0, 1.0], np.float32), rng, 0.8, 40, 0.95) in (0, 1, 2)
     with pytest.raises(LlamatuneError, match=r"cannot sample: the model's logits are not finite"):

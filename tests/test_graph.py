@@ -16,7 +16,7 @@ from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names
+from llamatune.models.writer import random_weights, tensor_names
 from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import tiny_config, write_tiny_model
@@ -169,7 +169,7 @@ def test_gradient_accumulation_equals_one_big_batch(small_model):
 def qwen2_model(tmp_path_factory, tiny_vocab):
     """qwen2: q/k/v biases (nonzero here) and NEOX rope."""
     from gguf import GGMLQuantizationType as QType
-    from llamatune.models.modelfile import write_model
+    from llamatune.models.writer import write_model
     cfg = tiny_config("qwen2", n_embd=32, n_ff=48, head_dim=8, n_rot=8)
     w = random_weights(cfg, seed=4, std=0.1)
     rng = np.random.default_rng(5)

@@ -17,7 +17,7 @@ from llamatune.train.memory import Planner
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, build_options
 from llamatune.train.params import ParamBuffer, ParamSpec
-from llamatune.models.modelfile import tensor_names
+from llamatune.models.writer import tensor_names
 
 from conftest import tiny_config
 

@@ -22,7 +22,7 @@ import pytest
 
 from llamatune.train import checkpoint as ckpt
 from llamatune.train import distributed
-from llamatune.launcher import LAUNCH_VARS, launched_by_mpi, local_rank, local_ranks
+from llamatune.launcher import LAUNCH_VARS, launched_by_mpi, local_rank, local_ranks, share_cores
 from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.options import FinetuneOptions
@@ -277,11 +277,11 @@ def test_launch_detection_and_core_sharing():
     assert local_ranks({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == 2
     assert local_ranks({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}) == 2
     env = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "NUMBA_NUM_THREADS": "3"}
-    distributed.share_cores(env)
+    share_cores(env)
     assert env["OPENBLAS_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2))
     assert env["NUMBA_NUM_THREADS"] == "3"                                   # the user's setting wins
     untouched = {}
-    distributed.share_cores(untouched)
+    share_cores(untouched)
     assert untouched == {}
 
 
@@ -290,6 +290,15 @@ def test_single_process_world_without_mpi(monkeypatch):
     w = distributed.setup(FinetuneOptions(mpi=False))                        # --no-mpi
     assert (w.rank, w.size, w.comm) == (0, 1, None) and w.is_root
     distributed.check_same_job(w, FinetuneOptions(), 1, "x")                  # nothing to compare with
+
+
+def test_parameter_checks_follow_the_option_default():
+    """--mpi-check-every comes from the options (default 10), with no fallback of its own."""
+    every = FinetuneOptions().mpi_check_every
+    assert [i for i in range(1, 31) if distributed.checksum_due(FinetuneOptions(), i, False)] == [every, 2 * every,
+                                                                                                  3 * every]
+    assert distributed.checksum_due(FinetuneOptions(mpi_check_every=0), 7, True)
+    assert not distributed.checksum_due(FinetuneOptions(mpi_check_every=0), 10, False)
 
 
 def test_mpi_options_are_validated():

@@ -14,7 +14,7 @@ from llamatune.train.graph import Graph
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.models.model import Model
-from llamatune.models.modelfile import random_weights, tensor_names
+from llamatune.models.writer import random_weights, tensor_names
 from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import tiny_config, write_tiny_model

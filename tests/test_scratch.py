@@ -117,7 +117,7 @@ def test_embd_not_multiple_of_head(tmp_path):
 def test_arch_option_builds_every_declared_family(tmp_path, arch):
     """--arch reads the declared architectures: each writes the tensors its declaration lists
     (the tied head left out where the family ties it) and the keys its family keeps."""
-    from llamatune.models.modelfile import tensor_names
+    from llamatune.models.writer import tensor_names
     res = train_from_scratch(options(tmp_path, arch=arch, embd=32, head=4, head_kv=2, ff=32, adam_iter=1), quiet=True)
     m = Model(tmp_path / "model-LATEST.gguf")
     assert m.config.arch == arch and np.isfinite(res.losses).all()

@@ -38,13 +38,11 @@ def numpy_compat() -> None:
     lowering first loads (at the first kernel compile), and fails with
     ``AttributeError: module 'numpy' has no attribute 'row_stack'``. Restoring the
     alias is what NumPy itself shipped until 2.4; nothing else changes. Runs when
-    this package is imported, which every import of numba.cuda here follows."""
+    the first kernel module loads (``_common.py``, before it imports numba.cuda),
+    not when this package is imported."""
     import numpy as np
     if not hasattr(np, "row_stack"):
         np.row_stack = np.vstack
-
-
-numpy_compat()
 
 
 def __getattr__(name: str):

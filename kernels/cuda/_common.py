@@ -20,7 +20,11 @@ kernel's Python code with numpy scalars, so a few helpers need two versions:
 from __future__ import annotations
 
 import numpy as np
-from numba import cuda, float32, float64  # after the package's NumPy 2.5 alias (__init__.py)
+
+from . import numpy_compat
+
+numpy_compat()                             # NumPy 2.5's missing alias, before numba.cuda loads
+from numba import cuda, float32, float64  # noqa: E402
 
 
 def _simulated() -> bool:

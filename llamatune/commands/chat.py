@@ -2,7 +2,7 @@
 
 Each turn renders the whole conversation with the template and its generation
 prompt (as llama.cpp's llama-cli / HF `apply_chat_template(add_generation_prompt=True)`),
-generates with the KV-cached path of generate.py, streams the answer and stops at
+generates with the KV-cached loop of models/sampling.py, streams the answer and stops at
 any end-of-generation token (EOS, <|im_end|>, <|eot_id|>, <end_of_turn>, ...), or
 where the answer's text reaches the template's end of turn (`ChatTemplate.stop_text`:
 a model whose vocabulary has no such control token writes it as ordinary tokens);
@@ -10,22 +10,15 @@ text that may be the start of it is held back until it is known not to be.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 from ..models.chat_template import ChatTemplate
 from ..models.infer import Runner
-from .generate import generate_ids
+from ..models.sampling import generate_ids
+from ..options import ChatSampling
 
 
-@dataclass
-class Sampling:
-    n_predict: int = 256
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    seed: int = 0
-    n_ctx: int | None = None
+Sampling = ChatSampling        # n_predict, temp, top_k, top_p, seed, ctx (llamatune/options/)
 
 
 class Chat:
@@ -45,7 +38,7 @@ class Chat:
         ids = self.template.prompt_tokens(self.messages)
         answer = stream_ids(self.runner.model.tokenizer,
                             generate_ids(self.runner, ids, s.n_predict, s.temp, s.top_k, s.top_p,
-                                         s.seed + len(self.messages), s.n_ctx, self._stop), write,
+                                         s.seed + len(self.messages), s.ctx, self._stop), write,
                             self._stop_text)
         self.messages.append({"role": "assistant", "content": answer})
         return answer

@@ -16,7 +16,7 @@ Conversions (first = default --to):
   2023 finetune checkpoint       -> checkpoint (resumable: parameters, Adam moments, counters), gguf-adapter, peft
   2023 train-text-from-scratch   -> model (llama, F32, tokenizer copied), checkpoint (train_model)
   ggla .bin                      -> gguf-adapter, peft
-Layouts and scales: convert_peft.py (PEFT), convert_legacy.py (2023 files).
+Layouts and scales: formats/peft.py (PEFT), train/llamacpp2023.py (2023 files).
 Every output is written atomically (GGUF through write_gguf; a PEFT directory is
 built beside the target and renamed into place); a GGUF adapter is checked
 against --model-base with read_adapter before it replaces anything.
@@ -42,10 +42,10 @@ from ..formats.tensors import float_array
 from ..locks import hold
 from ..models.arch import get_arch
 from ..models.config import ModelConfig
-from ..models.modelfile import tensor_names, vocab_kvs, write_model
+from ..models.writer import tensor_names, vocab_kvs, write_model
 from ..outputs import Out, check_paths
 from ..train import checkpoint as ckpt
-from ..train import legacy
+from ..train import llamacpp2023
 
 TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
@@ -263,14 +263,14 @@ def _model_from(f: GGUFFile, cfg: ModelConfig, output: Path, name: str) -> str:
 
 # --------------------------------------------------------------------------- 2023 files
 
-def _legacy_lora(src: Source, base: Base | None) -> tuple[ModelConfig, dict[str, legacy.LegacyPair]]:
+def _legacy_lora(src: Source, base: Base | None) -> tuple[ModelConfig, dict[str, llamacpp2023.LegacyPair]]:
     f = src.file
-    cfg = legacy.legacy_config(f)
+    cfg = llamacpp2023.legacy_config(f)
     if base is not None:
-        legacy.check_same_model(cfg, base.cfg, str(src.path), base.path)
+        llamacpp2023.check_same_model(cfg, base.cfg, str(src.path), base.path)
         cfg = base.cfg
     tensors = {n: float_array(f.path, t) for n, t in f.tensors.items() if not n.startswith("optimizer.")}
-    return cfg, legacy.legacy_pairs(cfg, tensors, (".lora_a", ".lora_b"), str(src.path))
+    return cfg, llamacpp2023.legacy_pairs(cfg, tensors, (".lora_a", ".lora_b"), str(src.path))
 
 
 def _ordered_adapter(arch: str, cfg: ModelConfig, alpha: float, pairs: dict) -> LoraAdapter:
@@ -280,14 +280,14 @@ def _ordered_adapter(arch: str, cfg: ModelConfig, alpha: float, pairs: dict) -> 
 
 
 def _ggla_adapter(src: Source, base: Base) -> tuple[LoraAdapter, list[str]]:
-    r, alpha_h, tensors = legacy.read_ggla(src.path)
+    r, alpha_h, tensors = llamacpp2023.read_ggla(src.path)
     if r == 0:
         raise LlamatuneError(f"{src.path}: ggla header has lora_r 0")
-    pairs = legacy.legacy_pairs(base.cfg, tensors, (".loraA", ".loraB"),
+    pairs = llamacpp2023.legacy_pairs(base.cfg, tensors, (".loraA", ".loraB"),
                                 f"{src.path} does not fit the base model {base.path.name}")
-    alpha, ours = legacy.to_ours(pairs, alpha_h, r)
+    alpha, ours = llamacpp2023.to_ours(pairs, alpha_h, r)
     notes = [f"the ggla header's r {r} and alpha {alpha_h} applied every tensor with scale {alpha_h / r:g}",
-             legacy.scale_note(pairs, alpha)]
+             llamacpp2023.scale_note(pairs, alpha)]
     return _ordered_adapter(base.file.arch, base.cfg, alpha, ours), notes
 
 
@@ -337,18 +337,18 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
     elif src.kind == "finetune-2023" and to == "checkpoint":
         cfg, pairs = _legacy_lora(src, base)
         fingerprint = ckpt.fingerprint(base.file) if base else ""
-        done, notes = legacy.finetune_checkpoint(src.file, cfg, pairs, output, fingerprint)
+        done, notes = llamacpp2023.finetune_checkpoint(src.file, cfg, pairs, output, fingerprint)
     elif src.kind == "finetune-2023":
         cfg, pairs = _legacy_lora(src, base)
-        alpha, ours = legacy.to_ours(pairs, 1, 1)
+        alpha, ours = llamacpp2023.to_ours(pairs, 1, 1)
         adapter = _ordered_adapter("llama", cfg, alpha, ours)
-        notes = [legacy.scale_note(pairs, alpha)]
+        notes = [llamacpp2023.scale_note(pairs, alpha)]
         done, more = _adapter_out(to, output, adapter, base, (cfg.n_head, cfg.n_head_kv), "")
         notes += more
     elif src.kind == "train-2023" and to == "checkpoint":
-        done, notes = legacy.train_checkpoint(src.file, output)
+        done, notes = llamacpp2023.train_checkpoint(src.file, output)
     elif src.kind == "train-2023":
-        done = _model_from(src.file, legacy.legacy_config(src.file), output,
+        done = _model_from(src.file, llamacpp2023.legacy_config(src.file), output,
                            str(src.file.get("general.name") or "llama"))
     else:   # llamatune-full -> model
         c = ckpt.load(src.path)

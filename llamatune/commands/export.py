@@ -38,7 +38,7 @@ from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from ..kernels import dequant
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..locks import hold
-from ..models.modelfile import FILE_TYPE, fit_type, parse_outtype
+from ..models.writer import FILE_TYPE, fit_type, parse_outtype
 from ..outputs import Out, check_paths
 
 TOKEN_EMBD = "token_embd.weight"
@@ -158,7 +158,7 @@ def _out_type(t: Tensor, target: QType | None, merged: bool, notes: list[str]) -
     """The type `t` is written in. "same" (target None) keeps the base type, falling
     back to F16 (llama.cpp's choice) for a merged type we cannot re-quantize. An
     explicit type applies to matrices; 1-D tensors stay F32 and a row length that is
-    not a multiple of the block size falls back as modelfile.encode_tensor does."""
+    not a multiple of the block size falls back as writer.encode_tensor does."""
     if target is None:
         if merged and t.qtype not in QUANTIZABLE:
             notes.append(f"{t.name}: {t.qtype.name} cannot be re-quantized; the merged tensor is written as F16")

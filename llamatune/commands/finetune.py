@@ -20,52 +20,10 @@ from ..options import FinetuneOptions
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
-from ..train.data import Samples, read_text
-from ..train.datasets import load_dataset
+from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
 from ..train.trainer import Job, TrainResult, run
-from ..train.validation import validation_samples
-
-
-def read_training_text(path: Path | None) -> str:
-    if path is None:
-        raise LlamatuneError("--train-data is required")
-    return read_text(path, "training data")
-
-
-def check_packing(o, samples) -> None:
-    """--pack needs whole-sequence samples and a graph with segment-aware attention.
-    Without it (or --fill-with-next-samples for text samples), says so when samples
-    fill less than half of --ctx on average: the rest of each window is padding, and
-    up to the longest sample of a micro-batch (Graph._trimmed) it is computed in every
-    layer like a real token."""
-    import inspect
-
-    from ..train.graph import Graph
-    if not o.pack:
-        fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
-        remedy = ("--pack puts several in a window" if samples.mask is not None else
-                  "--fill-with-next-samples fills it" if o.sample_start and not o.fill_with_next_samples else None)
-        if remedy and fill < 0.5:
-            notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
-                   + remedy)
-        return
-    if samples.mask is None:
-        notice("--pack applies to conversations and rows; raw text already fills every window")
-    elif "segments" not in inspect.signature(Graph.step).parameters:
-        raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
-
-
-def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
-    """The samples of a training or validation data file: the one place both are loaded."""
-    return load_dataset(path, tokenizer, o, role)
-
-
-def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
-    """Training samples, and validation samples from --val-data or --val-split (or None)."""
-    return validation_samples(load_data(o.train_data, tokenizer, o), o,
-                              lambda path: load_data(path, tokenizer, o, "validation"))
 
 
 def build_job(o: FinetuneOptions) -> Job:

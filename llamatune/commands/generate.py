@@ -1,83 +1,29 @@
-"""Text generation with a KV cache: prompt prefill, then one token at a time.
-
-Sampling follows llama.cpp's common order: top-k, then top-p (nucleus), then
-temperature; temperature 0 means greedy (argmax). Randomness comes from a seeded
-`numpy.random.Generator`.
-"""
+"""`llamatune generate`: text from a prompt, through the KV-cached generation loop of
+models/sampling.py, streamed as it is generated."""
 from __future__ import annotations
 
 from typing import Callable, Iterator
 
-import numpy as np
-
 from ..errors import LlamatuneError
-from ..models.infer import KVCache, Runner
-from ..options import check_number
+from ..models.infer import Runner
+from ..models.sampling import generate_ids
+from ..options import SamplingOptions
+
+D = SamplingOptions            # the defaults, declared once (llamatune/options/)
 
 
-def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int, top_p: float) -> int:
-    """Pick one token id from (V,) logits."""
-    if temp <= 0:
-        return int(np.argmax(logits))
-    logits = logits.astype(np.float64)
-    if not np.isfinite(logits).all():      # only with --allow-nonfinite weights
-        raise LlamatuneError("cannot sample: the model's logits are not finite (its weights hold inf or nan)")
-    ids = np.argsort(-logits, kind="stable")
-    if 0 < top_k < len(ids):
-        ids = ids[:top_k]
-    z = logits[ids] / temp
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if 0 < top_p < 1:
-        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
-        ids, p = ids[:keep], p[:keep] / p[:keep].sum()
-    return int(ids[rng.choice(len(ids), p=p)])
-
-
-def check_sampling(n_predict: int, temp: float, top_k: int, top_p: float, seed: int, n_ctx: int | None) -> None:
-    """Range checks of generate's arguments, with the command-line flag names."""
-    check_number("-n/--n-predict", n_predict, 0, also=(-1,))
-    check_number("--temp", temp, 0)
-    check_number("--top-k", top_k, 0)
-    check_number("--top-p", top_p, 0, 1, lo_open=True)
-    check_number("--seed", seed, 0)
-    if n_ctx is not None:
-        check_number("-c/--ctx", n_ctx, 1)
-
-
-def generate(runner: Runner, prompt: str, n_predict: int, temp: float = 0.8, top_k: int = 40,
-             top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
+def generate(runner: Runner, prompt: str, n_predict: int, temp: float = D.temp, top_k: int = D.top_k,
+             top_p: float = D.top_p, seed: int = D.seed, n_ctx: int | None = None,
              stop_at_eos: bool = True) -> Iterator[int]:
     """Yield generated token ids (the prompt is not echoed). `n_predict` -1 generates
-    until EOS or until the context is full."""
-    check_sampling(n_predict, temp, top_k, top_p, seed, n_ctx)
+    until EOS or until the context is full. The arguments are range-checked as
+    generate's flags are (SamplingOptions.check)."""
+    SamplingOptions(n_predict, temp, top_k, top_p, seed, n_ctx).check()
     ids = runner.model.tokenizer.encode(prompt, add_special=True)
     if not ids:
         raise LlamatuneError("prompt is empty (and the vocabulary adds no BOS token)")
     stop = {runner.model.tokenizer.eos_id} if stop_at_eos else set()
     return generate_ids(runner, ids, n_predict, temp, top_k, top_p, seed, n_ctx, stop)
-
-
-def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = 0.8, top_k: int = 40,
-                 top_p: float = 0.95, seed: int = 0, n_ctx: int | None = None,
-                 stop: set[int] = frozenset()) -> Iterator[int]:
-    """Yield ids generated after the prompt ids, ending before any id in `stop`."""
-    model = runner.model
-    n_ctx = n_ctx or model.config.n_ctx_train
-    if len(ids) >= n_ctx:
-        raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
-    n_predict = n_ctx - len(ids) if n_predict == -1 else min(n_predict, n_ctx - len(ids))
-    cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend, context=n_ctx)   # rope as llama.cpp's -c
-    rng = np.random.default_rng(seed)
-    logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])
-    for _ in range(n_predict):
-        nxt = sample(logits, rng, temp, top_k, top_p)
-        if nxt in stop:
-            return
-        yield nxt
-        if cache.n_past >= cache.n_ctx:
-            return
-        logits = runner.backend.to_host(runner.forward(np.asarray([[nxt]]), cache)[0, -1])
 
 
 def stream_text(runner: Runner, prompt: str, token_ids: Iterator[int], write: Callable[[str], None]) -> list[int]:

@@ -23,7 +23,7 @@ from ..locks import hold_training
 from ..models.arch import get_arch, supported
 from ..models.config import ModelConfig
 from ..models.model import Model
-from ..models.modelfile import (
+from ..models.writer import (
     parse_outtype,
     random_weights,
     tensor_names,
@@ -36,9 +36,9 @@ from ..options import ScratchOptions, special_tokens
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
+from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.params import DenseWeights, ParamBuffer, ParamSpec
 from ..train.trainer import Job, TrainResult, run
-from .finetune import check_packing, read_training_text, train_and_validation
 
 
 def llama_ff(n_embd: int, multiple_of: int = 256) -> int:

@@ -7,7 +7,7 @@ varies is declared in one `Arch` in `models/archs/<name>.py` (the name is
 
   - which tensors each layer has, by their llama.cpp names, in file order
     (`config.py` reads the hyperparameters, `model.py` maps the tensors,
-    `modelfile.py` writes them, `train/lora.py` lists LoRA targets from them);
+    `writer.py` writes them, `train/lora.py` lists LoRA targets from them);
   - how the block computes (rope mode, and the options `models/infer.py` and
     `train/graph.py` branch on);
   - extra hyperparameters the family keeps in metadata (`read_hparams`, `hparams_metadata`).

@@ -17,8 +17,9 @@ same parameters after each step (verified by a checksum every
 `--mpi-check-every` steps). The logged loss is summed the same way.
 
 Nothing here imports mpi4py unless the process was started by an MPI launcher
-(and `--no-mpi` was not given), and numpy is imported only inside functions:
-`share_cores` runs from the package's __init__, before numpy loads. Only rank 0
+(and `--no-mpi` was not given), and numpy is imported only inside functions, so
+the command line can import this module to report errors. (The threads per rank
+are set before numpy loads, by launcher.share_cores.) Only rank 0
 prints and writes files; a rank that raises prints its error and aborts the whole
 job (MPI_Abort); a rank that dies is reaped by the launcher, which ends the others.
 See docs/distributed.md.
@@ -27,24 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 from ..errors import LlamatuneError
-from ..launcher import launched_by_mpi, local_ranks
-
-
-def share_cores(environ=os.environ) -> None:
-    """Before numpy and numba load: ranks on one machine split its cores between them
-    (OpenBLAS and numba threads), unless the user set the thread counts."""
-    n = local_ranks(environ)
-    if n > 1:
-        per_rank = str(max(1, (os.cpu_count() or 1) // n))
-        for k in ("OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
-            environ.setdefault(k, per_rank)
+from ..launcher import launched_by_mpi
 
 
 @dataclass
@@ -90,9 +80,10 @@ def current() -> World:
 
 
 def setup(opts) -> World:
-    """Join the MPI job this process was launched in (once per process), or stay single."""
+    """Join the MPI job this process was launched in (once per process), or stay single.
+    `opts`: the run's TrainOptions (--mpi, --mpi-timeout)."""
     global _WORLD
-    if not getattr(opts, "mpi", True) or not launched_by_mpi():
+    if not opts.mpi or not launched_by_mpi():
         _WORLD = World()
         return _WORLD
     if _WORLD.comm is not None:
@@ -104,7 +95,7 @@ def setup(opts) -> World:
                              "'llamatune[mpi]' (or pass --no-mpi to train as independent processes)") from None
     comm = MPI.COMM_WORLD
     _WORLD = World(comm.Get_rank(), comm.Get_size(), comm if comm.Get_size() > 1 else None,
-                   timeout=float(getattr(opts, "mpi_timeout", 0)))
+                   timeout=float(opts.mpi_timeout))
     if _WORLD.size > 1:
         sys.excepthook = _abort_on_uncaught
         if _WORLD.timeout > 0:
@@ -179,7 +170,7 @@ def check_identical_parameters(world: World, params, iteration: int) -> None:
 
 
 def checksum_due(opts, iteration: int, done: bool) -> bool:
-    every = getattr(opts, "mpi_check_every", 0)
+    every = opts.mpi_check_every
     return done or (every > 0 and iteration % every == 0)
 
 

@@ -196,7 +196,7 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     grouping of `like` (the run's ModelConfig), with one KV head when that has one, and
     its family and hyperparameters (activation, soft-caps, norms, windows)."""
     from ..models.config import ModelConfig
-    from ..models.modelfile import random_weights, tensor_names
+    from ..models.writer import random_weights, tensor_names
     from .optimizer import optimizer_step
     from .params import DenseWeights, ParamBuffer, ParamSpec
     if backend.name != "cpu":

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LlamatuneError
+from ..options import PlotOptions
 
 INSTALL_HINT = "pip install 'llamatune[plot]' (or pip install matplotlib)"
-SMOOTH = 0.9        # weight of the moving average over the training loss
+SMOOTH = PlotOptions.smooth        # weight of the moving average over the training loss (llamatune/options/)
 
 
 @dataclass

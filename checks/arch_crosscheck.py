@@ -6,7 +6,7 @@ pair, phi3_record and phi3_structured, at the end.
 Two parts, per architecture:
 
   A. recorded figures (`--record`): tiny seeded random-weight models rebuilt by
-     tests/test_arch_llamacpp.py (the recipe is `tests/arch_reference.py:llamacpp_models`),
+     tests/test_arch_llamacpp.py (the recipe is `checks/arch_reference.py:llamacpp_models`),
      F32 and Q8_0, each alone and with a seeded random adapter; llama-perplexity on the
      test text (-c 32) is written to tests/fixtures/arch_llamacpp.json, so the test
      compares llamatune's perplexity with llama.cpp's without llama.cpp;
@@ -18,7 +18,7 @@ Two parts, per architecture:
      rounds activations to 8 bits), with and without the adapter (llama-perplexity
      --lora), and the greedy text of both tools for one prompt.
 
-    python bench/arch_crosscheck.py [--arch qwen3,gemma,gemma2,gemma3] [--record]
+    python -m checks.arch_crosscheck [--arch qwen3,gemma,gemma2,gemma3] [--record]
         [--llama-bin /work/llamacpp/build/bin] [--workdir /tmp/llamatune-arch-crosscheck]
         [--iters 120] [--threads 2]
 
@@ -34,10 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent / "tests")]
+from checks import llamacpp_crosscheck as lc   # Ctx, the llama.cpp runners and parsers
 
-import llamacpp_crosscheck as lc  # noqa: E402  (Ctx, the llama.cpp runners and parsers)
+HERE = Path(__file__).resolve().parent
 
 RECORD = HERE.parent / "tests" / "fixtures" / "arch_llamacpp.json"
 PROMPT = "ROMEO:"
@@ -94,7 +93,7 @@ def table_gelu_ppl(case, text: Path) -> float:
 
 
 def record(c: lc.Ctx, archs: list[str]) -> None:
-    from arch_reference import llamacpp_models
+    from checks.arch_reference import llamacpp_models
     from conftest import TEXT
     text = c.work / "text.txt"
     text.write_text(TEXT)
@@ -119,10 +118,10 @@ def record(c: lc.Ctx, archs: list[str]) -> None:
 # --------------------------------------------------------------------------- part B: structured models
 def structured(c: lc.Ctx, arch: str, vocab: list) -> None:
     from gguf import GGMLQuantizationType as QType
-    from arch_reference import random_model_weights
+    from checks.arch_reference import random_model_weights
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import vocab_kvs, write_model
+    from llamatune.models.writer import vocab_kvs, write_model
     d = c.work / arch
     d.mkdir(exist_ok=True)
     n_vocab = len(next(k.value for k in vocab if k.key == "tokenizer.ggml.tokens"))
@@ -178,7 +177,7 @@ def requantize(src: Path, dst: Path, outtype: str) -> None:
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.kernels import dequant
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import parse_outtype, vocab_kvs, write_model
+    from llamatune.models.writer import parse_outtype, vocab_kvs, write_model
     f = GGUFFile(src)
     cfg = ModelConfig.from_metadata(f.metadata, str(src))
     w = {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape) for n, t in f.tensors.items()}
@@ -186,10 +185,10 @@ def requantize(src: Path, dst: Path, outtype: str) -> None:
 
 
 def phi3_record(c: lc.Ctx) -> None:
-    """Part A for phi3: the seeded model of tests/arch_reference.py:seeded_phi3, F32 exactly,
+    """Part A for phi3: the seeded model of checks/arch_reference.py:seeded_phi3, F32 exactly,
     at a context with the short and one with the long rope factors, without and with its
     adapter; figures to tests/fixtures/arch_llamacpp_phi3.json."""
-    from arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
+    from checks.arch_reference import PHI3_CONTEXTS, PHI3_SEEDED_CHARS, seeded_phi3
     d = c.work / "phi3" / "seeded"
     model, adapter = seeded_phi3(d, lc.SHARED / "vocab" / "ggml-vocab-phi-3.gguf")
     text = d / "eval-seeded.txt"
@@ -212,14 +211,14 @@ def phi3_record(c: lc.Ctx) -> None:
 
 def phi3_model(c: lc.Ctx) -> Path:
     """phi3 from scratch (fused attn_qkv / ffn_up, NEOX) on shakespeare.txt, then given the
-    longrope of tests/arch_reference.py:longrope (rope factors, attention factor, original
+    longrope of checks/arch_reference.py:longrope (rope factors, attention factor, original
     context 256 of 512, 3/4 of each head rotated). The rope change comes after training:
     the adapter finetuned on it relearns some of what it breaks."""
-    from arch_reference import longrope
+    from checks.arch_reference import longrope
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.kernels import dequant
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import vocab_kvs, write_model
+    from llamatune.models.writer import vocab_kvs, write_model
     d = c.work / "phi3"
     out, src = d / "phi3-longrope-f32.gguf", d / "scratch-LATEST.gguf"
     if c.reuse and out.exists():
@@ -243,7 +242,7 @@ def phi3_structured(c: lc.Ctx) -> None:
     """Part B for phi3: perplexity F32 exactly, Q8_0 and Q4_K, each without and with an adapter
     finetuned by llamatune, and the Q8_0 model merged by export-lora (types kept), at -c 64
     (short rope factors) and -c 320 (long); the greedy text of both tools at both contexts."""
-    from arch_reference import PHI3_CONTEXTS
+    from checks.arch_reference import PHI3_CONTEXTS
     f32 = phi3_model(c)
     d = f32.parent
     models = {"F32 exact": f32}
@@ -318,7 +317,7 @@ def main() -> int:
                 phi3_record(c)
         if not a.no_structured:
             if families:
-                from llamatune.models.modelfile import train_spm_vocab
+                from llamatune.models.writer import train_spm_vocab
                 vocab = train_spm_vocab(lc.TRAIN.read_text(encoding="utf-8"), FAMILIES["gemma"]["n_vocab"],
                                         str(lc.TRAIN))
             for arch in families:

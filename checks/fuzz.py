@@ -1,6 +1,6 @@
 """Seeded fuzzing of every llamatune reader: mutated GGUF models, adapters and checkpoints.
 
-    python bench/fuzz.py --cases 20000 [--seed 0] [--timeout 20] [--cli 100]
+    python -m checks.fuzz --cases 20000 [--seed 0] [--timeout 20] [--cli 100]
 
 Seed files (a tiny F32 llama, the same in Q8_0, a Q4_K llama, a LoRA adapter, a
 finetune checkpoint) are written with the project's own writer. Each case takes one
@@ -44,8 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench/ itself, when imported by the tests
-from fuzz_mutate import CKPT_FLAGS, CKPT_OPTIONS, Layout, make_corpus, mutate, mutate_bytes  # noqa: E402
+from checks.fuzz_mutate import CKPT_FLAGS, CKPT_OPTIONS, Layout, make_corpus, mutate, mutate_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 READERS = ("gguf", "model", "adapter", "checkpoint", "export", "convert")
@@ -213,9 +212,9 @@ def worker(corpus_dir: Path, seed: int) -> None:
 
 class Worker:
     def __init__(self, corpus_dir: Path, seed: int, start_timeout: float):
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", str(corpus_dir),
+        self.proc = subprocess.Popen([sys.executable, "-m", "checks.fuzz", "--worker", str(Path(corpus_dir).resolve()),
                                       "--seed", str(seed)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                     stderr=subprocess.DEVNULL, text=True, bufsize=1, cwd=REPO)
         if self.read(start_timeout) != "ready":
             self.kill()
             raise RuntimeError("fuzz worker did not start")

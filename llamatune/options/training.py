@@ -1,27 +1,15 @@
-"""Training options: the one source of defaults.
-
-Each option is a dataclass field whose metadata carries its help text and help
-group; the CLI, the TOML presets (`--config FILE`) and the checkpoints are all
-built from these fields. Precedence: command line > preset file > default here.
-Option names keep the historical llama.cpp `finetune` / `train-text-from-scratch`
-spellings (`--lora-r`, `--adam-iter`, `--sample-start`, ...).
+"""The training commands' options (`finetune`, `train-from-scratch`): the one source
+of their defaults. Option names keep the historical llama.cpp `finetune` /
+`train-text-from-scratch` spellings (`--lora-r`, `--adam-iter`, `--sample-start`, ...).
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-import tomllib
-
-from .errors import LlamatuneError
-
-
-def opt(default: Any, help: str, group: str, *, flags: tuple[str, ...] = (), frozen: bool = False):
-    """A field with CLI metadata. `frozen` options must not change when resuming."""
-    return field(default=default, metadata={"help": help, "group": group, "flags": flags, "frozen": frozen})
-
+from ..errors import LlamatuneError
+from .fields import check_number, opt
 
 G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
     "Input and output", "Training data", "LoRA", "Optimizer", "Schedule", "Memory and speed",
@@ -30,6 +18,7 @@ G_VAL = "Validation and metrics"
 
 
 CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
+SEED = 1                     # --seed of every command: training and sampling
 
 
 @dataclass
@@ -48,7 +37,7 @@ class TrainOptions:
     separate_with_bos: bool = opt(True, "Put BOS between samples (with --fill-with-next-samples).", G_DATA, frozen=True)
     sample_random_offsets: bool = opt(False, "Start each sample at a random offset after each reshuffle.", G_DATA, frozen=True)
     force_reshuffle: bool = opt(False, "On resume, reshuffle even if the data is unchanged.", G_DATA)
-    seed: int = opt(1, "Random seed (initialization, shuffling, dropout).", G_DATA, frozen=True)
+    seed: int = opt(SEED, "Random seed (initialization, shuffling, dropout).", G_DATA, frozen=True)
     # ---- optimizer
     optimizer: str = opt("adamw", "adamw or sgd.", G_OPT, frozen=True)
     adam_iter: int = opt(256, "Number of optimizer steps (iterations) to run in total.", G_OPT)
@@ -106,6 +95,9 @@ class TrainOptions:
     skip_bad_rows: bool = opt(False, "Skip malformed data rows (and count them) instead of stopping at the first.", G_DATA)
     drop_long: bool = opt(False, "Drop conversations longer than --ctx instead of truncating them.", G_DATA)
     pack: bool = opt(False, "Pack several conversations into each context window (attention stays within each).", G_DATA)
+
+    def check(self) -> None:
+        validate(self)
 
     def checkpointing_mode(self) -> str:
         """--checkpointing, or what the old --use-checkpointing / --no-use-checkpointing asked for
@@ -173,98 +165,6 @@ class ScratchOptions(TrainOptions):
     ff: Optional[int] = opt(None, "Feed-forward size (default: llama's rule from --embd).", G_MODEL, frozen=True)
     norm_rms_eps: float = opt(1e-5, "RMSNorm epsilon.", G_MODEL, frozen=True)
     rope_freq_base: float = opt(10000.0, "RoPE frequency base.", G_MODEL, frozen=True)
-
-
-def option_fields(cls) -> list[dataclasses.Field]:
-    return list(fields(cls))
-
-
-def cli_flag(f: dataclasses.Field) -> str:
-    return "--" + f.name.replace("_", "-")
-
-
-def _coerce(f: dataclasses.Field, value: Any, source: str) -> Any:
-    """Check and convert a preset value to the field's type."""
-    t = str(f.type)
-    try:
-        if "bool" in t:
-            if not isinstance(value, bool):
-                raise TypeError
-            return value
-        if "Path" in t:
-            return None if value is None else Path(value)
-        if "int" in t:
-            if isinstance(value, bool) or int(value) != value:
-                raise TypeError
-            return int(value)
-        if "float" in t:
-            return float(value)
-        if "str" in t:
-            if not isinstance(value, str):
-                raise TypeError
-            return value
-    except (TypeError, ValueError):
-        raise LlamatuneError(f"{source}: '{f.name}' = {value!r} is not a valid {t.replace('Optional[', '').rstrip(']')}") from None
-    return value
-
-
-def load_preset(path: Path, cls) -> dict[str, Any]:
-    """Read a TOML preset: keys are option names (dashes or underscores); unknown keys are errors."""
-    if not path.exists():
-        raise LlamatuneError(f"{path}: preset file not found")
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise LlamatuneError(f"{path}: not valid TOML ({e})") from None
-    by_name = {f.name: f for f in fields(cls)}
-    flat: dict[str, Any] = {}
-    for key, value in raw.items():     # allow [sections] for readability; they are flattened
-        items = value.items() if isinstance(value, dict) else [(key, value)]
-        for k, v in items:
-            flat[k.replace("-", "_")] = v
-    unknown = sorted(k for k in flat if k not in by_name)
-    if unknown:
-        raise LlamatuneError(f"{path}: unknown option(s) {', '.join(unknown)}")
-    return {k: _coerce(by_name[k], v, str(path)) for k, v in flat.items()}
-
-
-def build_options(cls, cli_values: dict[str, Any], preset: Path | str | None = None):
-    """CLI values (None = not given) over preset values over dataclass defaults.
-    `preset`: a TOML file, or a shipped preset's name (presets.py)."""
-    if preset is not None:                       # --config presets: a name or a path
-        from .presets import resolve
-        preset = resolve(preset, cls)
-    values = load_preset(preset, cls) if preset is not None else {}
-    values.update({k: v for k, v in cli_values.items() if v is not None})
-    opts = cls(**values)
-    validate(opts)
-    if preset is not None:
-        from .outputs import check_training_paths
-        check_training_paths(opts, preset)
-    return opts
-
-
-def check_number(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,
-                 also: tuple = ()) -> None:
-    """One range check for every numeric option and argument: NaN and infinities are never
-    accepted; `lo`/`hi` bound the value (closed unless *_open); values in `also` are allowed."""
-    import math
-    if value in also:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise LlamatuneError(f"{flag} {value}: must be a finite number")
-    low = lo is None or (value > lo if lo_open else value >= lo)
-    high = hi is None or (value < hi if hi_open else value <= hi)
-    if low and high:
-        return
-    if hi is None:
-        want = f"greater than {lo}" if lo_open else f"at least {lo}"
-    elif lo is None:
-        want = f"less than {hi}" if hi_open else f"at most {hi}"
-    else:
-        want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
-    extra = "".join(f" (or {a})" for a in also)
-    raise LlamatuneError(f"{flag} {value}: must be {want}{extra}")
 
 
 def validate(o: TrainOptions) -> None:

@@ -39,7 +39,7 @@ the iteration/sample/token/epoch counters; the data order restarts (the 2023
 mt19937 shuffle state has no equivalent). Their options JSON holds only what
 the file tells (finetune: ranks, alpha; train_model: the model shape), so other
 options are free on resume. A train_model checkpoint lists its parameters in
-llama.cpp tensor order (modelfile.tensor_names), the order its flat moments follow.
+llama.cpp tensor order (writer.tensor_names), the order its flat moments follow.
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ from ..formats.gguf_io import GGUFFile, kv
 from ..formats.tensors import float_array
 from ..models.arch import tensor_shape
 from ..models.config import ModelConfig
-from ..models.modelfile import tensor_names, vocab_kvs
+from ..models.writer import tensor_names, vocab_kvs
 from ..options import FinetuneOptions
 from . import checkpoint as ckpt
 from .lora import lora_specs, lora_targets
@@ -468,7 +468,7 @@ def finetune_checkpoint(f: GGUFFile, cfg: ModelConfig, pairs: dict[str, LegacyPa
 
 def train_checkpoint(f: GGUFFile, output: Path) -> tuple[str, list[str]]:
     """A 2023 train-text-from-scratch checkpoint as a llamatune train_model checkpoint (parameters in
-    llama.cpp tensor order, as modelfile.tensor_names lists them)."""
+    llama.cpp tensor order, as writer.tensor_names lists them)."""
     cfg = legacy_config(f)
     shapes = tensor_names(cfg, tied="output.weight" not in f.tensors)
     problems = [n for n, s in shapes.items() if n not in f.tensors or f.tensors[n].shape != s]

@@ -21,7 +21,7 @@ no suite uses: qwen35's vocabulary (gemma-4's for the SentencePiece-style ones) 
 written again with that name, and llama.cpp and llamatune tokenize the suite texts plus
 some digit, CJK and Hangul texts with it; the ids must agree.
 
-    python bench/vocab_suites.py [--llama-cpp /work/llamacpp] [--pre-tokenizers] [NAME ...]
+    python -m checks.vocab_suites [--llama-cpp /work/llamacpp] [--pre-tokenizers] [NAME ...]
 
 Exit status: 0 when every in-scope suite passes everything it could check, 1 otherwise.
 """

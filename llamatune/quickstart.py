@@ -1,4 +1,6 @@
-"""The no-download tour: every command of llamatune on built-in data.
+"""`llamatune quickstart`, the no-download tour: every command of llamatune on built-in
+data. It runs the other commands, so it sits above them (the one module besides the
+command line that imports commands).
 
 Everything comes from the package itself: a public-domain Shakespeare sample
 (`llamatune/assets/shakespeare-sample.txt`). The tour
@@ -19,7 +21,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from ..console import out
+from .console import out
 
 
 def sample_text() -> str:
@@ -34,22 +36,20 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     """Step 6: conversations, template, answers-only loss, packed rows, one chat turn."""
     import sys
 
-    from ..formats.adapter import load_runtime_adapters
-    from ..models.chat_template import load_template
-    from ..models.infer import Runner
-    from ..models.model import Model
-    from ..options import FinetuneOptions
-    from ..train.datasets import load_dataset, preview
-    from .chat import Chat, Sampling
-    from .finetune import finetune
+    from .models.chat_template import load_template
+    from .models.runner import make_runner
+    from .options import FinetuneOptions
+    from .train.datasets import load_dataset, preview
+    from .commands.chat import Chat, Sampling
+    from .commands.finetune import finetune
 
     opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
                            pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
                            save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
                            lora_out=workdir / "chat-adapter-ITERATION.gguf",
                            metrics_out=workdir / "chat-metrics.jsonl")
-    model = Model(base)
-    tok = model.tokenizer
+    runner = make_runner(base)
+    tok = runner.model.tokenizer
     tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
     trained = tok.decode([t for t, m in zip(tokens.tolist(), targets.tolist()) if m])
     out.print(f"\n[bold]6. chat finetune[/bold] on {opts.train_data.name} (24 conversations, ChatML, --pack); "
@@ -57,8 +57,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     res = finetune(opts)
     out.print(f"   loss {res.losses[0]:.3f} -> {res.losses[-1]:.3f} in {len(res.losses)} steps")
     adapter = workdir / "chat-adapter-LATEST.gguf"
-    runner = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
-    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, n_ctx=chat_ctx))
+    runner = make_runner(base, [(str(adapter), 1.0)])
+    chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, ctx=chat_ctx))
     question = "What is the weather like today?"
     out.print(f"   llamatune chat -m {base.name} --lora {adapter.name} --chat-template chatml -p {question!r}")
     sys.stdout.write("   ")
@@ -67,8 +67,8 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
 
 
 def run(workdir: Path) -> None:
-    from ..locks import hold
-    from ..outputs import Out, check_paths
+    from .locks import hold
+    from .outputs import Out, check_paths
     work = Out("--workdir", workdir, is_dir=True)
     check_paths([], [work])
     with hold([work], "quickstart"):            # its commands lock their own files inside too
@@ -79,16 +79,14 @@ def _tour(workdir: Path) -> None:
     """run once the work directory is checked and locked."""
     import sys
 
-    from ..formats.adapter import load_runtime_adapters
-    from ..formats.gguf_io import write_error
-    from ..models.infer import Runner
-    from ..models.model import Model
-    from ..options import FinetuneOptions, ScratchOptions
-    from .export import export_lora
-    from .finetune import finetune
-    from .generate import generate, stream_text
-    from .perplexity import perplexity
-    from .scratch import train_from_scratch
+    from .formats.gguf_io import write_error
+    from .models.runner import make_runner
+    from .options import FinetuneOptions, ScratchOptions
+    from .commands.export import export_lora
+    from .commands.finetune import finetune
+    from .commands.generate import generate, stream_text
+    from .commands.perplexity import perplexity
+    from .commands.scratch import train_from_scratch
 
     text = sample_text()
     cut = int(len(text) * 0.75)
@@ -121,8 +119,7 @@ def _tour(workdir: Path) -> None:
     out.print(f"   loss {ft.losses[0]:.3f} -> {ft.losses[-1]:.3f} in {len(ft.losses)} steps "
               f"({ft.tokens_per_second:,.0f} tokens/s)")
 
-    model = Model(base)
-    tuned = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)]))
+    tuned = make_runner(base, [(str(adapter), 1.0)])
     prompt = "HELENA."
     out.print(f"\n[bold]3. generate[/bold] with the adapter (llamatune generate -m {base.name} --lora {adapter.name}):")
     sys.stdout.write(prompt)
@@ -136,7 +133,7 @@ def _tour(workdir: Path) -> None:
 
     out.print("\n[bold]5. perplexity[/bold] on the finetuning text (c=64):")
     eval_text = text[cut:]
-    for label, runner in (("base", Runner(model)), ("base + adapter", tuned), ("merged", Runner(Model(merged)))):
+    for label, runner in (("base", make_runner(base)), ("base + adapter", tuned), ("merged", make_runner(merged))):
         res = perplexity(runner, eval_text, 64, 512, source="finetune text")
         out.print(f"   {label:15} PPL = {res.ppl:8.3f} +/- {res.ppl_err:.3f}")
     chat_leg(workdir, base)

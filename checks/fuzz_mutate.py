@@ -1,4 +1,4 @@
-"""Seed files and mutators of the fuzz suite (bench/fuzz.py drives them).
+"""Seed files and mutators of the fuzz suite (checks/fuzz.py drives them).
 
 Seeds: a tiny F32 llama, the same in Q8_0, a Q4_K llama, a LoRA adapter, a resumable
 finetune checkpoint, the adapter as a PEFT directory and as a 2023 ggla .bin, all
@@ -31,7 +31,7 @@ def make_corpus(out: Path) -> dict[str, Path]:
     from llamatune.formats.adapter import LoraAdapter, write_adapter
     from llamatune.models.config import ModelConfig
     from llamatune.train.lora import lora_specs, lora_targets
-    from llamatune.models.modelfile import random_weights, train_spm_vocab, write_model
+    from llamatune.models.writer import random_weights, train_spm_vocab, write_model
     from llamatune.options import FinetuneOptions
     from llamatune.train.params import ParamBuffer
 

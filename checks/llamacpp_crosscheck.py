@@ -24,7 +24,7 @@ exactly as it changes llamatune's:
   7. norm adapters: llama.cpp loads them, ignores them at run time (as llamatune does),
      and llama-export-lora merges them exactly as llamatune's export-lora.
 
-    python bench/llamacpp_crosscheck.py [LLAMA_BIN_DIR [BINDINGS_PYTHON]]
+    python -m checks.llamacpp_crosscheck [LLAMA_BIN_DIR [BINDINGS_PYTHON]]
         [--workdir /tmp/llamatune-crosscheck] [--iters 30] [--scratch-iters 20]
         [--reuse] [--threads 2] [--nice 10]
 

@@ -111,7 +111,7 @@ def model_weights(model) -> dict[str, np.ndarray]:
 
 def random_model_weights(cfg, seed: int, std: float = 0.15, tied: bool = False) -> dict[str, np.ndarray]:
     """The writer's random weights with norms N(1, 0.2) and biases N(0, 0.3): every tensor matters."""
-    from llamatune.models.modelfile import random_weights
+    from llamatune.models.writer import random_weights
     w = random_weights(cfg, seed=seed, std=std, tied=tied)
     rng = np.random.default_rng(seed + 100)
     for name in w:
@@ -135,7 +135,7 @@ def all_ranks(cfg, tied: bool, r: int = 2) -> dict[str, int]:
 
 def write_arch_model(path, cfg, vocab, seed: int = 0, tied: bool = False, outtype=None):
     from gguf import GGMLQuantizationType as QType
-    from llamatune.models.modelfile import write_model
+    from llamatune.models.writer import write_model
     write_model(path, cfg, random_model_weights(cfg, seed, tied=tied), vocab, outtype or QType.F32)
     return path
 
@@ -213,7 +213,7 @@ PACKED = dict(positions=np.array([[0, 1, 2, 3, 0, 1], [0, 1, 0, 1, 2, 3]]),
 def check_dense_gradients(cfg, tied: bool, n_probe=250):
     """train-from-scratch: every weight a float64 parameter, gradients by finite differences."""
     from fdcheck import fd_check
-    from llamatune.models.modelfile import tensor_names
+    from llamatune.models.writer import tensor_names
     from llamatune.train.graph import Graph
     from llamatune.train.params import DenseWeights
     from llamatune.train.params import ParamBuffer, ParamSpec
@@ -252,7 +252,7 @@ def check_modes_identical(model, ranks, dtype, packed=False):
 
 
 # --------------------------------------------------------------------------- llama.cpp figures
-# tiny seeded models whose llama-perplexity bench/arch_crosscheck.py --record writes to
+# tiny seeded models whose llama-perplexity checks/arch_crosscheck.py --record writes to
 # tests/fixtures/arch_llamacpp.json (test_arch_llamacpp.py rebuilds them and compares)
 LLAMACPP_SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=64, n_ff=128, n_head=4, n_head_kv=2, head_dim=16,
                       n_rot=16, n_layer=2, norm_eps=1e-6)
@@ -283,7 +283,7 @@ def llamacpp_models(work, archs=None) -> list[LlamacppCase]:
     from conftest import TEXT
     from llamatune.formats.adapter import LoraAdapter, write_adapter
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import tensor_names, train_spm_vocab, write_model
+    from llamatune.models.writer import tensor_names, train_spm_vocab, write_model
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     vocab = train_spm_vocab(TEXT, 400)
@@ -330,14 +330,14 @@ def seeded_phi3(work, vocab):
     and a seeded random adapter on attn_qkv, attn_output, ffn_up and ffn_down; returns
     (model, adapter) paths. Rebuilt bit for bit anywhere from numpy's seeded generator, so
     test_arch_phi3.py checks llamatune against the llama.cpp figures recorded for it by
-    `bench/arch_crosscheck.py --record --arch phi3` without llama.cpp."""
+    `checks/arch_crosscheck.py --record --arch phi3` without llama.cpp."""
     from pathlib import Path
 
     from llamatune.formats.adapter import LoraAdapter, write_adapter
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.models.arch import tensor_shape
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import random_weights, vocab_kvs, write_model
+    from llamatune.models.writer import random_weights, vocab_kvs, write_model
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
     f = GGUFFile(vocab)

@@ -1,10 +1,10 @@
-"""Benchmark: the memory estimate against the measured peak RSS of real finetune runs.
+"""Check: the memory estimate against the measured peak RSS of real finetune runs.
 
 Each (model, mode) runs `finetune` for a few steps in a fresh process; the process
 reports the estimate the trainer printed and its peak resident memory (VmHWM).
 The estimate should be within 10 % of the peak.
 
-    python bench/memory_check.py MODEL.gguf [MODEL2.gguf ...] [--ctx 256] [--batch 4]
+    python -m checks.memory_check MODEL.gguf [MODEL2.gguf ...] [--ctx 256] [--batch 4]
         [--modes layer,selective,none] [--steps 2] [--text FILE]
 """
 from __future__ import annotations

@@ -1,0 +1,11 @@
+"""Correctness tools that verify rather than measure (bench/ holds the measurements):
+the reader fuzzer (`fuzz`, `fuzz_mutate`), the cross-checks against a local llama.cpp
+build (`llamacpp_crosscheck`, `arch_crosscheck`), llama.cpp's vocabulary suites
+(`vocab_suites`), the memory estimate against measured peaks (`memory_check`), and
+the float64 numpy reference forward the tests and `arch_crosscheck` share
+(`arch_reference`).
+
+A package: run a tool from the repository root as `python -m checks.<tool>`; the
+tests import them as `checks.<tool>` (pytest puts the repository root on the path,
+pyproject.toml's `pythonpath`).
+"""

@@ -1,0 +1,59 @@
+"""Token sampling and the KV-cached generation loop: prompt prefill, then one token
+at a time. Used by `generate` and `chat`.
+
+Sampling follows llama.cpp's common order: top-k, then top-p (nucleus), then
+temperature; temperature 0 means greedy (argmax). Randomness comes from a seeded
+`numpy.random.Generator`.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import LlamatuneError
+from ..options import SamplingOptions
+from .infer import KVCache, Runner
+
+D = SamplingOptions            # the defaults, declared once (llamatune/options/)
+
+
+def sample(logits: np.ndarray, rng: np.random.Generator, temp: float, top_k: int, top_p: float) -> int:
+    """Pick one token id from (V,) logits."""
+    if temp <= 0:
+        return int(np.argmax(logits))
+    logits = logits.astype(np.float64)
+    if not np.isfinite(logits).all():      # only with --allow-nonfinite weights
+        raise LlamatuneError("cannot sample: the model's logits are not finite (its weights hold inf or nan)")
+    ids = np.argsort(-logits, kind="stable")
+    if 0 < top_k < len(ids):
+        ids = ids[:top_k]
+    z = logits[ids] / temp
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if 0 < top_p < 1:
+        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)
+        ids, p = ids[:keep], p[:keep] / p[:keep].sum()
+    return int(ids[rng.choice(len(ids), p=p)])
+
+
+def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = D.temp, top_k: int = D.top_k,
+                 top_p: float = D.top_p, seed: int = D.seed, n_ctx: int | None = None,
+                 stop: set[int] = frozenset()) -> Iterator[int]:
+    """Yield ids generated after the prompt ids, ending before any id in `stop`."""
+    model = runner.model
+    n_ctx = n_ctx or model.config.n_ctx_train
+    if len(ids) >= n_ctx:
+        raise LlamatuneError(f"prompt has {len(ids)} tokens, more than the context size {n_ctx}")
+    n_predict = n_ctx - len(ids) if n_predict == -1 else min(n_predict, n_ctx - len(ids))
+    cache = KVCache.empty(model, 1, len(ids) + n_predict, runner.backend, context=n_ctx)   # rope as llama.cpp's -c
+    rng = np.random.default_rng(seed)
+    logits = runner.backend.to_host(runner.forward(np.asarray([ids]), cache)[0, -1])
+    for _ in range(n_predict):
+        nxt = sample(logits, rng, temp, top_k, top_p)
+        if nxt in stop:
+            return
+        yield nxt
+        if cache.n_past >= cache.n_ctx:
+            return
+        logits = runner.backend.to_host(runner.forward(np.asarray([[nxt]]), cache)[0, -1])

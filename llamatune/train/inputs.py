@@ -1,0 +1,49 @@
+"""A training run's inputs, read the same way by every training command (finetune,
+train-from-scratch): the training text, the training and validation samples, and
+the check of --pack against those samples."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..console import notice
+from ..errors import LlamatuneError
+from ..options import TrainOptions
+from .data import Samples, read_text
+from .datasets import load_dataset
+from .validation import validation_samples
+
+
+def read_training_text(path: Path | None) -> str:
+    if path is None:
+        raise LlamatuneError("--train-data is required")
+    return read_text(path, "training data")
+
+
+def check_packing(o: TrainOptions, samples: Samples) -> None:
+    """--pack needs whole-sequence samples and a graph with segment-aware attention.
+    Without it (or --fill-with-next-samples for text samples), says so when samples
+    fill less than half of --ctx on average: the rest of each window is padding, and
+    up to the longest sample of a micro-batch (Graph._trimmed) it is computed in every
+    layer like a real token."""
+    import inspect
+
+    from .graph import Graph
+    if not o.pack:
+        fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
+        remedy = ("--pack puts several in a window" if samples.mask is not None else
+                  "--fill-with-next-samples fills it" if o.sample_start and not o.fill_with_next_samples else None)
+        if remedy and fill < 0.5:
+            notice(f"samples fill {fill:.0%} of --ctx {o.ctx} on average, the rest of each window is padding: "
+                   + remedy)
+        return
+    if samples.mask is None:
+        notice("--pack applies to conversations and rows; raw text already fills every window")
+    elif "segments" not in inspect.signature(Graph.step).parameters:
+        raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
+
+
+def train_and_validation(o: TrainOptions, tokenizer) -> tuple[Samples, Samples | None]:
+    """Training samples, and validation samples from --val-data or --val-split (or None):
+    the one place both are loaded."""
+    return validation_samples(load_dataset(o.train_data, tokenizer, o, "training"), o,
+                              lambda path: load_dataset(path, tokenizer, o, "validation"))
