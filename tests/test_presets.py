@@ -35,7 +35,7 @@ def test_each_command_gets_its_presets_by_name():
     assert list(presets.presets(ScratchOptions)) == ["scratch-small"]
     for cls, names in ((FinetuneOptions, FINETUNE), (ScratchOptions, ["scratch-small"])):
         for name in names:
-            assert build_options(cls, {}, name) == build_options(cls, {}, CONFIGS / f"{name}.toml"), name
+            assert build_options(cls, {}, presets.resolve(name, cls)) == build_options(cls, {}, CONFIGS / f"{name}.toml"), name
 
 
 def test_a_checkout_installed_before_the_configs_mapping_finds_configs(monkeypatch):
@@ -68,21 +68,21 @@ def test_config_help_names_the_presets():
 
 def test_a_path_still_works(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    assert build_options(FinetuneOptions, {}, "configs/finetune-chat.toml").lora_r == 16
+    assert build_options(FinetuneOptions, {}, presets.resolve("configs/finetune-chat.toml", FinetuneOptions)).lora_r == 16
     (tmp_path / "mine").write_text("lora_r = 7\n")            # an existing file, even without a suffix
     monkeypatch.chdir(tmp_path)
-    assert build_options(FinetuneOptions, {}, "mine").lora_r == 7
+    assert build_options(FinetuneOptions, {}, presets.resolve("mine", FinetuneOptions)).lora_r == 7
     with pytest.raises(LlamatuneError, match=r"^nothere\.toml: preset file not found$"):
-        build_options(FinetuneOptions, {}, "nothere.toml")
+        build_options(FinetuneOptions, {}, presets.resolve("nothere.toml", FinetuneOptions))
 
 
 def test_unknown_and_foreign_preset_names():
     with pytest.raises(LlamatuneError, match=r"^--config finetune-chatt: no such preset or file \(presets: "
                                              r"finetune-chat, finetune-chat-7b-q4, finetune-chat-pack, "
                                              r"finetune-default; or give a TOML file's path\)$"):
-        build_options(FinetuneOptions, {}, "finetune-chatt")
+        presets.resolve("finetune-chatt", FinetuneOptions)
     with pytest.raises(LlamatuneError, match=r"scratch-small\.toml: unknown option\(s\) embd, head, head_kv"):
-        build_options(FinetuneOptions, {}, "scratch-small")
+        build_options(FinetuneOptions, {}, presets.resolve("scratch-small", FinetuneOptions))
     r = CliRunner().invoke(app, ["finetune", "--config", "nope"])
     assert r.exit_code == 1 and r.output.count("\n") == 1 and "error: --config nope: no such preset" in r.output
 

@@ -80,13 +80,10 @@ def load_preset(path: Path, cls) -> dict[str, Any]:
     return {k: _coerce(by_name[k], v, str(path)) for k, v in flat.items()}
 
 
-def build_options(cls, cli_values: dict[str, Any], preset: Path | str | None = None):
+def build_options(cls, cli_values: dict[str, Any], preset: Path | None = None):
     """CLI values (None = not given) over preset values over dataclass defaults, validated.
-    `preset`: a TOML file, or a shipped preset's name (presets.py). (That no output
-    overwrites the preset is outputs.check_training_paths's to say.)"""
-    if preset is not None:                       # --config presets: a name or a path
-        from ..presets import resolve
-        preset = resolve(preset, cls)
+    `preset`: a TOML file (presets.resolve turns a shipped preset's name into its file).
+    (That no output overwrites the preset is outputs.check_training_paths's to say.)"""
     values = load_preset(preset, cls) if preset is not None else {}
     values.update({k: v for k, v in cli_values.items() if v is not None})
     opts = cls(**values)
