@@ -10,7 +10,7 @@ from functools import partial
 import numpy as np
 import pytest
 from fdcheck import fd_check
-from op_helpers import (CUDA, F32, F64, FD_TOL, TOL32, TOL_ATT, cases, impls, qkv, qkv_cache,
+from op_helpers import (CPU, CUDA, F64, FD_TOL, TOL32, TOL_ATT, cases, impls, qkv, qkv_cache,
                         random_segments, randn, zeros32)
 
 from llamatune.kernels import attention
@@ -55,23 +55,8 @@ REF_FNS = (attention.attention_forward_ref, attention.attention_backward_ref)
 
 
 def ref(q, k, v, n_past=0, segments=None, dout=None, **opts):
-    return run(_HOST, REF_FNS, q, np.asarray(k), np.asarray(v), n_past, segments, dout, **opts)
-
-
-class _Host:  # the reference runs on host arrays as given
-    cuda = False
-
-    def to(self, a):
-        return a
-
-    def nan(self, shape, dtype=F32):
-        return np.full(shape, np.nan, dtype)
-
-    def get(self, a):
-        return a
-
-
-_HOST = _Host()
+    """run() of the numpy reference (k, v host arrays)."""
+    return run(CPU, REF_FNS, q, k, v, n_past, segments, dout, **opts)
 
 
 def kv_on(b, cache, S, contiguous=False):
@@ -178,7 +163,7 @@ def test_attention_options_with_n_past_match_ref(opts, qblock, monkeypatch):
     rng = np.random.default_rng(7)
     B, T, NH, NKV, HS, n_past = 2, 5, 4, 1, 6, 6
     q, k, v = qkv(rng, B, T, NH, NKV, HS, n_past)  # k, v: [:, :S] slices of a cache
-    got = run(_HOST, CPU_FNS, q, k, v, n_past, **opts)
+    got = run(CPU, CPU_FNS, q, k, v, n_past, **opts)
     assert_all_close(got, ref(q, k, v, n_past, **opts), **TOL_ATT)
 
 
@@ -228,10 +213,10 @@ def test_attention_packed_row_equals_samples_alone(qblock, monkeypatch):
     q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, 1, T, NH, NKV, HS))
     dout = randn(rng, 1, T, NH, HS)
     seg = np.array([[3, 3, 3, 3, 0, 0, 0, 7, 7, 7, 7]], np.int32)
-    res = run(_HOST, CPU_FNS, q, k, v, 0, seg, dout)
+    res = run(CPU, CPU_FNS, q, k, v, 0, seg, dout)
     for lo, hi in ((0, 4), (4, 7), (7, 11)):
         part = [np.ascontiguousarray(a[:, lo:hi]) for a in (q, k, v, dout)]
-        alone = run(_HOST, CPU_FNS, *part[:3], 0, None, part[3])
+        alone = run(CPU, CPU_FNS, *part[:3], 0, None, part[3])
         for got, want in zip(res, alone):
             rows = got[:, :, lo:hi] if got.ndim == 3 else got[:, lo:hi]
             np.testing.assert_allclose(rows, want, **TOL32)
@@ -248,10 +233,10 @@ def test_attention_windowed_packed_row_equals_samples_alone(qblock, monkeypatch)
     q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, 1, T, NH, NKV, HS))
     dout = randn(rng, 1, T, NH, HS)
     seg = np.array([[3, 3, 3, 3, 3, 0, 0, 7, 7, 7, 7]], np.int32)
-    res = run(_HOST, CPU_FNS, q, k, v, 0, seg, dout, **opts)
+    res = run(CPU, CPU_FNS, q, k, v, 0, seg, dout, **opts)
     for lo, hi in ((0, 5), (5, 7), (7, 11)):
         part = [np.ascontiguousarray(a[:, lo:hi]) for a in (q, k, v, dout)]
-        alone = run(_HOST, CPU_FNS, *part[:3], 0, None, part[3], **opts)
+        alone = run(CPU, CPU_FNS, *part[:3], 0, None, part[3], **opts)
         for got, want in zip(res, alone):
             rows = got[:, :, lo:hi] if got.ndim == 3 else got[:, lo:hi]
             np.testing.assert_allclose(rows, want, **TOL_ATT)
@@ -262,7 +247,7 @@ def test_attention_one_segment_is_the_plain_causal_path():
     B, T, NH, NKV, HS = 2, 130, 4, 2, 8  # two query blocks
     q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS))
     dout = randn(rng, B, T, NH, HS)
-    results = [run(_HOST, CPU_FNS, q, k, v, 0, seg, dout)
+    results = [run(CPU, CPU_FNS, q, k, v, 0, seg, dout)
                for seg in (None, np.full((B, T), 5, np.int32))]
     for a, c in zip(*results):
         np.testing.assert_array_equal(a, c)
@@ -275,14 +260,14 @@ def test_attention_window_of_one_sees_only_itself(n_past):
     rng = np.random.default_rng(11)
     B, T, NH, NKV, HS = 2, 6, 4, 2, 4
     q, k, v = qkv(rng, B, T, NH, NKV, HS, n_past)
-    out, lse = run(_HOST, CPU_FNS, q, k, v, n_past, window=1, softcap=2.0)
+    out, lse = run(CPU, CPU_FNS, q, k, v, n_past, window=1, softcap=2.0)
     G = NH // NKV
     np.testing.assert_allclose(out, np.repeat(v[:, n_past:], G, axis=2), **TOL_ATT)
     own = np.einsum("bthd,bthd->bht", q, np.repeat(k[:, n_past:], G, axis=2)) / np.sqrt(HS)
     np.testing.assert_allclose(lse, 2.0 * np.tanh(own / 2.0), **TOL_ATT)
     if n_past == 0:
         dout = randn(rng, B, T, NH, HS)
-        _, _, dq, dk, dv = run(_HOST, CPU_FNS, q, k, v, 0, dout=dout, window=1)
+        _, _, dq, dk, dv = run(CPU, CPU_FNS, q, k, v, 0, dout=dout, window=1)
         np.testing.assert_allclose(dq, 0, atol=TOL_ATT["atol"])  # rounding of dP - P dP
         np.testing.assert_allclose(dk, 0, atol=TOL_ATT["atol"])
         np.testing.assert_allclose(dv, dout.reshape(B, T, NKV, G, HS).sum(axis=3), **TOL_ATT)
@@ -293,10 +278,10 @@ def test_attention_window_skips_keys_that_slid_out():
     rng = np.random.default_rng(12)
     B, T, NH, NKV, HS, n_past, window = 1, 4, 2, 1, 4, 6, 3
     q, k, v = (np.ascontiguousarray(a) for a in qkv(rng, B, T, NH, NKV, HS, n_past))
-    want = run(_HOST, CPU_FNS, q, k, v, n_past, window=window)
+    want = run(CPU, CPU_FNS, q, k, v, n_past, window=window)
     first_seen = n_past - window + 1  # query 0 sits at position n_past
     k[:, :first_seen], v[:, :first_seen] = np.nan, np.nan
-    got = run(_HOST, CPU_FNS, q, k, v, n_past, window=window)
+    got = run(CPU, CPU_FNS, q, k, v, n_past, window=window)
     for a, c in zip(got, want):
         np.testing.assert_array_equal(a, c)
 
@@ -313,7 +298,7 @@ def test_attention_results_do_not_depend_on_threads():
     try:
         for n in (1, 2):
             numba.set_num_threads(n)
-            results.append(run(_HOST, CPU_FNS, q, k, v, 0, seg, dout))
+            results.append(run(CPU, CPU_FNS, q, k, v, 0, seg, dout))
     finally:
         numba.set_num_threads(before)
     for a, c in zip(*results):
@@ -342,7 +327,7 @@ def test_attention_results_do_not_depend_on_tiles(segmented, monkeypatch):
                 monkeypatch.setattr(attention, "_TILE_FLOATS", floats)
                 tiles = attention._tiles(B, NKV, pair)
                 assert [ks.stop - ks.start for _, ks in tiles] == want * B
-                results.append(run(_HOST, CPU_FNS, q, k, v, 0, seg, dout, **opts))
+                results.append(run(CPU, CPU_FNS, q, k, v, 0, seg, dout, **opts))
             for r in results[1:]:
                 for a, c in zip(results[0], r):
                     np.testing.assert_array_equal(a, c)
