@@ -4,7 +4,7 @@ numba has no SVML on these machines, so `np.exp` in a loop is a scalar libm call
 (2-3 ns each) and keeps LLVM from vectorizing the loop around it. `expf(x)` is
 Cephes' expf written branch-free: x = n ln2 + r (ln2 in two parts), exp(r) by a
 degree-7 polynomial, times 2^n built from its exponent bits. It is within 3 ulp
-of exp for float32 (tests/test_kernels.py) and LLVM turns a loop of it into SIMD
+of exp for float32 (tests/test_op_vecmath.py) and LLVM turns a loop of it into SIMD
 code (about 0.4 ns per element). x is clamped to [-87, 88] so 2^n stays a normal
 number: exp(-87) = 1.6e-38 stands in for anything smaller, which weighs nothing
 beside a softmax row's max term (exp(0) = 1) or in 1 + exp(-x).

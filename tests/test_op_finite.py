@@ -5,7 +5,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from llamatune.kernels.finite import SCAN_TYPES, nonfinite_rows, nonfinite_rows_into, nonfinite_rows_ref
 
-from test_dequant import ALL_TYPES, SCALE_OFFSETS, random_tensor
+from op_helpers import ALL_TYPES, SCALE_OFFSETS, random_tensor
 
 # f16 bit patterns of +inf, -inf, a quiet nan, a nan with a payload
 BAD_HALVES = [0x7C00, 0xFC00, 0x7E00, 0x7C01]
