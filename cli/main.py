@@ -269,13 +269,14 @@ def preview_data(
     train_on_prompt: Optional[bool] = typer.Option(None, "--train-on-prompt", help="Targets on every token."),
     drop_long: Optional[bool] = typer.Option(None, "--drop-long", help="Drop samples longer than --ctx."),
     skip_bad_rows: Optional[bool] = typer.Option(None, "--skip-bad-rows", help="Skip malformed rows."),
+    method: Optional[str] = typer.Option(None, "--method", help="dpo or orpo: show the first -n preference pairs."),
 ):
     """Show the first samples as the trainer sees them, trained tokens highlighted."""
     from llamatune.train.datasets import show_preview
     from llamatune.options import FinetuneOptions, build_options
     given = dict(model_base=model_base, train_data=train_data, ctx=ctx, data_format=data_format,
                  chat_template=chat_template, train_on_prompt=train_on_prompt, drop_long=drop_long,
-                 skip_bad_rows=skip_bad_rows)
+                 skip_bad_rows=skip_bad_rows, method=method)
     show_preview(build_options(FinetuneOptions, given), n, as_json)
 
 

@@ -20,9 +20,10 @@ from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
 from ..train.data import Samples, read_text
-from ..train.datasets import load_dataset
+from ..train.datasets import load_dataset, load_pairs
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
+from ..train.preference import split_pairs
 from ..train.trainer import Job, TrainResult, run
 from ..train.validation import validation_samples
 
@@ -57,14 +58,19 @@ def check_packing(o, samples) -> None:
 
 
 def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
-    """The samples of a training or validation data file: the one place both are loaded."""
+    """The samples of a training or validation data file: the one place both are loaded
+    (--method dpo / orpo: preference pairs, chosen and rejected as samples 2i and 2i + 1)."""
+    if o.method != "sft":
+        return load_pairs(path, tokenizer, o, role)
     return load_dataset(path, tokenizer, o, role)
 
 
 def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
     """Training samples, and validation samples from --val-data or --val-split (or None)."""
-    return validation_samples(load_data(o.train_data, tokenizer, o), o,
-                              lambda path: load_data(path, tokenizer, o, "validation"))
+    train = load_data(o.train_data, tokenizer, o)
+    if o.method != "sft" and o.val_split > 0:
+        return split_pairs(train, o.val_split, o.seed)          # whole pairs held out
+    return validation_samples(train, o, lambda path: load_data(path, tokenizer, o, "validation"))
 
 
 def build_job(o: FinetuneOptions) -> Job:
