@@ -259,3 +259,13 @@ def test_every_preference_option_reaches_the_cli():
     r = CliRunner().invoke(app, ["finetune", "--help"])
     for flag in ("--method", "--beta", "--loss-type", "--label-smoothing"):
         assert flag in r.output
+
+
+def test_the_example_preset_and_pairs_load(qwen_tokenizer):
+    from conftest import REPO
+    from llamatune.options import load_preset
+    o = FinetuneOptions(**load_preset(REPO / "configs" / "finetune-dpo.toml", FinetuneOptions))
+    validate(o)
+    assert (o.method, o.beta, o.batch) == ("dpo", 0.1, 4)
+    s = load_pairs(REPO / "configs" / "pairs-example.jsonl", qwen_tokenizer, o)
+    assert len(s) == 8 and all(sample(s, i)[1].any() for i in range(8))

@@ -216,6 +216,7 @@ class Graph:
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
         self.merge_lora = True                 # _matrix may merge adapters into dequantized W
+        self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
@@ -725,7 +726,7 @@ class Graph:
         if g is None:
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self)
-        g.dropout, g.merge_lora = self.dropout, self.merge_lora
+        g.dropout, g.merge_lora, g.reweight = self.dropout, self.merge_lora, self.reweight
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -753,6 +754,9 @@ class Graph:
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
+        if self.reweight is not None:                       # the head forward alone: self.losses, then weights
+            self._head(tg, w, backward=False)
+            w = self.reweight(self, w)
         loss = self._head(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there

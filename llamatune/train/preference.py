@@ -12,10 +12,12 @@ logps/chosen, logps/rejected). They run on the training graph as it is:
                 = sum_seq sum_t (-dL/dlogp_seq) * dCE_t/dtheta,
   which is Graph.step's gradient with the per-token weights w_t = -dL/dlogp_seq (divided
   by the answer's length for means) on that answer's tokens: the graph's gradient is
-  linear in its weights. So one micro-batch is
-      (1) Graph.loss, forward only: per-token CE -> logp of every answer;
+  linear in its weights. So one micro-batch is one Graph.step whose `reweight` hook
+  runs between the forward and the backward:
+      (1) the forward and the output head's per-token CE -> logp of every answer;
       (2) the pair losses and dL/dlogp in float64 (`dpo_loss`, `orpo_loss`);
-      (3) Graph.step with those weights: forward and backward.
+      (3) the head again with those weights, and the backward.
+  Only the output head runs twice (on the answer tokens); evaluation is Graph.loss.
   DPO's reference log-probabilities come from the same frozen base with the adapter off
   (`adapter_off`: every LoRA B factor zeroed, so the adapter's term is exactly 0), once
   per pair, the first time the pair is trained on; the cache is part of the batcher's
@@ -221,29 +223,40 @@ class Preference:
         lp = -np.stack([total[rows], total[rows + 1]], axis=1)
         return lp / length if self.mean else lp
 
-    def score(self, graph, b: Batch, cache: np.ndarray, new: list | None = None) -> Scores:
-        """Policy log-probabilities of the batch's pairs, and for DPO the reference's, from
-        `cache` (n_pairs, 2) or, where it holds NaN, computed now with the adapter off (and
-        listed in `new` as (pair, [chosen, rejected]))."""
+    @staticmethod
+    def _layout(b: Batch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows of the chosen answers (P,), their pairs (P,), answer tokens (P, 2))."""
         ids = b.sample_ids
         rows = np.flatnonzero((ids >= 0) & (np.arange(len(ids)) % 2 == 0))
-        pairs = ids[rows] // 2
         mask = b.targets >= 0
-        length = np.stack([mask[rows].sum(axis=1), mask[rows + 1].sum(axis=1)], axis=1)
-        ce = self._token_losses(graph, b)
-        ref = None
-        if self.method == "dpo":
-            missing = np.isnan(cache[pairs]).any(axis=1)
-            if missing.any():
-                with adapter_off(self.params, self.targets):
-                    base = self._logp(self._token_losses(graph, b), rows, length)
-                for k in np.flatnonzero(missing):
-                    if np.isnan(cache[pairs[k]]).any():       # a pair twice in a batch: the first value
-                        cache[pairs[k]] = base[k]
-                        if new is not None:
-                            new.append((int(pairs[k]), base[k].tolist()))
-            ref = cache[pairs]
+        return rows, ids[rows] // 2, np.stack([mask[rows].sum(axis=1), mask[rows + 1].sum(axis=1)], axis=1)
+
+    def _reference(self, graph, b: Batch, cache: np.ndarray, new: list | None) -> np.ndarray | None:
+        """DPO: the reference log-probabilities of the batch's pairs (P, 2), from `cache`
+        (n_pairs, 2) or, where it holds NaN, computed now with the adapter off (and listed in
+        `new` as (pair, [chosen, rejected])). None for ORPO."""
+        if self.method != "dpo":
+            return None
+        rows, pairs, length = self._layout(b)
+        missing = np.isnan(cache[pairs]).any(axis=1)
+        if missing.any():
+            with adapter_off(self.params, self.targets):
+                base = self._logp(self._token_losses(graph, b), rows, length)
+            for k in np.flatnonzero(missing):
+                if np.isnan(cache[pairs[k]]).any():       # a pair twice in a batch: the first value
+                    cache[pairs[k]] = base[k]
+                    if new is not None:
+                        new.append((int(pairs[k]), base[k].tolist()))
+        return cache[pairs]
+
+    def _scores(self, b: Batch, ce: np.ndarray, ref: np.ndarray | None) -> Scores:
+        rows, pairs, length = self._layout(b)
         return Scores(pairs, rows, self._logp(ce, rows, length), ref, length, ce[rows].sum(axis=1))
+
+    def score(self, graph, b: Batch, cache: np.ndarray, new: list | None = None) -> Scores:
+        """The batch's pairs scored by a forward pass (and the reference, see `_reference`)."""
+        ref = self._reference(graph, b, cache, new)
+        return self._scores(b, self._token_losses(graph, b), ref)
 
     def terms(self, s: Scores) -> tuple[np.ndarray, np.ndarray]:
         """Per-pair losses (P,) and their derivatives with respect to s.logp, (P, 2)."""
@@ -255,22 +268,40 @@ class Preference:
                                             self.beta)
         return losses, np.stack([d_c, d_r], axis=1)
 
-    def step(self, graph, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int, key: tuple) -> float:
-        """Forward, pair losses, then forward + backward with the weights that make the graph's
-        gradient that of sum(pair losses) / n_pairs (ORPO: + sum(chosen CE) / n_chosen);
-        n_pairs, n_chosen: the pairs and chosen-answer tokens of the whole step. Adds the
-        gradient to params.grad and returns this micro-batch's share of the step's loss."""
-        s = self.score(graph, b, cache, self._new)
-        losses, d = self.terms(s)
-        coef = np.zeros(len(b.targets))                 # dL/dCE_t of each row's answer tokens
-        per = np.where(self.mean, s.length, 1)
+    def weights(self, s: Scores, d: np.ndarray, targets: np.ndarray, n_pairs: int, n_chosen: int) -> np.ndarray:
+        """(B, T) per-token weights: -dL/dlogp of each answer on its tokens (divided by its
+        length for means) over n_pairs; ORPO adds 1 / n_chosen on the chosen answers' tokens."""
+        coef = np.zeros(len(targets))
+        per = s.length if self.mean else np.ones_like(s.length)
         coef[s.rows] = -d[:, 0] / per[:, 0] / n_pairs
         coef[s.rows + 1] = -d[:, 1] / per[:, 1] / n_pairs
         if self.method == "orpo":
             coef[s.rows] += 1.0 / n_chosen
-        weights = coef[:, None] * (b.targets >= 0)
-        graph.step(b.inputs, b.targets, weights.astype(graph.tmp.dtype), key,
-                   **{k: v for k in ("positions", "segments") if (v := getattr(b, k)) is not None})
+        return coef[:, None] * (targets >= 0)
+
+    def step(self, graph, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int, key: tuple) -> float:
+        """One micro-batch: the gradient of sum(pair losses) / n_pairs (ORPO: + sum(chosen
+        CE) / n_chosen) added to params.grad; n_pairs, n_chosen: the pairs and chosen-answer
+        tokens of the whole step. Returns this micro-batch's share of the step's loss.
+        One Graph.step: after its forward and the head's losses, `graph.reweight` turns
+        them into the pair losses and the weights its backward then uses."""
+        ref = self._reference(graph, b, cache, self._new)
+        got = []
+
+        def reweight(g, w):                 # g: the graph of the batch's columns up to its last target
+            ce = g.backend.to_host(g.losses).reshape(g.B, g.T).astype(np.float64)
+            s = self._scores(b, ce, ref)
+            losses, d = self.terms(s)
+            got.append((s, losses))
+            weights = self.weights(s, d, b.targets[:, :g.T], n_pairs, n_chosen)
+            return g.backend.to_device(weights.reshape(-1).astype(g.tmp.dtype))
+        graph.reweight = reweight
+        try:
+            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key,
+                       **{k: v for k in ("positions", "segments") if (v := getattr(b, k)) is not None})
+        finally:
+            graph.reweight = None
+        s, losses = got[0]
         self._record(s, losses)
         return float(losses.sum() / n_pairs + (s.nll.sum() / n_chosen if self.method == "orpo" else 0.0))
 
