@@ -265,3 +265,37 @@ def test_changed_preference_options_refuse_to_resume(tmp_path, tiny_model):
     with pytest.raises(LlamatuneError, match=r"cannot resume with changed options: --beta 0.1 -> 0.2"):
         finetune(run_options(tmp_path, tiny_model, adam_iter=2, beta=0.2,
                              checkpoint_in=tmp_path / "chk-LATEST.gguf"), quiet=True)
+
+
+@pytest.mark.cuda
+def test_dpo_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
+    """The reweighted step and the reference with the adapter off on the CUDA backend (the
+    simulator without a GPU): the CPU's losses, metrics and gradient."""
+    from llamatune.backend import cpu, get_backend
+    from llamatune.errors import LlamatuneError
+    try:
+        cuda = get_backend("cuda")
+    except LlamatuneError as e:
+        pytest.skip(f"no CUDA device or simulator: {e}")
+    model = Model(write_tiny_model(tmp_path / "micro.gguf", tiny_vocab, n_embd=16, n_ff=24, head_dim=4, n_rot=4,
+                                   n_layer=1))
+    cfg = model.config
+    targets = lora_targets(cfg, {k: 2 for k in ("attn_q", "attn_v", "ffn_down")}, 2.0, tied=False)
+    b = pair_batch(cfg.n_vocab, [0], 6, seed=3)
+    results = []
+    for backend in (cpu(), cuda):
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(1))
+        params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
+        if backend is not cpu():
+            params.to_device(backend)
+        g = Graph(cfg, FrozenBase(model, backend), params, targets, 2, 6, backend=backend)
+        pref = Preference(FinetuneOptions(method="dpo", beta=0.5), params, targets)
+        cache = np.full((1, 2), np.nan)
+        loss = pref.step(g, b, cache, 1, 1, (0,))
+        results.append((loss, cache, pref._rows[0], params.host(params.grad).copy()))
+    (l0, c0, r0, g0), (l1, c1, r1, g1) = results
+    assert l1 == pytest.approx(l0, rel=1e-5)
+    np.testing.assert_allclose(c1, c0, rtol=1e-5)
+    np.testing.assert_allclose(r1, r0, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=1e-6)

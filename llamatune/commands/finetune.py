@@ -44,6 +44,8 @@ def check_packing(o, samples) -> None:
 
     from ..train.graph import Graph
     if not o.pack:
+        if o.method != "sft":                        # preference pairs are never packed
+            return
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
         remedy = ("--pack puts several in a window" if samples.mask is not None else
                   "--fill-with-next-samples fills it" if o.sample_start and not o.fill_with_next_samples else None)
