@@ -20,7 +20,9 @@ from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
 from llamatune.train.preference import Preference, adapter_off, dpo_loss, orpo_loss
 
+import test_mpi
 from conftest import write_tiny_model
+from test_mpi import launcher  # noqa: F401  (the fixture: `mpiexec -n 2`, or a skip with the reason)
 
 ALL_RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
                             "token_embd", "output", "attn_norm", "ffn_norm", "output_norm")}
@@ -299,3 +301,21 @@ def test_dpo_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
     np.testing.assert_allclose(c1, c0, rtol=1e-5)
     np.testing.assert_allclose(r1, r0, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(g1, g0, rtol=1e-3, atol=1e-6)
+
+
+def test_dpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model, launcher):
+    """mpiexec -n 2 against one process with --grad-acc 2: parameters, moments and the data
+    state with every rank's reference values, bit for bit (skips without mpi4py / mpiexec)."""
+    pairs = write_pairs(tmp_path / "train.jsonl", PROMPTS * 2)
+    common = ["finetune", "--model-base", tiny_model, "--train-data", pairs, "--method", "dpo", "--ctx", 24,
+              "--batch", 2, "--lora-r", 2, "--adam-iter", 3, "--save-every", 0, "--warmup", 1, "--no-plot"]
+    for name, prefix, acc in (("one", [], 2), ("two", launcher, 1)):
+        (tmp_path / name).mkdir()
+        test_mpi.run(prefix + test_mpi.CLI + [str(a) for a in common + [
+            "--grad-acc", acc, "--checkpoint-out", tmp_path / name / "chk-ITERATION.gguf",
+            "--lora-out", tmp_path / name / "adapter-ITERATION.gguf"]])
+    test_mpi.assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
+    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
+    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in one] == \
+           [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in two]

@@ -209,7 +209,7 @@ class Preference:
         self.params, self.targets = params, targets
         self.mean = self.method == "orpo" or self.loss_type == "ipo"    # length-averaged log-probabilities
         self._rows: list[np.ndarray] = []       # per pair of this step: metrics columns (see `_record`)
-        self._new: list[tuple[list, list]] = []  # reference values computed in this step
+        self._new: list[tuple[int, list]] = []   # (pair, reference values) computed in this step
 
     # ---- one micro-batch
     def _token_losses(self, graph, b: Batch) -> np.ndarray:
