@@ -142,13 +142,15 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--val-pairs", type=int, default=16, help="held-out pairs (the last of the 64 questions)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-style"))
     args = ap.parse_args()
     from llamatune.commands.finetune import finetune
     from llamatune.options import FinetuneOptions, validate
     w = args.workdir / args.method
     w.mkdir(parents=True, exist_ok=True)
-    train, val = write_pairs(w / "train.jsonl", FACTS[:48]), write_pairs(w / "val.jsonl", FACTS[48:])
+    n_train = len(FACTS) - args.val_pairs
+    train, val = write_pairs(w / "train.jsonl", FACTS[:n_train]), write_pairs(w / "val.jsonl", FACTS[n_train:])
     before = logp_accuracy(args.model, val, None, args.ctx)
     print(f"before: held-out logp accuracy {before[0]:.1%} (mean chosen - rejected logp {before[1]:+.2f})", flush=True)
     o = FinetuneOptions(model_base=args.model, train_data=train, val_data=val, method=args.method, beta=args.beta,

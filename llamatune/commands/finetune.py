@@ -44,7 +44,7 @@ def check_packing(o, samples) -> None:
 
     from ..train.graph import Graph
     if not o.pack:
-        if o.method != "sft":                        # preference pairs are never packed
+        if trains_pairs(o):                          # preference pairs are never packed
             return
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
         remedy = ("--pack puts several in a window" if samples.mask is not None else
@@ -59,10 +59,15 @@ def check_packing(o, samples) -> None:
         raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
 
 
+def trains_pairs(o) -> bool:
+    """--method dpo / orpo (finetune only): the data is preference pairs."""
+    return getattr(o, "method", "sft") != "sft"
+
+
 def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
     """The samples of a training or validation data file: the one place both are loaded
     (--method dpo / orpo: preference pairs, chosen and rejected as samples 2i and 2i + 1)."""
-    if o.method != "sft":
+    if trains_pairs(o):
         return load_pairs(path, tokenizer, o, role)
     return load_dataset(path, tokenizer, o, role)
 
@@ -70,7 +75,7 @@ def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
 def train_and_validation(o, tokenizer) -> tuple[Samples, Samples | None]:
     """Training samples, and validation samples from --val-data or --val-split (or None)."""
     train = load_data(o.train_data, tokenizer, o)
-    if o.method != "sft" and o.val_split > 0:
+    if trains_pairs(o) and o.val_split > 0:
         return split_pairs(train, o.val_split, o.seed)          # whole pairs held out
     return validation_samples(train, o, lambda path: load_data(path, tokenizer, o, "validation"))
 
