@@ -15,6 +15,8 @@ G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
     "Input and output", "Training data", "LoRA", "Optimizer", "Schedule", "Memory and speed",
     "Checkpoints", "New model")
 G_VAL = "Validation and metrics"
+G_PREF = "Preference tuning"
+METHODS, LOSS_TYPES = ("sft", "dpo", "orpo"), ("sigmoid", "ipo")     # --method, --loss-type
 
 
 CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
@@ -132,6 +134,16 @@ class FinetuneOptions(TrainOptions):
     rank_k_norm: int = opt(0, "Rank for attn_k_norm, the per-head k norm of qwen3 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
     rank_post_att_norm: int = opt(0, "Rank for post_attention_norm of gemma2 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
     rank_post_ffn_norm: int = opt(0, "Rank for post_ffw_norm of gemma2 and gemma3 (see --rank-att-norm).", G_LORA, frozen=True)
+    # ---- preference (DPO, IPO, cDPO, ORPO on chosen/rejected pairs: train/preference.py)
+    method: str = opt("sft", "sft (next-token loss on the data), dpo (chosen/rejected pairs against the base "
+                      "model with the adapter off) or orpo (SFT on chosen plus an odds-ratio term; no reference).",
+                      G_PREF, frozen=True)
+    beta: float = opt(0.1, "dpo: the beta of the implicit reward (higher stays closer to the base model); "
+                      "orpo: the weight lambda of the odds-ratio term.", G_PREF, frozen=True)
+    loss_type: str = opt("sigmoid", "dpo: sigmoid (DPO) or ipo (IPO: squared loss on length-averaged log-probabilities).",
+                         G_PREF, frozen=True)
+    label_smoothing: float = opt(0.0, "dpo --loss-type sigmoid: the assumed fraction of pairs labelled the wrong "
+                                 "way round (cDPO), in [0, 0.5).", G_PREF, frozen=True)
 
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""
@@ -204,6 +216,7 @@ def validate(o: TrainOptions) -> None:
             bad(f"negative LoRA rank for {', '.join(negative)}")
         if not any(o.ranks().values()):
             bad("every LoRA rank is 0: nothing to train")
+        _validate_preference(o)
 
 
 def _validate_validation(o: TrainOptions) -> None:
@@ -218,6 +231,31 @@ def _validate_validation(o: TrainOptions) -> None:
         path = getattr(o, name, None)           # the outputs this command has
         if path is not None and "ITERATION" not in str(path):
             raise LlamatuneError(f"--save-best: --{name.replace('_', '-')} {path} has no ITERATION to replace by BEST")
+
+
+def _validate_preference(o: FinetuneOptions) -> None:
+    """--method and what preference methods need (pairs are two rows of a micro-batch)."""
+    if o.method not in METHODS:
+        raise LlamatuneError(f"--method {o.method!r}: choose {', '.join(METHODS)}")
+    if o.loss_type not in LOSS_TYPES:
+        raise LlamatuneError(f"--loss-type {o.loss_type!r}: choose {', '.join(LOSS_TYPES)}")
+    check_number("--beta", o.beta, 0, lo_open=True)
+    check_number("--label-smoothing", o.label_smoothing, 0, 0.5, hi_open=True)
+    if o.method == "sft":
+        return
+    if o.batch % 2:
+        raise LlamatuneError(f"--batch {o.batch}: --method {o.method} puts a pair's chosen and rejected answers in "
+                             "two rows of a micro-batch: give an even --batch")
+    if o.pack:
+        raise LlamatuneError(f"--pack: --method {o.method} trains on whole pairs, one answer per row; "
+                             "train without --pack")
+    if o.lora_dropout:
+        raise LlamatuneError(f"--lora-dropout {o.lora_dropout}: --method {o.method} weighs each answer by "
+                             "log-probabilities measured without dropout; use --lora-dropout 0")
+    if o.label_smoothing and (o.method != "dpo" or o.loss_type != "sigmoid"):
+        raise LlamatuneError("--label-smoothing applies to --method dpo --loss-type sigmoid only")
+    if o.train_on_prompt:
+        raise LlamatuneError(f"--train-on-prompt: --method {o.method} scores the answers only")
 
 
 def _validate_numbers(o: TrainOptions) -> None:

@@ -182,6 +182,7 @@ class Batch:
     epoch_done: bool      # the shuffled order ran out (an epoch ended) while filling this batch
     positions: np.ndarray | None = None   # int64 (B, T): rope position, restarting at 0 per packed sample
     segments: np.ndarray | None = None    # int32 (B, T): sample id within the row; padding has its own
+    sample_ids: np.ndarray | None = None  # int64 (B,): the sample in each row, -1 for none (preference pairs)
 
 
 class Batcher:

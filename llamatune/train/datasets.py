@@ -8,6 +8,13 @@
       {"prompt", "completion"}     strings: plain text; lists of messages: a conversation
       {"instruction", "input"?, "output", "system"?}       Alpaca, as a user/assistant turn
       {"text"}                                            plain text, every token trained
+Preference pairs (--method dpo / orpo, TRL's preference rows) become two samples each,
+chosen then rejected, sharing the prompt's tokens (`load_pairs`):
+      {"prompt", "chosen", "rejected"}   strings: BOS + prompt + answer + EOS, as completion rows;
+                                         lists of messages: conversations, answers trained
+                                         (an optional "system" string leads the prompt);
+                                         no prompt: lists share their common first messages,
+                                         strings are trained whole
 Conversations are rendered with the chat template (chat_template.py); the mask marks
 assistant answers (or, for prompt/completion, the completion and EOS). A sample's
 first token is never a target; a sample of n tokens fills n - 1 positions, so it
@@ -120,6 +127,8 @@ def _sharegpt(value) -> list[dict]:
 
 
 def row_kind(row: dict, data_format: str) -> str:
+    if "chosen" in row or "rejected" in row:
+        raise RowError("a preference pair (chosen/rejected): train on pairs with --method dpo or orpo")
     kind = next((k for k in (*CHAT_KINDS, *COMPLETION_KINDS) if k in row), None)
     if kind is None:
         raise RowError(f"no known fields (expected messages, conversations, prompt/completion, "
@@ -181,6 +190,49 @@ class RowEncoder:
             return self._chat(head + tail, trained=set(range(len(head), len(head) + len(tail))))
         return self._plain(_text(prompt, "prompt"), _text(completion, "completion"))
 
+    def encode_pair(self, row) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """(tokens, mask) of a preference row's chosen and of its rejected answer, each
+        after the same prompt tokens (TRL's standard and conversational preference rows)."""
+        if isinstance(row, RowError):
+            raise row
+        if not isinstance(row, dict):
+            raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
+        for key in ("chosen", "rejected"):
+            if key not in row:
+                raise RowError(f"a preference row needs '{key}'"
+                               + ("" if "chosen" in row or "rejected" in row else
+                                  f" (found {', '.join(sorted(row)) or 'no fields'})"))
+            if row[key] in ("", []):
+                raise RowError(f"'{key}' is empty")
+        chosen, rejected, prompt = row["chosen"], row["rejected"], row.get("prompt")
+        if chosen == rejected:
+            raise RowError("chosen and rejected are the same")
+        conversational = isinstance(chosen, list) or isinstance(rejected, list) or isinstance(prompt, list)
+        if not conversational:
+            if row.get("system"):
+                raise RowError("'system' goes with conversational rows (lists of messages)")
+            head = "" if prompt is None else _text(prompt, "prompt")
+            pair = (self._plain(head, _text(chosen, "chosen")), self._plain(head, _text(rejected, "rejected")))
+        else:
+            if not all(isinstance(v, list) for v in (chosen, rejected) + (() if prompt is None else (prompt,))):
+                raise RowError("prompt, chosen and rejected must all be strings or all lists of messages")
+            c, r = _messages(chosen, "chosen"), _messages(rejected, "rejected")
+            if prompt is None:                         # implicit prompt: the messages both begin with
+                k = 0
+                while k < min(len(c), len(r)) - 1 and c[k] == r[k]:
+                    k += 1
+                head, c, r = c[:k], c[k:], r[k:]
+            else:
+                head = _messages(prompt, "prompt")
+            if row.get("system"):
+                head = [{"role": "system", "content": _text(row["system"], "system")}] + head
+            pair = tuple(self._chat(head + tail, trained=set(range(len(head), len(head) + len(tail))))
+                         for tail in (c, r))
+        (ct, cm), (rt, rm) = pair
+        if len(ct) == len(rt) and np.array_equal(ct, rt):
+            raise RowError("chosen and rejected give the same tokens")
+        return pair
+
     def _chat(self, messages: list[dict], trained: set[int] | None = None):
         train_all = self.opts.train_on_prompt
         if not train_all and not any(m["role"] == "assistant" for k, m in enumerate(messages)
@@ -232,6 +284,60 @@ def load_dataset(path, tokenizer, opts, role: str = "training") -> Samples:
     return _fit(pieces, masks, opts, str(path))
 
 
+def load_pairs(path, tokenizer, opts, role: str = "training") -> Samples:
+    """Preference pairs of a training or validation file: sample 2i is pair i's chosen
+    answer, 2i + 1 its rejected one (both with the prompt; the mask marks the answer and
+    EOS). Bad rows: `FILE:LINE: problem`, or skipped and counted with --skip-bad-rows."""
+    if path is None:
+        raise LlamatuneError(f"--{'train' if role == 'training' else 'val'}-data is required")
+    text = read_text(path, f"{role} data")
+    if detect_format(text, opts.data_format, path) == "text" or opts.data_format == "text":
+        raise LlamatuneError(f"{path}: --method {opts.method} trains on preference rows (JSONL or a JSON array of "
+                             "objects with prompt, chosen and rejected), not on raw text")
+    enc = RowEncoder(tokenizer, opts, str(path))
+    pairs, bad, first_bad = [], 0, ""
+    for line, row in read_rows(text, path):
+        try:
+            pairs.append(enc.encode_pair(row))
+        except RowError as e:
+            if not opts.skip_bad_rows:
+                raise LlamatuneError(f"{path}:{line}: {e}") from None
+            bad += 1
+            first_bad = first_bad or f"line {line}: {e}"
+    if bad:
+        notice(_esc(f"{path}: skipped {bad} malformed row(s) (first: {first_bad})"))
+    return _fit_pairs(pairs, opts, str(path))
+
+
+def _fit_pairs(pairs: list, opts, source: str) -> Samples:
+    """Pairs whose answers are longer than ctx + 1 tokens are truncated (with --drop-long,
+    dropped) together; a pair left without a target in either answer, or with two equal
+    answers, is dropped."""
+    limit = opts.ctx + 1
+    long = sum(1 for pair in pairs if any(len(t) > limit for t, _ in pair))
+    if long:
+        action = "dropped (--drop-long)" if opts.drop_long else "truncated to --ctx (use --drop-long to drop them)"
+        notice(_esc(f"{source}: {long} of {len(pairs)} pair(s) longer than --ctx {opts.ctx}: {action}"))
+    pieces, masks, empty = [], [], 0
+    for (ct, cm), (rt, rm) in pairs:
+        if opts.drop_long and max(len(ct), len(rt)) > limit:
+            continue
+        ct, cm, rt, rm = ct[:limit], cm[:limit], rt[:limit], rm[:limit]
+        if not (cm.any() and rm.any()) or (len(ct) == len(rt) and np.array_equal(ct, rt)):
+            empty += 1
+            continue
+        pieces += [ct, rt]
+        masks += [cm, rm]
+    if empty:
+        notice(_esc(f"{source}: dropped {empty} pair(s) left without an answer, or with equal answers, "
+                    f"within --ctx {opts.ctx}"))
+    if not pieces:
+        raise LlamatuneError(f"{source}: no preference pair with answers to score")
+    sizes = np.array([len(p) for p in pieces], np.int64)
+    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return Samples(np.concatenate(pieces), begins, sizes, np.concatenate(masks))
+
+
 def _fit(pieces: list[np.ndarray], masks: list[np.ndarray], opts, source: str) -> Samples:
     """Truncate (or with --drop-long drop) samples longer than ctx + 1 tokens; drop samples
     left without targets; concatenate."""
@@ -279,23 +385,36 @@ def preview(samples: Samples, bos_id: int, n: int) -> list[tuple[np.ndarray, np.
 
 def show_preview(opts, n: int, as_json: bool) -> None:
     """`llamatune preview-data`: the first n samples of --train-data as the trainer sees them,
-    as JSON lines {"tokens", "targets"} or as decoded text with the trained parts highlighted."""
-    from rich.text import Text
-
+    as JSON lines {"tokens", "targets"} or as decoded text with the trained parts highlighted.
+    With --method dpo or orpo: the first n pairs, each answer with its prompt ("pair" and
+    "answer" in the JSON lines)."""
     from ..console import out
     from ..formats.gguf_io import GGUFFile
     from ..models.tokenizer import Tokenizer
     if opts.model_base is None:
         raise LlamatuneError("--model-base is required")
     tok = Tokenizer.from_gguf(GGUFFile(opts.model_base))
-    samples = load_dataset(opts.train_data, tok, opts)
-    for k, (tokens, targets) in enumerate(preview(samples, tok.bos_id, n)):
+    pairs = getattr(opts, "method", "sft") != "sft"           # --method dpo/orpo: n pairs, chosen then rejected
+    samples = load_pairs(opts.train_data, tok, opts) if pairs else load_dataset(opts.train_data, tok, opts)
+    for k, (tokens, targets) in enumerate(preview(samples, tok.bos_id, 2 * n if pairs else n)):
         if as_json:
-            print(json.dumps({"tokens": tokens.tolist(), "targets": targets.tolist()}))
+            row = {"tokens": tokens.tolist(), "targets": targets.tolist()}
+            print(json.dumps({"pair": k // 2, "answer": ("chosen", "rejected")[k % 2], **row} if pairs else row))
             continue
-        text = Text()
-        for t, m in zip(tokens.tolist(), targets.tolist()):
-            piece = tok.token_to_piece(t, special=True)
-            text.append(piece, style="bold green" if m else ("dim" if tok.is_control(t) else ""))
+        if pairs:
+            out.rule(f"pair {k // 2 + 1}, {('chosen', 'rejected')[k % 2]}: {len(tokens)} tokens, "
+                     f"{int(targets.sum())} trained", style="dim")
+            out.print(_marked(tok, tokens, targets))
+            continue
         out.rule(f"sample {k + 1}: {len(tokens)} tokens, {int(targets.sum())} trained", style="dim")
-        out.print(text)
+        out.print(_marked(tok, tokens, targets))
+
+
+def _marked(tok, tokens, targets):
+    """Decoded text with the trained tokens in bold green and control tokens dimmed."""
+    from rich.text import Text
+    text = Text()
+    for t, m in zip(tokens.tolist(), targets.tolist()):
+        piece = tok.token_to_piece(t, special=True)
+        text.append(piece, style="bold green" if m else ("dim" if tok.is_control(t) else ""))
+    return text

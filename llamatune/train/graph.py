@@ -66,6 +66,7 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dropout = lora_dropout
         self.merge_lora = self.products.dtype == "f32"   # `matrix` may merge adapters into dequantized W
         #                                        (not in bf16: rounding W + s B A would lose the adapter's share)
+        self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
@@ -288,7 +289,7 @@ class Graph(LoraLinear, LossHead, Forward):
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
                                                 compute_dtype=self.products.dtype)
-        g.dropout, g.merge_lora = self.dropout, self.merge_lora
+        g.dropout, g.merge_lora, g.reweight = self.dropout, self.merge_lora, self.reweight
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -316,6 +317,9 @@ class Graph(LoraLinear, LossHead, Forward):
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
+        if self.reweight is not None:                       # the head forward alone: self.losses, then weights
+            self.loss_head(tg, w, backward=False)
+            w = self.reweight(self, w)
         loss = self.loss_head(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there

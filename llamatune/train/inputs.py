@@ -9,7 +9,8 @@ from ..console import notice
 from ..errors import LlamatuneError
 from ..options import TrainOptions
 from .data import Samples, read_text
-from .datasets import load_dataset
+from .datasets import load_dataset, load_pairs
+from .preference import split_pairs
 from .validation import validation_samples
 
 
@@ -29,6 +30,8 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
 
     from .graph import Graph
     if not o.pack:
+        if trains_pairs(o):                          # preference pairs are never packed
+            return
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
         remedy = ("--pack puts several in a window" if samples.mask is not None else
                   "--fill-with-next-samples fills it" if o.sample_start and not o.fill_with_next_samples else None)
@@ -42,8 +45,23 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
         raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
 
 
+def trains_pairs(o) -> bool:
+    """--method dpo / orpo (finetune only): the data is preference pairs."""
+    return getattr(o, "method", "sft") != "sft"
+
+
+def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
+    """The samples of a training or validation data file (--method dpo / orpo: preference
+    pairs, chosen and rejected as samples 2i and 2i + 1)."""
+    if trains_pairs(o):
+        return load_pairs(path, tokenizer, o, role)
+    return load_dataset(path, tokenizer, o, role)
+
+
 def train_and_validation(o: TrainOptions, tokenizer) -> tuple[Samples, Samples | None]:
     """Training samples, and validation samples from --val-data or --val-split (or None):
     the one place both are loaded."""
-    return validation_samples(load_dataset(o.train_data, tokenizer, o, "training"), o,
-                              lambda path: load_dataset(path, tokenizer, o, "validation"))
+    train = load_data(o.train_data, tokenizer, o)
+    if trains_pairs(o) and o.val_split > 0:
+        return split_pairs(train, o.val_split, o.seed)          # whole pairs held out
+    return validation_samples(train, o, lambda path: load_data(path, tokenizer, o, "validation"))

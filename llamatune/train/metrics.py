@@ -5,6 +5,11 @@ reports, written as JSON lines so a running or killed run's file stays readable.
     {"step": 12, "loss": 2.31, "lr": 0.001, "grad_norm": 0.84, "tokens_per_s": 812.5, "tokens": 18432}
     {"step": 12, "val_loss": 2.47}
 
+Preference runs (--method dpo / orpo) add TRL's per-step metrics to step lines
+("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+"logps/chosen", "logps/rejected"; ORPO also "nll_loss") and the same with an "eval_"
+prefix to evaluation lines.
+
 `step` is the number of optimizer steps done (0 before the first), `tokens` the loss
 targets trained on so far, `tokens_per_s` the loss targets of this step per second of
 it (padding does not count, so packed and padded batches compare fairly). A resumed run first keeps only the lines
@@ -64,15 +69,17 @@ class MetricsLog:
         """Start the clock of one optimizer step (evaluations and saves are not timed)."""
         self._t = time.perf_counter()
 
-    def step(self, state, loss: float, lr: float, grad_norm: float, n_targets: int) -> None:
-        """One optimizer step that trained on n_targets loss targets."""
+    def step(self, state, loss: float, lr: float, grad_norm: float, n_targets: int,
+             extra: dict[str, float] | None = None) -> None:
+        """One optimizer step that trained on n_targets loss targets; `extra`: more values
+        (preference pairs: TRL's rewards/... and logps/...)."""
         seconds = max(time.perf_counter() - self._t, 1e-9)
         self._write({"step": state.iteration, "loss": _number(loss), "lr": float(lr),
                      "grad_norm": _number(grad_norm), "tokens_per_s": round(n_targets / seconds, 1),
-                     "tokens": int(state.token_count)})
+                     "tokens": int(state.token_count), **{k: _number(v) for k, v in (extra or {}).items()}})
 
-    def eval(self, step: int, val_loss: float) -> None:
-        self._write({"step": step, "val_loss": _number(val_loss)})
+    def eval(self, step: int, val_loss: float, extra: dict[str, float] | None = None) -> None:
+        self._write({"step": step, "val_loss": _number(val_loss), **{k: _number(v) for k, v in (extra or {}).items()}})
 
     def close(self) -> None:
         if self._file is not None:

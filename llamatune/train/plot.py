@@ -2,7 +2,8 @@
 
 Reads the metrics log (metrics.py). Training loss is drawn raw (thin) and smoothed
 with TensorBoard's debiased exponential moving average; validation loss as points
-joined by a line, its lowest value marked. matplotlib is an optional extra
+joined by a line, its lowest value marked. Preference runs (--method dpo / orpo) add
+the reward accuracy (smoothed) and the validation reward accuracy on a right axis. matplotlib is an optional extra
 (`pip install 'llamatune[plot]'`), imported only when a plot is drawn, on its
 non-interactive Agg backend; the module itself imports nothing heavy, so the command
 line can take its defaults from here.
@@ -26,6 +27,10 @@ class Curves:
     loss: list[float] = field(default_factory=list)
     val_steps: list[int] = field(default_factory=list)    # evaluations
     val_loss: list[float] = field(default_factory=list)
+    acc_steps: list[int] = field(default_factory=list)     # preference runs: reward accuracy per step
+    acc: list[float] = field(default_factory=list)
+    val_acc_steps: list[int] = field(default_factory=list)  # and per evaluation
+    val_acc: list[float] = field(default_factory=list)
 
 
 def read_metrics(path: Path) -> Curves:
@@ -52,6 +57,11 @@ def read_metrics(path: Path) -> Curves:
         if row.get("val_loss") is not None:
             c.val_steps.append(row["step"])
             c.val_loss.append(float(row["val_loss"]))
+        for key, steps, values in (("rewards/accuracies", c.acc_steps, c.acc),
+                                   ("eval_rewards/accuracies", c.val_acc_steps, c.val_acc)):
+            if row.get(key) is not None:
+                steps.append(row["step"])
+                values.append(float(row[key]))
     if not c.steps and not c.val_steps:
         raise LlamatuneError(f"{path}: no training or validation loss in this metrics file")
     return c
@@ -100,7 +110,20 @@ def plot_metrics(path: Path, out: Path, smooth: float = SMOOTH, log_y: bool = Fa
             for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
                 axis_format(plt.FuncFormatter(lambda v, _: f"{v:.3g}"))   # 5.8, not 5.8x10^0
         ax.set_xlabel("optimizer step")
-        ax.set_ylabel("loss (mean cross-entropy per target token, nats)" + (", log scale" if log_y else ""))
+        what = "preference loss, mean per pair" if c.acc_steps or c.val_acc_steps else \
+            "mean cross-entropy per target token, nats"
+        ax.set_ylabel(f"loss ({what})" + (", log scale" if log_y else ""))
+        if c.acc_steps or c.val_acc_steps:                   # preference runs: reward accuracy, right axis
+            acc = ax.twinx()
+            if c.acc_steps:
+                acc.plot(c.acc_steps, smoothed(c.acc, smooth), color="tab:green", linewidth=1.5,
+                         label=f"reward accuracy, smoothed (EMA {smooth:g})")
+            if c.val_acc_steps:
+                acc.plot(c.val_acc_steps, c.val_acc, color="tab:olive", marker="s", markersize=4, linewidth=1.5,
+                         label="validation reward accuracy")
+            acc.set_ylim(-0.02, 1.02)
+            acc.set_ylabel("reward accuracy (chosen rewarded above rejected)")
+            acc.legend(loc="center right")
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(title or f"Loss: {Path(path).resolve().parent.name}/{Path(path).name}")
         ax.grid(True, which="both", alpha=0.3)

@@ -50,6 +50,7 @@ from .memory import (
 from .metrics import MetricsLog
 from .optimizer import apply_update, gradient_norm, learning_rate
 from .params import ParamBuffer
+from .preference import PairBatcher, PairValidator, Preference
 from .validation import Validator
 
 
@@ -196,12 +197,17 @@ def packing(b) -> dict:
     return {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
 
 
-def recomputed_loss(graph: Graph, batches: list, seed: int, step: int) -> float:
+def recomputed_loss(graph: Graph, batches: list, seed: int, step: int, pref=None) -> float:
     """The loss of a step's batches with the current parameters (gradients are added to
-    params.grad, which the next step zeroes): verifies the state after the last update."""
+    params.grad, which the next step zeroes): verifies the state after the last update.
+    pref: (Preference, reference cache) of --method dpo / orpo."""
     n_targets = sum(b.n_targets for b in batches)
     world, mine = distributed.current(), []
+    counts = pref and Preference.counts(batches)
     for micro, b in distributed.my_share(world, batches):     # each MPI rank its own micro-batches
+        if pref:
+            mine.append(pref[0].loss(graph, b, pref[1], *counts))
+            continue
         w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
         mine.append(graph.step(b.inputs, b.targets, w, (seed, step, micro), **packing(b)))
     return distributed.sum_losses(world, mine)
@@ -263,10 +269,10 @@ def resume_hint(o, state: ckpt.TrainState):
 
 
 def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
-               batches: list, bad: str | None, show) -> list[Path]:
+               batches: list, bad: str | None, show, pref=None) -> list[Path]:
     """Save the end of the run if the last step's batches still give a sane loss after
     its update (no later step will verify it); else leave LATEST at the last healthy save."""
-    loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1)
+    loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1, pref)
     if bad or not guard.healthy(loss):
         show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
                   + "; LATEST keeps the last healthy save")
@@ -276,11 +282,13 @@ def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph,
     return files
 
 
-def make_validator(job: Job, state: ckpt.TrainState) -> Validator | None:
+def make_validator(job: Job, state: ckpt.TrainState, pref: Preference | None = None) -> Validator | None:
     """The validation set's fixed batches; state.validation restored or started afresh."""
     if job.val_samples is None:
         return None
-    v = Validator(job.val_samples, job.opts, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    vocab = (job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    v = Validator(job.val_samples, job.opts, *vocab) if pref is None else PairValidator(job.val_samples, job.opts,
+                                                                                         *vocab, pref)
     state.validation = v.restore(state.validation)
     return v
 
@@ -303,9 +311,12 @@ def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainStat
     vs = state.validation
     loss = validator.loss(graph)
     improved = vs.record(state.iteration, loss)
-    metrics.eval(state.iteration, loss)
+    extra = getattr(validator, "last_metrics", {})                 # preference pairs: eval_rewards/... (TRL's)
+    metrics.eval(state.iteration, loss, extra)
     show.refresh(state)
     text = f"step {state.iteration}: val loss {loss:.4f}"
+    if "eval_rewards/accuracies" in extra:
+        text += f", reward accuracy {extra['eval_rewards/accuracies']:.1%}"
     text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
     if improved and job.opts.save_best:
         text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher))
@@ -329,6 +340,12 @@ def write_plot(path: Path, quiet: bool) -> None:
         err.print(f"loss plot: {out}")
 
 
+def preference(job: Job) -> Preference | None:
+    """The objective of --method dpo / orpo (preference.py); None for sft."""
+    method = getattr(job.opts, "method", "sft")
+    return None if method == "sft" else Preference(job.opts, job.params, job.targets)
+
+
 def run(job: Job, quiet: bool = False) -> TrainResult:
     o = job.opts
     world = distributed.setup(o)                   # MPI ranks when launched by mpiexec/srun
@@ -336,7 +353,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if o.threads > 0:
         import numba
         numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
-    batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
+    pref = preference(job)                         # --method dpo / orpo (None: sft)
+    batcher = (Batcher if pref is None else PairBatcher)(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id,
+                                                         job.tokenizer.eos_id)
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
@@ -347,7 +366,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend)
-    validator = make_validator(job, state)
+    validator = make_validator(job, state, pref)
     if not quiet:
         if validator is not None:
             err.print(f"validation: {validator.describe()}")
@@ -387,10 +406,15 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             n_targets = sum(b.n_targets for b in batches)
             if n_targets == 0:
                 raise LlamatuneError("a training step has no loss targets (samples too short?)")
+            counts = pref and Preference.counts(batches)   # pairs and chosen tokens of the step
             for micro, b in grads.mine(batches):        # this rank's micro-batches; micro: global index
+                if pref is not None:
+                    grads.add(pref.step(graph, b, batcher.reference, *counts, (o.seed, step, micro)))
+                    continue
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
                 grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b)))
             loss = grads.finish()                      # gradient and loss summed in global micro-batch order
+            extra = pref.finish_step(world, batcher.reference) if pref is not None else {}
             gnorm = gradient_norm(job.params)
             bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
             if pending and not bad:                        # the state this step started from is healthy
@@ -415,7 +439,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 if len(losses) == 1:
                     first_seconds = clock.seconds()
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / max(clock.seconds(), 1e-9))
-            metrics.step(state, loss, lr, gnorm, n_targets)
+            metrics.step(state, loss, lr, gnorm, n_targets, extra)
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
             if validator is not None and validator.due(state.iteration, done):
                 with clock.paused():
@@ -425,7 +449,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
             if done:
                 with clock.paused():
-                    last = final_save(job, state, batcher, graph, guard, batches, bad, show)
+                    last = final_save(job, state, batcher, graph, guard, batches, bad, show,
+                                      pref and (pref, batcher.reference))
                 if last:
                     files, saves.iteration = last, state.iteration
                 break

@@ -1,0 +1,174 @@
+"""Verification on a real model: DPO (or ORPO) teaches a style preference.
+
+Pairs: a question (chat template) with the same answer in two registers, the chosen one
+in a pirate's voice, the rejected one plain (which an instruct model prefers). Held-out
+pairs ask other questions. Before and after training it prints, over the held-out pairs:
+  * logp accuracy: the fraction where the chosen answer's summed log-probability beats the
+    rejected one's (the model itself preferring the pirate answer; sums favour the shorter
+    plain answers, so this is the harder score);
+  * the run's own held-out reward accuracy and loss (metrics.jsonl, eval_ lines).
+
+    python bench/preference_style.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
+        [--method dpo] [--steps 40] [--workdir /tmp/llamatune-style]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+FACTS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("How many days are in a week?", "There are seven days in a week."),
+    ("What color is the sky on a clear day?", "The sky is blue on a clear day."),
+    ("What is two plus two?", "Two plus two is four."),
+    ("Which planet is closest to the sun?", "Mercury is the planet closest to the sun."),
+    ("What do bees make?", "Bees make honey."),
+    ("How many legs does a spider have?", "A spider has eight legs."),
+    ("What is frozen water called?", "Frozen water is called ice."),
+    ("What language is spoken in Spain?", "Spanish is spoken in Spain."),
+    ("What is the largest ocean?", "The Pacific is the largest ocean."),
+    ("How many hours are in a day?", "There are twenty-four hours in a day."),
+    ("What gas do plants take in?", "Plants take in carbon dioxide."),
+    ("What is the opposite of hot?", "The opposite of hot is cold."),
+    ("Which animal is known as the king of the jungle?", "The lion is known as the king of the jungle."),
+    ("What is the boiling point of water in Celsius?", "Water boils at one hundred degrees Celsius."),
+    ("How many continents are there?", "There are seven continents."),
+    ("What do cows drink?", "Cows drink water."),
+    ("What is the tallest animal?", "The giraffe is the tallest animal."),
+    ("What shape has three sides?", "A triangle has three sides."),
+    ("What is the main ingredient of bread?", "The main ingredient of bread is flour."),
+    ("Which month comes after March?", "April comes after March."),
+    ("What is the chemical symbol for gold?", "The chemical symbol for gold is Au."),
+    ("How many minutes are in an hour?", "There are sixty minutes in an hour."),
+    ("What do you call a baby cat?", "A baby cat is called a kitten."),
+    ("What instrument has black and white keys?", "The piano has black and white keys."),
+    ("Which season comes after winter?", "Spring comes after winter."),
+    ("What is the capital of Japan?", "The capital of Japan is Tokyo."),
+    ("What is the freezing point of water in Celsius?", "Water freezes at zero degrees Celsius."),
+    ("How many sides does a square have?", "A square has four sides."),
+    ("What do caterpillars turn into?", "Caterpillars turn into butterflies."),
+    ("Which organ pumps blood?", "The heart pumps blood."),
+    ("What is the largest planet?", "Jupiter is the largest planet."),
+    ("What is the capital of Italy?", "The capital of Italy is Rome."),
+    ("How many wheels does a bicycle have?", "A bicycle has two wheels."),
+    ("What do we breathe in to live?", "We breathe in oxygen to live."),
+    ("What is the color of grass?", "Grass is green."),
+    ("Which bird is a symbol of peace?", "The dove is a symbol of peace."),
+    ("What is the hardest natural material?", "Diamond is the hardest natural material."),
+    ("What is ten minus three?", "Ten minus three is seven."),
+    ("Where does the sun rise?", "The sun rises in the east."),
+    ("What is the capital of Germany?", "The capital of Germany is Berlin."),
+    ("How many players are on a soccer team?", "A soccer team has eleven players on the field."),
+    ("What is the longest river in Africa?", "The Nile is the longest river in Africa."),
+    ("What do you use to write on a blackboard?", "You use chalk to write on a blackboard."),
+    ("Which animal gives us wool?", "Sheep give us wool."),
+    ("What is three times three?", "Three times three is nine."),
+    ("What is the capital of Egypt?", "The capital of Egypt is Cairo."),
+    ("What fruit keeps the doctor away?", "An apple a day keeps the doctor away."),
+    ("How many months have twenty-eight days?", "Every month has at least twenty-eight days."),
+    ("What is the smallest prime number?", "Two is the smallest prime number."),
+    ("Which metal is liquid at room temperature?", "Mercury is liquid at room temperature."),
+    ("What is the capital of Canada?", "The capital of Canada is Ottawa."),
+    ("What do pandas mostly eat?", "Pandas mostly eat bamboo."),
+    ("How many strings does a violin have?", "A violin has four strings."),
+    ("What is the capital of Spain?", "The capital of Spain is Madrid."),
+    ("What star is at the center of our solar system?", "The sun is at the center of our solar system."),
+    ("What is half of twenty?", "Half of twenty is ten."),
+    ("Which animal is famous for its long neck?", "The giraffe is famous for its long neck."),
+    ("What do you call a group of wolves?", "A group of wolves is called a pack."),
+    ("What is the capital of Russia?", "The capital of Russia is Moscow."),
+    ("How many teeth does an adult human have?", "An adult human has thirty-two teeth."),
+    ("What is the primary color between red and blue?", "Yellow is the primary color besides red and blue."),
+    ("What is the capital of Australia?", "The capital of Australia is Canberra."),
+    ("Which direction does a compass needle point?", "A compass needle points north."),
+]
+PIRATE = [("The ", "Arr, th' "), (" is ", " be "), (" are ", " be "), (" has ", " got "), (" have ", " got "),
+          ("There ", "Arr, thar "), ("You ", "Ye "), (" you ", " ye ")]
+
+
+def pirate(text: str) -> str:
+    for a, b in PIRATE:
+        text = text.replace(a, b)
+    if not text.startswith("Arr"):
+        text = "Arr, " + text[0].lower() + text[1:]
+    return text[:-1] + ", matey! Yo ho!"
+
+
+def write_pairs(path: Path, facts) -> Path:
+    rows = [{"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": pirate(a)}],
+             "rejected": [{"role": "assistant", "content": a}]} for q, a in facts]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -> tuple[float, float]:
+    """(fraction of pairs whose chosen answer has the higher summed log-probability, mean
+    margin) with the adapter (a checkpoint) or without."""
+    from llamatune.models.model import Model
+    from llamatune.options import FinetuneOptions
+    from llamatune.train import checkpoint as ckpt
+    from llamatune.train.datasets import load_pairs
+    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.train.lora import lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    from llamatune.train.preference import PairValidator, Preference
+    model = Model(model_path)
+    o = FinetuneOptions(method="dpo", ctx=ctx, batch=4, lora_r=8)
+    samples = load_pairs(val, model.tokenizer, o, "validation")
+    targets = lora_targets(model.config, o.ranks(), 8.0, model.weights.output is model.weights.token_embd)
+    params = ParamBuffer(lora_specs(targets))
+    if adapter is not None:
+        ckpt.load(adapter).load_into(params)
+    graph = Graph(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
+    pref = Preference(o, params, targets)
+    v = PairValidator(samples, o, model.config.n_vocab, model.tokenizer.bos_id, model.tokenizer.eos_id, pref)
+    lp = []
+    for b in v.batches():
+        s = pref._scores(b, pref._token_losses(graph, b), None)
+        lp.append(s.logp)
+    lp = np.concatenate(lp)
+    return float((lp[:, 0] > lp[:, 1]).mean()), float((lp[:, 0] - lp[:, 1]).mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--method", default="dpo")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--lr", type=float, default=2e-4)
+    ap.add_argument("--beta", type=float, default=0.1)
+    ap.add_argument("--ctx", type=int, default=64)
+    ap.add_argument("--val-pairs", type=int, default=16, help="held-out pairs (the last of the 64 questions)")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-style"))
+    args = ap.parse_args()
+    from llamatune.commands.finetune import finetune
+    from llamatune.options import FinetuneOptions, validate
+    w = args.workdir / args.method
+    w.mkdir(parents=True, exist_ok=True)
+    n_train = len(FACTS) - args.val_pairs
+    train, val = write_pairs(w / "train.jsonl", FACTS[:n_train]), write_pairs(w / "val.jsonl", FACTS[n_train:])
+    before = logp_accuracy(args.model, val, None, args.ctx)
+    print(f"before: held-out logp accuracy {before[0]:.1%} (mean chosen - rejected logp {before[1]:+.2f})", flush=True)
+    o = FinetuneOptions(model_base=args.model, train_data=train, val_data=val, method=args.method, beta=args.beta,
+                        ctx=args.ctx, batch=4, lora_r=8, adam_iter=args.steps, adam_alpha=args.lr, warmup=4,
+                        cos_decay_steps=args.steps, save_every=0, eval_every=0, plot=False,
+                        checkpointing="layer", checkpoint_out=w / "chk-ITERATION.gguf",
+                        lora_out=w / "adapter-ITERATION.gguf", metrics_out=w / "metrics.jsonl")
+    validate(o)
+    t = time.perf_counter()
+    res = finetune(o)
+    print(f"{args.steps} steps in {time.perf_counter() - t:.0f} s; losses {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
+    after = logp_accuracy(args.model, val, w / "chk-LATEST.gguf", args.ctx)
+    print(f"after:  held-out logp accuracy {after[0]:.1%} (mean chosen - rejected logp {after[1]:+.2f})")
+    for row in (json.loads(x) for x in (w / "metrics.jsonl").read_text().splitlines()):
+        if "val_loss" in row:
+            print(f"  step {row['step']}: val loss {row['val_loss']:.4f}, "
+                  f"reward accuracy {row['eval_rewards/accuracies']:.1%}, margin {row['eval_rewards/margins']:+.3f}")
+
+
+if __name__ == "__main__":
+    main()
