@@ -24,8 +24,6 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 
 def make_batch(n_vocab: int, B: int, T: int, seed: int = 0):
     from llamatune.train.data import Batch
@@ -44,7 +42,8 @@ def make_batch(n_vocab: int, B: int, T: int, seed: int = 0):
 def setup(model_path: Path, B: int, T: int, mode: str):
     from llamatune.models.model import Model
     from llamatune.options import FinetuneOptions
-    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(model_path)
@@ -110,7 +109,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
-        from finetune_step import build
+        from finetune_step import build   # bench/ is sys.path[0] when run as a script
         args.workdir.mkdir(parents=True, exist_ok=True)
         args.model = args.workdir / "bench-q8_0.gguf"
         build(args.model, "q8_0")

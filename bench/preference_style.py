@@ -112,7 +112,8 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
     from llamatune.train.datasets import load_pairs
-    from llamatune.train.graph import FrozenBase, Graph
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     from llamatune.train.preference import PairValidator, Preference

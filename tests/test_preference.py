@@ -15,7 +15,8 @@ from llamatune.formats.gguf_io import GGUFFile
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions
 from llamatune.train.data import Batch
-from llamatune.train.graph import FrozenBase, Graph
+from llamatune.models.weights import FrozenBase
+from llamatune.train.graph import Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
 from llamatune.train.preference import Preference, adapter_off, dpo_loss, orpo_loss
