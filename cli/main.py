@@ -210,6 +210,13 @@ def generate(
     sys.stdout.write("\n")
 
 
+def _merge_help(name: str) -> str:
+    from dataclasses import fields
+    from llamatune.options import MergeOptions
+    f = next(f for f in fields(MergeOptions) if f.name == name)
+    return f"{f.metadata['help']} [default: {f.default if f.default is not None else 'none'}]"
+
+
 @app.command("export-lora")
 @friendly_errors
 def export_lora(
@@ -219,15 +226,30 @@ def export_lora(
     output: Path = typer.Option(..., "-o", "--output", help="Merged model GGUF to write."),
     outtype: str = typer.Option("same", "--outtype", help="same (keep each tensor's type, quantized ones "
                                 "re-quantized), or f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k..q6_k."),
+    merge_method: Optional[str] = typer.Option(None, "--merge-method", help=_merge_help("merge_method")),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help=_merge_help("imatrix")),
+    calibration_data: Optional[Path] = typer.Option(None, "--calibration-data", help=_merge_help("calibration_data")),
+    calibration_ctx: Optional[int] = typer.Option(None, "--calibration-ctx", help=_merge_help("calibration_ctx")),
+    calibration_chunks: Optional[int] = typer.Option(None, "--calibration-chunks", help=_merge_help("calibration_chunks")),
+    calibration_memory: Optional[int] = typer.Option(None, "--calibration-memory", help=_merge_help("calibration_memory")),
+    imatrix_out: Optional[Path] = typer.Option(None, "--imatrix-out", help=_merge_help("imatrix_out")),
+    ollama: Optional[Path] = typer.Option(None, "--ollama", help=_merge_help("ollama")),
 ):
     """Merge LoRA adapters into a base model: W' = W + sum s*(alpha/r)*B@A, quant types kept."""
     from llamatune.console import out
     from llamatune.commands.export import export_lora as run_export
+    from llamatune.options import MergeOptions
     specs = [(Path(p), 1.0) for p in lora] + [(Path(p), s) for p, s in parse_scaled(lora_scaled)]
-    report = run_export(model_base, specs, output, outtype)
+    given = dict(merge_method=merge_method, imatrix=imatrix, calibration_data=calibration_data,
+                 calibration_ctx=calibration_ctx, calibration_chunks=calibration_chunks,
+                 calibration_memory=calibration_memory, imatrix_out=imatrix_out, ollama=ollama)
+    merge = MergeOptions(**{k: v for k, v in given.items() if v is not None})
+    report = run_export(model_base, specs, output, outtype, merge)
     types = sorted(set(report.merged.values()))
     out.print(f"merged {report.n_merged} tensors ({', '.join(types) or 'none'}), copied {report.n_copied} unchanged"
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
+    if report.modelfile is not None:
+        out.print(f"Ollama: ollama create NAME -f {report.modelfile}")
 
 
 @app.command("convert-checkpoint")

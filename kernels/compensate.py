@@ -94,7 +94,9 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
                          base: np.ndarray | None = None, lazy: int = LAZY) -> np.ndarray:
     """GPTQ-style quantization of w (n_out, n_in) to `qtype` bytes (n_out, row_bytes).
 
-    u: inverse_cholesky(H) (n_in, n_in); quant_weights (n_in,): the importances
+    u: inverse_cholesky(H) (n_in, n_in), or its diagonal (n_in,) for a diagonal H
+    (no cross-column updates: diag(H)^-1/2, or ones when nothing is known);
+    quant_weights (n_in,): the importances
     passed to the type's quantizer (None: its plain quantizer); base: the base
     tensor's codes of the same type (n_out, row_bytes), kept per row and block where
     they cost no more."""
@@ -103,6 +105,15 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
     W = np.array(w, dtype=np.float64)
     out = np.empty((n_out, n_in // g * ts), np.uint8)
     lazy = max(g, lazy // g * g)
+    if u.ndim == 1:                                   # diagonal H: blocks are independent
+        for c0 in range(0, n_in, g):
+            c1 = c0 + g
+            uinv = 1 / u[c0:c1]
+            base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
+            out[:, c0 // g * ts:c1 // g * ts], _ = _group_codes(
+                W[:, c0:c1], qtype, None if qw is None else qw[c0:c1], sig, base_g,
+                lambda e: np.sum((e * uinv) ** 2, axis=1))
+        return out
     for b0 in range(0, n_in, lazy):
         b1 = min(n_in, b0 + lazy)
         es = np.empty((n_out, b1 - b0))               # E_G U_GG^{-1} of the window's groups

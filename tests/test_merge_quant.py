@@ -132,6 +132,18 @@ def test_unchanged_weight_keeps_its_bytes(qtype):
     u = inverse_cholesky(h)
     np.testing.assert_array_equal(quantize_compensated(w, qtype, u, np.diagonal(h), base), base)
     np.testing.assert_array_equal(quantize_compensated(w, qtype, np.eye(512), None, base), base)
+    np.testing.assert_array_equal(quantize_compensated(w, qtype, np.ones(512), None, base), base)
+
+
+def test_diagonal_u_equals_the_diagonal_matrix():
+    """u given as its diagonal (no cross terms) is the same computation as the matrix."""
+    rng = np.random.default_rng(6)
+    w = (rng.standard_normal((8, 512)) * 0.05).astype(np.float32)
+    d = np.exp(rng.standard_normal(512))
+    base = quantize(w + rng.standard_normal(w.shape).astype(np.float32) * 0.01, T.Q4_K)
+    for qtype, b in ((T.Q4_K, base), (T.Q5_0, None)):
+        np.testing.assert_array_equal(quantize_compensated(w, qtype, d, d.astype(np.float32), b),
+                                      quantize_compensated(w, qtype, np.diag(d), d.astype(np.float32), b))
 
 
 def test_compensated_checks():

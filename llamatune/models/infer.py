@@ -64,9 +64,12 @@ class Runner:
         to_device = self.backend.to_device
         self.adapters = {name: [(to_device(a), to_device(b), s) for a, b, s in pairs]
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}
+        self.observer = None      # optional observer(name, x): every matmul's input (calibration.py)
 
     def linear(self, x, name: str):
         """y (N, n_out) = x (N, n_in) · W^T (+ bias) + sum_i s_i (x A_i^T) B_i^T."""
+        if self.observer is not None:
+            self.observer(name, x)
         y = x @ self.base.matrix(name).T
         bias = self.base.vector(name.replace(".weight", ".bias"))
         if bias is not None:
@@ -95,6 +98,8 @@ class Runner:
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
         V, R = self.cfg.n_vocab, self.base.head_rows
+        if self.observer is not None:
+            self.observer("output.weight", x)
         logits = self.xp.empty((x.shape[0], V), np.float32)
         adapters = [(s * (x @ a.T), b) for a, b, s in self.adapters.get("output.weight", ())]
         for lo in range(0, V, R):
