@@ -1,0 +1,169 @@
+"""How much of an adapter survives a merge into a quantized model (#31; llama.cpp #13485).
+
+For each base type: (a) the adapter at run time, (b) the plain merge (round to
+nearest), (c) the compensated merge (llamatune export-lora with --calibration-data),
+(d) llama-export-lora's F16 merge re-quantized by llama-quantize, without and with an
+imatrix (the one llamatune collected; only where a llama.cpp build is given). Each is
+scored on held-out text with llama-perplexity's protocol (windows of --ctx tokens,
+BOS first, the second half scored), by llamatune's forward:
+
+  ppl            perplexity
+  KL shift kept  1 - KLD(adapter || X) / KLD(adapter || base): how much of the way from
+                 the base to the run-time adapter's distribution X goes (1 = all of it)
+  same top       share of scored tokens whose most likely next token is the adapter's
+  gain kept      (ppl_base - ppl_X) / (ppl_base - ppl_adapter)
+
+Usage (the base files are made once in --workdir):
+  python bench/merge_quality.py --model MODEL.gguf --adapter ADAPTER.gguf \
+      --eval shakespeare-eval.txt --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 \
+      [--llamacpp /path/to/llama.cpp/build/bin] [--windows 16] [--ctx 256]
+
+`q4_k_m` means MODEL as given when its general.file_type is 15 (MOSTLY_Q4_K_M); other
+types are made from MODEL by llama-quantize --allow-requantize where a build is given,
+else by llamatune (every matrix re-quantized to the type, 1-D tensors F32).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from llamatune.commands.export import export_lora
+from llamatune.commands.perplexity import make_windows
+from llamatune.formats.adapter import load_runtime_adapters
+from llamatune.formats.gguf_io import GGUFFile, TensorOut, write_gguf
+from llamatune.kernels.dequant import dequantize
+from llamatune.kernels.quantize import quantize
+from llamatune.models.infer import Runner
+from llamatune.models.model import Model
+from llamatune.models.modelfile import FILE_TYPE, fit_type
+from llamatune.options import MergeOptions
+from gguf import GGMLQuantizationType as QType
+
+
+def make_base(model: Path, qtype: str, work: Path, llamacpp: Path | None) -> Path:
+    """MODEL re-quantized to qtype (cached in work)."""
+    if qtype == "q4_k_m" and GGUFFile(model).get("general.file_type") == 15:
+        return model
+    out = work / f"base-{qtype}.gguf"
+    if out.exists():
+        return out
+    if llamacpp is not None:
+        subprocess.run([str(llamacpp / "llama-quantize"), "--allow-requantize", str(model), str(out),
+                        qtype.upper()], check=True, capture_output=True)
+        return out
+    f = GGUFFile(model)
+    target = QType[qtype.upper()]
+    tensors = []
+    for t in f.tensors.values():
+        qt = QType.F32 if len(t.shape) == 1 else fit_type(t.n_cols, target)
+        w = dequantize(t.raw_rows(), t.qtype, t.n_cols)
+        data = w.reshape(t.shape) if qt == QType.F32 else quantize(w, qt)
+        tensors.append(TensorOut(t.name, t.shape, qt, lambda d=data: d))
+    kvs = [kv._replace(value=FILE_TYPE[target]) if kv.key == "general.file_type" else kv for kv in f.kvs.values()]
+    write_gguf(out, f.arch, kvs, tensors)
+    return out
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    z = z.astype(np.float64)
+    z -= z.max(-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def score(runners: dict[str, Runner], reference: str, windows: np.ndarray) -> dict[str, dict]:
+    """ppl of every runner, and KLD / same-top against runners[reference], window by window."""
+    n_ctx = windows.shape[1]
+    first = n_ctx // 2
+    acc = {k: dict(nll=0.0, kld=0.0, top=0, n=0) for k in runners}
+    for w in windows:
+        targets = w[first + 1:]
+        ref = None
+        for name in [reference] + [k for k in runners if k != reference]:
+            lp = log_softmax(runners[name].forward(w[None])[0, first:n_ctx - 1])
+            a = acc[name]
+            a["nll"] -= float(lp[np.arange(len(targets)), targets].sum())
+            a["n"] += len(targets)
+            if ref is None:
+                ref = lp
+            a["kld"] += float((np.exp(ref) * (ref - lp)).sum())
+            a["top"] += int((lp.argmax(-1) == ref.argmax(-1)).sum())
+    return {k: dict(ppl=float(np.exp(a["nll"] / a["n"])), kld=a["kld"] / a["n"], top=a["top"] / a["n"])
+            for k, a in acc.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, required=True)
+    ap.add_argument("--adapter", type=Path, required=True)
+    ap.add_argument("--eval", type=Path, required=True)
+    ap.add_argument("--calibration", type=Path, required=True)
+    ap.add_argument("--types", default="q4_k_m,q4_0,q8_0")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-merge-quality"))
+    ap.add_argument("--llamacpp", type=Path, default=None, help="llama.cpp build/bin (for (d))")
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--windows", type=int, default=16, help="eval windows (the text's first ones)")
+    ap.add_argument("--calibration-ctx", type=int, default=512)
+    ap.add_argument("--calibration-chunks", type=int, default=16)
+    ap.add_argument("--calibration-memory", type=int, default=3072)
+    args = ap.parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for qtype in args.types.split(","):
+        base = make_base(args.model, qtype, args.workdir, args.llamacpp)
+        files, times = {}, {}
+        for method in ("plain", "compensated"):
+            out = args.workdir / f"merged-{qtype}-{method}.gguf"
+            opts = MergeOptions(merge_method=method)
+            if method == "compensated":
+                opts = MergeOptions(calibration_data=args.calibration, calibration_ctx=args.calibration_ctx,
+                                    calibration_chunks=args.calibration_chunks,
+                                    calibration_memory=args.calibration_memory,
+                                    imatrix_out=args.workdir / f"imatrix-{qtype}.gguf")
+            t0 = time.perf_counter()
+            export_lora(base, [(args.adapter, 1.0)], out, merge=opts)
+            times[method] = time.perf_counter() - t0
+            files[method] = out
+            print(f"{qtype} {method}: export {times[method]:.1f} s", flush=True)
+        if args.llamacpp is not None:
+            f16 = args.workdir / f"merged-{qtype}-f16.gguf"
+            subprocess.run([str(args.llamacpp / "llama-export-lora"), "-m", str(base), "--lora", str(args.adapter),
+                            "-o", str(f16)], check=True, capture_output=True)
+            target = "Q4_K_M" if qtype == "q4_k_m" else qtype.upper()
+            for tag, extra in (("llama-quantize", []),
+                               ("llama-quantize-imatrix", ["--imatrix", str(args.workdir / f"imatrix-{qtype}.gguf")])):
+                out = args.workdir / f"merged-{qtype}-{tag}.gguf"
+                subprocess.run([str(args.llamacpp / "llama-quantize"), *extra, str(f16), str(out), target],
+                               check=True, capture_output=True)
+                files[tag] = out
+        model = Model(base)
+        runners = {"base": Runner(model),
+                   "adapter": Runner(model, load_runtime_adapters(model, [(str(args.adapter), 1.0)]))}
+        runners.update({k: Runner(Model(p)) for k, p in files.items()})
+        tok = model.tokenizer
+        windows = make_windows(tok.encode(args.eval.read_text(encoding="utf-8"), add_special=True), args.ctx,
+                               tok.bos_id, tok.add_bos, str(args.eval))[: args.windows]
+        t0 = time.perf_counter()
+        s = score(runners, "adapter", windows)
+        print(f"{qtype}: scored {len(windows)} windows in {time.perf_counter() - t0:.0f} s", flush=True)
+        gain = s["base"]["ppl"] - s["adapter"]["ppl"]
+        for k, v in s.items():
+            v["kl_shift_kept"] = 1 - v["kld"] / s["base"]["kld"] if k != "adapter" else 1.0
+            v["gain_kept"] = (s["base"]["ppl"] - v["ppl"]) / gain if gain else float("nan")
+            v["export_s"] = times.get(k)
+        results[qtype] = s
+        print(f"\n| {qtype} | ppl | KL shift kept | same top token | gain kept | export s |\n|---|---|---|---|---|---|")
+        for k, v in s.items():
+            export_s = "" if v["export_s"] is None else f"{v['export_s']:.0f}"
+            print(f"| {k} | {v['ppl']:.2f} | {100 * v['kl_shift_kept']:.1f} % | {100 * v['top']:.1f} % | "
+                  f"{100 * v['gain_kept']:.1f} % | {export_s} |", flush=True)
+    (args.workdir / "results.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
