@@ -16,7 +16,8 @@ BOS first, the second half scored), by llamatune's forward:
 Usage (the base files are made once in --workdir):
   python bench/merge_quality.py --model MODEL.gguf --adapter ADAPTER.gguf \
       --eval shakespeare-eval.txt --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 \
-      [--llamacpp /path/to/llama.cpp/build/bin] [--windows 16] [--ctx 256]
+      [--bases q8_0=MODEL-Q8_0.gguf] [--llamacpp /path/to/llama.cpp/build/bin] [--windows 16] [--ctx 256]
+  python bench/merge_quality.py ... --time-shapes 4096x11008,11008x4096   (quantizer timings only)
 
 `q4_k_m` means MODEL as given when its general.file_type is 15 (MOSTLY_Q4_K_M); other
 types are made from MODEL by llama-quantize --allow-requantize where a build is given,
@@ -97,6 +98,30 @@ def score(runners: dict[str, Runner], reference: str, windows: np.ndarray) -> di
             for k, a in acc.items()}
 
 
+def time_shape(n_out: int, n_in: int, qtype: QType, repeats: int = 2) -> dict[str, float]:
+    """Seconds for one (n_out, n_in) matrix: plain quantize, inverse_cholesky(H),
+    quantize_compensated; the fastest of `repeats`, the runs alternated."""
+    from llamatune.kernels.compensate import inverse_cholesky, quantize_compensated
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((n_out, n_in)) * 0.02).astype(np.float32)
+    x = rng.standard_normal((2 * n_in, n_in)).astype(np.float32)
+    h = (x.T @ x / len(x)).astype(np.float64)
+    qw = np.diagonal(h).astype(np.float32)
+    best = {"plain": np.inf, "factor": np.inf, "compensated": np.inf}
+    quantize(w[:8], qtype), quantize_compensated(w[:8, :512], qtype, np.eye(512), qw[:512])   # compile
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        quantize(w, qtype)
+        t1 = time.perf_counter()
+        u = inverse_cholesky(h)
+        t2 = time.perf_counter()
+        quantize_compensated(w, qtype, u, qw)
+        t3 = time.perf_counter()
+        for k, v in (("plain", t1 - t0), ("factor", t2 - t1), ("compensated", t3 - t2)):
+            best[k] = min(best[k], v)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True)
@@ -104,6 +129,8 @@ def main() -> None:
     ap.add_argument("--eval", type=Path, required=True)
     ap.add_argument("--calibration", type=Path, required=True)
     ap.add_argument("--types", default="q4_k_m,q4_0,q8_0")
+    ap.add_argument("--bases", default="", help="TYPE=FILE[,TYPE=FILE]: ready base files (e.g. made by "
+                    "llama-quantize) instead of re-quantizing --model")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-merge-quality"))
     ap.add_argument("--llamacpp", type=Path, default=None, help="llama.cpp build/bin (for (d))")
     ap.add_argument("--ctx", type=int, default=256)
@@ -111,11 +138,19 @@ def main() -> None:
     ap.add_argument("--calibration-ctx", type=int, default=512)
     ap.add_argument("--calibration-chunks", type=int, default=16)
     ap.add_argument("--calibration-memory", type=int, default=3072)
+    ap.add_argument("--time-shapes", default="", help="only time the quantizers on OUTxIN[,OUTxIN...] "
+                    "matrices (Q4_K), e.g. 4096x11008 for a 7B ffn_down")
     args = ap.parse_args()
+    if args.time_shapes:
+        for shape in args.time_shapes.split(","):
+            n_out, n_in = map(int, shape.split("x"))
+            print(shape, {k: round(v, 2) for k, v in time_shape(n_out, n_in, QType.Q4_K).items()}, flush=True)
+        return
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {}
     for qtype in args.types.split(","):
-        base = make_base(args.model, qtype, args.workdir, args.llamacpp)
+        given = dict(item.split("=", 1) for item in args.bases.split(",") if item)
+        base = Path(given[qtype]) if qtype in given else make_base(args.model, qtype, args.workdir, args.llamacpp)
         files, times = {}, {}
         for method in ("plain", "compensated"):
             out = args.workdir / f"merged-{qtype}-{method}.gguf"
