@@ -144,7 +144,8 @@ def main() -> None:
     if args.time_shapes:
         for shape in args.time_shapes.split(","):
             n_out, n_in = map(int, shape.split("x"))
-            print(shape, {k: round(v, 2) for k, v in time_shape(n_out, n_in, QType.Q4_K).items()}, flush=True)
+            qtype = QType.Q4_K if n_in % 256 == 0 else QType.Q4_0
+            print(shape, qtype.name, {k: round(v, 2) for k, v in time_shape(n_out, n_in, qtype).items()}, flush=True)
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {}

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from llamatune.kernels.compensate import (damped, inverse_cholesky, quantize_compensated,
+from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_inverse, quantize_compensated,
                                           quantize_compensated_ref)
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
@@ -84,10 +84,12 @@ def correlated(n_in, n_tok=2000, seed=0):
 
 
 def test_inverse_cholesky():
-    _, h = correlated(64)
+    _, h = correlated(300)                                  # 300: the triangular inverse recurses
     u = inverse_cholesky(h)
     np.testing.assert_array_equal(u, np.triu(u))
-    np.testing.assert_allclose(u.T @ u @ damped(h), np.eye(64), atol=1e-8)
+    np.testing.assert_allclose(u.T @ u @ damped(h), np.eye(300), atol=1e-8)
+    m = np.linalg.cholesky(damped(h))
+    np.testing.assert_allclose(lower_inverse(m) @ m, np.eye(300), atol=1e-10)
 
 
 @pytest.mark.parametrize("qtype,n_in", [(T.Q4_0, 256), (T.Q8_0, 256), (T.Q4_K, 1024), (T.Q3_K, 768)],
