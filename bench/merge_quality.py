@@ -174,7 +174,8 @@ def main() -> None:
             for tag, extra in (("llama-quantize", []),
                                ("llama-quantize-imatrix", ["--imatrix", str(args.workdir / f"imatrix-{qtype}.gguf")])):
                 out = args.workdir / f"merged-{qtype}-{tag}.gguf"
-                subprocess.run([str(args.llamacpp / "llama-quantize"), *extra, str(f16), str(out), target],
+                subprocess.run([str(args.llamacpp / "llama-quantize"), "--allow-requantize", *extra, str(f16),
+                                str(out), target],
                                check=True, capture_output=True)
                 files[tag] = out
         model = Model(base)

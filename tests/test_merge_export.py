@@ -205,3 +205,24 @@ def test_merge_option_errors(tmp_path, tiny_vocab, monkeypatch, opts, pattern):
     with pytest.raises(LlamatuneError, match=pattern):
         export_lora(base, [(adapter, 1.0)], tmp_path / "m.gguf", merge=MergeOptions(**opts))
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_cli_reaches_every_merge_option(tmp_path, tiny_vocab):
+    from dataclasses import fields
+
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    runner = CliRunner()
+    help_text = runner.invoke(app, ["export-lora", "--help"], terminal_width=200).output
+    for f in fields(MergeOptions):
+        assert "--" + f.name.replace("_", "-") in help_text, f.name
+    base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, outtype=QType.Q8_0)
+    adapter = saved(tmp_path, make_adapter(base, ["blk.0.attn_q.weight"]))
+    r = runner.invoke(app, ["export-lora", "-m", str(base), "--lora", str(adapter), "-o", str(tmp_path / "m.gguf"),
+                            "--merge-method", "gptq"])
+    assert r.exit_code == 1 and r.output == "error: --merge-method 'gptq': choose compensated or plain\n"
+    r = runner.invoke(app, ["export-lora", "-m", str(base), "--lora", str(adapter), "-o", str(tmp_path / "m.gguf"),
+                            "--ollama", str(tmp_path / "oll")])
+    assert r.exit_code == 0, r.output
+    assert f"Ollama: ollama create NAME -f {tmp_path / 'oll' / 'Modelfile'}" in r.output
