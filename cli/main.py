@@ -109,10 +109,12 @@ def _generate(o) -> None:
 def _export_lora(o) -> None:
     from llamatune.console import out
     from llamatune.commands.export import export_lora as run_export
-    report = run_export(o.model_base, o.adapters(), o.output, o.outtype)
+    report = run_export(o.model_base, o.adapters(), o.output, o.outtype, o)
     types = sorted(set(report.merged.values()))
     out.print(f"merged {report.n_merged} tensors ({', '.join(types) or 'none'}), copied {report.n_copied} unchanged"
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
+    if report.modelfile is not None:
+        out.print(f"Ollama: ollama create NAME -f {report.modelfile}")
 
 
 def _convert_checkpoint(o) -> None:

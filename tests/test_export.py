@@ -18,6 +18,9 @@ from llamatune.models.infer import Runner
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.models.model import Model
+from llamatune.options import MergeOptions
+
+PLAIN = MergeOptions(merge_method="plain")    # round to nearest, the oracle these tests compute
 
 # K-quants need every row length to be a multiple of 256
 KCFG = dict(n_embd=256, n_ff=512, head_dim=64, n_rot=64, n_head=4, n_head_kv=2, n_layer=1)
@@ -96,7 +99,7 @@ def test_quantized_merge_keeps_type(tmp_path, tiny_vocab, qtype):
     base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, outtype=qtype, **KCFG)
     names = ["token_embd.weight", "blk.0.attn_q.weight", "blk.0.ffn_down.weight", "output.weight"]
     adapter = make_adapter(base, names, rank=8, alpha=16.0)
-    report = export_lora(base, [(saved(tmp_path, adapter), 0.5)], tmp_path / "m.gguf")
+    report = export_lora(base, [(saved(tmp_path, adapter), 0.5)], tmp_path / "m.gguf", merge=PLAIN)
     b, m = GGUFFile(base), GGUFFile(tmp_path / "m.gguf")
     assert report.merged == {n: qtype.name for n in names}
     assert meta(m) == meta(b)
@@ -117,7 +120,7 @@ def test_llama_cpp_q4_k_m_model_keeps_mixed_types(tmp_path):
     base = need(MODELS / "tiny-Q4_K_M.gguf")                   # Q4_K, Q6_K and F32 tensors, made by llama.cpp
     names = ["blk.0.attn_q.weight", "output.weight", "blk.1.ffn_norm.weight"]
     adapter = make_adapter(base, names, rank=8, alpha=8.0)
-    report = export_lora(base, [(saved(tmp_path, adapter), 1.0)], tmp_path / "m.gguf")
+    report = export_lora(base, [(saved(tmp_path, adapter), 1.0)], tmp_path / "m.gguf", merge=PLAIN)
     assert report.merged == {"blk.0.attn_q.weight": "Q4_K", "output.weight": "Q6_K", "blk.1.ffn_norm.weight": "F32"}
     b, m = GGUFFile(base), GGUFFile(tmp_path / "m.gguf")
     assert meta(m) == meta(b)

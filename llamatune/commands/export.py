@@ -20,6 +20,16 @@ Deliberate differences from llama.cpp:
     quantized adapter tensors are dequantized rather than rejected;
   - all problems of all adapters are collected into one error before anything is
     written, and the output appears atomically (never half-written).
+
+Re-quantization (`merge.merge_method`): "plain" is round to nearest (the type's
+quantizer, as llama-quantize without an imatrix). "compensated" (the default)
+quantizes each merged matrix with kernels/compensate.py: llama.cpp's importance-
+weighted quantizer on the input columns' mean x^2 (from --imatrix or
+--calibration-data), GPTQ-style error compensation through each input's second
+moment (from --calibration-data only; Calibration runs the base + adapters over the
+text), and per block the base's own code wherever it is at least as close to the
+merged weight. Without statistics that is round to nearest keeping the base's blocks
+that are as close (a zero adapter gives back the base's bytes).
 """
 from __future__ import annotations
 
@@ -33,12 +43,16 @@ from gguf import GGMLQuantizationType as QType
 
 from ..console import notice
 from ..errors import LlamatuneError, listed
-from ..formats.adapter import LoraAdapter, read_adapter
+from ..formats.adapter import LoraAdapter, RuntimeAdapters, is_norm, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
+from ..formats.imatrix import IMatrix, check_against, read_imatrix, write_imatrix
+from ..formats.ollama import write_modelfile
 from ..kernels import dequant
+from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..locks import hold
 from ..models.writer import FILE_TYPE, fit_type, parse_outtype
+from ..options import MergeOptions
 from ..outputs import Out, check_paths
 
 TOKEN_EMBD = "token_embd.weight"
@@ -55,6 +69,9 @@ class ExportReport:
     n_copied: int = 0        # tensors copied byte for byte
     n_converted: int = 0     # tensors without adapters converted to an explicit outtype
     notes: list[str] = field(default_factory=list)          # also printed as notices
+    statistics: str = "none"  # what the compensated merge used: none, imatrix, calibration
+    n_calibration_passes: int = 0
+    modelfile: Path | None = None
 
     @property
     def n_merged(self) -> int:
@@ -62,25 +79,40 @@ class ExportReport:
 
 
 def export_lora(model_base: str | Path, adapters: list[tuple[str | Path, float]], out: str | Path,
-                outtype: str = "same") -> ExportReport:
+                outtype: str = "same", merge: MergeOptions | None = None,
+                progress=None) -> ExportReport:
     """Merge `adapters` [(path, user_scale)] into `model_base` and write `out`.
     outtype "same" keeps each tensor's type; f32/f16/bf16/q8_0/.../q6_k converts
-    every matrix (1-D tensors stay F32). Raises LlamatuneError before writing."""
+    every matrix (1-D tensors stay F32). `merge` says how merged weights are
+    re-quantized (default: compensated) and whether an Ollama Modelfile is written.
+    Raises LlamatuneError before writing."""
+    options = merge or MergeOptions()
+    options.check()
     target = None if outtype.lower() == "same" else parse_outtype(outtype)
     output = Out("--output", Path(out))
-    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters], [output])
-    with hold([output], "export-lora"):          # before loading: another run may be writing `out`
-        return _export(model_base, adapters, Path(out), target)
+    outputs = ([output] + ([Out("--imatrix-out", options.imatrix_out)] if options.imatrix_out else [])
+               + ([Out("--ollama", options.ollama / "Modelfile")] if options.ollama else []))
+    check_paths([("--model-base", Path(model_base))] + [("--lora", Path(p)) for p, _ in adapters]
+                + [("--imatrix", options.imatrix), ("--calibration-data", options.calibration_data)], outputs)
+    for flag, p in (("--imatrix", options.imatrix), ("--calibration-data", options.calibration_data)):
+        if p is not None and not Path(p).is_file():
+            raise LlamatuneError(f"{flag} {p}: file not found")
+    with hold(outputs, "export-lora"):           # before loading: another run may be writing `out`
+        return _export(model_base, adapters, Path(out), target, options, progress)
 
 
 def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], out: Path,
-            target: QType | None) -> ExportReport:
-    """export_lora once its paths are checked and its output is locked."""
+            target: QType | None, options: MergeOptions, progress) -> ExportReport:
+    """export_lora once its paths are checked and its outputs are locked."""
     base = GGUFFile(model_base)
     if base.get("general.type") == "adapter":
         raise LlamatuneError(f"{base.path}: is a LoRA adapter, not a model (pass it with --lora)")
     loaded = _load_adapters(base, adapters, out)
     report = ExportReport(out, notes=_set_differences(loaded))
+    imatrix = None
+    if options.imatrix is not None:
+        imatrix = read_imatrix(options.imatrix)
+        check_against(imatrix, Path(options.imatrix), {n: t.n_cols for n, t in base.tensors.items()})
 
     # Every adapter term per base weight, in the order the adapters were given.
     deltas: dict[str, list[Delta]] = {}
@@ -90,6 +122,20 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     if TOKEN_EMBD in deltas and "output.weight" not in base.tensors:
         report.notes.append("the model ties output to token_embd: the merged token_embd adapter also changes "
                             "the output projection (at run time llama.cpp applies it to the input only)")
+
+    requant = _Requant(options.merge_method, imatrix)
+    if options.merge_method == "compensated":
+        blocky = [t.name for t in base.tensors.values() if t.name in deltas and t.name != TOKEN_EMBD
+                  and len(t.shape) == 2 and _is_block_type(_out_type(t, target, True, []))]
+        if options.calibration_data is not None and blocky:
+            requant.calibration = _calibrate(base, loaded, options, blocky, progress)
+            requant.imatrix = requant.calibration.imatrix(str(options.calibration_data))
+            if options.imatrix_out is not None:
+                write_imatrix(options.imatrix_out, requant.imatrix, base.arch)
+        report.statistics = ("calibration" if requant.calibration else "imatrix" if imatrix else "none")
+        if report.statistics == "none" and blocky:
+            report.notes.append("no --calibration-data or --imatrix: merged blocks are rounded to nearest, keeping "
+                                "each base block that is as close (give one for an output-aware merge)")
 
     tensors: list[TensorOut] = []
     problems: list[str] = []
@@ -110,12 +156,16 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
             report.n_converted += 1
         else:
             report.merged[t.name] = qtype.name
-        tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype)))
+        tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype, requant)))
     if problems:
         raise LlamatuneError("cannot export: " + listed(problems))
     for note in report.notes:
         notice(note)
     write_gguf(out, base.arch, _metadata(base, target), tensors)
+    if requant.calibration is not None:
+        report.n_calibration_passes = requant.calibration.n_passes
+    if options.ollama is not None:
+        report.modelfile = write_modelfile(options.ollama, out, base.get("tokenizer.chat_template"))
     return report
 
 
@@ -182,14 +232,71 @@ def _can_dequantize(t: Tensor) -> bool:
         return False
 
 
-def _merge(t: Tensor, deltas: list[Delta], qtype: QType) -> np.ndarray:
+def _merge(t: Tensor, deltas: list[Delta], qtype: QType, requant: "_Requant") -> np.ndarray:
     """deq(W) + sum_i s_i · delta_i in f32 (rows, cols), encoded as `qtype`.
     Called by the writer when it reaches `t`: one tensor is in memory at a time."""
     w = dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols)       # fresh (rows, cols) f32; norms (1, C)
     for a, b, s in deltas:
         # token_embd: A (V, r), B (C, r) -> (V, C); others (incl. norms): B (n_out, r) @ A (r, n_in)
         w += np.float32(s) * (a @ b.T if t.name == TOKEN_EMBD else b @ a)
-    return w if qtype == QType.F32 else quantize(w, qtype)
+    if qtype == QType.F32:
+        return w
+    if not deltas or not _is_block_type(qtype) or requant.method == "plain":
+        return quantize(w, qtype)
+    return requant(t, w, qtype)
+
+
+_FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
+
+
+def _is_block_type(qtype: QType) -> bool:
+    return qtype in QUANTIZABLE and qtype not in _FLOAT_TYPES
+
+
+class _Requant:
+    """The compensated re-quantization of merged matrices, with whatever statistics exist."""
+
+    def __init__(self, method: str, imatrix: IMatrix | None):
+        self.method, self.imatrix = method, imatrix
+        self.calibration = None
+        self._factor: tuple[str, np.ndarray] | None = None     # (input key, U): q/k/v share one
+
+    def __call__(self, t: Tensor, w: np.ndarray, qtype: QType) -> np.ndarray:
+        base = t.raw_rows() if t.qtype == qtype else None          # the base's codes: kept where as close
+        qw = None if self.imatrix is None or t.name == TOKEN_EMBD else self.imatrix.importance(t.name)
+        found = self.calibration.hessian(t.name) if self.calibration is not None else None
+        if found is not None:
+            key, h = found
+            if self._factor is None or self._factor[0] != key:
+                self._factor = (key, inverse_cholesky(h))
+            u = self._factor[1]
+        elif qw is not None:                                        # diagonal H: weighted, no compensation
+            d = qw.astype(np.float64) + DAMP * max(float(qw.mean()), 1e-30)
+            u = 1 / np.sqrt(d)
+        else:
+            u = np.ones(t.n_cols)
+        return quantize_compensated(w, qtype, u, qw, base)
+
+
+def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: MergeOptions,
+               ordered: list[str], progress):
+    """Run the base + adapters (applied at run time, norms aside) over the calibration text."""
+    from ..models.calibration import Calibration, calibration_windows
+    from ..models.infer import Runner
+    from ..models.model import Model
+    path = Path(merge.calibration_data)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise LlamatuneError(f"{path}: calibration text is not UTF-8") from None
+    model = Model(base.path)
+    runtime = RuntimeAdapters()
+    for adapter, user_scale in loaded:
+        for name, (a, b) in adapter.pairs.items():
+            if not is_norm(name):
+                runtime.add(name, a, b, adapter.scale(name, user_scale))
+    windows = calibration_windows(model.tokenizer, text, merge.calibration_ctx, merge.calibration_chunks, str(path))
+    return Calibration(Runner(model, runtime), windows, ordered, merge.calibration_memory << 20, progress=progress)
 
 
 def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:

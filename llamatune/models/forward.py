@@ -103,6 +103,7 @@ class Forward:
         self.cfg, self.base, self.backend = cfg, base, backend
         self.xp, self.ops = backend.xp, backend.ops
         self.products = Products(self.xp, compute_dtype)   # every product with a base weight
+        self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
 
     # ------------------------------------------------------------------ overridable parts
     def adapter_pairs(self, name: str) -> list:
@@ -138,6 +139,8 @@ class Forward:
 
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + the adapters' share."""
+        if self.observer is not None:
+            self.observer(name, x)
         W, merged = self.matrix(name, x.shape[0])
         self.base_product(y, x, W)
         bias = self.base.vector(name.replace(".weight", ".bias"))

@@ -72,6 +72,8 @@ class Runner(Forward):
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
         V, R = self.cfg.n_vocab, self.base.head_rows
+        if self.observer is not None:
+            self.observer("output.weight", x)
         logits = self.xp.empty((x.shape[0], V), np.float32)
         adapters = [(s * (x @ a.T), b) for a, b, s in self.adapters.get("output.weight", ())]
         for lo in range(0, V, R):

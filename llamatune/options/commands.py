@@ -12,6 +12,9 @@ from ..errors import LlamatuneError
 from .fields import check_number, opt
 from .training import SEED
 
+G_MERGE = "Merge"
+MERGE_METHODS = ("compensated", "plain")
+
 LORA_HELP = "LoRA adapter (GGUF) applied at run time with scale 1; repeatable."
 LORA_SCALED_HELP = "LoRA adapter with a user scale, as FILE:SCALE; repeatable."
 
@@ -113,7 +116,40 @@ class TokenizeOptions:
 
 
 @dataclass
-class ExportOptions:
+class MergeOptions:
+    """How export-lora re-quantizes merged weights, and the Ollama hand-off (#31)."""
+    merge_method: str = opt("compensated", "compensated: re-quantize merged weights to minimize the output error "
+                            "(llama.cpp's imatrix-weighted quantizers; with --calibration-data also GPTQ-style error "
+                            "compensation), keeping a base block where it is as close; plain: round to nearest "
+                            "(llama-quantize without an imatrix).", G_MERGE)
+    imatrix: Optional[Path] = opt(None, "Importance matrix GGUF (llama-imatrix's, or --imatrix-out's) weighting "
+                                  "the merged weights' input columns.", G_MERGE)
+    calibration_data: Optional[Path] = opt(None, "Text to run the base + adapters over, collecting each merged "
+                                           "weight's input statistics (importance and second moment).", G_MERGE)
+    calibration_ctx: int = opt(512, "Tokens per calibration window.", G_MERGE)
+    calibration_chunks: int = opt(16, "Calibration windows at most (the text's first ones).", G_MERGE)
+    calibration_memory: int = opt(2048, "MiB of input second moments held at once; more needs further passes "
+                                  "over the calibration text.", G_MERGE)
+    imatrix_out: Optional[Path] = opt(None, "Write the statistics of --calibration-data as an imatrix GGUF "
+                                      "(usable by llama-quantize --imatrix).", G_MERGE)
+    ollama: Optional[Path] = opt(None, "Also write DIR/Modelfile for `ollama create NAME -f DIR/Modelfile`.", G_MERGE)
+
+    def check(self) -> None:
+        if self.merge_method not in MERGE_METHODS:
+            raise LlamatuneError(f"--merge-method {self.merge_method!r}: choose {' or '.join(MERGE_METHODS)}")
+        for flag, value in (("--calibration-ctx", self.calibration_ctx), ("--calibration-chunks", self.calibration_chunks),
+                            ("--calibration-memory", self.calibration_memory)):
+            if value < 1:
+                raise LlamatuneError(f"{flag} {value}: must be at least 1")
+        if self.imatrix_out is not None and self.calibration_data is None:
+            raise LlamatuneError("--imatrix-out needs --calibration-data (the statistics it writes)")
+        if self.merge_method == "plain" and (self.imatrix or self.calibration_data):
+            raise LlamatuneError("--merge-method plain uses no statistics: drop --imatrix/--calibration-data "
+                                 "or use --merge-method compensated")
+
+
+@dataclass
+class ExportOptions(MergeOptions):
     """`llamatune export-lora`."""
     model_base: Optional[Path] = opt(None, "Base model GGUF.", None, flags=("-m",), required=True)
     lora: list[Path] = opt([], "Adapter to merge with scale 1; repeatable.", None)
@@ -124,6 +160,7 @@ class ExportOptions:
 
     def check(self) -> None:
         scaled_adapters(self.lora_scaled)
+        super().check()
 
     def adapters(self) -> list[tuple[Path, float]]:
         return [(Path(p), 1.0) for p in self.lora] + [(Path(p), s) for p, s in scaled_adapters(self.lora_scaled)]

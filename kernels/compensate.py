@@ -1,0 +1,171 @@
+"""Error-compensating quantization of one weight matrix (GPTQ / OBQ, in the type's blocks).
+
+For W (n_out, n_in) and the second moment of its inputs H = E[x x^T] (n_in, n_in),
+the error that matters is the output error  E||(W - Q) x||^2 = tr((W-Q) H (W-Q)^T).
+Columns are quantized in order, one group of the type's block (32 values; 256 for
+the K-quants) at a time, by the type's own importance-weighted quantizer
+(quantize_weighted.py) on the current, error-updated weights; each group's rounding
+error is then carried onto the columns not yet quantized, as GPTQ (Frantar et al.
+2022, gptq.py `fasterquant`) does column by column:
+
+    delta_R = E_G · H_GR · H_RR^{-1}                  (the best update of the rest R
+                                                       for fixed errors E_G = W_G - Q_G)
+            = E_G · U_GG^{-1} · U_GR                  U upper, U^T U = H^{-1} (damped)
+
+The second form costs one (n_out, g) x (g, n_rest) product per group; updates are
+applied lazily, a window of columns at a time (GPTQ's "lazy batch"). The loss a
+group adds after that compensation is ||E_G U_GG^{-1}||^2 per row; a row's group is
+written with whichever of two codes costs less: the new one, or, when given, the
+base tensor's own block (same type) -- so an unchanged weight keeps its bytes and a
+merge never moves a block away from a better code it already had.
+
+`quantize_compensated_ref` is the numpy reference (the first form, solved directly,
+no Cholesky); tests compare the two.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from .dequant import dequantize
+from .quantize_weighted import quantize_weighted
+
+__all__ = ["DAMP", "inverse_cholesky", "quantize_compensated", "quantize_compensated_ref"]
+
+DAMP = 0.01        # GPTQ's percdamp: H + DAMP * mean(diag H) * I
+LAZY = 1024        # columns whose updates are applied within; the rest once per window
+_LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
+
+
+def damped(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """H (float64 copy) with dead inputs (H_ii = 0) set to 1 and damp * mean(diag) added
+    to the diagonal, as GPTQ does before factoring."""
+    h = np.array(h, dtype=np.float64)
+    d = np.diagonal(h).copy()
+    dead = d <= 0
+    h[dead, :] = 0
+    h[:, dead] = 0
+    h[dead, dead] = 1
+    np.fill_diagonal(h, np.diagonal(h) + damp * max(float(np.mean(np.diagonal(h))), 1e-30))
+    return h
+
+
+def lower_inverse(m: np.ndarray) -> np.ndarray:
+    """Inverse of a lower-triangular matrix by halves, [[A, 0], [C, D]]^{-1} =
+    [[A^-1, 0], [-D^-1 C A^-1, D^-1]]: n^3/3 flops in matrix products (numpy has no
+    trtri; a general solve costs about 8x that)."""
+    n = m.shape[0]
+    if n <= 128:
+        return np.tril(np.linalg.inv(m))
+    k = n // 2
+    out = np.zeros_like(m)
+    out[:k, :k] = ai = lower_inverse(m[:k, :k])
+    out[k:, k:] = di = lower_inverse(m[k:, k:])
+    out[k:, :k] = -(di @ (m[k:, :k] @ ai))
+    return out
+
+
+def inverse_cholesky(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+    """U (n, n) upper triangular with U^T U = damped(H)^{-1}, in float64.
+    With J the reversal, J H J = M M^T (M lower) gives H^{-1} = (J M^{-T} J)(J M^{-1} J),
+    so U = J M^{-1} J: one Cholesky and one triangular inverse (no explicit H^{-1})."""
+    hd = damped(h, damp)
+    try:
+        m = np.linalg.cholesky(hd[::-1, ::-1])
+    except np.linalg.LinAlgError as e:
+        raise ValueError(f"input second moment is not positive definite after damping {damp}") from e
+    return np.ascontiguousarray(lower_inverse(m)[::-1, ::-1])
+
+
+def _group_codes(wg, qtype, qw, sig, base_g, cost):
+    """Quantize one column group, choose per row between the new codes and base_g by
+    cost(error) (n_out,), and return (codes, error)."""
+    q = quantize_weighted(wg.astype(np.float32), qtype, qw, sig)
+    e = wg - dequantize(q, qtype, wg.shape[1])
+    if base_g is not None:
+        e_base = wg - dequantize(base_g, qtype, wg.shape[1])
+        keep = cost(e_base) <= cost(e)
+        q[keep] = base_g[keep]
+        e[keep] = e_base[keep]
+    return q, e
+
+
+def _check(w, qtype, quant_weights, base):
+    qtype = T(qtype)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_out, n_in = w.shape
+    if n_in % block:
+        raise ValueError(f"{qtype.name}: row length {n_in} is not a multiple of {block}")
+    if base is not None and base.shape != (n_out, n_in // block * type_size):
+        raise ValueError(f"base codes of shape {base.shape} for a {qtype.name} ({n_out}, {n_in}) matrix")
+    qw = None if quant_weights is None else np.asarray(quant_weights, np.float32)
+    # legacy types take sigma2 over the whole row (quantize_row_*_impl); keep the target's
+    sig = np.mean(np.square(w, dtype=np.float32), axis=1, dtype=np.float32) if qtype in _LEGACY else None
+    return qtype, block, type_size, qw, sig
+
+
+def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.ndarray | None = None,
+                         base: np.ndarray | None = None, lazy: int = LAZY) -> np.ndarray:
+    """GPTQ-style quantization of w (n_out, n_in) to `qtype` bytes (n_out, row_bytes).
+
+    u: inverse_cholesky(H) (n_in, n_in), or its diagonal (n_in,) for a diagonal H
+    (no cross-column updates: diag(H)^-1/2, or ones when nothing is known);
+    quant_weights (n_in,): the importances
+    passed to the type's quantizer (None: its plain quantizer); base: the base
+    tensor's codes of the same type (n_out, row_bytes), kept per row and block where
+    they cost no more."""
+    qtype, g, ts, qw, sig = _check(w, qtype, quant_weights, base)
+    n_out, n_in = w.shape
+    W = np.array(w, dtype=np.float64)
+    out = np.empty((n_out, n_in // g * ts), np.uint8)
+    lazy = max(g, lazy // g * g)
+    if u.ndim == 1:                                   # diagonal H: blocks are independent
+        for c0 in range(0, n_in, g):
+            c1 = c0 + g
+            uinv = 1 / u[c0:c1]
+            base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
+            out[:, c0 // g * ts:c1 // g * ts], _ = _group_codes(
+                W[:, c0:c1], qtype, None if qw is None else qw[c0:c1], sig, base_g,
+                lambda e: np.sum((e * uinv) ** 2, axis=1))
+        return out
+    for b0 in range(0, n_in, lazy):
+        b1 = min(n_in, b0 + lazy)
+        es = np.empty((n_out, b1 - b0))               # E_G U_GG^{-1} of the window's groups
+        for c0 in range(b0, b1, g):
+            c1 = c0 + g
+            wg = W[:, c0:c1] - es[:, :c0 - b0] @ u[b0:c0, c0:c1]
+            uinv = np.linalg.inv(u[c0:c1, c0:c1])
+
+            def cost(e):
+                return np.einsum("ij,ij->i", e @ uinv, e @ uinv)
+            base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
+            q, e = _group_codes(wg, qtype, None if qw is None else qw[c0:c1], sig, base_g, cost)
+            out[:, c0 // g * ts:c1 // g * ts] = q
+            es[:, c0 - b0:c1 - b0] = e @ uinv
+        if b1 < n_in:
+            W[:, b1:] -= es @ u[b0:b1, b1:]
+    return out
+
+
+def quantize_compensated_ref(w: np.ndarray, qtype, h: np.ndarray, quant_weights: np.ndarray | None = None,
+                             base: np.ndarray | None = None, damp: float = DAMP) -> np.ndarray:
+    """Reference of quantize_compensated: group by group, W_R += E_G H_GR H_RR^{-1}
+    on the damped H, cost of a group error E_G S E_G^T with S = H_GG - H_GR H_RR^{-1} H_RG."""
+    qtype, g, ts, qw, sig = _check(w, qtype, quant_weights, base)
+    n_out, n_in = w.shape
+    hd = damped(h, damp)
+    W = np.array(w, dtype=np.float64)
+    out = np.empty((n_out, n_in // g * ts), np.uint8)
+    for c0 in range(0, n_in, g):
+        c1 = c0 + g
+        G, R = slice(c0, c1), slice(c1, n_in)
+        h_gr = hd[G, R]
+        h_rr_inv_h_rg = np.linalg.solve(hd[R, R], h_gr.T) if c1 < n_in else np.zeros((0, g))
+        s = hd[G, G] - h_gr @ h_rr_inv_h_rg
+        base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
+        q, e = _group_codes(W[:, G], qtype, None if qw is None else qw[G], sig, base_g,
+                            lambda e: np.einsum("ij,ij->i", e @ s, e))
+        out[:, c0 // g * ts:c1 // g * ts] = q
+        if c1 < n_in:
+            W[:, R] += e @ h_rr_inv_h_rg.T
+    return out

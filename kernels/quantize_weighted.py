@@ -1,0 +1,581 @@
+"""Importance-weighted quantization: what ``llama-quantize --imatrix`` runs.
+
+With an importance matrix, llama.cpp's ``quantize_<type>(src, dst, nrow, n_per_row,
+quant_weights)`` calls ``quantize_row_<type>_impl`` (ggml/src/ggml-quants.c) instead
+of the ``_ref`` code ported in quantize.py. ``quant_weights`` holds one importance
+per input column (imatrix: the mean of x^2 over real data, the same for every row)
+and enters every type's block fit as
+
+    weight_i = qw_i * sqrt(sigma2 + x_i^2)        (Q6_K: weight_i = qw_i)
+
+with sigma2 the mean x^2 of the row (legacy types) or 2x / 1x that of the 256-value
+super-block (Q3_K, Q4_K, Q5_K / Q2_K). These are numba ports of those ``_impl``
+functions and their helpers ``make_qx_quants`` (with weights), ``make_qkx3_quants``
+and ``make_qp_quants``, with the float32 operations in C order as in quantize.py
+(byte-identical to that C code built without FMA contraction; tests keep digests).
+Q8_0 has no weighted variant in llama.cpp (it ignores quant_weights); so here.
+
+One addition for error-compensating quantization (kernels/compensate.py), which
+quantizes a row in column groups: ``row_sigma2`` may give the legacy types' per-row
+sigma2 instead of computing it from the (partial) row passed in.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from numba import njit, prange
+
+from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4,
+                       _put_f16, _scale_min_k4, quantize)
+
+__all__ = ["WEIGHTED", "quantize_weighted"]
+
+f32 = np.float32
+
+
+# ---------------------------------------------------------- ggml-quants.c helpers
+@njit(cache=True)
+def _make_qx_quants_w(nmax, x, L, qw):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw): symmetric levels -nmax..nmax-1
+    stored as L+nmax; the qw-weighted best of 19 trial scales."""
+    n = x.shape[0]
+    amax = f32(0)
+    mx = f32(0)
+    for i in range(n):
+        if abs(x[i]) > amax:
+            amax = abs(x[i])
+            mx = x[i]
+    if amax < GROUP_MAX_EPS:
+        L[:n] = 0
+        return f32(0)
+    iscale = f32(-nmax) / mx
+    sumlx = f32(0)
+    suml2 = f32(0)
+    for i in range(n):
+        l = max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
+        L[i] = l + nmax
+        fl = f32(l)
+        sumlx += qw[i] * x[i] * fl
+        suml2 += qw[i] * fl * fl
+    scale = sumlx / suml2 if suml2 != 0 else f32(0)
+    best = scale * sumlx
+    for step in range(-9, 10):
+        if step == 0:
+            continue
+        iscale = -(f32(nmax) + f32(0.1) * f32(step)) / mx
+        sumlx = f32(0)
+        suml2 = f32(0)
+        for i in range(n):
+            fl = f32(max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i]))))
+            sumlx += qw[i] * x[i] * fl
+            suml2 += qw[i] * fl * fl
+        if suml2 > 0 and sumlx * sumlx > best * suml2:
+            for i in range(n):
+                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
+            scale = sumlx / suml2
+            best = scale * sumlx
+    return scale
+
+
+@njit(cache=True)
+def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
+    """make_qkx3_quants with weights and use_mad=false: asymmetric levels 0..nmax,
+    x ~ scale*L - the_min, nstep+1 trial scales each refit by weighted least squares.
+    Returns (scale, the_min); L filled."""
+    n = x.shape[0]
+    mn = x[0]
+    mx = x[0]
+    sum_w = w[0]
+    sum_x = sum_w * x[0]
+    for i in range(1, n):
+        if x[i] < mn:
+            mn = x[i]
+        if x[i] > mx:
+            mx = x[i]
+        sum_w += w[i]
+        sum_x += w[i] * x[i]
+    if mn > 0:
+        mn = f32(0)
+    if mx <= mn:
+        L[:n] = 0
+        return f32(0), -mn
+    fnmax = f32(nmax)
+    iscale = fnmax / (mx - mn)
+    scale = f32(1) / iscale
+    best_mad = f32(0)
+    for i in range(n):
+        l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
+        L[i] = l
+        diff = scale * f32(l) + mn - x[i]
+        best_mad += w[i] * (diff * diff)
+    for step in range(nstep + 1):
+        iscale = (rmin + rdelta * f32(step) + fnmax) / (mx - mn)
+        sum_l = f32(0)
+        sum_l2 = f32(0)
+        sum_xl = f32(0)
+        for i in range(n):
+            l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
+            Laux[i] = l
+            fl = f32(l)
+            sum_l += w[i] * fl
+            sum_l2 += w[i] * fl * fl
+            sum_xl += w[i] * fl * x[i]
+        D = sum_w * sum_l2 - sum_l * sum_l
+        if D > 0:
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            if this_min > 0:
+                this_min = f32(0)
+                this_scale = sum_xl / sum_l2
+            mad = f32(0)
+            for i in range(n):
+                diff = this_scale * f32(Laux[i]) + this_min - x[i]
+                mad += w[i] * (diff * diff)
+            if mad < best_mad:
+                L[:n] = Laux[:n]
+                best_mad = mad
+                scale = this_scale
+                mn = this_min
+    return scale, -mn
+
+
+@njit(cache=True)
+def _make_qp_quants(nmax, x, L, qw):
+    """make_qp_quants: non-negative levels 0..nmax for the sub-block scales or mins
+    of a K-quant super-block, weighted by qw; 9 trial scales, then up to 5 sweeps
+    of per-element level changes. L is C's uint8_t (stored & 0xFF)."""
+    n = x.shape[0]
+    mx = f32(0)
+    for i in range(n):
+        mx = max(mx, x[i])
+    if mx < GROUP_MAX_EPS:
+        L[:n] = 0
+        return f32(0)
+    fnmax = f32(nmax)
+    iscale = fnmax / mx
+    for i in range(n):
+        L[i] = _nearest_int(iscale * x[i]) & 0xFF
+    scale = f32(1) / iscale
+    best_mse = f32(0)
+    for i in range(n):
+        diff = x[i] - scale * f32(L[i])
+        best_mse += qw[i] * diff * diff
+    for step in range(-4, 5):
+        if step == 0:
+            continue
+        iscale_is = (f32(0.1) * f32(step) + fnmax) / mx
+        scale_is = f32(1) / iscale_is
+        mse = f32(0)
+        for i in range(n):
+            l = min(nmax, _nearest_int(iscale_is * x[i]))
+            diff = x[i] - scale_is * f32(l)
+            mse += qw[i] * diff * diff
+        if mse < best_mse:
+            best_mse = mse
+            iscale = iscale_is
+    sumlx = f32(0)
+    suml2 = f32(0)
+    for i in range(n):
+        l = min(nmax, _nearest_int(iscale * x[i]))
+        L[i] = l & 0xFF
+        fl = f32(L[i])
+        sumlx += qw[i] * x[i] * fl
+        suml2 += qw[i] * fl * fl
+    for _ in range(5):
+        n_changed = 0
+        for i in range(n):
+            w = qw[i]
+            li = f32(L[i])
+            slx = sumlx - w * x[i] * li
+            sl2 = suml2 - w * li * li
+            if slx > 0 and sl2 > 0:
+                new_l = min(nmax, _nearest_int(x[i] * sl2 / slx))
+                if new_l != L[i]:
+                    slx += w * x[i] * f32(new_l)
+                    sl2 += w * f32(new_l) * f32(new_l)
+                    if slx * slx * suml2 > sumlx * sumlx * sl2:
+                        L[i] = new_l & 0xFF
+                        sumlx = slx
+                        suml2 = sl2
+                        n_changed += 1
+        if n_changed == 0:
+            break
+    return sumlx / suml2 if suml2 > 0 else f32(0)
+
+
+@njit(cache=True, inline="always")
+def _sum_sq(x):
+    s = f32(0)
+    for i in range(x.shape[0]):
+        s += x[i] * x[i]
+    return s
+
+
+@njit(cache=True, inline="always")
+def _row_sigma2(x, r, row_sigma2):
+    """sum_x2/n_per_row over row r (legacy types), unless row_sigma2[r] >= 0 gives it."""
+    if row_sigma2[r] >= 0:
+        return row_sigma2[r]
+    return _sum_sq(x[r]) / f32(x.shape[1])
+
+
+# ------------------------------------------------------------------ legacy types
+@njit(cache=True, parallel=True)
+def _quantize_q4_0_w(x, qw, row_sigma2, out):
+    # block_q4_0 (18 B): d (f16), qs[16]: value j in the low nibble of byte j, j+16 high
+    for r in prange(x.shape[0]):
+        L = np.empty(32, np.int64)
+        weight = np.empty(32, np.float32)
+        sigma2 = _row_sigma2(x, r, row_sigma2)
+        for b in range(x.shape[1] // 32):
+            xb = x[r, 32 * b:32 * b + 32]
+            y = out[r, 18 * b:18 * b + 18]
+            for j in range(32):
+                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
+            hd, _ = _fp16(_make_qx_quants_w(8, xb, L, weight))
+            _put_f16(y, 0, hd)
+            for j in range(16):
+                y[2 + j] = L[j] | (L[j + 16] << 4)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q4_1_w(x, qw, row_sigma2, out):
+    # block_q4_1 (20 B): d, m (f16), qs[16] as Q4_0;  y = d*q + m
+    for r in prange(x.shape[0]):
+        L = np.empty(32, np.int64)
+        Laux = np.empty(32, np.int64)
+        weight = np.empty(32, np.float32)
+        sigma2 = _row_sigma2(x, r, row_sigma2)
+        for b in range(x.shape[1] // 32):
+            xb = x[r, 32 * b:32 * b + 32]
+            y = out[r, 20 * b:20 * b + 20]
+            for j in range(32):
+                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
+            d, the_min = _make_qkx3_quants(15, xb, weight, L, Laux, f32(-0.9), f32(0.05), 36)
+            hd, _ = _fp16(d)
+            hm, _ = _fp16(-the_min)
+            _put_f16(y, 0, hd)
+            _put_f16(y, 2, hm)
+            for j in range(16):
+                y[4 + j] = L[j] | (L[j + 16] << 4)
+
+
+@njit(cache=True, inline="always")
+def _pack_q5(L, y, o):
+    # qh (u32 little-endian at y[o:o+4]): bit 4 of value j at bit j; qs[16] at y[o+4:]
+    qh = np.int64(0)
+    for j in range(16):
+        y[o + 4 + j] = (L[j] & 0xF) | ((L[j + 16] & 0xF) << 4)
+        qh |= ((L[j] & 0x10) >> 4) << j
+        qh |= ((L[j + 16] & 0x10) >> 4) << (j + 16)
+    for k in range(4):
+        y[o + k] = (qh >> (8 * k)) & 0xFF
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q5_0_w(x, qw, row_sigma2, out):
+    # block_q5_0 (22 B): d (f16), qh[4], qs[16]
+    for r in prange(x.shape[0]):
+        L = np.empty(32, np.int64)
+        weight = np.empty(32, np.float32)
+        sigma2 = _row_sigma2(x, r, row_sigma2)
+        for b in range(x.shape[1] // 32):
+            xb = x[r, 32 * b:32 * b + 32]
+            y = out[r, 22 * b:22 * b + 22]
+            for j in range(32):
+                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
+            hd, _ = _fp16(_make_qx_quants_w(16, xb, L, weight))
+            _put_f16(y, 0, hd)
+            _pack_q5(L, y, 2)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q5_1_w(x, qw, row_sigma2, out):
+    # block_q5_1 (24 B): d, m (f16), qh[4], qs[16]
+    for r in prange(x.shape[0]):
+        L = np.empty(32, np.int64)
+        Laux = np.empty(32, np.int64)
+        weight = np.empty(32, np.float32)
+        sigma2 = _row_sigma2(x, r, row_sigma2)
+        for b in range(x.shape[1] // 32):
+            xb = x[r, 32 * b:32 * b + 32]
+            y = out[r, 24 * b:24 * b + 24]
+            for j in range(32):
+                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
+            d, the_min = _make_qkx3_quants(31, xb, weight, L, Laux, f32(-0.9), f32(0.05), 36)
+            hd, _ = _fp16(d)
+            hm, _ = _fp16(-the_min)
+            _put_f16(y, 0, hd)
+            _put_f16(y, 2, hm)
+            _pack_q5(L, y, 4)
+
+
+# ------------------------------------------------------------------------ K-quants
+@njit(cache=True, parallel=True)
+def _quantize_q2_k_w(x, qw, row_sigma2, out):
+    # quantize_row_q2_K_impl; block layout as _quantize_q2_k
+    for r in prange(x.shape[0]):
+        L = np.empty(QK_K, np.int64)
+        Laux = np.empty(16, np.int64)
+        Ls = np.empty(16, np.int64)
+        Lm = np.empty(16, np.int64)
+        weight = np.empty(16, np.float32)
+        sw = np.empty(16, np.float32)
+        mins = np.empty(16, np.float32)
+        scales = np.empty(16, np.float32)
+        for b in range(x.shape[1] // QK_K):
+            xb = x[r, b * QK_K:(b + 1) * QK_K]
+            y = out[r, b * 84:(b + 1) * 84]
+            sigma2 = _sum_sq(xb) / f32(QK_K)
+            for j in range(16):
+                sw[j] = f32(0)
+                for l in range(16):
+                    weight[l] = qw[QK_K * b + 16 * j + l] * f32(np.sqrt(sigma2 + xb[16 * j + l] * xb[16 * j + l]))
+                for l in range(16):
+                    sw[j] += weight[l]
+                scales[j], mins[j] = _make_qkx3_quants(
+                    3, xb[16 * j:16 * j + 16], weight, L[16 * j:16 * j + 16], Laux, f32(-0.9), f32(0.05), 36)
+            dm = _make_qp_quants(15, scales, Ls, sw)
+            mm = _make_qp_quants(15, mins, Lm, sw)
+            hd, dm = _fp16(dm)
+            hm, mm = _fp16(mm)
+            _put_f16(y, 80, hd)
+            _put_f16(y, 82, hm)
+            for j in range(16):
+                y[j] = (Ls[j] | (Lm[j] << 4)) & 0xFF
+            for j in range(16):
+                d = dm * f32(y[j] & 0xF)
+                if d == 0:
+                    continue
+                m = mm * f32(y[j] >> 4)
+                for i in range(16):
+                    L[16 * j + i] = max(0, min(3, _nearest_int((xb[16 * j + i] + m) / d)))
+            _pack_2bit(L, y, 16)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q3_k_w(x, qw, row_sigma2, out):
+    # quantize_row_q3_K_impl; block layout as _quantize_q3_k
+    for r in prange(x.shape[0]):
+        L = np.empty(QK_K, np.int64)
+        Ls = np.empty(16, np.int64)
+        weight = np.empty(16, np.float32)
+        sw = np.empty(16, np.float32)
+        scales = np.empty(16, np.float32)
+        for b in range(x.shape[1] // QK_K):
+            xb = x[r, b * QK_K:(b + 1) * QK_K]
+            y = out[r, b * 110:(b + 1) * 110]
+            sigma2 = f32(2) * _sum_sq(xb) / f32(QK_K)
+            for j in range(16):
+                for l in range(16):
+                    weight[l] = qw[QK_K * b + 16 * j + l] * f32(np.sqrt(sigma2 + xb[16 * j + l] * xb[16 * j + l]))
+                sumw = f32(0)
+                for l in range(16):
+                    sumw += weight[l]
+                sw[j] = sumw
+                scales[j] = _make_qx_quants_w(4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16], weight)
+            y[96:108] = 0
+            d_block = _make_qx_quants_w(32, scales, Ls, sw)
+            for j in range(16):
+                l = Ls[j]
+                if j < 8:
+                    y[96 + j] = l & 0xF
+                else:
+                    y[96 + j - 8] |= (l & 0xF) << 4
+                l >>= 4
+                y[104 + j % 4] |= (l << (2 * (j // 4))) & 0xFF
+            hd, d_all = _fp16(d_block)
+            _put_f16(y, 108, hd)
+            for j in range(16):
+                sc = (np.int64(y[96 + j]) & 0xF) if j < 8 else (np.int64(y[96 + j - 8]) >> 4)
+                sc = (sc | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+                dl = d_all * f32(sc)
+                if dl == 0:
+                    continue
+                for i in range(16):
+                    L[16 * j + i] = max(-4, min(3, _nearest_int(xb[16 * j + i] / dl))) + 4
+            y[:32] = 0
+            for j in range(QK_K):
+                if L[j] > 3:
+                    y[j % 32] |= 1 << (j // 32)
+                    L[j] -= 4
+            _pack_2bit(L, y, 32)
+
+
+@njit(cache=True, inline="always")
+def _qkx3_block_45(xb, qwb, y, L, Laux, Ls, Lm, weights, sw, scales, mins, nmax):
+    """Front half of quantize_row_q4_K_impl / q5_K_impl: per 32-value sub-block
+    make_qkx3_quants with weights qw*sqrt(sigma2 + x^2), 6-bit scales and mins by
+    make_qp_quants packed at y[4:16], d/dmin at y[0:4], then L requantized."""
+    sigma2 = f32(2) * _sum_sq(xb) / f32(QK_K)
+    for j in range(8):
+        for l in range(32):
+            weights[l] = qwb[32 * j + l] * f32(np.sqrt(sigma2 + xb[32 * j + l] * xb[32 * j + l]))
+        sumw = f32(0)
+        for l in range(32):
+            sumw += weights[l]
+        sw[j] = sumw
+        scales[j], mins[j] = _make_qkx3_quants(
+            nmax, xb[32 * j:32 * j + 32], weights, L[32 * j:32 * j + 32], Laux, f32(-0.9), f32(0.05), 36)
+    d_block = _make_qp_quants(63, scales, Ls, sw)
+    m_block = _make_qp_quants(63, mins, Lm, sw)
+    y[4:16] = 0
+    for j in range(8):
+        ls = Ls[j]
+        lm = Lm[j]
+        if nmax == 31:            # q5_K clamps; q4_K stores the uint8 as it is
+            ls = min(63, ls)
+            lm = min(63, lm)
+        _pack_scale_min_k4(j, ls, lm, y, 4)
+    hd, d = _fp16(d_block)
+    hm, dmin = _fp16(m_block)
+    _put_f16(y, 0, hd)
+    _put_f16(y, 2, hm)
+    for j in range(8):
+        sc, m = _scale_min_k4(j, y, 4)
+        dl = d * f32(sc)
+        if dl == 0:
+            continue
+        ml = dmin * f32(m)
+        for i in range(32):
+            L[32 * j + i] = max(0, min(nmax, _nearest_int((xb[32 * j + i] + ml) / dl)))
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q4_k_w(x, qw, row_sigma2, out):
+    # quantize_row_q4_K_impl; block layout as _quantize_q4_k
+    for r in prange(x.shape[0]):
+        L = np.empty(QK_K, np.int64)
+        Laux = np.empty(32, np.int64)
+        Ls = np.empty(8, np.int64)
+        Lm = np.empty(8, np.int64)
+        weights = np.empty(32, np.float32)
+        sw = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
+        scales = np.empty(8, np.float32)
+        for b in range(x.shape[1] // QK_K):
+            xb = x[r, b * QK_K:(b + 1) * QK_K]
+            y = out[r, b * 144:(b + 1) * 144]
+            _qkx3_block_45(xb, qw[b * QK_K:(b + 1) * QK_K], y, L, Laux, Ls, Lm, weights, sw, scales, mins, 15)
+            for c in range(4):
+                for l in range(32):
+                    y[16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + l + 32] << 4)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q5_k_w(x, qw, row_sigma2, out):
+    # quantize_row_q5_K_impl; block layout as _quantize_q5_k
+    for r in prange(x.shape[0]):
+        L = np.empty(QK_K, np.int64)
+        Laux = np.empty(32, np.int64)
+        Ls = np.empty(8, np.int64)
+        Lm = np.empty(8, np.int64)
+        weights = np.empty(32, np.float32)
+        sw = np.empty(8, np.float32)
+        mins = np.empty(8, np.float32)
+        scales = np.empty(8, np.float32)
+        for b in range(x.shape[1] // QK_K):
+            xb = x[r, b * QK_K:(b + 1) * QK_K]
+            y = out[r, b * 176:(b + 1) * 176]
+            _qkx3_block_45(xb, qw[b * QK_K:(b + 1) * QK_K], y, L, Laux, Ls, Lm, weights, sw, scales, mins, 31)
+            y[16:48] = 0
+            for c in range(4):
+                for l in range(32):
+                    l1 = L[64 * c + l]
+                    l2 = L[64 * c + l + 32]
+                    if l1 > 15:
+                        l1 -= 16
+                        y[16 + l] |= 1 << (2 * c)
+                    if l2 > 15:
+                        l2 -= 16
+                        y[16 + l] |= 2 << (2 * c)
+                    y[48 + 32 * c + l] = l1 | (l2 << 4)
+
+
+@njit(cache=True, parallel=True)
+def _quantize_q6_k_w(x, qw, row_sigma2, out):
+    # quantize_row_q6_K_impl (weights = qw as they are); block layout as _quantize_q6_k
+    for r in prange(x.shape[0]):
+        L = np.empty(QK_K, np.int64)
+        scales = np.empty(16, np.float32)
+        for b in range(x.shape[1] // QK_K):
+            xb = x[r, b * QK_K:(b + 1) * QK_K]
+            y = out[r, b * 210:(b + 1) * 210]
+            max_scale = f32(0)
+            max_abs_scale = f32(0)
+            for j in range(16):
+                scales[j] = _make_qx_quants_w(32, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16],
+                                              qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16])
+                if abs(scales[j]) > max_abs_scale:
+                    max_abs_scale = abs(scales[j])
+                    max_scale = scales[j]
+            if max_abs_scale < GROUP_MAX_EPS:
+                y[:] = 0
+                continue
+            iscale = f32(-128) / max_scale
+            hd, d = _fp16(f32(1) / iscale)
+            _put_f16(y, 208, hd)
+            for j in range(16):
+                y[192 + j] = min(127, _nearest_int(iscale * scales[j])) & 0xFF
+            for j in range(16):
+                sc = np.int64(np.int8(y[192 + j]))
+                dl = d * f32(sc)
+                if dl == 0:
+                    continue
+                for i in range(16):
+                    L[16 * j + i] = max(-32, min(31, _nearest_int(xb[16 * j + i] / dl))) + 32
+            for h in range(2):
+                for l in range(32):
+                    q1 = L[128 * h + l]
+                    q2 = L[128 * h + l + 32]
+                    q3 = L[128 * h + l + 64]
+                    q4 = L[128 * h + l + 96]
+                    y[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+                    y[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+                    y[128 + 32 * h + l] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4)
+                                           | ((q4 >> 4) << 6))
+
+
+# --------------------------------------------------------------------- Python API
+_KERNELS = {
+    T.Q4_0: _quantize_q4_0_w, T.Q4_1: _quantize_q4_1_w, T.Q5_0: _quantize_q5_0_w,
+    T.Q5_1: _quantize_q5_1_w, T.Q2_K: _quantize_q2_k_w, T.Q3_K: _quantize_q3_k_w,
+    T.Q4_K: _quantize_q4_k_w, T.Q5_K: _quantize_q5_k_w, T.Q6_K: _quantize_q6_k_w,
+}
+WEIGHTED: frozenset = frozenset(_KERNELS)
+"""Types with an importance-weighted quantizer (all others ignore the weights, as in llama.cpp)."""
+
+
+def quantize_weighted(data: np.ndarray, qtype, quant_weights: np.ndarray | None,
+                      row_sigma2: np.ndarray | None = None) -> np.ndarray:
+    """quantize_<type>(data, ..., quant_weights) of ggml-quants.c.
+
+    data (n_rows, n_cols) float32; quant_weights (n_cols,) non-negative importances
+    (imatrix: mean x^2 per input column), or None for the plain quantizer
+    (:func:`quantize`), which is also what Q8_0 and float types get. row_sigma2
+    (n_rows,) overrides the legacy types' per-row mean x^2 (K-quants ignore it).
+    Returns uint8 (n_rows, row_bytes). Raises ValueError for bad shapes/weights.
+    """
+    qtype = T[qtype] if isinstance(qtype, str) and qtype in T.__members__ else qtype
+    if quant_weights is None or qtype not in WEIGHTED:
+        return quantize(data, qtype)
+    qtype = T(qtype)
+    data = np.ascontiguousarray(data, dtype=np.float32)
+    if data.ndim != 2:
+        raise ValueError(f"{qtype.name}: expected a 2-D (n_rows, n_cols) array, got shape {data.shape}")
+    n_rows, n_cols = data.shape
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if n_cols % block_size:
+        raise ValueError(f"{qtype.name}: row length {n_cols} is not a multiple of {block_size}")
+    qw = np.ascontiguousarray(quant_weights, dtype=np.float32)
+    if qw.shape != (n_cols,):
+        raise ValueError(f"{qtype.name}: {qw.shape[0] if qw.ndim == 1 else qw.shape} importance "
+                         f"weights for {n_cols} columns")
+    if not np.all(np.isfinite(qw)) or np.any(qw < 0):
+        raise ValueError(f"{qtype.name}: importance weights must be finite and non-negative")
+    sig = np.full(n_rows, -1.0, np.float32) if row_sigma2 is None else \
+        np.ascontiguousarray(row_sigma2, dtype=np.float32).reshape(n_rows)
+    out = np.empty((n_rows, n_cols // block_size * type_size), dtype=np.uint8)
+    if out.size:
+        _KERNELS[qtype](data, qw, sig, out)
+    return out

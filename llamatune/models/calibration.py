@@ -1,0 +1,165 @@
+"""Statistics of each linear weight's input, for importance-weighted and
+error-compensating quantization (llamatune export-lora; llama-quantize --imatrix).
+
+`InputStats` is called as `stats(name, x)` with the input x (N, n_in) of weight
+`name` at every matmul (infer.Runner calls its `observer` so; a training forward can
+do the same). Per weight it keeps
+
+  * sum over tokens of x^2 per column and the token count: llama.cpp's imatrix
+    (formats/imatrix.py writes it for llama-quantize);
+  * for the weights `hessian_for(name)` selects, the sum of x x^T (n_in, n_in), the
+    second moment GPTQ needs. Weights fed the same array in consecutive calls (q, k, v
+    of a layer; gate and up) share one input, so one matrix and one count.
+
+Memory: n_in^2 float32 per distinct input. Llama-2-7B has per layer three 4096-wide
+inputs (attention in, attention out, ffn in) and one 11008-wide (ffn_down in):
+3 * 64 MiB + 462 MiB = 654 MiB, 20.4 GiB for 32 layers -- hence `Calibration` runs
+the text again for the next layers once `budget` bytes are used (Qwen2.5-0.5B:
+24 x 104 MiB = 2.4 GiB).
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import numpy as np
+
+from ..errors import LlamatuneError
+from ..formats.imatrix import IMatrix
+
+
+class InputStats:
+    """Accumulates input statistics from (name, x) calls; see the module docstring."""
+
+    def __init__(self, hessian_for: Callable[[str], bool] = lambda name: False, diagonal: bool = True):
+        self.hessian_for = hessian_for
+        self.diagonal = diagonal           # collect sum x^2 (off for later calibration passes)
+        self.key: dict[str, str] = {}      # weight name -> the first weight name reading the same input
+        self.sum_sq: dict[str, np.ndarray] = {}   # key -> (n_in,) float64
+        self.count: dict[str, int] = {}           # key -> tokens seen
+        self.xxt: dict[str, np.ndarray] = {}      # key -> (n_in, n_in) float32, sum x x^T
+        self._prev: tuple[object, str] | None = None
+
+    def __call__(self, name: str, x) -> None:
+        prev_x, prev_key = self._prev if self._prev is not None else (None, None)
+        same = x is prev_x
+        key = self.key.setdefault(name, prev_key if same else name)
+        self._prev = (x, key)
+        if same and key == prev_key:
+            return                                          # the same input, already counted
+        x = x.get() if hasattr(x, "get") else x             # a device array comes to the host
+        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        self.count[key] = self.count.get(key, 0) + x.shape[0]
+        if self.diagonal:
+            sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
+            if key in self.sum_sq:
+                self.sum_sq[key] += sq
+            else:
+                self.sum_sq[key] = sq
+        if self.hessian_for(name):
+            if key in self.xxt:
+                self.xxt[key] += x.T @ x
+            else:
+                self.xxt[key] = x.T @ x
+
+    def hessian(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(key, E[x x^T] float64) of the input of weight `name`, None if not collected."""
+        key = self.key.get(name)
+        if key not in self.xxt or not self.count.get(key):
+            return None
+        return key, self.xxt[key].astype(np.float64) / self.count[key]
+
+    @property
+    def hessian_bytes(self) -> int:
+        return sum(h.nbytes for h in self.xxt.values())
+
+    def imatrix(self, datasets: Iterable[str] = (), chunk_count: int = 0, chunk_size: int = 0) -> IMatrix:
+        """The diagonal statistics per weight name, as llama.cpp's imatrix holds them."""
+        m = IMatrix(datasets=list(datasets), chunk_count=chunk_count, chunk_size=chunk_size)
+        for name, key in self.key.items():
+            if key in self.sum_sq:
+                m.sums[name], m.counts[name] = self.sum_sq[key], self.count[key]
+        return m
+
+
+class _Enough(Exception):
+    """Raised by the observer to end a calibration forward once its last weight is seen."""
+
+
+def calibration_windows(tokenizer, text: str, n_ctx: int, n_chunks: int, source: str) -> np.ndarray:
+    """Up to n_chunks consecutive windows (n, n_ctx) of the tokenized text, each
+    starting with BOS where the vocabulary adds one (as llama-imatrix)."""
+    if not text.strip():
+        raise LlamatuneError(f"{source}: calibration text is empty")
+    tokens = tokenizer.encode(text, add_special=True)
+    n = min(n_chunks, len(tokens) // n_ctx)
+    if n < 1:
+        raise LlamatuneError(f"{source}: {len(tokens)} tokens, fewer than one calibration window of {n_ctx}")
+    windows = np.asarray(tokens[: n * n_ctx], np.int64).reshape(n, n_ctx).copy()
+    if tokenizer.add_bos and tokenizer.bos_id is not None:
+        windows[:, 0] = tokenizer.bos_id
+    return windows
+
+
+class Calibration:
+    """Input statistics of a model (with its adapters) over calibration windows.
+
+    The first pass collects the diagonal statistics of every weight; the second
+    moments of the weights in `ordered` (the order they will be asked for) are
+    collected in passes that each hold at most `budget` bytes of them, a pass
+    stopping its forward after its last weight."""
+
+    def __init__(self, runner, windows: np.ndarray, ordered: list[str], budget: int, batch: int = 1,
+                 progress: Callable[[str], None] | None = None):
+        self.runner, self.windows, self.ordered, self.budget = runner, windows, ordered, budget
+        self.batch, self.progress = batch, progress or (lambda s: None)
+        self.n_passes = 0
+        n_in = {n: self.runner.model.file.tensor(n).n_cols for n in ordered}
+        self._bytes = {n: 4 * n_in[n] ** 2 for n in ordered}
+        self.diag = self._pass(self._chunk(0), diagonal=True)     # every weight's sum x^2
+        self.current = self.diag                                    # holds the second moments
+
+    def _chunk(self, start: int) -> set[str]:
+        """ordered[start:...] while their (unshared, so pessimistic) sizes fit the budget."""
+        names, used = set(), 0
+        for n in self.ordered[start:]:
+            if names and used + self._bytes[n] > self.budget:
+                break
+            names.add(n)
+            used += self._bytes[n]
+        return names
+
+    def _pass(self, names: set[str], diagonal: bool) -> InputStats:
+        stats = InputStats(names.__contains__, diagonal)
+        last = None if diagonal else max(names, key=self.ordered.index)
+
+        def observe(name, x):
+            stats(name, x)
+            if name == last:
+                raise _Enough
+        self.runner.observer = observe
+        self.n_passes += 1
+        try:
+            for i in range(0, len(self.windows), self.batch):
+                self.progress(f"calibration pass {self.n_passes}: window {i + 1}/{len(self.windows)}")
+                try:
+                    self.runner.forward(self.windows[i:i + self.batch])
+                except _Enough:
+                    pass
+        finally:
+            self.runner.observer = None
+        return stats
+
+    def hessian(self, name: str) -> tuple[str, np.ndarray] | None:
+        """(key, E[x x^T]) for weight `name` (one of `ordered`), running a pass if needed."""
+        if name not in self.ordered:
+            return None
+        found = self.current.hessian(name)
+        if found is None:
+            self.diag.xxt.clear()
+            self.current = None                                     # free before the next pass
+            self.current = self._pass(self._chunk(self.ordered.index(name)), diagonal=False)
+            found = self.current.hessian(name)
+        return found
+
+    def imatrix(self, source: str) -> IMatrix:
+        return self.diag.imatrix([source], len(self.windows), self.windows.shape[1])
