@@ -42,7 +42,7 @@ from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
-from llamatune.models.modelfile import FILE_TYPE, fit_type
+from llamatune.models.writer import FILE_TYPE, fit_type
 from llamatune.options import MergeOptions
 from gguf import GGMLQuantizationType as QType
 

@@ -3,7 +3,7 @@ dequantization straight to bf16, bf16 products through oneDNN within the roundin
 bounds, and the compute-dtype resolver (with the library hidden)."""
 import numpy as np
 import pytest
-from test_dequant import ALL_TYPES, random_tensor
+from op_helpers import ALL_TYPES, random_tensor
 
 from llamatune.errors import LlamatuneError
 from llamatune.kernels import bf16, dequant

@@ -12,7 +12,7 @@ from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_invers
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.kernels.quantize_weighted import WEIGHTED, quantize_weighted
-from test_quantize import rt_data
+from test_op_quantize import rt_data
 
 TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
