@@ -345,10 +345,15 @@ class Graph:
             return w
         return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
 
+    def _weight_grad(self, name: str):
+        """The gradient of a trained base weight (dense or full training); None when frozen."""
+        return self.base.grad(name) if self.base.trainable else None
+
     def _norm_grad(self, name: str, dw: np.ndarray) -> None:
         """Route a norm weight's gradient to its parameter or its adapter."""
-        if self.base.trainable:
-            self.params.grad_of(name)[...] += dw
+        g = self._weight_grad(name)
+        if g is not None:
+            g[...] += dw
         t = self.lora.get(name)
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]
@@ -397,12 +402,13 @@ class Graph:
                 dx += tmp
             else:
                 self.xp.matmul(dy, W, out=dx)
-        if self.base.trainable:
-            dW = self.base.grad(name)
+        dW = self._weight_grad(name)
+        if dW is not None:
             dW += self.xp.matmul(dy.T, x, out=self._head_scratch(*dW.shape))
-            bias = name.replace(".weight", ".bias")
-            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
-                self.base.grad(bias)[...] += dy.sum(axis=0)
+        bias = name.replace(".weight", ".bias")
+        db = self._weight_grad(bias) if self.base.vector(bias) is not None else None
+        if db is not None:                                         # qwen2's q/k/v biases
+            db[...] += dy.sum(axis=0)
         t = self.lora.get(name)
         if t is not None:
             mask = self._dropout_mask(name, x.shape)
@@ -564,7 +570,7 @@ class Graph:
             xn, dxn, losses = self.xn, self.dxn, self.losses
         chunk = even_chunk(M, self.chunk)
         t = self.lora.get("output.weight")
-        dW = self.base.grad("output.weight") if self.base.trainable else None
+        dW = self._weight_grad("output.weight")
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
         held = [None, None]                                  # (block, its expanded rows)
 
@@ -688,8 +694,9 @@ class Graph:
         dx = self.dx
         if self.cfg.spec.embd_scale:
             dx *= self._embd_scale()
-        if self.base.trainable:
-            self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
+        dE = self._weight_grad("token_embd.weight")
+        if dE is not None:
+            self.backend.scatter_add(dE, tokens, dx)
         t = self.lora.get("token_embd.weight")
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]
