@@ -127,7 +127,7 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
                    saves: list[tuple[Path, int]], state: str = "") -> str:
     """--dry-run: each mode's estimate, which one this run would take, what a save writes
     (and `state`: what the trained values hold, state_line)."""
-    lines = ["dry run: nothing trained or written"] + ([f"  trained values: {state}"] if state else [])
+    lines = ["dry run: nothing trained or written"]
     for m in reversed(FASTEST_FIRST):                  # the least memory first
         e = planner.estimate(B, T, m)
         fits = "" if have is None else ("  fits" if e.added <= have else "  does not fit")
@@ -140,6 +140,8 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     total = sum(n for _, n in saves)
     lines.append(f"  each save writes {total / 2**20:,.1f} MiB: " + ", ".join(f"{p.name} {n / 2**20:,.1f} MiB"
                                                                            for p, n in saves))
+    if state:
+        lines.append(f"  trained values (in each runtime above): {state}")
     return "\n".join(lines)
 
 
