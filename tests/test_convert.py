@@ -572,7 +572,8 @@ def test_errors(env, tmp_path):
         convert(env.chk, tmp_path / "o.gguf", "model")
     with pytest.raises(LlamatuneError, match=r"--model-base is required.*head counts"):
         convert(env.chk, tmp_path / "p", "peft")
-    with pytest.raises(LlamatuneError, match=r"GGUF model file .*nothing to convert"):
+    with pytest.raises(LlamatuneError, match=r"a llama model GGUF \(as llama.cpp's llama-finetune writes\), nothing "
+                                             r"to convert: use it as it is \(--model-base of finetune"):
         convert(env.base, tmp_path / "o.gguf")
     empty = tmp_path / "dir"
     empty.mkdir()

@@ -257,3 +257,34 @@ def test_dry_run_says_what_the_trained_values_cost(tmp_path, models, capsys):
         assert lines[-1].startswith("  trained values (in each runtime above): f32 weights ")
         assert moments in lines[-1]
     assert not list(tmp_path.glob("*ITERATION*")) and not list(tmp_path.glob("model-*"))
+
+
+@pytest.fixture(scope="module")
+def cuda():
+    from llamatune.backend import get_backend
+    try:
+        return get_backend("cuda")
+    except LlamatuneError as e:
+        pytest.skip(f"no CUDA device or simulator: {e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.slow                          # minutes in the simulator; seconds on a GPU
+def test_full_finetune_on_cuda_matches_cpu_and_resumes_there(cuda, tmp_path, tiny_vocab):
+    """Two steps on the GPU (the simulator without one) give the CPU's weights to float
+    rounding, a frozen tensor included; the checkpoint goes on on the CPU."""
+    micro = write_tiny_model(tmp_path / "micro.gguf", tiny_vocab, n_embd=16, n_ff=24, head_dim=4, n_rot=4,
+                             n_layer=1)
+    runs = {}
+    for device in ("cuda", "cpu"):
+        d = tmp_path / device
+        d.mkdir()
+        finetune(options(d, micro, device=device, ctx=6, batch=1, adam_iter=2, freeze="blk.0.ffn_up.*"),
+                 quiet=True)
+        runs[device] = tensors(d / "chk-2.gguf")
+    assert "blk.0.ffn_up.weight" not in runs["cpu"]
+    for n, a in runs["cpu"].items():
+        np.testing.assert_allclose(runs["cuda"][n], a, rtol=1e-3, atol=1e-6, err_msg=n)
+    res = finetune(options(tmp_path / "cuda", micro, ctx=6, batch=1, adam_iter=3, freeze="blk.0.ffn_up.*",
+                           checkpoint_in=tmp_path / "cuda" / "chk-LATEST.gguf"), quiet=True)
+    assert res.state.iteration == 3 and np.isfinite(res.losses[-1])

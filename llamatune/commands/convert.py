@@ -123,6 +123,10 @@ def detect(path: str | Path) -> Source:
             return Source("finetune-2023", path, f)
         if ttype == "train_model":
             return Source("train-2023", path, f)
+        if gtype in (None, "model") and f.get("general.architecture") is not None:
+            raise LlamatuneError(f"{path}: a {f.get('general.architecture')} model GGUF (as llama.cpp's llama-finetune "
+                                 "writes), nothing to convert: use it as it is (--model-base of finetune, "
+                                 "-m of perplexity or llama.cpp)")
         raise LlamatuneError(f"{path}: a GGUF {gtype or 'model'} file (general.type={gtype!r}, no training.type), "
                              f"nothing to convert; {SUPPORTED}")
     if head[:4] == b"algg":
