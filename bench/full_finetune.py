@@ -130,11 +130,12 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--sgd-steps", type=int, default=2, help="steps of the SGD run (its memory)")
     ap.add_argument("--checkpointing", default="auto")
     ap.add_argument("--heldout", type=Path, default=SHARED / "shakespeare-eval.txt")
     ap.add_argument("--chunks", type=int, default=16, help="llama-perplexity windows of held-out text")
     ap.add_argument("--work", type=Path, default=Path("/tmp/full-bench"))
-    ap.add_argument("--skip", default="", help="comma-separated: llama, sgd, ppl")
+    ap.add_argument("--skip", default="", help="comma-separated: llama, llamatune, sgd, ppl")
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     a.work.mkdir(parents=True, exist_ok=True)
@@ -145,10 +146,11 @@ def main() -> None:
         if "llama" not in skip:
             res["llama"].append(llama_finetune(a, text, a.work / "llama-out.gguf", a.work / f"llama-{r}.log"))
             print(json.dumps({"llama-finetune": res["llama"][-1]}), flush=True)
-        res["llamatune"].append(llamatune(a, text, a.windows, "adamw", a.work, a.work / f"llamatune-{r}.log"))
-        print(json.dumps({"llamatune": res["llamatune"][-1]}), flush=True)
+        if "llamatune" not in skip:
+            res["llamatune"].append(llamatune(a, text, a.windows, "adamw", a.work, a.work / f"llamatune-{r}.log"))
+            print(json.dumps({"llamatune": res["llamatune"][-1]}), flush=True)
     if "sgd" not in skip:
-        res["llamatune_sgd"] = llamatune(a, text, a.windows, "sgd", a.work, a.work / "llamatune-sgd.log")
+        res["llamatune_sgd"] = llamatune(a, text, a.sgd_steps, "sgd", a.work, a.work / "llamatune-sgd.log")
         print(json.dumps({"llamatune sgd": res["llamatune_sgd"]}), flush=True)
     if "ppl" not in skip:
         res["ppl"] = {"base": perplexity(a, a.model, a.work / "ppl-base.log"),
@@ -160,8 +162,9 @@ def main() -> None:
     from llamatune.formats.gguf_io import GGUFFile
     n = sum(int(t.data.size) for t in GGUFFile(a.model).tensors.values())
     state = sum(state_bytes(n, "adamw").values()) / 2**30
-    runtime = res["llamatune"][-1]["peak_rss_gib"] - state          # the 0.5B run less its trained values
-    res["estimate_1.5b"] = estimate_1_5b(runtime)
+    if res["llamatune"]:
+        runtime = res["llamatune"][-1]["peak_rss_gib"] - state      # the 0.5B run less its trained values
+        res["estimate_1.5b"] = estimate_1_5b(runtime)
     for who in ("llama", "llamatune"):
         runs = res[who]
         if runs:
