@@ -90,8 +90,10 @@ def llamatune(a, text: Path, steps: int, optimizer: str, work: Path, log: Path) 
     m = re.search(r"finetune: (\d+) steps in ([\d.]+) s \(([\d.]+) tokens/s, ([\d.]+) after the first step\)",
                   text_out)
     est = re.search(r"memory estimate: ([\d.]+) GiB", text_out)
+    runtime = re.search(r"runtime ([\d.]+) GiB measured", text_out)
     r |= {"steps": int(m.group(1)), "train_s": float(m.group(2)), "tokens_per_s": float(m.group(3)),
-          "steady_tokens_per_s": float(m.group(4)), "estimate_gib": float(est.group(1))}
+          "steady_tokens_per_s": float(m.group(4)), "estimate_gib": float(est.group(1)),
+          "runtime_gib": float(runtime.group(1))}
     return r
 
 
@@ -104,7 +106,7 @@ def perplexity(a, model: Path, log: Path) -> float:
 def estimate_1_5b(runtime_gib: float) -> dict:
     """Memory a Qwen2.5-1.5B-shaped F32 full finetune needs at ctx 256, batch 1, with
     --checkpointing layer: the trained values (full.state_bytes), the graph's buffers and
-    a process runtime as measured on the 0.5B run less its trained values."""
+    the process runtime measured on the 0.5B run (the estimate's) less its trained values."""
     from llamatune.models.config import ModelConfig
     from llamatune.models.modelfile import tensor_names
     from llamatune.train.full import state_bytes
@@ -163,7 +165,7 @@ def main() -> None:
     n = sum(int(t.data.size) for t in GGUFFile(a.model).tensors.values())
     state = sum(state_bytes(n, "adamw").values()) / 2**30
     if res["llamatune"]:
-        runtime = res["llamatune"][-1]["peak_rss_gib"] - state      # the 0.5B run less its trained values
+        runtime = res["llamatune"][-1]["runtime_gib"] - state       # the 0.5B run's runtime less its trained values
         res["estimate_1.5b"] = estimate_1_5b(runtime)
     for who in ("llama", "llamatune"):
         runs = res[who]

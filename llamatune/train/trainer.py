@@ -201,7 +201,7 @@ def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
         template, nbytes = job.output_size
         sizes += [(ckpt.iteration_path(template, iteration), nbytes),
                   (ckpt.iteration_path(template, o.fn_latest), nbytes)]
-    return sizes
+    return list(dict(sizes).items())              # a name without ITERATION is one file, written once
 
 
 def packing(b) -> dict:
