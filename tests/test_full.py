@@ -288,3 +288,27 @@ def test_full_finetune_on_cuda_matches_cpu_and_resumes_there(cuda, tmp_path, tin
     res = finetune(options(tmp_path / "cuda", micro, ctx=6, batch=1, adam_iter=3, freeze="blk.0.ffn_up.*",
                            checkpoint_in=tmp_path / "cuda" / "chk-LATEST.gguf"), quiet=True)
     assert res.state.iteration == 3 and np.isfinite(res.losses[-1])
+
+
+def test_convert_checkpoint_takes_frozen_tensors_from_the_base(tmp_path, models):
+    """A full-finetune checkpoint holds only the trained tensors: convert-checkpoint --to model
+    takes the frozen ones from --model-base (dequantized, F32 like the rest), and says so
+    without it or with another base."""
+    from llamatune.commands.convert import convert
+    from llamatune.kernels import dequant
+    base = models["llama-q8_0"]
+    finetune(options(tmp_path, base, freeze="token_embd.*", adam_iter=2), quiet=True)
+    chk = tmp_path / "chk-LATEST.gguf"
+    with pytest.raises(LlamatuneError, match=r"chk-LATEST.gguf: holds no token_embd.weight \(frozen in a full "
+                                             r"finetune\): give the base model it was trained on with --model-base$"):
+        convert(chk, tmp_path / "m.gguf", "model")
+    with pytest.raises(LlamatuneError, match=r"chk-LATEST.gguf: was trained on a different base model than .*qwen2"):
+        convert(chk, tmp_path / "m.gguf", "model", model_base=models["qwen2-tied-f16"])
+    assert "--model-base" not in convert(chk, tmp_path / "m.gguf", "model", model_base=base)
+    out, trained, fb = GGUFFile(tmp_path / "m.gguf"), tensors(chk), GGUFFile(base)
+    t = fb.tensors["token_embd.weight"]
+    np.testing.assert_array_equal(np.array(out.tensors["token_embd.weight"].data),
+                                  dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols))
+    for name in fb.tensors:
+        if name != "token_embd.weight":
+            np.testing.assert_array_equal(np.array(out.tensors[name].data).reshape(-1), trained[name].reshape(-1))
