@@ -107,13 +107,15 @@ def estimate_1_5b(runtime_gib: float) -> dict:
     """Memory a Qwen2.5-1.5B-shaped F32 full finetune needs at ctx 256, batch 1, with
     --checkpointing layer: the trained values (full.state_bytes), the graph's buffers and
     the process runtime measured on the 0.5B run (the estimate's) less its trained values."""
+    import numpy as np
+
     from llamatune.models.config import ModelConfig
     from llamatune.models.modelfile import tensor_names
     from llamatune.train.full import state_bytes
     from llamatune.train.graph import buffer_plan, plan_bytes
     cfg = ModelConfig.new("qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,
                           n_head=12, n_head_kv=2, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1e6)
-    n = sum(int(__import__("numpy").prod(s)) for s in tensor_names(cfg, tied=True).values())
+    n = sum(int(np.prod(s)) for s in tensor_names(cfg, tied=True).values())
     head_rows = max(s[0] * s[1] for k, s in tensor_names(cfg, tied=True).items()
                     if k.startswith("blk.") and len(s) == 2) // cfg.n_embd
     graph = plan_bytes(buffer_plan(cfg, [], 1, 256, "layer", head_rows, True))
