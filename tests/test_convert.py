@@ -549,7 +549,7 @@ def test_llamatune_train_checkpoint_to_model(env):
     ckpt.save(src, ckpt.KIND_FULL, cfg.arch, FinetuneOptions(), params, ckpt.TrainState(iteration=3),
               [kv(k, val) for k, val in cfg.metadata().items()] + list(env.vocab))
     out = env.d / "ours-full-model.gguf"
-    assert "train-from-scratch checkpoint" in convert(src, out)
+    assert "train-from-scratch or full-finetune checkpoint" in convert(src, out)
     got = weights_of(out)
     for n, arr in w.items():
         np.testing.assert_array_equal(got[n], arr)
@@ -572,7 +572,8 @@ def test_errors(env, tmp_path):
         convert(env.chk, tmp_path / "o.gguf", "model")
     with pytest.raises(LlamatuneError, match=r"--model-base is required.*head counts"):
         convert(env.chk, tmp_path / "p", "peft")
-    with pytest.raises(LlamatuneError, match=r"GGUF model file .*nothing to convert"):
+    with pytest.raises(LlamatuneError, match=r"a llama model GGUF \(as llama.cpp's llama-finetune writes\), nothing "
+                                             r"to convert: use it as it is \(--model-base of finetune"):
         convert(env.base, tmp_path / "o.gguf")
     empty = tmp_path / "dir"
     empty.mkdir()

@@ -129,6 +129,16 @@ def test_train_from_scratch_on_two_ranks_writes_the_model_of_one_process(tmp_pat
     assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
 
 
+def test_full_finetune_on_two_ranks_writes_the_model_of_one_process(tmp_path, tiny_model, launcher):
+    """--fine-tune-type full: two ranks train the weights one process trains with --grad-acc 2."""
+    full = {"fine-tune-type": "full", "freeze": "token_embd.*", "adam-alpha": 1e-3}
+    out = lambda d: {"model-out": tmp_path / d / "model-ITERATION.gguf"}  # noqa: E731
+    run(CLI + train_args(tmp_path, tiny_model, "one", **{"grad-acc": 2}, **full, **out("one")))
+    run(launcher + CLI + train_args(tmp_path, tiny_model, "two", **full, **out("two")))
+    assert (tmp_path / "one" / "model-4.gguf").read_bytes() == (tmp_path / "two" / "model-4.gguf").read_bytes()
+    assert_same_training(tmp_path / "one" / "chk-4.gguf", tmp_path / "two" / "chk-4.gguf")
+
+
 def test_checkpoints_resume_with_another_number_of_ranks(tmp_path, tiny_model, launcher, single):
     """2 ranks for 2 steps, then 1 process to step 4 (and the reverse): the single run's trajectory."""
     run(launcher + CLI + train_args(tmp_path, tiny_model, "a", **{"adam-iter": 2}))

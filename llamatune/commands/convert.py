@@ -10,7 +10,7 @@ The input's kind comes from its content, never its name:
 
 Conversions (first = default --to):
   llamatune finetune checkpoint  -> gguf-adapter (the file finetune's --lora-out writes), peft
-  llamatune train_model checkpoint -> model
+  llamatune train_model checkpoint -> model (a full finetune's frozen tensors from --model-base)
   GGUF LoRA adapter              -> peft
   PEFT adapter                   -> gguf-adapter (as llama.cpp's convert_lora_to_gguf.py, without torch)
   2023 finetune checkpoint       -> checkpoint (resumable: parameters, Adam moments, counters), gguf-adapter, peft
@@ -51,7 +51,7 @@ TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
 KINDS = {
     "llamatune-lora": ("a llamatune finetune checkpoint", ("gguf-adapter", "peft")),
-    "llamatune-full": ("a llamatune train-from-scratch checkpoint", ("model",)),
+    "llamatune-full": ("a llamatune train-from-scratch or full-finetune checkpoint", ("model",)),
     "gguf-adapter": ("a GGUF LoRA adapter", ("peft",)),
     "peft": ("a Hugging Face PEFT LoRA adapter", ("gguf-adapter",)),
     "finetune-2023": ("a llama.cpp 2023 finetune checkpoint", ("checkpoint", "gguf-adapter", "peft")),
@@ -124,6 +124,10 @@ def detect(path: str | Path) -> Source:
             return Source("finetune-2023", path, f)
         if ttype == "train_model":
             return Source("train-2023", path, f)
+        if gtype in (None, "model") and f.get("general.architecture") is not None:
+            raise LlamatuneError(f"{path}: a {f.get('general.architecture')} model GGUF (as llama.cpp's llama-finetune "
+                                 "writes), nothing to convert: use it as it is (--model-base of finetune, "
+                                 "-m of perplexity or llama.cpp)")
         raise LlamatuneError(f"{path}: a GGUF {gtype or 'model'} file (general.type={gtype!r}, no training.type), "
                              f"nothing to convert; {SUPPORTED}")
     if head[:4] == b"algg":
@@ -254,11 +258,29 @@ def _raw_adapter(f: GGUFFile) -> LoraAdapter:
                        {s: (h["lora_a"], h["lora_b"]) for s, h in halves.items()})
 
 
-def _model_from(f: GGUFFile, cfg: ModelConfig, output: Path, name: str) -> str:
+def _model_from(f: GGUFFile, cfg: ModelConfig, output: Path, name: str, more: dict | None = None) -> str:
     tensors = {n: float_array(f.path, t) for n, t in f.tensors.items() if not n.startswith("optimizer.")}
+    tensors |= more or {}
     write_model(output, cfg, tensors, vocab_kvs(f), QType.F32, name=name)
     return (f"wrote F32 {cfg.arch} model {output} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, vocabulary of "
             f"{cfg.n_vocab} copied)")
+
+
+def _frozen_tensors(c: ckpt.Checkpoint, cfg: ModelConfig, base: Base | None) -> dict[str, np.ndarray]:
+    """The tensors a full-finetune checkpoint does not hold (kept frozen by --freeze /
+    --train-only), in f32 from the base it was trained on; none for a complete one."""
+    tied = "output.weight" not in c.file.tensors and (base is None or "output.weight" not in base.file.tensors)
+    missing = [n for n in tensor_names(cfg, tied) if n not in c.file.tensors]
+    if not missing:
+        return {}
+    if base is None:
+        raise LlamatuneError(f"{c.path}: holds no {', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''} "
+                             "(frozen in a full finetune): give the base model it was trained on with --model-base")
+    if c.base_fingerprint and c.base_fingerprint != ckpt.fingerprint(base.file):
+        raise LlamatuneError(f"{c.path}: was trained on a different base model than {base.path}")
+    from ..kernels import dequant
+    return {n: dequant.dequantize(base.file.tensors[n].raw_rows(), base.file.tensors[n].qtype,
+                                  base.file.tensors[n].n_cols).reshape(base.file.tensors[n].shape) for n in missing}
 
 
 # --------------------------------------------------------------------------- 2023 files
@@ -352,8 +374,11 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
                            str(src.file.get("general.name") or "llama"))
     else:   # llamatune-full -> model
         c = ckpt.load(src.path)
-        done = _model_from(c.file, ModelConfig.from_metadata(c.file.metadata, str(src.path)), output,
-                           str(c.file.get("general.name") or "llamatune"))
+        cfg = ModelConfig.from_metadata(c.file.metadata, str(src.path))
+        frozen = _frozen_tensors(c, cfg, base)
+        done = _model_from(c.file, cfg, output, str(c.file.get("general.name") or "llamatune"), frozen)
+        if frozen:
+            base = None                                   # (it was needed)
     if base is not None and src.kind in ("train-2023", "llamatune-full"):
         notes.append(f"--model-base {base.path.name} was not needed")
     text = f"Converted {src.what} {src.path} to {to}: {done}."

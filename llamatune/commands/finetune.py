@@ -1,4 +1,5 @@
-"""`llamatune finetune`: LoRA adapters trained on a frozen, possibly quantized base.
+"""`llamatune finetune`: LoRA adapters trained on a frozen, possibly quantized base
+(or, with --fine-tune-type full, the base's own weights: train/full.py).
 
 Sets up the job (base model memory-mapped and left as stored, adapter targets,
 data) and hands it to the shared training loop. Outputs: training checkpoints and
@@ -20,6 +21,7 @@ from ..options import FinetuneOptions
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
+from ..train.full import full_job
 from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
@@ -38,6 +40,8 @@ def build_job(o: FinetuneOptions) -> Job:
                              f"({model.path.name})")
     samples, val_samples = train_and_validation(o, model.tokenizer)
     check_packing(o, samples)
+    if o.fine_tune_type == "full":                    # every weight trained (train/full.py)
+        return full_job(o, model, samples, val_samples, get_backend(o.device, o.tf32))
     tied = model.weights.output is model.weights.token_embd
     alpha = float(o.lora_alpha if o.lora_alpha is not None else o.lora_r)
     targets = lora_targets(cfg, o.ranks(), alpha, tied)

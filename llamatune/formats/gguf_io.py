@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import mmap
 import os
 import tempfile
 from dataclasses import dataclass
@@ -285,6 +286,13 @@ class GGUFFile:
         for t in reader.tensors:
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             self.tensors[t.name] = Tensor(t.name, QType(t.tensor_type), shape, t.data)
+
+    def release_pages(self) -> None:
+        """Drop this process's resident pages of the mapped file; a later read of a tensor
+        pages it in again (full finetuning: the trained tensors were copied out once)."""
+        mapping = getattr(self._reader.data, "_mmap", None)        # np.memmap's mmap object
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
     @property
     def metadata(self) -> dict[str, Any]:

@@ -17,6 +17,7 @@ G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
 G_VAL = "Validation and metrics"
 G_PREF = "Preference tuning"
 METHODS, LOSS_TYPES = ("sft", "dpo", "orpo"), ("sigmoid", "ipo")     # --method, --loss-type
+G_FULL = "Full finetune"
 
 
 CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
@@ -144,6 +145,17 @@ class FinetuneOptions(TrainOptions):
                          G_PREF, frozen=True)
     label_smoothing: float = opt(0.0, "dpo --loss-type sigmoid: the assumed fraction of pairs labelled the wrong "
                                  "way round (cDPO), in [0, 0.5).", G_PREF, frozen=True)
+    # ---- full finetune (--fine-tune-type full, train/full.py)
+    fine_tune_type: str = opt("lora", "lora (adapters on the frozen base) or full (every weight of the base "
+                              "trained in f32, quantized ones dequantized; writes --model-out).", G_FULL, frozen=True)
+    train_only: str = opt("", "Full: train only the tensors whose names match these comma-separated patterns "
+                          "(fnmatch, e.g. 'blk.*.ffn_*'); the others stay frozen as stored.", G_FULL, frozen=True)
+    freeze: str = opt("", "Full: keep the tensors matching these comma-separated patterns frozen as stored "
+                      "(e.g. 'token_embd.*'); they are written back byte for byte.", G_FULL, frozen=True)
+    model_out: Path = opt(Path("model-ITERATION.gguf"), "Full: the trained model (a GGUF llama.cpp runs, with the "
+                          "base's metadata and tokenizer).", G_FULL)
+    out_type: str = opt("", "Full: type of the written matrices: f32, f16, bf16, q8_0, q4_k, ...; empty: each "
+                        "tensor in the base's own type (re-quantized).", G_FULL)
 
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""
@@ -214,7 +226,12 @@ def validate(o: TrainOptions) -> None:
         negative = [k for k, r in o.ranks().items() if r < 0]
         if negative:
             bad(f"negative LoRA rank for {', '.join(negative)}")
-        if not any(o.ranks().values()):
+        if o.fine_tune_type not in ("lora", "full"):
+            bad(f"--fine-tune-type {o.fine_tune_type!r}: choose lora or full")
+        if o.fine_tune_type == "lora" and (o.train_only or o.freeze or o.out_type):
+            given = [f for f, v in (("--train-only", o.train_only), ("--freeze", o.freeze), ("--out-type", o.out_type)) if v]
+            bad(f"{', '.join(given)}: only with --fine-tune-type full")
+        if o.fine_tune_type == "lora" and not any(o.ranks().values()):
             bad("every LoRA rank is 0: nothing to train")
         _validate_preference(o)
 

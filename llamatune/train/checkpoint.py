@@ -17,7 +17,8 @@ Layout (format version 1):
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
        ParamBuffer: lora_a (r, n_in), lora_b (n_out, r) like today's adapters), then
        `optimizer.adam.first_moments` and `optimizer.adam.second_moments` (flat,
-       parameter order), as llama.cpp's 2023 checkpoints stored them.
+       parameter order), as llama.cpp's 2023 checkpoints stored them; none when
+       the run keeps no moments (SGD: ParamBuffer(moments=False)).
 Writes are atomic (see gguf_io.atomic_path); the LATEST copy is a second atomic write.
 """
 from __future__ import annotations
@@ -92,8 +93,9 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
         kvs.append(kv("llamatune.validation", json.dumps(dataclasses.asdict(state.validation))))
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
-    tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
-                tensor_out("optimizer.adam.second_moments", params.host(params.v))]
+    if params.has_moments:
+        tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
+                    tensor_out("optimizer.adam.second_moments", params.host(params.v))]
     write_gguf(path, arch, kvs, tensors)
 
 
@@ -124,14 +126,15 @@ class Checkpoint:
         extra = [n for n in f.tensors if n not in params.offsets and not n.startswith("optimizer.")]
         if extra:
             problems.append(f"unexpected tensors {extra[:5]}")
-        for name in ("optimizer.adam.first_moments", "optimizer.adam.second_moments"):
+        moments = ("optimizer.adam.first_moments", "optimizer.adam.second_moments") if params.has_moments else ()
+        for name in moments:                          # a run without moments (SGD) ignores any
             t = f.tensors.get(name)
             if t is None or t.shape != (params.size,):
                 problems.append(f"'{name}' missing or not of {params.size} values")
         if problems:
             raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + listed(problems))
         used = [(s.name, f.tensors[s.name]) for s in params.specs]
-        used += [(n, f.tensors[n]) for n in ("optimizer.adam.first_moments", "optimizer.adam.second_moments")]
+        used += [(n, f.tensors[n]) for n in moments]
         for name, t in used:
             if t.qtype != QType.F32:
                 raise LlamatuneError(f"{self.path}: tensor '{name}' has type {t.qtype.name}, expected F32 "
@@ -139,8 +142,9 @@ class Checkpoint:
         check_finite(self.path, used)
         for s in params.specs:
             params[s.name][...] = f.tensors[s.name].data.reshape(s.shape)
-        params.m[...] = f.tensors["optimizer.adam.first_moments"].data
-        params.v[...] = f.tensors["optimizer.adam.second_moments"].data
+        if params.has_moments:
+            params.m[...] = f.tensors["optimizer.adam.first_moments"].data
+            params.v[...] = f.tensors["optimizer.adam.second_moments"].data
 
 
 def load(path: Path) -> Checkpoint:

@@ -220,8 +220,9 @@ class Graph(LoraLinear, LossHead, Forward):
         dx = self.dx
         if self.cfg.spec.embd_scale:
             dx *= self.embd_scale()
-        if self.base.trainable:
-            self.backend.scatter_add(self.params.grad_of("token_embd.weight"), tokens, dx)
+        dE = self.weight_grad("token_embd.weight")
+        if dE is not None:
+            self.backend.scatter_add(dE, tokens, dx)
         t = self.lora.get("token_embd.weight")
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]

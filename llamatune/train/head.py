@@ -37,7 +37,7 @@ class LossHead:
             xn, dxn, losses = self.xn, self.dxn, self.losses
         chunk = even_chunk(M, self.chunk)
         t = self.lora.get("output.weight")
-        dW = self.base.grad("output.weight") if self.base.trainable else None
+        dW = self.weight_grad("output.weight")
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
         held = [None, None]                                  # (block, its expanded rows)
 

@@ -73,10 +73,15 @@ class LoraLinear:
         keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
         return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
 
+    def weight_grad(self, name: str):
+        """The gradient of a trained base weight (dense or full training); None when frozen."""
+        return self.base.grad(name) if self.base.trainable else None
+
     def norm_grad(self, name: str, dw: np.ndarray) -> None:
         """Route a norm weight's gradient to its parameter or its adapter."""
-        if self.base.trainable:
-            self.params.grad_of(name)[...] += dw
+        g = self.weight_grad(name)
+        if g is not None:
+            g[...] += dw
         t = self.lora.get(name)
         if t is not None:
             A, B = self.params[t.a], self.params[t.b]
@@ -92,12 +97,13 @@ class LoraLinear:
                 dx += self.products(self.scratch(*dx.shape), dy, W, trans_b=False)
             else:
                 self.products(dx, dy, W, trans_b=False)
-        if self.base.trainable:
-            dW = self.base.grad(name)
+        dW = self.weight_grad(name)
+        if dW is not None:
             dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))
-            bias = name.replace(".weight", ".bias")
-            if self.base.vector(bias) is not None:                 # qwen2's q/k/v biases
-                self.base.grad(bias)[...] += dy.sum(axis=0)
+        bias = name.replace(".weight", ".bias")
+        db = self.weight_grad(bias) if self.base.vector(bias) is not None else None
+        if db is not None:                                         # qwen2's q/k/v biases
+            db[...] += dy.sum(axis=0)
         t = self.lora.get(name)
         if t is not None:
             mask = self.dropout_mask(name, x.shape)

@@ -227,6 +227,7 @@ def measure_runtime(params, model_path: Path | None) -> int:
     """Resident bytes now, with every page of the parameters, gradients and moments
     resident and without the base model's file pages."""
     for a in (params.data, params.grad, params.m, params.v):
-        touch(a)
+        if a is not None:                                       # no moments: SGD
+            touch(a)
     total, model = resident_bytes(model_path)
     return total - model

@@ -1,8 +1,9 @@
 """All trainable parameters in one flat f32 buffer, llm.c style.
 
 `ParamBuffer` owns four flat arrays of the same length: the parameters, their
-gradients and the two AdamW moments. Each named tensor is a view into them, so
-the optimizer runs over contiguous memory and a checkpoint is four arrays.
+gradients and the two AdamW moments (none for SGD: `moments=False`, half the
+memory). Each named tensor is a view into them, so the optimizer runs over
+contiguous memory and a checkpoint is four arrays (two without moments).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class ParamSpec:
 
 
 class ParamBuffer:
-    def __init__(self, specs: list[ParamSpec], dtype=np.float32):
+    def __init__(self, specs: list[ParamSpec], dtype=np.float32, moments: bool = True):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("duplicate parameter names")
@@ -37,8 +38,8 @@ class ParamBuffer:
         # float64 only for finite-difference tests; training is float32
         self.data = np.zeros(off, dtype)          # (P,) parameters
         self.grad = np.zeros(off, dtype)          # (P,) gradients, accumulated by backward
-        self.m = np.zeros(off, dtype)             # (P,) AdamW first moments
-        self.v = np.zeros(off, dtype)             # (P,) AdamW second moments
+        self.m = np.zeros(off, dtype) if moments else None   # (P,) AdamW first moments (None: SGD)
+        self.v = np.zeros(off, dtype) if moments else None   # (P,) AdamW second moments
 
     def _view(self, flat: np.ndarray, name: str) -> np.ndarray:
         lo, hi = self.offsets[name]
@@ -70,7 +71,8 @@ class ParamBuffer:
         checkpoints on the host first; the optimizer then runs where they are)."""
         self.backend = backend
         for attr in ("data", "grad", "m", "v"):
-            setattr(self, attr, backend.to_device(getattr(self, attr)))
+            if getattr(self, attr) is not None:
+                setattr(self, attr, backend.to_device(getattr(self, attr)))
 
     def host(self, flat) -> np.ndarray:
         """A host (numpy) copy or view of one of the flat arrays."""
@@ -83,8 +85,13 @@ class ParamBuffer:
         return {s.name: h[lo:hi].reshape(s.shape) for s, lo, hi in self.slices()}
 
     @property
+    def has_moments(self) -> bool:
+        return self.m is not None
+
+    @property
     def nbytes(self) -> int:
-        return 4 * self.data.nbytes
+        """Parameters, gradients and (AdamW) moments."""
+        return (4 if self.has_moments else 2) * self.data.nbytes
 
 
 class DenseWeights:

@@ -101,11 +101,13 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     if not quiet:
         err.print(f"data: {describe(job.samples)}")
         chosen = "; chosen by --checkpointing auto" if mode == "auto" else ""
-        err.print(f"trainable parameters: {job.params.size:,}; memory estimate: {est.describe()}"
+        err.print(f"trainable parameters: {job.params.size:,} ({state_line(job.params)}); "
+                  f"memory estimate: {est.describe()}"
                   + (f", available {gib(have)}" if have else "") + chosen)
     if o.dry_run:
         if not quiet:
-            out.print(dry_run_report(planner, o.batch, o.ctx, mode, have, est, save_sizes(job, "ITERATION")))
+            out.print(dry_run_report(planner, o.batch, o.ctx, mode, have, est, save_sizes(job, "ITERATION"),
+                                     state_line(job.params)))
         return est
     if have is not None and est.added > have:
         where = " on the GPU" if device else ""
@@ -115,9 +117,17 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     return est
 
 
+def state_line(params: ParamBuffer) -> str:
+    """What the trained values hold (inside each estimate's measured runtime)."""
+    n = 4 * params.size
+    moments = f"AdamW moments {gib(2 * n)}" if params.has_moments else "no optimizer moments (SGD)"
+    return f"f32 weights {gib(n)}, gradients {gib(n)}, {moments}"
+
+
 def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None, chosen: Estimate,
-                   saves: list[tuple[Path, int]]) -> str:
-    """--dry-run: each mode's estimate, which one this run would take, what a save writes."""
+                   saves: list[tuple[Path, int]], state: str = "") -> str:
+    """--dry-run: each mode's estimate, which one this run would take, what a save writes
+    (and `state`: what the trained values hold, state_line)."""
     lines = ["dry run: nothing trained or written"]
     for m in reversed(FASTEST_FIRST):                  # the least memory first
         e = planner.estimate(B, T, m)
@@ -131,6 +141,8 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     total = sum(n for _, n in saves)
     lines.append(f"  each save writes {total / 2**20:,.1f} MiB: " + ", ".join(f"{p.name} {n / 2**20:,.1f} MiB"
                                                                            for p, n in saves))
+    if state:
+        lines.append(f"  trained values (in each runtime above): {state}")
     return "\n".join(lines)
 
 
@@ -180,16 +192,17 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
 
 def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
     """(path, bytes) of each file a save at `iteration` writes: the checkpoint holds the
-    parameters and both Adam moments (f32) plus metadata; outputs as the job says."""
+    parameters and both Adam moments (f32; none for SGD) plus metadata; outputs as the job says."""
     o = job.opts
     meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
-    sizes = [(ckpt.iteration_path(o.checkpoint_out, iteration), 3 * 4 * job.params.size + meta),
-             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), 3 * 4 * job.params.size + meta)]
+    arrays = 3 if job.params.has_moments else 1                # parameters (and moments)
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, iteration), arrays * 4 * job.params.size + meta),
+             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), arrays * 4 * job.params.size + meta)]
     if job.output_size is not None:
         template, nbytes = job.output_size
         sizes += [(ckpt.iteration_path(template, iteration), nbytes),
                   (ckpt.iteration_path(template, o.fn_latest), nbytes)]
-    return sizes
+    return list(dict(sizes).items())              # a name without ITERATION is one file, written once
 
 
 def packing(b) -> dict:
