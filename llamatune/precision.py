@@ -36,3 +36,17 @@ def compute_dtype(requested: str) -> tuple[str, str]:
     if requested == "bf16":
         raise LlamatuneError(f"--compute-dtype bf16: {problem}")
     return "f32", f"f32 products: {problem}"
+
+
+def resolve(requested: str, device: str = "cpu", trainable: bool = False) -> tuple[str, str]:
+    """compute_dtype for a run on `device` ("cpu" or a GPU backend's name): bf16 products
+    are the CPU's (a GPU runs f32 or --tf32), and weights that are all trained
+    (train-from-scratch, --fine-tune-type full) multiply in f32."""
+    if requested not in CHOICES:
+        return compute_dtype(requested)                        # the error
+    if device != "cpu" or trainable:
+        why = "on a GPU (use --tf32 there)" if device != "cpu" else "for weights that are trained"
+        if requested == "bf16":
+            raise LlamatuneError(f"--compute-dtype bf16: bf16 products are for a frozen base on the CPU, not {why}")
+        return "f32", f"f32 products {why}"
+    return compute_dtype(requested)

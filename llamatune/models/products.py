@@ -21,7 +21,7 @@ class Products:
         if dtype == "bf16" and xp is not np:
             raise ValueError("bf16 products run on the CPU (numpy arrays)")
         self.xp, self.dtype = xp, dtype
-        self._rounded: dict[tuple, np.ndarray] = {}   # (operand, shape) -> kept bf16 buffer
+        self._flat = {"a": np.empty(0, np.uint16), "w": np.empty(0, np.uint16)}   # bf16 copies, grown as needed
 
     def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
         """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out."""
@@ -32,16 +32,25 @@ class Products:
         return out
 
     def _round(self, x: np.ndarray, operand: str) -> np.ndarray:
-        key = (operand, x.shape)
-        buf = self._rounded.get(key)
-        if buf is None:
-            buf = self._rounded[key] = np.empty(x.shape, np.uint16)
+        """x rounded to bf16 into the operand's kept buffer (its first x.size elements)."""
         from ..kernels import bf16
+        flat = self._flat[operand]
+        if flat.size < x.size:
+            flat = self._flat[operand] = np.empty(x.size, np.uint16)
+        buf = flat[: x.size].reshape(x.shape)
         if x.strides[-1] != x.itemsize:
             x = np.ascontiguousarray(x)
         bf16.to_bf16(buf, x)
         return buf
 
-    def buffer_bytes(self, shapes) -> int:
-        """Bytes of the bf16 copies a step keeps (0 in f32): one per operand shape."""
-        return 0 if self.dtype == "f32" else 2 * sum(int(np.prod(s)) for s in shapes)
+
+def bf16_bytes(cfg, N: int, head_rows: int, chunk: int) -> int:
+    """Bytes of the bf16 copies a training step of N tokens keeps (Products' two buffers
+    at their largest): an activation (N x the widest input, or the head's chunk x rows of
+    logit gradient) and a weight (the largest layer matrix, or the head's row block)."""
+    from .arch import layer_matrix_shapes
+    mats = layer_matrix_shapes(cfg)
+    a = max(N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)),
+            chunk * head_rows)
+    w = max(head_rows * cfg.n_embd, *(o * i for o, i in mats))
+    return 2 * (a + w)

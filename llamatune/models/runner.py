@@ -12,9 +12,11 @@ from .model import Model
 
 
 def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device: str = "cpu",
-                allow_nonfinite: bool = False) -> Runner:
-    """`adapters`: (GGUF adapter path, user scale) pairs."""
+                allow_nonfinite: bool = False, compute_dtype: str = "f32") -> Runner:
+    """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype."""
+    from ..precision import resolve
     backend = get_backend(device)
+    dtype, _ = resolve(compute_dtype, backend.name)
     try:
         model = Model(model_path, allow_nonfinite)
         loaded = None
@@ -23,7 +25,7 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
             loaded = load_runtime_adapters(model, list(adapters), allow_nonfinite)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
-    return Runner(model, loaded, backend)
+    return Runner(model, loaded, backend, dtype)
 
 
 def runner_for(o) -> Runner:
@@ -31,4 +33,4 @@ def runner_for(o) -> Runner:
     --allow-nonfinite)."""
     from ..options import scaled_adapters
     return make_runner(o.model, [(str(p), 1.0) for p in o.lora] + scaled_adapters(o.lora_scaled), o.device,
-                       o.allow_nonfinite)
+                       o.allow_nonfinite, o.compute_dtype)

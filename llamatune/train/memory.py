@@ -28,7 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .buffers import buffer_plan, plan_bytes
+from ..models.products import bf16_bytes
+from .buffers import buffer_plan, grad_scratch, head_chunk, head_floats, plan_bytes
 from .graph import Graph
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
@@ -149,15 +150,19 @@ class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
     def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float,
-                 device: bool = False):
-        self.cfg, self.targets, self.base = cfg, targets, base
+                 device: bool = False, compute_dtype: str = "f32"):
+        self.cfg, self.targets, self.base, self.compute_dtype = cfg, targets, base, compute_dtype
         self.runtime, self.model_bytes, self.scratch_bytes, self.dropout = runtime, model_bytes, scratch_bytes, dropout
         self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable)
+        temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
+        if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
+            chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
+            temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk)
         return Estimate(mode, self.runtime, self.model_bytes, self.scratch_bytes, plan_bytes(plan),
-                        temporaries_bytes(self.cfg, B, T, self.dropout, self.device), self.device)
+                        temporaries, self.device)
 
     def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
         """The estimate of `mode`, or for auto of the fastest mode that fits `available`

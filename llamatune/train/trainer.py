@@ -31,6 +31,7 @@ from ..formats.gguf_io import KV
 from ..models.config import ModelConfig
 from ..options import TrainOptions
 from ..outputs import check_free_space, metrics_path
+from ..precision import resolve as resolve_dtype
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batcher, Samples, describe
@@ -94,7 +95,7 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
     planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
-                      getattr(o, "lora_dropout", 0.0), device=device)
+                      getattr(o, "lora_dropout", 0.0), device=device, compute_dtype=o.compute_dtype)
     have = free_memory(backend)
     mode = o.checkpointing_mode()
     est = planner.choose(o.batch, o.ctx, mode, have)
@@ -155,6 +156,8 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
         if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
             raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
+        if o.compute_dtype == "auto" and "compute_dtype" in c.options:
+            o.compute_dtype = c.options["compute_dtype"]     # a resume keeps the dtype it was saved with
         ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
         c.load_into(job.params)
         if c.state.data_state:
@@ -372,13 +375,16 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
+    o.compute_dtype, why = resolve_dtype(o.compute_dtype, backend.name, job.base.trainable)   # checkpoints record it
+    if not quiet:
+        err.print(f"compute: {why}")
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
     est = memory_estimate(job, backend, quiet)
     if o.dry_run:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
-                  getattr(o, "lora_dropout", 0.0), backend=backend)
+                  getattr(o, "lora_dropout", 0.0), backend=backend, compute_dtype=o.compute_dtype)
     validator = make_validator(job, state, pref)
     if not quiet:
         if validator is not None:
