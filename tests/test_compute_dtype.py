@@ -1,0 +1,74 @@
+"""--compute-dtype: where bf16 runs, what it falls back to, and that a bf16 run trains
+like the f32 one (the base's products in bf16, everything else f32)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from llamatune import precision
+from llamatune.commands.finetune import finetune
+from llamatune.errors import LlamatuneError
+from llamatune.kernels import bf16
+from llamatune.models.infer import Runner
+from llamatune.models.model import Model
+from llamatune.train import checkpoint as ckpt
+from test_finetune import options
+
+NATIVE = bool(bf16.cpu_bf16_flags()) and bf16.available()
+needs_bf16 = pytest.mark.skipif(not NATIVE, reason="this CPU has no native bf16 or oneDNN is not installed "
+                                                    "(pip install -e '.[cpu-bf16]')")
+
+
+def test_resolve_on_gpus_and_for_trained_weights():
+    assert precision.resolve("auto", "cuda") == ("f32", "f32 products on a GPU (use --tf32 there)")
+    assert precision.resolve("auto", "cpu", trainable=True) == ("f32", "f32 products for weights that are trained")
+    assert precision.resolve("f32") == ("f32", "f32 as asked")
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: bf16 products are for a frozen base on the "
+                                             r"CPU, not on a GPU \(use --tf32 there\)$"):
+        precision.resolve("bf16", "cuda")
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):
+        precision.resolve("bf16", "cpu", trainable=True)
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype 'bf8': unknown value"):
+        precision.resolve("bf8")
+
+
+def test_without_the_library_auto_falls_back_and_bf16_is_an_error(monkeypatch):
+    monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda *a: ["amx_bf16"])
+    monkeypatch.setattr(bf16, "available", lambda: False)
+    monkeypatch.setattr(bf16, "unavailable_reason", lambda: "oneDNN not found")
+    assert precision.resolve("auto") == ("f32", "f32 products: oneDNN not found")
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: oneDNN not found$"):
+        precision.resolve("bf16")
+
+
+@needs_bf16
+def test_a_bf16_run_trains_like_the_f32_run_and_resumes_in_bf16(tmp_path, tiny_model):
+    """Losses of 6 steps within 1 % of f32's at every step, the adapter within 2 % (relative
+    norm); the checkpoint records bf16 and a resume with auto keeps it."""
+    runs = {}
+    for dtype in ("f32", "bf16"):
+        d = tmp_path / dtype
+        d.mkdir()
+        runs[dtype] = finetune(options(d, tiny_model, adam_iter=6, lora_dropout=0.0, compute_dtype=dtype),
+                               quiet=True)
+    f32, b16 = np.array(runs["f32"].losses), np.array(runs["bf16"].losses)
+    np.testing.assert_allclose(b16, f32, rtol=1e-2)
+    assert not np.array_equal(b16, f32)                       # the products did run in bf16
+    a, b = (ckpt.load(tmp_path / d / "chk-LATEST.gguf") for d in ("f32", "bf16"))
+    assert a.options["compute_dtype"] == "f32" and b.options["compute_dtype"] == "bf16"
+    res = finetune(options(tmp_path / "bf16", tiny_model, adam_iter=7, lora_dropout=0.0, compute_dtype="auto",
+                           checkpoint_in=tmp_path / "bf16" / "chk-LATEST.gguf"), quiet=True)
+    assert res.state.iteration == 7
+    assert ckpt.load(tmp_path / "bf16" / "chk-LATEST.gguf").options["compute_dtype"] == "bf16"
+    with pytest.raises(LlamatuneError, match=r"cannot resume with changed options: --compute-dtype 'bf16' -> 'f32'"):
+        finetune(options(tmp_path / "bf16", tiny_model, adam_iter=8, lora_dropout=0.0, compute_dtype="f32",
+                         checkpoint_in=tmp_path / "bf16" / "chk-LATEST.gguf"), quiet=True)
+
+
+@needs_bf16
+def test_bf16_inference_logits_within_bf16_rounding(tiny_model):
+    tokens = np.random.default_rng(0).integers(0, 400, (2, 24))
+    model = Model(tiny_model)
+    f32, b16 = Runner(model).forward(tokens), Runner(model, compute_dtype="bf16").forward(tokens)
+    err = np.abs(b16 - f32).max()
+    assert 0 < err < 2e-2 * np.abs(f32).max()
