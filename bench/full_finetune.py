@@ -110,7 +110,7 @@ def estimate_1_5b(runtime_gib: float) -> dict:
     import numpy as np
 
     from llamatune.models.config import ModelConfig
-    from llamatune.models.modelfile import tensor_names
+    from llamatune.models.writer import tensor_names
     from llamatune.train.full import state_bytes
     from llamatune.train.graph import buffer_plan, plan_bytes
     cfg = ModelConfig.new("qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,

@@ -17,7 +17,7 @@ from llamatune.errors import LlamatuneError
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.kernels.quantize import quantize
 from llamatune.models.model import Model
-from llamatune.models.modelfile import tensor_names
+from llamatune.models.writer import tensor_names
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, validate
 from llamatune.train import checkpoint as ckpt

@@ -31,7 +31,7 @@ from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from ..kernels import dequant
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..models.model import Model
-from ..models.modelfile import FILE_TYPE, fit_type, parse_outtype, tensor_names
+from ..models.writer import FILE_TYPE, fit_type, parse_outtype, tensor_names
 from ..models.weights import FrozenBase
 from . import checkpoint as ckpt
 from .params import ParamBuffer, ParamSpec
@@ -132,7 +132,7 @@ def out_type(t: Tensor, target: QType | None, notes: set[str]) -> QType:
     """The type a tensor is written in: the base's (a trained type we cannot re-quantize
     becomes F16, as llama.cpp's export-lora writes merged tensors), or `target` for
     matrices (vectors stay F32; a row that does not fit its blocks falls back as
-    modelfile.fit_type says)."""
+    writer.fit_type says)."""
     if target is None:
         if t.qtype not in QUANTIZABLE:
             notes.add(f"{t.name}: {t.qtype.name} cannot be re-quantized; written as F16")
