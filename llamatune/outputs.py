@@ -140,9 +140,10 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
 
     inputs: list[tuple[str, Path | None]] = [("--config", preset)]
     outputs: list[Out] = []
+    unwritten = opts.unwritten_outputs() if hasattr(opts, "unwritten_outputs") else ()
     for f in fields(opts):
         value = getattr(opts, f.name)
-        if "Path" not in str(f.type) or value is None:
+        if "Path" not in str(f.type) or value is None or f.name in unwritten:
             continue
         if f.name.endswith("_out"):
             outputs.append(Out(cli_flag(f), Path(value), opts.fn_latest))

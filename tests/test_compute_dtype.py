@@ -28,7 +28,7 @@ def test_resolve_on_gpus_and_for_trained_weights():
         precision.resolve("bf16", "cuda")
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):
         precision.resolve("bf16", "cpu", trainable=True)
-    with pytest.raises(LlamatuneError, match=r"^--compute-dtype 'bf8': unknown value"):
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype: unknown value 'bf8' \(choose one of auto, f32, bf16\)$"):
         precision.resolve("bf8")
 
 

@@ -161,6 +161,11 @@ class FinetuneOptions(TrainOptions):
     out_type: str = opt("", "Full: type of the written matrices: f32, f16, bf16, q8_0, q4_k, ...; empty: each "
                         "tensor in the base's own type (re-quantized).", G_FULL)
 
+    def unwritten_outputs(self) -> tuple[str, ...]:
+        """Output options this run does not write (neither checked nor locked): a LoRA run
+        writes no --model-out, a full finetune no --lora-out."""
+        return ("model_out",) if self.fine_tune_type == "lora" else ("lora_out",)
+
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""
         r = self.lora_r
