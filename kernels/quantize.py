@@ -500,6 +500,34 @@ def _quantize_q5_k(x, out):
                     y[48 + 32 * c + l] = l1 | (l2 << 4)
 
 
+@njit(cache=True, inline="always")
+def _q6_k_block(xb, y, L, scales, max_scale):
+    # the rest of a Q6_K block once its 16 sub-block scales are chosen (shared with
+    # quantize_weighted): the int8 scales, the 6-bit values, their layout (see _quantize_q6_k)
+    iscale = f32(-128) / max_scale
+    hd, d = _fp16(f32(1) / iscale)
+    _put_f16(y, 208, hd)
+    for j in range(16):
+        y[192 + j] = min(127, _nearest_int(iscale * scales[j])) & 0xFF
+    for j in range(16):
+        sc = np.int64(np.int8(y[192 + j]))
+        dl = d * f32(sc)
+        if dl == 0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = max(-32, min(31, _nearest_int(xb[16 * j + i] / dl))) + 32
+    for h in range(2):
+        for l in range(32):
+            q1 = L[128 * h + l]
+            q2 = L[128 * h + l + 32]
+            q3 = L[128 * h + l + 64]
+            q4 = L[128 * h + l + 96]
+            y[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
+            y[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
+            y[128 + 32 * h + l] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4)
+                                   | ((q4 >> 4) << 6))
+
+
 @njit(cache=True, parallel=True)
 def _quantize_q6_k(x, out):
     # block_q6_K (210 B): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16]
@@ -522,28 +550,7 @@ def _quantize_q6_k(x, out):
             if max_abs_scale < GROUP_MAX_EPS:
                 y[:] = 0
                 continue
-            iscale = f32(-128) / max_scale
-            hd, d = _fp16(f32(1) / iscale)
-            _put_f16(y, 208, hd)
-            for j in range(16):
-                y[192 + j] = min(127, _nearest_int(iscale * scales[j])) & 0xFF
-            for j in range(16):
-                sc = np.int64(np.int8(y[192 + j]))
-                dl = d * f32(sc)
-                if dl == 0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = max(-32, min(31, _nearest_int(xb[16 * j + i] / dl))) + 32
-            for h in range(2):
-                for l in range(32):
-                    q1 = L[128 * h + l]
-                    q2 = L[128 * h + l + 32]
-                    q3 = L[128 * h + l + 64]
-                    q4 = L[128 * h + l + 96]
-                    y[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
-                    y[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
-                    y[128 + 32 * h + l] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4)
-                                           | ((q4 >> 4) << 6))
+            _q6_k_block(xb, y, L, scales, max_scale)
 
 
 # --------------------------------------------------------------------- Python API

@@ -25,8 +25,8 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
-from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4,
-                       _put_f16, _scale_min_k4, quantize)
+from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4, _put_f16,
+                       _q6_k_block, _scale_min_k4, quantize)
 
 __all__ = ["WEIGHTED", "quantize_weighted"]
 
@@ -512,28 +512,7 @@ def _quantize_q6_k_w(x, qw, row_sigma2, out):
             if max_abs_scale < GROUP_MAX_EPS:
                 y[:] = 0
                 continue
-            iscale = f32(-128) / max_scale
-            hd, d = _fp16(f32(1) / iscale)
-            _put_f16(y, 208, hd)
-            for j in range(16):
-                y[192 + j] = min(127, _nearest_int(iscale * scales[j])) & 0xFF
-            for j in range(16):
-                sc = np.int64(np.int8(y[192 + j]))
-                dl = d * f32(sc)
-                if dl == 0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = max(-32, min(31, _nearest_int(xb[16 * j + i] / dl))) + 32
-            for h in range(2):
-                for l in range(32):
-                    q1 = L[128 * h + l]
-                    q2 = L[128 * h + l + 32]
-                    q3 = L[128 * h + l + 64]
-                    q4 = L[128 * h + l + 96]
-                    y[64 * h + l] = (q1 & 0xF) | ((q3 & 0xF) << 4)
-                    y[64 * h + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4)
-                    y[128 + 32 * h + l] = ((q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4)
-                                           | ((q4 >> 4) << 6))
+            _q6_k_block(xb, y, L, scales, max_scale)
 
 
 # --------------------------------------------------------------------- Python API
