@@ -20,7 +20,7 @@ from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 from conftest import REPO
 
 CONFIGS = REPO / "configs"
-FINETUNE = ["finetune-chat", "finetune-chat-7b-q4", "finetune-chat-pack", "finetune-default"]
+FINETUNE = ["finetune-chat", "finetune-chat-7b-q4", "finetune-chat-pack", "finetune-default", "finetune-dpo"]
 
 
 def test_the_package_ships_every_preset_of_configs():
@@ -79,7 +79,7 @@ def test_a_path_still_works(tmp_path, monkeypatch):
 def test_unknown_and_foreign_preset_names():
     with pytest.raises(LlamatuneError, match=r"^--config finetune-chatt: no such preset or file \(presets: "
                                              r"finetune-chat, finetune-chat-7b-q4, finetune-chat-pack, "
-                                             r"finetune-default; or give a TOML file's path\)$"):
+                                             r"finetune-default, finetune-dpo; or give a TOML file's path\)$"):
         presets.resolve("finetune-chatt", FinetuneOptions)
     with pytest.raises(LlamatuneError, match=r"scratch-small\.toml: unknown option\(s\) embd, head, head_kv"):
         build_options(FinetuneOptions, {}, presets.resolve("scratch-small", FinetuneOptions))
