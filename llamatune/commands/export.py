@@ -51,7 +51,7 @@ from ..kernels import dequant
 from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..locks import hold
-from ..models.writer import FILE_TYPE, fit_type, parse_outtype
+from ..models.writer import FILE_TYPE, out_type, parse_outtype
 from ..options import MergeOptions
 from ..outputs import Out, check_paths
 
@@ -126,7 +126,7 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     requant = _Requant(options.merge_method, imatrix)
     if options.merge_method == "compensated":
         blocky = [t.name for t in base.tensors.values() if t.name in deltas and t.name != TOKEN_EMBD
-                  and len(t.shape) == 2 and _is_block_type(_out_type(t, target, True, []))]
+                  and len(t.shape) == 2 and _is_block_type(out_type(t, target, True, lambda _: None))]
         if options.calibration_data is not None and blocky:
             requant.calibration = _calibrate(base, loaded, options, blocky, progress)
             requant.imatrix = requant.calibration.imatrix(str(options.calibration_data))
@@ -141,7 +141,7 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     problems: list[str] = []
     for t in base.tensors.values():
         merge = deltas.get(t.name)
-        qtype = _out_type(t, target, merge is not None, report.notes)
+        qtype = out_type(t, target, merge is not None, report.notes.append)
         if merge is None and (qtype == t.qtype or not _can_dequantize(t)):
             if qtype != t.qtype:
                 report.notes.append(f"{t.name}: type {t.qtype.name} cannot be converted; copied unchanged")
@@ -202,24 +202,6 @@ def _set_differences(loaded: list[tuple[LoraAdapter, float]]) -> list[str]:
             notes.append(f"{adapter.path.name} does not adapt {len(missing)} tensor(s) that other adapters "
                          f"do ({shown}); merged where present (llama.cpp's export-lora would refuse)")
     return notes
-
-
-def _out_type(t: Tensor, target: QType | None, merged: bool, notes: list[str]) -> QType:
-    """The type `t` is written in. "same" (target None) keeps the base type, falling
-    back to F16 (llama.cpp's choice) for a merged type we cannot re-quantize. An
-    explicit type applies to matrices; 1-D tensors stay F32 and a row length that is
-    not a multiple of the block size falls back as writer.encode_tensor does."""
-    if target is None:
-        if merged and t.qtype not in QUANTIZABLE:
-            notes.append(f"{t.name}: {t.qtype.name} cannot be re-quantized; the merged tensor is written as F16")
-            return QType.F16
-        return t.qtype
-    if len(t.shape) == 1:
-        return QType.F32
-    fitted = fit_type(t.n_cols, target)
-    if fitted != target:
-        notes.append(f"{t.name}: {t.n_cols} columns do not fit {target.name} blocks; writing {fitted.name}")
-    return fitted
 
 
 def _can_dequantize(t: Tensor) -> bool:

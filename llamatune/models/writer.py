@@ -76,6 +76,26 @@ def fit_type(n_cols: int, qtype: QType) -> QType:
     return QType.Q8_0 if n_cols % 32 == 0 and qtype not in (QType.F32, QType.F16, QType.BF16) else QType.F16
 
 
+def out_type(t, target: QType | None, retyped: bool, note) -> QType:
+    """The type base tensor `t` is written in after its values changed (`retyped`: merged by
+    export-lora, trained by a full finetune): the base's own type for target None, F16
+    (llama.cpp export-lora's choice) where that type cannot be re-quantized; `target`
+    for matrices, with fit_type's fallback (1-D tensors stay F32). `note(text)` hears of
+    every fallback."""
+    from ..kernels.quantize import QUANTIZABLE
+    if target is None:
+        if retyped and t.qtype not in QUANTIZABLE:
+            note(f"{t.name}: {t.qtype.name} cannot be re-quantized; written as F16")
+            return QType.F16
+        return t.qtype
+    if len(t.shape) == 1:
+        return QType.F32
+    fitted = fit_type(t.n_cols, target)
+    if fitted != target:
+        note(f"{t.name}: {t.n_cols} columns do not fit {target.name} blocks; written as {fitted.name}")
+    return fitted
+
+
 def encode_tensor(name: str, data: np.ndarray, qtype: QType) -> TensorOut:
     """A TensorOut that converts f32 `data` to `qtype` when written. 1-D tensors
     (norms, biases) always stay F32, as llama.cpp keeps them."""

@@ -27,11 +27,11 @@ from gguf import GGMLQuantizationType as QType
 
 from ..console import notice
 from ..errors import LlamatuneError
-from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
+from ..formats.gguf_io import KV, GGUFFile, TensorOut, kv, write_gguf
 from ..kernels import dequant
-from ..kernels.quantize import QUANTIZABLE, quantize
+from ..kernels.quantize import quantize
 from ..models.model import Model
-from ..models.writer import FILE_TYPE, fit_type, parse_outtype, tensor_names
+from ..models.writer import FILE_TYPE, out_type, parse_outtype, tensor_names
 from ..models.weights import FrozenBase
 from . import checkpoint as ckpt
 from .params import ParamBuffer, ParamSpec
@@ -128,24 +128,6 @@ def load_trained(params: ParamBuffer, f: GGUFFile) -> None:
 
 # --------------------------------------------------------------------------- the model written
 
-def out_type(t: Tensor, target: QType | None, notes: set[str]) -> QType:
-    """The type a tensor is written in: the base's (a trained type we cannot re-quantize
-    becomes F16, as llama.cpp's export-lora writes merged tensors), or `target` for
-    matrices (vectors stay F32; a row that does not fit its blocks falls back as
-    writer.fit_type says)."""
-    if target is None:
-        if t.qtype not in QUANTIZABLE:
-            notes.add(f"{t.name}: {t.qtype.name} cannot be re-quantized; written as F16")
-            return QType.F16
-        return t.qtype
-    if len(t.shape) == 1:
-        return QType.F32
-    fitted = fit_type(t.n_cols, target)
-    if fitted != target:
-        notes.add(f"{t.name}: {t.n_cols} columns do not fit {target.name} blocks; written as {fitted.name}")
-    return fitted
-
-
 def _encode(values, qtype: QType, shape: tuple[int, ...]) -> np.ndarray:
     """f32 `values` (a parameter, or a frozen tensor dequantized) in `qtype`."""
     values = values() if callable(values) else values
@@ -162,10 +144,10 @@ def model_tensors(f: GGUFFile, values: dict[str, np.ndarray], target: QType | No
     out = []
     for t in f.tensors.values():
         if t.name in values:
-            q = out_type(t, target, notes)
+            q = out_type(t, target, True, notes.add)
             out.append(TensorOut(t.name, t.shape, q, partial(_encode, values[t.name], q, t.shape)))
             continue
-        q = t.qtype if target is None else out_type(t, target, notes)
+        q = t.qtype if target is None else out_type(t, target, True, notes.add)
         if q == t.qtype or t.qtype not in dequant.NUMBA_TYPES:
             if q != t.qtype:
                 notes.add(f"{t.name}: {t.qtype.name} cannot be converted; copied as stored")

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import LlamatuneError
 from .data import Batch, Batcher, Samples
-from .validation import Validator
+from .validation import InOrder, Validator
 
 STATE_KEY = "reference"        # the reference cache's key in the batcher's state
 _SPLIT_STREAM = 0x76616C       # the seeded split draws from the same stream as validation.split_samples
@@ -159,16 +159,8 @@ class PairBatcher(Batcher):
         self.reference = ref
 
 
-class _PairsInOrder(PairBatcher):
-    """Pairs in data order, one pass (validation): rows after the last pair are padding."""
-
-    def _shuffle(self) -> None:
-        self._shuffle_state = None
-        self.order = np.arange(len(self.samples))
-        self.offsets = np.zeros(len(self.order), dtype=np.int64)
-
-    def exhausted(self) -> bool:
-        return self.epoch > 0
+class _PairsInOrder(InOrder, PairBatcher):
+    """Pairs in data order, one pass (validation)."""
 
 
 def split_pairs(samples: Samples, fraction: float, seed: int) -> tuple[Samples, Samples]:
@@ -363,6 +355,7 @@ class PairValidator(Validator):
     `eval_`, in `last_metrics`. The reference values are computed at the first evaluation
     (same batches every time, so a resumed run gets the same bits). Best step and early
     stop as for SFT (Validator)."""
+    batcher = _PairsInOrder
 
     def __init__(self, samples: Samples, opts, n_vocab: int, bos_id: int, eos_id: int, objective: Preference):
         self.opts, self.samples, self.objective = opts, samples, objective
@@ -373,11 +366,6 @@ class PairValidator(Validator):
 
     def describe(self) -> str:
         return f"{len(self.samples) // 2} pairs, {self.n_targets} answer tokens"
-
-    def batches(self):
-        batcher = _PairsInOrder(self.samples, self.opts, *self.vocab)
-        while not batcher.exhausted():
-            yield batcher.next_batch()
 
     def loss(self, graph) -> float:
         p = self.objective

@@ -102,9 +102,9 @@ def eval_pieces(samples: Samples, ctx: int) -> Samples:
     return subset(samples, np.asarray(begins, np.int64), np.asarray(sizes, np.int64))
 
 
-class _InOrder(Batcher):
-    """The training Batcher's rows with the samples in order and no random offsets, one
-    pass only: rows after the last sample are padding."""
+class InOrder:
+    """Mixed into a batcher (`class X(InOrder, Batcher)`): its rows with the samples in
+    order and no random offsets, one pass only: rows after the last sample are padding."""
 
     def _shuffle(self) -> None:
         self._shuffle_state = None
@@ -115,8 +115,13 @@ class _InOrder(Batcher):
         return self.epoch > 0
 
 
+class _InOrder(InOrder, Batcher):
+    pass
+
+
 class Validator:
     """Fixed validation batches and the mean loss over all their targets."""
+    batcher = _InOrder                             # one pass over the samples in order
 
     def __init__(self, samples: Samples, opts, n_vocab: int, bos_id: int, eos_id: int):
         self.opts = dataclasses.replace(opts, fill_with_next_samples=False, sample_random_offsets=False)
@@ -134,7 +139,7 @@ class Validator:
     def batches(self) -> Iterator[Batch]:
         """(B, T) batches of the pieces in order, until the last one is taken; rows after it
         are all padding."""
-        batcher = _InOrder(self.samples, self.opts, *self.vocab)
+        batcher = self.batcher(self.samples, self.opts, *self.vocab)
         while not batcher.exhausted():
             yield batcher.next_batch()
 
