@@ -1,20 +1,31 @@
 """Verification on a real model: DPO (or ORPO) teaches a style preference.
 
-Pairs: a question (chat template) with the same answer in two registers, the chosen one
-in a pirate's voice, the rejected one plain (which an instruct model prefers). Held-out
-pairs ask other questions. Before and after training it prints, over the held-out pairs:
+Pairs: a question with the same answer in two registers, the chosen one in a pirate's
+voice, the rejected one plain (which an instruct model prefers). Held-out pairs ask other
+questions. `--form chat` renders the question with the model's chat template
+(conversational rows); `--form text` writes standard rows, "Question: ...\nAnswer:" and
+the answer after a space, which is exactly the text llama.cpp's multiple-choice scorer
+builds (question + " " + answer). Before and after training it prints, over the held-out
+pairs:
   * logp accuracy: the fraction where the chosen answer's summed log-probability beats the
-    rejected one's (the model itself preferring the pirate answer; sums favour the shorter
-    plain answers, so this is the harder score);
+    rejected one's (sums favour the shorter plain answers: the hardest score);
+  * mean-logp accuracy: the same with the mean over the answer's tokens, which is how
+    llama.cpp's `llama-perplexity --multiple-choice` picks an ending;
+  * with --llama-bin and --form text: llama-perplexity --multiple-choice on the held-out
+    pairs, the base alone and with the trained adapter at run time (--lora);
   * the run's own held-out reward accuracy and loss (metrics.jsonl, eval_ lines).
 
     python bench/preference_style.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
-        [--method dpo] [--steps 40] [--workdir /tmp/llamatune-style]
+        [--method dpo|orpo] [--form chat|text] [--steps 40] [--lr 2e-4] \
+        [--llama-bin /work/llamacpp/build/bin] [--workdir /tmp/llamatune-style]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import struct
+import subprocess
 import time
 from pathlib import Path
 
@@ -98,16 +109,54 @@ def pirate(text: str) -> str:
     return text[:-1] + ", matey! Yo ho!"
 
 
-def write_pairs(path: Path, facts) -> Path:
-    rows = [{"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": pirate(a)}],
-             "rejected": [{"role": "assistant", "content": a}]} for q, a in facts]
+def question_text(q: str) -> str:
+    return f"Question: {q}\nAnswer:"
+
+
+def write_pairs(path: Path, facts, form: str) -> Path:
+    if form == "chat":
+        rows = [{"prompt": [{"role": "user", "content": q}], "chosen": [{"role": "assistant", "content": pirate(a)}],
+                 "rejected": [{"role": "assistant", "content": a}]} for q, a in facts]
+    else:
+        rows = [{"prompt": question_text(q), "chosen": " " + pirate(a), "rejected": " " + a} for q, a in facts]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
-def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -> tuple[float, float]:
-    """(fraction of pairs whose chosen answer has the higher summed log-probability, mean
-    margin) with the adapter (a checkpoint) or without."""
+def write_multiple_choice(path: Path, facts) -> Path:
+    """llama.cpp's --multiple-choice file (perplexity.cpp multiple_choice_task): n tasks,
+    their offsets, then per task the question, mc1 (answers, labels) and an empty mc2.
+    Label 1 marks the pirate answer."""
+    def string(x: str) -> bytes:
+        b = x.encode()
+        return struct.pack("<I", len(b)) + b
+    tasks = [string(question_text(q)) + struct.pack("<I", 2) + string(pirate(a)) + string(a)
+             + struct.pack("<2i", 1, 0) + struct.pack("<I", 0) for q, a in facts]
+    pos, offsets = 4 + 4 * len(tasks), []
+    for t in tasks:
+        offsets.append(pos)
+        pos += len(t)
+    path.write_bytes(struct.pack("<I", len(tasks)) + struct.pack(f"<{len(tasks)}I", *offsets) + b"".join(tasks))
+    return path
+
+
+def llama_multiple_choice(bin_dir: Path, model: Path, tasks: Path, adapter: Path | None, log: Path) -> float:
+    """llama-perplexity --multiple-choice accuracy (%) on `tasks`, with the adapter at run time."""
+    cmd = [str(bin_dir / "llama-perplexity"), "-m", str(model), "--multiple-choice", "-bf", str(tasks),
+           "-t", "2", "-c", "256"] + (["--lora", str(adapter)] if adapter else [])
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT).returncode
+    text = log.read_text(errors="replace")
+    m = re.findall(r"Final result: ([0-9.]+)", text) or re.findall(r"^\d+\t([0-9.]+)$", text, re.M)
+    if rc or not m:
+        raise SystemExit(f"llama-perplexity failed ({rc}); see {log}:\n{text[-1500:]}")
+    return float(m[-1])
+
+
+def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -> tuple[float, float, float]:
+    """(fraction of pairs whose chosen answer has the higher summed log-probability, the
+    same with per-token means, mean margin of the sums) with the adapter (a checkpoint) or
+    without."""
     from llamatune.models.model import Model
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
@@ -127,12 +176,15 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     graph = Graph(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
     pref = Preference(o, params, targets)
     v = PairValidator(samples, o, model.config.n_vocab, model.tokenizer.bos_id, model.tokenizer.eos_id, pref)
-    lp = []
+    lp, n = [], []
     for b in v.batches():
         s = pref._scores(b, pref._token_losses(graph, b), None)
         lp.append(s.logp)
-    lp = np.concatenate(lp)
-    return float((lp[:, 0] > lp[:, 1]).mean()), float((lp[:, 0] - lp[:, 1]).mean())
+        n.append(s.length)
+    lp, n = np.concatenate(lp), np.concatenate(n)
+    mean = lp / n
+    return (float((lp[:, 0] > lp[:, 1]).mean()), float((mean[:, 0] > mean[:, 1]).mean()),
+            float((lp[:, 0] - lp[:, 1]).mean()))
 
 
 def main() -> None:
@@ -144,16 +196,26 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=0.1)
     ap.add_argument("--ctx", type=int, default=64)
     ap.add_argument("--val-pairs", type=int, default=16, help="held-out pairs (the last of the 64 questions)")
+    ap.add_argument("--form", choices=("chat", "text"), default="chat")
+    ap.add_argument("--llama-bin", type=Path, help="llama.cpp's bin folder: score with llama-perplexity "
+                    "--multiple-choice (--form text)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-style"))
     args = ap.parse_args()
     from llamatune.commands.finetune import finetune
     from llamatune.options import FinetuneOptions, validate
-    w = args.workdir / args.method
+    w = args.workdir / f"{args.method}-{args.form}"
     w.mkdir(parents=True, exist_ok=True)
     n_train = len(FACTS) - args.val_pairs
-    train, val = write_pairs(w / "train.jsonl", FACTS[:n_train]), write_pairs(w / "val.jsonl", FACTS[n_train:])
+    train = write_pairs(w / "train.jsonl", FACTS[:n_train], args.form)
+    val = write_pairs(w / "val.jsonl", FACTS[n_train:], args.form)
     before = logp_accuracy(args.model, val, None, args.ctx)
-    print(f"before: held-out logp accuracy {before[0]:.1%} (mean chosen - rejected logp {before[1]:+.2f})", flush=True)
+    print(f"before: held-out logp accuracy {before[0]:.1%}, mean-logp accuracy {before[1]:.1%} "
+          f"(mean chosen - rejected logp {before[2]:+.2f})", flush=True)
+    llama = args.llama_bin is not None and args.form == "text"
+    if llama:
+        tasks = write_multiple_choice(w / "val.mc.bin", FACTS[n_train:])
+        print(f"before: llama-perplexity --multiple-choice {llama_multiple_choice(args.llama_bin, args.model, tasks, None, w / 'mc-base.log'):.2f} %",
+              flush=True)
     o = FinetuneOptions(model_base=args.model, train_data=train, val_data=val, method=args.method, beta=args.beta,
                         ctx=args.ctx, batch=4, lora_r=8, adam_iter=args.steps, adam_alpha=args.lr, warmup=4,
                         cos_decay_steps=args.steps, save_every=0, eval_every=0, plot=False,
@@ -164,7 +226,11 @@ def main() -> None:
     res = finetune(o)
     print(f"{args.steps} steps in {time.perf_counter() - t:.0f} s; losses {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
     after = logp_accuracy(args.model, val, w / "chk-LATEST.gguf", args.ctx)
-    print(f"after:  held-out logp accuracy {after[0]:.1%} (mean chosen - rejected logp {after[1]:+.2f})")
+    print(f"after:  held-out logp accuracy {after[0]:.1%}, mean-logp accuracy {after[1]:.1%} "
+          f"(mean chosen - rejected logp {after[2]:+.2f})", flush=True)
+    if llama:
+        acc = llama_multiple_choice(args.llama_bin, args.model, tasks, w / "adapter-LATEST.gguf", w / "mc-adapter.log")
+        print(f"after:  llama-perplexity --multiple-choice --lora adapter-LATEST.gguf {acc:.2f} %", flush=True)
     for row in (json.loads(x) for x in (w / "metrics.jsonl").read_text().splitlines()):
         if "val_loss" in row:
             print(f"  step {row['step']}: val loss {row['val_loss']:.4f}, "

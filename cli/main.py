@@ -80,14 +80,22 @@ def _tokenize(o) -> None:
             print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
+def _runner(o):
+    """The command's runner; its compute dtype (resolved from --compute-dtype) named on stderr."""
+    from llamatune.console import err
+    from llamatune.models.runner import runner_for
+    runner = runner_for(o)
+    err.print(f"compute: {runner.compute_why}")
+    return runner
+
+
 def _perplexity(o) -> None:
     from llamatune.console import out
     from llamatune.commands.perplexity import perplexity as run_perplexity
-    from llamatune.models.runner import runner_for
     from llamatune.progress import progress_bar
     from llamatune.train.data import read_text
     text = read_text(o.file)
-    runner = runner_for(o)
+    runner = _runner(o)
     with progress_bar("perplexity") as bar:
         res = run_perplexity(runner, text, o.ctx, o.batch, source=str(o.file),
                              on_window=lambda d, n, p: bar(d, n, f"PPL {p:.4f}"))
@@ -98,8 +106,7 @@ def _perplexity(o) -> None:
 
 def _generate(o) -> None:
     from llamatune.commands.generate import generate as run_generate, stream_text
-    from llamatune.models.runner import runner_for
-    runner = runner_for(o)
+    runner = _runner(o)
     sys.stdout.write(o.prompt)
     ids = run_generate(runner, o.prompt, o.n_predict, o.temp, o.top_k, o.top_p, o.seed, o.ctx)
     stream_text(runner, o.prompt, ids, lambda s: (sys.stdout.write(s), sys.stdout.flush()))
@@ -135,8 +142,7 @@ def _preview_data(data, o) -> None:
 
 def _chat(o) -> None:
     from llamatune.commands.chat import run_chat
-    from llamatune.models.runner import runner_for
-    run_chat(runner_for(o), o.chat_template, o.prompt, o.system, o.sampling())
+    run_chat(_runner(o), o.chat_template, o.prompt, o.system, o.sampling())
 
 
 def _plot(o) -> None:

@@ -22,7 +22,7 @@ def compute_dtype(requested: str) -> tuple[str, str]:
         raise LlamatuneError(f"--compute-dtype: unknown value {requested!r} "
                              f"(choose one of {', '.join(CHOICES)})")
     if requested == "f32":
-        return "f32", "f32 as asked"
+        return "f32", "f32 products as asked"
     from .kernels import bf16
     flags = bf16.cpu_bf16_flags()
     problem = None

@@ -248,7 +248,7 @@ def test_compute_dtype_without_cpu_support(monkeypatch):
         "f32", "f32 products: this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16)")
     with pytest.raises(LlamatuneError, match="--compute-dtype bf16: this CPU has no native bf16"):
         compute_dtype("bf16")
-    assert compute_dtype("f32") == ("f32", "f32 as asked")
+    assert compute_dtype("f32") == ("f32", "f32 products as asked")
     with pytest.raises(LlamatuneError, match="--compute-dtype: unknown value 'f16' .choose one of auto, f32, bf16."):
         compute_dtype("f16")
 

@@ -22,7 +22,7 @@ needs_bf16 = pytest.mark.skipif(not NATIVE, reason="this CPU has no native bf16 
 def test_resolve_on_gpus_and_for_trained_weights():
     assert precision.resolve("auto", "cuda") == ("f32", "f32 products on a GPU (use --tf32 there)")
     assert precision.resolve("auto", "cpu", trainable=True) == ("f32", "f32 products for weights that are trained")
-    assert precision.resolve("f32") == ("f32", "f32 as asked")
+    assert precision.resolve("f32") == ("f32", "f32 products as asked")
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: bf16 products are for a frozen base on the "
                                              r"CPU, not on a GPU \(use --tf32 there\)$"):
         precision.resolve("bf16", "cuda")

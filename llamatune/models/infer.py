@@ -55,6 +55,7 @@ class Runner(Forward):
         self.adapters = {name: [(backend.to_device(a), backend.to_device(b), s) for a, b, s in pairs]
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}
         self.cache, self.n_past = None, 0
+        self.compute_why = f"{compute_dtype} products"   # runner.make_runner says why it chose them
 
     def adapter_pairs(self, name: str) -> list:
         return self.adapters.get(name, ())

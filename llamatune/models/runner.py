@@ -16,7 +16,7 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
     """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype."""
     from ..precision import resolve
     backend = get_backend(device)
-    dtype, _ = resolve(compute_dtype, backend.name)
+    dtype, why = resolve(compute_dtype, backend.name)
     try:
         model = Model(model_path, allow_nonfinite)
         loaded = None
@@ -25,7 +25,9 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
             loaded = load_runtime_adapters(model, list(adapters), allow_nonfinite)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
-    return Runner(model, loaded, backend, dtype)
+    runner = Runner(model, loaded, backend, dtype)
+    runner.compute_why = why              # the resolved --compute-dtype in one line, for the start-up line
+    return runner
 
 
 def runner_for(o) -> Runner:

@@ -26,7 +26,7 @@ class RunOptions:
     lora: list[Path] = opt([], LORA_HELP, None)
     lora_scaled: list[str] = opt([], LORA_SCALED_HELP, None)
     device: str = opt("cpu", "cpu, cuda or auto (cuda when a GPU is visible).", None)
-    compute_dtype: str = opt("f32", "The base's products: f32 (the same digits as llama.cpp's F32 path), bf16 "
+    compute_dtype: str = opt("auto", "The base's products: f32 (the same digits as llama.cpp's F32 path), bf16 "
                              "(bf16 inputs, f32 sums, through oneDNN: about twice the f32 rate on CPUs with "
                              "AVX512_BF16 or AMX), or auto (bf16 where the CPU has it natively, else f32).", None)
     allow_nonfinite: bool = opt(False, "Run even when weights hold inf or nan (a notice names them; results "
@@ -44,6 +44,10 @@ class PerplexityOptions(RunOptions):
     file: Optional[Path] = opt(None, "Text file to score.", None, flags=("-f",), required=True)
     ctx: int = opt(512, "Window size in tokens.", None, flags=("-c",))
     batch: int = opt(2048, "Tokens per forward pass (whole windows are batched).", None, flags=("-b",))
+    # perplexity keeps f32 by default: its figure then agrees with llama-perplexity's to the printed digit
+    compute_dtype: str = opt("f32", "The base's products: f32 (the default here: the same digits as "
+                             "llama-perplexity), bf16 (bf16 inputs, f32 sums, through oneDNN: faster on CPUs with "
+                             "AVX512_BF16 or AMX), or auto (bf16 where the CPU has it natively, else f32).", None)
 
     def check(self) -> None:
         super().check()

@@ -65,7 +65,7 @@ class TrainOptions:
     threads: int = opt(0, "CPU threads for kernels (0: all cores).", G_MEM, flags=("-t",))
     device: str = opt("cpu", "cpu, cuda or auto.", G_MEM)
     tf32: bool = opt(False, "GPU only: matmuls in TF32 on tensor cores (inputs rounded to 10 mantissa bits, float32 sums): about 3.4x faster steps on an H100 (7B-shaped layers), results no longer equal the CPU's.", G_MEM)
-    compute_dtype: str = opt("f32", "The frozen base's products: f32, bf16 (bf16 inputs, float32 sums, through "
+    compute_dtype: str = opt("auto", "The frozen base's products: f32, bf16 (bf16 inputs, float32 sums, through "
                              "oneDNN: about twice the f32 rate on CPUs with AVX512_BF16 or AMX; adapters, optimizer, "
                              "norms and loss stay f32), or auto (bf16 where the CPU has it natively, else f32). "
                              "A checkpoint records the choice and a resume keeps it.", G_MEM, frozen=True)
