@@ -19,7 +19,9 @@ pages; run it twice (`--steps 2`) to see a warm step, or not at all (`--steps 0`
 for the estimate alone.
 
     python bench/real_size.py [--shapes llama2-7b,llama3-8b,qwen2.5-1.5b] [--ctx 512,2048] [--mode layer]
-        [--steps 1] [--workdir /tmp/llamatune-real]
+        [--steps 1] [--compute-dtype f32,bf16] [--workdir /tmp/llamatune-real]
+With --compute-dtype f32,bf16 each (shape, ctx) runs once in each dtype, one after the
+other (the base's products in bf16 through oneDNN: models/products.py).
 """
 from __future__ import annotations
 
@@ -113,7 +115,7 @@ def build(path: Path, shape: str) -> None:
     write_gguf(path, cfg.arch, kvs, tensors)
 
 
-def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
+def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> dict:
     import llamatune  # noqa: F401  (first: threading policy before numpy loads)
     import numpy as np
     from llamatune.backend import cpu
@@ -136,9 +138,9 @@ def run_one(path: Path, ctx: int, mode: str, steps: int) -> dict:
     base = FrozenBase(model)
     compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg)
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
-                      model.dequantizer.nbytes, 0.0)
+                      model.dequantizer.nbytes, 0.0, compute_dtype=dtype)
     est = planner.estimate(1, ctx, mode)
-    graph = Graph(cfg, base, params, targets, 1, ctx, mode)
+    graph = Graph(cfg, base, params, targets, 1, ctx, mode, compute_dtype=dtype)
     rng = np.random.default_rng(1)
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)
@@ -172,14 +174,15 @@ def main() -> None:
     ap.add_argument("--mode", default="layer")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-real"))
-    ap.add_argument("--one", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--compute-dtype", default="f32", help="f32, bf16, or both alternately (f32,bf16)")
+    ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(Path(a.one[0]), int(a.one[1]), a.one[2], a.steps)))
+        print(json.dumps(run_one(Path(a.one[0]), int(a.one[1]), a.one[2], a.steps, a.one[3])))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
-    print(f"{'shape':12} {'ctx':>5} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
+    print(f"{'shape':12} {'ctx':>5} {'dtype':4} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
           f"{'GFLOP/s':>8} {'sgemm':>6} {'share':>6}")
     for shape in a.shapes.split(","):
         path = a.workdir / f"random-{shape}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
@@ -187,25 +190,29 @@ def main() -> None:
         build(path, shape)
         print(f"# {path} ready ({time.perf_counter() - t:.0f} s)", flush=True)
         for ctx in map(int, a.ctx.split(",")):
-            out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode],
-                                 capture_output=True, text=True)
-            if out.returncode:
-                print(f"{shape:12} {ctx:5} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
-                continue
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            g = 2**30
-            if not r["step_s"]:                     # --steps 0: the estimate alone
-                print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f}  (runtime {r['runtime'] / g:.2f}, "
-                      f"graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}; no step run)", flush=True)
-                continue
-            steps = "/".join(f"{s:.0f}" for s in r["step_s"])
-            rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
-            print(f"{shape:12} {ctx:5} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
-                  f"{steps:>12} {ctx / r['step_s'][-1]:6.1f} {rate:8.1f} {r['sgemm_gflops']:6.1f} "
-                  f"{rate / r['sgemm_gflops']:6.1%}  "
-                  f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
-                  f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
+            for dtype in a.compute_dtype.split(","):
+                report(a, shape, path, ctx, dtype)
 
+
+def report(a, shape: str, path: Path, ctx: int, dtype: str) -> None:
+    out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode,
+                          dtype], capture_output=True, text=True)
+    if out.returncode:
+        print(f"{shape:12} {ctx:5} {dtype} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
+        return
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    g = 2**30
+    if not r["step_s"]:                     # --steps 0: the estimate alone
+        print(f"{shape:12} {ctx:5} {dtype:4} {r['estimate'] / g:8.2f}  (runtime {r['runtime'] / g:.2f}, "
+              f"graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}; no step run)", flush=True)
+        return
+    steps = "/".join(f"{s:.0f}" for s in r["step_s"])
+    rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
+    print(f"{shape:12} {ctx:5} {dtype:4} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
+          f"{steps:>12} {ctx / r['step_s'][-1]:6.1f} {rate:8.1f} {r['sgemm_gflops']:6.1f} "
+          f"{rate / r['sgemm_gflops']:6.1%}  "
+          f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
+          f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -72,3 +72,38 @@ def test_bf16_inference_logits_within_bf16_rounding(tiny_model):
     f32, b16 = Runner(model).forward(tokens), Runner(model, compute_dtype="bf16").forward(tokens)
     err = np.abs(b16 - f32).max()
     assert 0 < err < 2e-2 * np.abs(f32).max()
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "F16"])
+def test_weights_dequantized_straight_to_bf16_equal_the_rounded_f32_expansion(tmp_path, tiny_vocab, qtype):
+    """Dequantizer.block_bf16 (every matrix whole, and head row blocks) is to_bf16 of the
+    f32 expansion bit for bit: for F32, for the numba dequantizers and their fallback."""
+    from gguf import GGMLQuantizationType as QType
+    from conftest import write_tiny_model
+    model = Model(write_tiny_model(tmp_path / f"tiny-{qtype}.gguf", tiny_vocab, getattr(QType, qtype), n_embd=64,
+                                   n_ff=96))
+    deq = model.dequantizer
+    for name, t in model.weights.all_matrices():
+        if t is model.weights.token_embd and t is not model.weights.output:
+            continue
+        spans = [(0, t.n_rows)] if t.n_rows * t.n_cols <= deq.size else [(0, deq.head_rows), (5, 5 + deq.head_rows)]
+        for lo, hi in spans:
+            want = bf16.to_bf16_ref(np.array(deq.block(t, lo, hi)))
+            np.testing.assert_array_equal(deq.block_bf16(t, lo, hi), want, err_msg=f"{name} rows {lo}:{hi}")
+
+
+@needs_bf16
+def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
+    """The bf16 forward with weights dequantized straight to bf16 and q/k/v (gate/up)
+    rounding their input once gives the logits of rounding every operand at every product."""
+    import contextlib
+    from llamatune.models.forward import Forward
+    from llamatune.models.products import Products
+    tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
+    model = Model(tiny_model)
+    fast = Runner(model, compute_dtype="bf16").forward(tokens)
+    monkeypatch.setattr(Products, "shared_input", lambda self, x: contextlib.nullcontext())
+    monkeypatch.setattr(Forward, "weight", lambda self, name: self.base.matrix(name))
+    monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi: self.base.matrix_rows(name, lo, hi))
+    plain = Runner(model, compute_dtype="bf16").forward(tokens)
+    np.testing.assert_array_equal(fast, plain)

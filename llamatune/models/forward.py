@@ -117,7 +117,20 @@ class Forward:
     def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
         """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
         share is already in it (training may merge B A into a dequantized copy)."""
-        return self.base.matrix(name), False
+        return self.weight(name), False
+
+    def weight(self, name: str) -> np.ndarray:
+        """A base matrix as the products take it: float32, or with bf16 products
+        dequantized straight to bf16 (half the bytes; products.py)."""
+        if self.products.dtype == "bf16":
+            return self.base.matrix_rows_bf16(name)
+        return self.base.matrix(name)
+
+    def weight_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows lo:hi of a base matrix (the output head's blocks), as `weight`."""
+        if self.products.dtype == "bf16":
+            return self.base.matrix_rows_bf16(name, lo, hi)
+        return self.base.matrix_rows(name, lo, hi)
 
     def norm_weight(self, name: str) -> np.ndarray:
         return self.base.vector(name)
@@ -156,8 +169,9 @@ class Forward:
     def qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
         """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
         if not self.cfg.spec.fused_qkv:
-            for c, y in (("q", q), ("k", k), ("v", v)):
-                self.linear(y, xn, f"{p}attn_{c}.weight")
+            with self.products.shared_input(xn):
+                for c, y in (("q", q), ("k", k), ("v", v)):
+                    self.linear(y, xn, f"{p}attn_{c}.weight")
             return
         Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
         qkv = self.linear(self.fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
@@ -166,8 +180,9 @@ class Forward:
     def gate_up_forward(self, g: np.ndarray, u: np.ndarray, xn: np.ndarray, p: str) -> None:
         """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
         if not self.cfg.spec.fused_gate_up:
-            self.linear(g, xn, p + "ffn_gate.weight")
-            self.linear(u, xn, p + "ffn_up.weight")
+            with self.products.shared_input(xn):
+                self.linear(g, xn, p + "ffn_gate.weight")
+                self.linear(u, xn, p + "ffn_up.weight")
             return
         F = self.cfg.n_ff
         gu = self.linear(self.fused_rows(2 * F), xn, p + "ffn_up.weight")

@@ -99,7 +99,11 @@ class Dequantizer:
     `block(t, lo, hi)` expands rows lo:hi of the head (`head_rows` at a time fit the
     scratch) and `rows(t, ids, out)` only the embedding rows used. `get(t)` returns a
     (n_rows, n_cols) view valid until the next call. F32 weights are returned as
-    their memory-mapped array, no copy."""
+    their memory-mapped array, no copy.
+
+    `block_bf16` expands rows straight to bf16 (uint16 bits, kernels/bf16.py) into a
+    second scratch of half the bytes, for the bf16 products (models/products.py); a
+    run uses one scratch or the other, and an untouched one takes no memory."""
 
     def __init__(self, weights: BaseWeights):
         vocab = {id(weights.token_embd), id(weights.output)}
@@ -108,10 +112,18 @@ class Dequantizer:
         self.head_rows = max(1, min(head.n_rows, layer_max // head.n_cols))   # rows of the head per block
         self.size = max(layer_max, self.head_rows * head.n_cols)
         self._buf: np.ndarray | None = None
+        self._buf_bf16: np.ndarray | None = None
+        self._chunk: np.ndarray | None = None     # f32 rows on their way to bf16 (bf16.SCRATCH_VALUES)
 
     @property
     def nbytes(self) -> int:
         return self.size * 4
+
+    @property
+    def nbytes_bf16(self) -> int:
+        """The scratch of `block_bf16`: the bf16 matrix and the f32 rows it is expanded through."""
+        from ..kernels.bf16 import SCRATCH_VALUES
+        return self.size * 2 + SCRATCH_VALUES * 4
 
     def get(self, t: Tensor) -> np.ndarray:
         return self.block(t, 0, t.n_rows)
@@ -130,6 +142,25 @@ class Dequantizer:
             dequant.dequantize_into(raw, t.qtype, out)
         else:
             out[...] = dequant.dequantize(raw, t.qtype, t.n_cols)
+        return out
+
+    def block_bf16(self, t: Tensor, lo: int, hi: int) -> np.ndarray:
+        """Rows lo:hi of a weight as (hi - lo, n_cols) bf16 bits (uint16), equal to
+        to_bf16(block(t, lo, hi)) bit for bit, valid until the next call."""
+        from ..kernels import bf16
+        n = (hi - lo) * t.n_cols
+        if n > self.size:
+            raise ValueError(f"{t.name}: rows {lo}:{hi} do not fit the dequantization scratch; expand it in blocks")
+        if self._buf_bf16 is None:
+            self._buf_bf16 = np.empty(self.size, np.uint16)
+            self._chunk = np.empty(bf16.SCRATCH_VALUES, np.float32)
+        out = self._buf_bf16[:n].reshape(hi - lo, t.n_cols)
+        if t.qtype == QType.F32:
+            bf16.to_bf16(out, t.data.reshape(t.n_rows, t.n_cols)[lo:hi])
+        elif t.qtype in dequant.NUMBA_TYPES and t.n_cols <= self._chunk.size:
+            bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, out, self._chunk)
+        else:
+            bf16.to_bf16(out, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
         return out
 
     def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -11,6 +11,8 @@ every accumulation stay float32.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 
@@ -21,15 +23,32 @@ class Products:
         if dtype == "bf16" and xp is not np:
             raise ValueError("bf16 products run on the CPU (numpy arrays)")
         self.xp, self.dtype = xp, dtype
-        self._flat = {"a": np.empty(0, np.uint16), "w": np.empty(0, np.uint16)}   # bf16 copies, grown as needed
+        self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")}   # bf16 copies, grown as needed
+        self._held = self._held_bf16 = None     # shared_input's x and its bf16 copy
 
     def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
-        """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out."""
+        """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out:
+        float32, or with bf16 products already bf16 bits (uint16: dequantized straight to
+        bf16, `Forward.weight`)."""
         if self.dtype == "f32":
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
         from ..kernels import bf16
-        bf16.gemm(out, self._round(a, "a"), self._round(W, "w"), trans_b=trans_b)
+        a16 = self._held_bf16 if a is self._held else self._round(a, "a")
+        bf16.gemm(out, a16, W if W.dtype == np.uint16 else self._round(W, "w"), trans_b=trans_b)
         return out
+
+    @contextmanager
+    def shared_input(self, x: np.ndarray):
+        """Products inside take `x` rounded to bf16 once (q, k and v of one normed input;
+        gate and up), not once each. x must not change inside."""
+        if self.dtype != "bf16":
+            yield
+            return
+        self._held_bf16, self._held = self._round(x, "x"), x
+        try:
+            yield
+        finally:
+            self._held = self._held_bf16 = None
 
     def _round(self, x: np.ndarray, operand: str) -> np.ndarray:
         """x rounded to bf16 into the operand's kept buffer (its first x.size elements)."""
@@ -45,12 +64,13 @@ class Products:
 
 
 def bf16_bytes(cfg, N: int, head_rows: int, chunk: int) -> int:
-    """Bytes of the bf16 copies a training step of N tokens keeps (Products' two buffers
-    at their largest): an activation (N x the widest input, or the head's chunk x rows of
-    logit gradient) and a weight (the largest layer matrix, or the head's row block)."""
+    """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
+    their largest): an activation (N x the widest input, or the head's chunk x rows of
+    logit gradient) and a shared input (N x the widest normed input). The weights come
+    dequantized straight to bf16 (model.Dequantizer.nbytes_bf16, in place of the f32
+    scratch)."""
     from .arch import layer_matrix_shapes
     mats = layer_matrix_shapes(cfg)
     a = max(N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)),
             chunk * head_rows)
-    w = max(head_rows * cfg.n_embd, *(o * i for o, i in mats))
-    return 2 * (a + w)
+    return 2 * (a + N * cfg.n_embd)

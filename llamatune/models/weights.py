@@ -73,6 +73,12 @@ class FrozenBase:
             out[...] = self.backend.to_device(self.model.dequantizer.block(t, lo, hi))
         return out
 
+    def matrix_rows_bf16(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows lo:hi (all by default) of a matrix dequantized straight to bf16 bits
+        (uint16, host memory: the bf16 products are the CPU's), valid until the next call."""
+        t = self.tensors[name]
+        return self.model.dequantizer.block_bf16(t, lo, t.n_rows if hi is None else hi)
+
     def is_scratch(self, name: str) -> bool:
         """Whether `matrix(name)` is a dequantized copy the caller may modify (until the
         next call), not the stored F32 data itself."""

@@ -43,7 +43,7 @@ class LossHead:
 
         def rows(block):
             if held[0] != block:
-                held[:] = block, self.base.matrix_rows("output.weight", *block)
+                held[:] = block, self.weight_rows("output.weight", *block)
             return held[1]
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)

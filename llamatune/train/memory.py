@@ -158,10 +158,13 @@ class Planner:
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable)
         temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
+        scratch = self.scratch_bytes
         if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
             chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
             temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk)
-        return Estimate(mode, self.runtime, self.model_bytes, self.scratch_bytes, plan_bytes(plan),
+            if scratch:                                  # weights dequantized straight to bf16, not to f32
+                scratch = self.base.model.dequantizer.nbytes_bf16
+        return Estimate(mode, self.runtime, self.model_bytes, scratch, plan_bytes(plan),
                         temporaries, self.device)
 
     def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
