@@ -2,8 +2,10 @@
 (or, with --fine-tune-type full, the base's own weights: train/full.py).
 
 Sets up the job (base model memory-mapped and left as stored, adapter targets,
-data) and hands it to the shared training loop. Outputs: training checkpoints and
-an adapter in llama.cpp's `--lora` format, each also under the LATEST name.
+data) and hands it to the shared training loop. Outputs: training checkpoints, an
+adapter in llama.cpp's `--lora` format and beside it the imatrix of the training data
+(train/statistics.py; export-lora finds it through the adapter's `training.imatrix`
+key, formats/imatrix.py), each also under the LATEST name.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
 from ..formats.gguf_io import kv
+from ..formats.imatrix import ADAPTER_KEY, write_imatrix
 from ..locks import hold_training
 from ..models.model import Model
 from ..models.weights import FrozenBase
@@ -25,6 +28,7 @@ from ..train.full import full_job
 from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
+from ..train.statistics import TrainingStats
 from ..train.trainer import Job, TrainResult, run
 
 
@@ -49,22 +53,48 @@ def build_job(o: FinetuneOptions) -> Job:
         notice("norm adapters are trained and kept in the adapter file, but llama.cpp ignores them at run time; "
                "`llamatune export-lora` merges them")
     params = ParamBuffer(lora_specs(targets))
+    backend = get_backend(o.device, o.tf32)
+    stats = None
+    if o.method == "sft":
+        stats = TrainingStats(backend.xp, Path(o.train_data).name, o.ctx)
 
     def write_outputs(tag: str) -> list[Path]:
         path = ckpt.iteration_path(o.lora_out, tag)
-        write_adapter(path, to_adapter(params, targets, cfg.arch, alpha),
-                      extra=[kv("adapter.lora.base_model", model.path.name)])
-        return [path]
+        extra = [kv("adapter.lora.base_model", model.path.name)]
+        if stats is not None:
+            imatrix = ckpt.iteration_path(imatrix_template(o), tag)
+            write_imatrix(imatrix, stats.imatrix(), cfg.arch)
+            extra.append(kv(ADAPTER_KEY, _relative(imatrix, path.parent)))
+        write_adapter(path, to_adapter(params, targets, cfg.arch, alpha), extra=extra)
+        return [path] + ([imatrix] if stats is not None else [])
 
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
-    backend = get_backend(o.device, o.tf32)
+    imatrix_bytes = 0 if stats is None else 2**16 + sum(4 * t.n_cols + 512 for n, t in model.file.tensors.items()
+                                                         if n.startswith("blk.") and len(t.shape) == 2)
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
-               output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
+               output_size=(o.lora_out, 4 * params.size + 2**16 + imatrix_bytes), val_samples=val_samples,
+               statistics=stats)
+
+
+def imatrix_template(o: FinetuneOptions) -> Path:
+    """--imatrix-out, or by default --lora-out's name ending .imatrix.gguf beside it."""
+    if o.imatrix_out is not None:
+        return Path(o.imatrix_out)
+    lora = Path(o.lora_out)
+    return lora.with_name((lora.name[:-5] if lora.name.endswith(".gguf") else lora.name) + ".imatrix.gguf")
+
+
+def _relative(path: Path, folder: Path) -> str:
+    """path as written in the adapter: relative to the adapter's folder when inside it."""
+    try:
+        return str(path.resolve().relative_to(folder.resolve()))
+    except ValueError:
+        return str(path.resolve())
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

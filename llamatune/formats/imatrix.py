@@ -10,6 +10,8 @@ common/imatrix-loader.cpp reads it:
 
 The importance of a column is in_sum2 / counts (llama-quantize: 1 where counts is 0).
 The old binary `.dat` format (before llama.cpp's GGUF imatrix) is not read.
+`finetune` writes one beside each adapter (train/statistics.py) and names it in the
+adapter's `training.imatrix` key; export-lora uses it when given no statistics.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..errors import LlamatuneError
 from .gguf_io import GGUFError, GGUFFile, kv, tensor_out, write_gguf
 
 SUMS, COUNTS = ".in_sum2", ".counts"
+ADAPTER_KEY = "training.imatrix"   # in an adapter finetune wrote: its imatrix file, relative to the adapter's folder
 
 
 @dataclass

@@ -119,6 +119,10 @@ class FinetuneOptions(TrainOptions):
     """`llamatune finetune`: LoRA on a frozen (quantized) base model."""
     model_base: Optional[Path] = opt(None, "Base model GGUF (any supported quant type; never modified).", G_IO)
     lora_out: Path = opt(Path("adapter-ITERATION.gguf"), "LoRA adapter output (llama.cpp --lora format).", G_IO)
+    imatrix_out: Optional[Path] = opt(None, "Importance matrix of the training data (llama.cpp's imatrix GGUF: the "
+                                      "base weights' input statistics, collected by the forward passes), written "
+                                      "with each adapter; export-lora and llama-quantize --imatrix use it. Default: "
+                                      "beside --lora-out, its name ending .imatrix.gguf (LoRA, --method sft).", G_IO)
     lora_r: int = opt(4, "Default LoRA rank for every adapted tensor.", G_LORA, frozen=True)
     lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA, frozen=True)
     lora_dropout: float = opt(0.0, "Dropout probability on the adapter input (as PEFT).", G_LORA, frozen=True)
@@ -164,7 +168,7 @@ class FinetuneOptions(TrainOptions):
     def unwritten_outputs(self) -> tuple[str, ...]:
         """Output options this run does not write (neither checked nor locked): a LoRA run
         writes no --model-out, a full finetune no --lora-out."""
-        return ("model_out",) if self.fine_tune_type == "lora" else ("lora_out",)
+        return ("model_out",) if self.fine_tune_type == "lora" else ("lora_out", "imatrix_out")
 
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""
