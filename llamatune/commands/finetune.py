@@ -26,6 +26,7 @@ from ..train import checkpoint as ckpt
 from ..train import distributed
 from ..train.full import full_job
 from ..train.inputs import check_packing, read_training_text, train_and_validation
+from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
 from ..train.statistics import TrainingStats
@@ -44,6 +45,8 @@ def build_job(o: FinetuneOptions) -> Job:
                              f"({model.path.name})")
     samples, val_samples = train_and_validation(o, model.tokenizer)
     check_packing(o, samples)
+    if o.merge_aware and o.fine_tune_type == "full":
+        raise LlamatuneError("--merge-aware trains LoRA adapters for a quantized merge: not with --fine-tune-type full")
     if o.fine_tune_type == "full":                    # every weight trained (train/full.py)
         return full_job(o, model, samples, val_samples, get_backend(o.device, o.tf32))
     tied = model.weights.output is model.weights.token_embd
@@ -52,6 +55,7 @@ def build_job(o: FinetuneOptions) -> Job:
     if any(t.kind.endswith("norm") for t in targets):
         notice("norm adapters are trained and kept in the adapter file, but llama.cpp ignores them at run time; "
                "`llamatune export-lora` merges them")
+    merge_extra = _merge_aware_bytes(o, model, targets)
     params = ParamBuffer(lora_specs(targets))
     backend = get_backend(o.device, o.tf32)
     stats = None
@@ -76,9 +80,26 @@ def build_job(o: FinetuneOptions) -> Job:
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
+               scratch_bytes=model.dequantizer.nbytes + merge_extra, backend=backend, model_path=model.path,
                output_size=(o.lora_out, 4 * params.size + 2**16 + imatrix_bytes), val_samples=val_samples,
                statistics=stats)
+
+
+def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
+    """--merge-aware's checks, and the host bytes it adds: the largest requantized matrix
+    held merged and dequantized in f32 at once (linear.py `requantized`)."""
+    if not o.merge_aware:
+        return 0
+    if o.lora_dropout > 0:
+        raise LlamatuneError(f"--merge-aware trains what the merged model computes, where no adapter input is dropped: "
+                             f"give --lora-dropout 0 (not {o.lora_dropout})")
+    sizes = [8 * model.file.tensor(t.weight).n_rows * model.file.tensor(t.weight).n_cols for t in targets
+             if t.weight in model.file.tensors and len(model.file.tensor(t.weight).shape) == 2
+             and requantizable(model.file.tensor(t.weight).qtype)]
+    if not sizes:
+        raise LlamatuneError(f"--merge-aware: no adapted matrix of {model.path.name} is stored in a quantized type "
+                             "that a merge rounds to: nothing to train for")
+    return max(sizes)
 
 
 def imatrix_template(o: FinetuneOptions) -> Path:

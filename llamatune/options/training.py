@@ -123,6 +123,12 @@ class FinetuneOptions(TrainOptions):
                                       "base weights' input statistics, collected by the forward passes), written "
                                       "with each adapter; export-lora and llama-quantize --imatrix use it. Default: "
                                       "beside --lora-out, its name ending .imatrix.gguf (LoRA, --method sft).", G_IO)
+    merge_aware: bool = opt(False, "Train for a quantized merge: each adapted quantized matrix's forward uses "
+                            "Q(W + s B A), requantized to the base tensor's type, with a straight-through gradient, "
+                            "so that export-lora --merge-method plain keeps what was trained. Costs, per adapted quantized "
+                            "matrix and micro-batch, a full-size f32 copy quantized and dequantized on the host, in "
+                            "forward and again in backward (counted in the memory estimate's scratch).", G_LORA,
+                            frozen=True)
     lora_r: int = opt(4, "Default LoRA rank for every adapted tensor.", G_LORA, frozen=True)
     lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA, frozen=True)
     lora_dropout: float = opt(0.0, "Dropout probability on the adapter input (as PEFT).", G_LORA, frozen=True)

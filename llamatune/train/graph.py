@@ -290,7 +290,8 @@ class Graph(LoraLinear, LossHead, Forward):
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
                                                 compute_dtype=self.products.dtype)
-        g.dropout, g.merge_lora, g.reweight, g.observer = self.dropout, self.merge_lora, self.reweight, self.observer
+        g.dropout, g.merge_lora, g.merge_aware, g.reweight, g.observer = (self.dropout, self.merge_lora,
+                                                                          self.merge_aware, self.reweight, self.observer)
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]

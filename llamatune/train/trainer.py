@@ -395,6 +395,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend, compute_dtype=o.compute_dtype)
+    graph.merge_aware = getattr(o, "merge_aware", False)     # linear.py: forward through Q(W + s B A)
     validator = make_validator(job, state, pref)
     if not quiet:
         if validator is not None:
