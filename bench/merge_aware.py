@@ -67,8 +67,8 @@ def main() -> None:
         adapter = d / "adapter-LATEST.gguf"
         merged = d / "merged-plain.gguf"
         export_lora(args.model, [(adapter, 1.0)], merged, merge=MergeOptions(merge_method="plain"))
-        runners = {"base": Runner(model), "adapter": Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)])),
-                   "merged": Runner(Model(merged))}
+        runtime = load_runtime_adapters(model, [(str(adapter), 1.0)])
+        runners = {"base": Runner(model), "adapter": Runner(model, runtime), "merged": Runner(Model(merged))}
         s = score(runners, "adapter", windows)
         for k, v in s.items():
             v["kl_shift_kept"] = 1 - v["kld"] / s["base"]["kld"] if k != "adapter" else 1.0
