@@ -52,7 +52,7 @@ from llamatune.commands.export import export_lora
 from llamatune.commands.perplexity import make_windows
 from llamatune.formats.adapter import load_runtime_adapters
 from llamatune.formats.gguf_io import GGUFFile, TensorOut, write_gguf
-from llamatune.formats.imatrix import ADAPTER_KEY
+from llamatune.formats.imatrix import beside
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.models.infer import Runner
@@ -84,13 +84,6 @@ def make_base(model: Path, qtype: str, work: Path, llamacpp: Path | None) -> Pat
     kvs = [kv._replace(value=FILE_TYPE[target]) if kv.key == "general.file_type" else kv for kv in f.kvs.values()]
     write_gguf(out, f.arch, kvs, tensors)
     return out
-
-
-def training_imatrix(adapter: Path) -> Path | None:
-    """The imatrix finetune wrote beside `adapter` (named by its training.imatrix key), if it exists."""
-    name = GGUFFile(adapter).get(ADAPTER_KEY)
-    path = adapter.parent / str(name) if name else None
-    return path if path is not None and path.is_file() else None
 
 
 def log_softmax(z: np.ndarray) -> np.ndarray:
@@ -191,7 +184,7 @@ def main() -> None:
             times[method] = time.perf_counter() - t0
             files[method] = out
             print(f"{qtype} {method}: export {times[method]:.1f} s", flush=True)
-        if training_imatrix(args.adapter) is not None:           # export-lora's default: the finetune's imatrix
+        if beside(args.adapter).is_file():           # export-lora's default: the finetune's imatrix
             out = args.workdir / f"merged-{qtype}-compensated-training-imatrix.gguf"
             t0 = time.perf_counter()
             export_lora(base, [(args.adapter, 1.0)], out, merge=MergeOptions())

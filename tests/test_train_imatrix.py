@@ -13,7 +13,7 @@ from llamatune.commands.finetune import finetune
 from llamatune.errors import LlamatuneError
 from llamatune.formats.adapter import RuntimeAdapters
 from llamatune.formats.gguf_io import GGUFFile
-from llamatune.formats.imatrix import ADAPTER_KEY, read_imatrix
+from llamatune.formats.imatrix import read_imatrix
 from llamatune.models.calibration import InputStats
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
@@ -130,24 +130,27 @@ def test_finetune_writes_the_imatrix_and_a_resume_writes_the_same(tmp_path, tiny
         assert (m2.counts[name], m4.counts[name]) == (2 * 32, 4 * 32)
         assert np.all(m4.sums[name] > m2.sums[name])
     assert (m4.chunk_count, m4.chunk_size, m4.datasets) == (8, 16, ["train.txt"])
-    assert GGUFFile(one / "adapter-4.gguf").get(ADAPTER_KEY) == "adapter-4.imatrix.gguf"
+    three = tmp_path / "three"
+    three.mkdir()
+    finetune(options(three, tiny_model, imatrix_out=three / "stats-ITERATION.gguf"), quiet=True)
+    assert (three / "stats-4.gguf").read_bytes() == (one / "adapter-4.imatrix.gguf").read_bytes()
+    assert not list(three.glob("*.imatrix.gguf"))
 
 
 def test_export_lora_uses_the_training_imatrix(tmp_path, tiny_vocab, capsys):
     base = write_tiny_model(tmp_path / "q8.gguf", tiny_vocab, outtype=_q8())
-    finetune(options(tmp_path, base, adam_iter=2, imatrix_out=tmp_path / "stats-ITERATION.gguf"), quiet=True)
-    adapter = tmp_path / "adapter-LATEST.gguf"
-    assert GGUFFile(adapter).get(ADAPTER_KEY) == "stats-LATEST.gguf"
+    finetune(options(tmp_path, base, adam_iter=2), quiet=True)
+    adapter, imatrix = tmp_path / "adapter-LATEST.gguf", tmp_path / "adapter-LATEST.imatrix.gguf"
     found = export_lora(base, [(adapter, 1.0)], tmp_path / "found.gguf")
-    assert (found.statistics, found.imatrix) == ("imatrix", tmp_path / "stats-LATEST.gguf")
+    assert (found.statistics, found.imatrix) == ("imatrix", imatrix)
     assert "using the imatrix that finetune wrote beside adapter-LATEST.gguf" in capsys.readouterr().err
-    given = export_lora(base, [(adapter, 1.0)], tmp_path / "given.gguf",
-                        merge=MergeOptions(imatrix=tmp_path / "stats-LATEST.gguf"))
+    given = export_lora(base, [(adapter, 1.0)], tmp_path / "given.gguf", merge=MergeOptions(imatrix=imatrix))
     assert given.imatrix is None
     assert (tmp_path / "found.gguf").read_bytes() == (tmp_path / "given.gguf").read_bytes()
-    (tmp_path / "stats-LATEST.gguf").unlink()              # gone: today's merge without statistics
-    gone = export_lora(base, [(adapter, 1.0)], tmp_path / "gone.gguf")
-    assert gone.statistics == "none" and "which does not exist" in capsys.readouterr().err
+    imatrix.unlink()                                       # none: the merge without statistics
+    none = export_lora(base, [(adapter, 1.0)], tmp_path / "none.gguf")
+    assert none.statistics == "none" and none.imatrix is None
+    assert (tmp_path / "none.gguf").read_bytes() != (tmp_path / "found.gguf").read_bytes()
 
 
 def test_damaged_checkpoint_statistics_are_refused(tmp_path, tiny_model):

@@ -29,7 +29,7 @@ weighted quantizer on the input columns' mean x^2 (from --imatrix or
 moment (from --calibration-data only; Calibration runs the base + adapters over the
 text), and per block the base's own code wherever it is at least as close to the
 merged weight. Given neither, the imatrix `finetune` wrote beside the first adapter
-(named by its `training.imatrix` key) is used when it exists. Without statistics that
+(adapter-N.imatrix.gguf for adapter-N.gguf) is used when it exists. Without statistics that
 is round to nearest keeping the base's blocks that are as close (a zero adapter gives
 back the base's bytes).
 """
@@ -47,7 +47,7 @@ from ..console import notice
 from ..errors import LlamatuneError, listed
 from ..formats.adapter import LoraAdapter, RuntimeAdapters, is_norm, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
-from ..formats.imatrix import ADAPTER_KEY, IMatrix, check_against, read_imatrix, write_imatrix
+from ..formats.imatrix import IMatrix, beside, check_against, read_imatrix, write_imatrix
 from ..formats.ollama import write_modelfile
 from ..kernels import dequant
 from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
@@ -200,17 +200,10 @@ def _load_adapters(base: GGUFFile, adapters: list[tuple[str | Path, float]],
 
 
 def _training_imatrix(loaded: list[tuple[LoraAdapter, float]]) -> Path | None:
-    """The imatrix finetune wrote beside the first adapter (its `training.imatrix` key),
-    when that file exists; None otherwise (then: today's merge without statistics)."""
-    adapter = loaded[0][0]
-    name = GGUFFile(adapter.path).get(ADAPTER_KEY)
-    if not name:
-        return None
-    path = adapter.path.parent / str(name)
-    if not path.is_file():
-        notice(f"{adapter.path.name} names the imatrix {path}, which does not exist: merging without it")
-        return None
-    return path
+    """The imatrix finetune writes beside the first adapter (adapter-N.imatrix.gguf),
+    when it exists; None otherwise (then: the merge without statistics)."""
+    path = beside(loaded[0][0].path)
+    return path if path.is_file() else None
 
 
 def _set_differences(loaded: list[tuple[LoraAdapter, float]]) -> list[str]:

@@ -4,8 +4,8 @@
 Sets up the job (base model memory-mapped and left as stored, adapter targets,
 data) and hands it to the shared training loop. Outputs: training checkpoints, an
 adapter in llama.cpp's `--lora` format and beside it the imatrix of the training data
-(train/statistics.py; export-lora finds it through the adapter's `training.imatrix`
-key, formats/imatrix.py), each also under the LATEST name.
+(train/statistics.py; by default named as export-lora looks for it: formats/imatrix.py
+`beside`), each also under the LATEST name.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
 from ..formats.gguf_io import kv
-from ..formats.imatrix import ADAPTER_KEY, write_imatrix
+from ..formats.imatrix import beside, write_imatrix
 from ..locks import hold_training
 from ..models.model import Model
 from ..models.weights import FrozenBase
@@ -64,12 +64,11 @@ def build_job(o: FinetuneOptions) -> Job:
 
     def write_outputs(tag: str) -> list[Path]:
         path = ckpt.iteration_path(o.lora_out, tag)
-        extra = [kv("adapter.lora.base_model", model.path.name)]
         if stats is not None:
-            imatrix = ckpt.iteration_path(imatrix_template(o), tag)
+            imatrix = ckpt.iteration_path(o.imatrix_out or beside(o.lora_out), tag)
             write_imatrix(imatrix, stats.imatrix(), cfg.arch)
-            extra.append(kv(ADAPTER_KEY, _relative(imatrix, path.parent)))
-        write_adapter(path, to_adapter(params, targets, cfg.arch, alpha), extra=extra)
+        write_adapter(path, to_adapter(params, targets, cfg.arch, alpha),
+                      extra=[kv("adapter.lora.base_model", model.path.name)])
         return [path] + ([imatrix] if stats is not None else [])
 
     ranks = o.ranks()
@@ -102,20 +101,6 @@ def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
     return max(sizes)
 
 
-def imatrix_template(o: FinetuneOptions) -> Path:
-    """--imatrix-out, or by default --lora-out's name ending .imatrix.gguf beside it."""
-    if o.imatrix_out is not None:
-        return Path(o.imatrix_out)
-    lora = Path(o.lora_out)
-    return lora.with_name((lora.name[:-5] if lora.name.endswith(".gguf") else lora.name) + ".imatrix.gguf")
-
-
-def _relative(path: Path, folder: Path) -> str:
-    """path as written in the adapter: relative to the adapter's folder when inside it."""
-    try:
-        return str(path.resolve().relative_to(folder.resolve()))
-    except ValueError:
-        return str(path.resolve())
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

@@ -121,8 +121,9 @@ class FinetuneOptions(TrainOptions):
     lora_out: Path = opt(Path("adapter-ITERATION.gguf"), "LoRA adapter output (llama.cpp --lora format).", G_IO)
     imatrix_out: Optional[Path] = opt(None, "Importance matrix of the training data (llama.cpp's imatrix GGUF: the "
                                       "base weights' input statistics, collected by the forward passes), written "
-                                      "with each adapter; export-lora and llama-quantize --imatrix use it. Default: "
-                                      "beside --lora-out, its name ending .imatrix.gguf (LoRA, --method sft).", G_IO)
+                                      "with each adapter, for llama-quantize --imatrix and export-lora (which finds it by "
+                                      "itself under the default name: --lora-out's, ending .imatrix.gguf). LoRA, "
+                                      "--method sft.", G_IO)
     merge_aware: bool = opt(False, "Train for a quantized merge: each adapted quantized matrix's forward uses "
                             "Q(W + s B A), requantized to the base tensor's type, with a straight-through gradient, "
                             "so that export-lora --merge-method plain keeps what was trained. Costs, per adapted quantized "
