@@ -165,3 +165,43 @@ def test_damaged_checkpoint_statistics_are_refused(tmp_path, tiny_model):
 def _q8():
     from gguf import GGMLQuantizationType as QType
     return QType.Q8_0
+
+
+def test_mpi_ranks_add_every_ranks_step_in_rank_order():
+    """Under MPI each rank gathers every rank's step sums (allgather) and adds them in
+    rank order: the totals are the same on every rank, those of one process that saw all."""
+    rng = np.random.default_rng(0)
+    xs = [rng.normal(size=(6, 8)).astype(np.float32) for _ in range(2)]
+    ranks = []
+    for x in xs:
+        s = TrainingStats()
+        s.batch(np.zeros((2, 3), np.int64))
+        s("blk.0.ffn_down.weight", x)
+        ranks.append(s)
+    steps = [(dict((k, np.asarray(v)) for k, v in s._step.items()), dict(s._step_counts), s._step_rows)
+             for s in ranks]
+
+    class World:                          # distributed.World's allgather, for two ranks in one process
+        size = 2
+
+        def allgather(self, value, what):
+            return steps
+    for s in ranks:
+        s.commit(World())
+    one = TrainingStats()
+    for x in xs:
+        one.batch(np.zeros((2, 3), np.int64))
+        one("blk.0.ffn_down.weight", x)
+        one.commit()
+    for s in ranks:
+        m = s.imatrix()
+        np.testing.assert_array_equal(m.sums["blk.0.ffn_down.weight"], one.imatrix().sums["blk.0.ffn_down.weight"])
+        assert (m.counts["blk.0.ffn_down.weight"], m.chunk_count) == (12, 4)
+
+
+def test_a_checkpoint_without_statistics_restores_none(tmp_path):
+    from llamatune.formats.gguf_io import tensor_out, write_gguf
+    f = tmp_path / "old.gguf"
+    write_gguf(f, "llama", [], [tensor_out("x", np.zeros(2, np.float32))])
+    s = TrainingStats()
+    assert not s.restore(GGUFFile(f)) and s.imatrix().sums == {}
