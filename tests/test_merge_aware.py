@@ -118,7 +118,7 @@ def test_gradients_are_straight_through(q4_model, checkpointing):
     assert err < 1e-5
 
 
-def test_merge_aware_finetune_and_its_errors(tmp_path, q4_model, tiny_model):
+def test_merge_aware_finetune_and_its_errors(tmp_path, q4_model, tiny_model, capsys):
     (tmp_path / "train.txt").write_text(TEXT)
 
     def opts(model, **over):
@@ -126,8 +126,9 @@ def test_merge_aware_finetune_and_its_errors(tmp_path, q4_model, tiny_model):
                     save_every=0, warmup=1, merge_aware=True, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
                     lora_out=tmp_path / "adapter-ITERATION.gguf")
         return FinetuneOptions(**(base | over))
-    res = finetune(opts(q4_model.path), quiet=True)
+    res = finetune(opts(q4_model.path, rank_out=2), quiet=True)
     assert len(res.losses) == 2 and np.all(np.isfinite(res.losses))
+    assert "--merge-aware: the output adapters train as usual" in capsys.readouterr().err
     with pytest.raises(LlamatuneError, match="--merge-aware trains what the merged model computes.*"
                                              "--lora-dropout 0 \\(not 0.1\\)"):
         finetune(opts(q4_model.path, lora_dropout=0.1), quiet=True)

@@ -98,6 +98,10 @@ def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
     if not sizes:
         raise LlamatuneError(f"--merge-aware: no adapted matrix of {model.path.name} is stored in a quantized type "
                              "that a merge rounds to: nothing to train for")
+    unsimulated = sorted({t.kind for t in targets if t.weight in ("token_embd.weight", "output.weight")})
+    if unsimulated:
+        notice(f"--merge-aware: the {' and '.join(unsimulated)} adapters train as usual (only the layers' "
+               "matrices run through their merge)")
     return max(sizes)
 
 
