@@ -92,9 +92,8 @@ def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
     if o.lora_dropout > 0:
         raise LlamatuneError(f"--merge-aware trains what the merged model computes, where no adapter input is dropped: "
                              f"give --lora-dropout 0 (not {o.lora_dropout})")
-    sizes = [8 * model.file.tensor(t.weight).n_rows * model.file.tensor(t.weight).n_cols for t in targets
-             if t.weight in model.file.tensors and len(model.file.tensor(t.weight).shape) == 2
-             and requantizable(model.file.tensor(t.weight).qtype)]
+    stored = [model.file.tensors[t.weight] for t in targets if t.weight in model.file.tensors]
+    sizes = [8 * m.n_rows * m.n_cols for m in stored if len(m.shape) == 2 and requantizable(m.qtype)]
     if not sizes:
         raise LlamatuneError(f"--merge-aware: no adapted matrix of {model.path.name} is stored in a quantized type "
                              "that a merge rounds to: nothing to train for")
@@ -103,8 +102,6 @@ def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
         notice(f"--merge-aware: the {' and '.join(unsimulated)} adapters train as usual (only the layers' "
                "matrices run through their merge)")
     return max(sizes)
-
-
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
