@@ -1,11 +1,16 @@
 """How much of an adapter survives a merge into a quantized model (#31; llama.cpp #13485).
 
 For each base type: (a) the adapter at run time, (b) the plain merge (round to
-nearest), (c) the compensated merge (llamatune export-lora with --calibration-data),
-(d) llama-export-lora's F16 merge re-quantized by llama-quantize, without and with an
-imatrix (the one llamatune collected; only where a llama.cpp build is given). Each is
-scored on held-out text with llama-perplexity's protocol (windows of --ctx tokens,
-BOS first, the second half scored), by llamatune's forward:
+nearest), (c) the compensated merge (llamatune export-lora with --calibration-data;
+and, when the adapter has the imatrix finetune wrote beside it, with that alone:
+"compensated-training-imatrix"), (d) llama-export-lora's F16 merge re-quantized by
+llama-quantize, without and with an imatrix (the one llamatune collected from
+--calibration; only where a llama.cpp build is given); with --merge-aware-adapter
+also the plain merge of an adapter trained with --merge-aware on the same data
+("merge-aware-plain"). Each is scored on held-out text with llama-perplexity's
+protocol (windows of --ctx tokens, BOS first, the second half scored), by llamatune's
+forward (llama-perplexity itself is not run: the local build dies with "Illegal
+instruction"; llamatune's perplexity agrees with it within 0.1 %):
 
   ppl            perplexity
   KL shift kept  1 - KLD(adapter || X) / KLD(adapter || base): how much of the way from
@@ -18,6 +23,15 @@ Usage (the base files are made once in --workdir):
       --eval shakespeare-eval.txt --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 \
       [--bases q8_0=MODEL-Q8_0.gguf] [--llamacpp /path/to/llama.cpp/build/bin] [--windows 16] [--ctx 256]
   python bench/merge_quality.py ... --time-shapes 4096x11008,11008x4096   (quantizer timings only)
+
+The issue's full table on the real model (Q4_K_M as shipped, Q4_0 and Q8_0 made by
+llama-quantize): train the two adapters, then
+  python bench/merge_quality.py --model qwen2.5-coder-0.5b-instruct.gguf --adapter run/adapter-LATEST.gguf \
+      --merge-aware-adapter run-ma/adapter-LATEST.gguf --eval shakespeare-eval.txt \
+      --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 --llamacpp /work/llamacpp/build/bin
+The merge-aware adapter is trained on one base type (its --model-base); its merge is
+scored on that type only (the others would merge it into a base it was not trained on:
+give the type with --merge-aware-type, default q4_k_m).
 
 `q4_k_m` means MODEL as given when its general.file_type is 15 (MOSTLY_Q4_K_M); other
 types are made from MODEL by llama-quantize --allow-requantize where a build is given,
@@ -38,6 +52,7 @@ from llamatune.commands.export import export_lora
 from llamatune.commands.perplexity import make_windows
 from llamatune.formats.adapter import load_runtime_adapters
 from llamatune.formats.gguf_io import GGUFFile, TensorOut, write_gguf
+from llamatune.formats.imatrix import beside
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.models.infer import Runner
@@ -138,6 +153,9 @@ def main() -> None:
     ap.add_argument("--calibration-ctx", type=int, default=512)
     ap.add_argument("--calibration-chunks", type=int, default=16)
     ap.add_argument("--calibration-memory", type=int, default=3072)
+    ap.add_argument("--merge-aware-adapter", type=Path, default=None,
+                    help="an adapter finetune --merge-aware trained on the --merge-aware-type base")
+    ap.add_argument("--merge-aware-type", default="q4_k_m")
     ap.add_argument("--time-shapes", default="", help="only time the quantizers on OUTxIN[,OUTxIN...] "
                     "matrices (Q4_K), e.g. 4096x11008 for a 7B ffn_down")
     args = ap.parse_args()
@@ -166,6 +184,16 @@ def main() -> None:
             times[method] = time.perf_counter() - t0
             files[method] = out
             print(f"{qtype} {method}: export {times[method]:.1f} s", flush=True)
+        if beside(args.adapter).is_file():           # export-lora's default: the finetune's imatrix
+            out = args.workdir / f"merged-{qtype}-compensated-training-imatrix.gguf"
+            t0 = time.perf_counter()
+            export_lora(base, [(args.adapter, 1.0)], out, merge=MergeOptions())
+            times["compensated-training-imatrix"] = time.perf_counter() - t0
+            files["compensated-training-imatrix"] = out
+        if args.merge_aware_adapter is not None and qtype == args.merge_aware_type:
+            out = args.workdir / f"merged-{qtype}-merge-aware-plain.gguf"
+            export_lora(base, [(args.merge_aware_adapter, 1.0)], out, merge=MergeOptions(merge_method="plain"))
+            files["merge-aware-plain"] = out
         if args.llamacpp is not None:
             f16 = args.workdir / f"merged-{qtype}-f16.gguf"
             subprocess.run([str(args.llamacpp / "llama-export-lora"), "-m", str(base), "--lora", str(args.adapter),

@@ -103,7 +103,8 @@ def test_output_without_iteration_is_written_once_per_save(tmp_path, tiny_model,
     res = finetune(options(tmp_path, tiny_model, adam_iter=2, save_every=1, lora_out=tmp_path / "adapter.gguf"),
                    quiet=True)
     assert written == [tmp_path / "adapter.gguf"] * 2            # steps 1 and 2
-    assert res.files == [tmp_path / "chk-2.gguf", tmp_path / "adapter.gguf", tmp_path / "chk-LATEST.gguf"]
+    assert res.files == [tmp_path / "chk-2.gguf", tmp_path / "adapter.gguf", tmp_path / "adapter.imatrix.gguf",
+                         tmp_path / "chk-LATEST.gguf"]
     written.clear()
     (tmp_path / "t").mkdir()
     finetune(options(tmp_path / "t", tiny_model, adam_iter=1), quiet=True)       # adapter-ITERATION.gguf

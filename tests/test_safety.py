@@ -224,7 +224,9 @@ def test_disk_full_with_a_failing_writer(work, monkeypatch):
 
     def failing(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 17:      # save 1: chk-1 (6 tensors), adapter-1 and -LATEST (4 each); then chk-2
+        # save 1: chk-1 (6 tensors, 14 imatrix sums), adapter-1 and -LATEST (4 each) and their imatrix
+        # files (28 each); then chk-2
+        if len(calls) == 85:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real(self, *args, **kwargs)
 
@@ -383,7 +385,8 @@ def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypa
     assert len(calls) == 4 and len(res.losses) == 3 and res.state.iteration == 3
     assert not (work / "out/chk-3.gguf").exists()
     assert assert_latest_complete(work / "out", 2) == 2
-    assert [p.name for p in res.files] == ["chk-2.gguf", "adapter-2.gguf", "adapter-LATEST.gguf", "chk-LATEST.gguf"]
+    assert [p.name for p in res.files] == ["chk-2.gguf", "adapter-2.gguf", "adapter-2.imatrix.gguf",
+                                           "adapter-LATEST.gguf", "adapter-LATEST.imatrix.gguf", "chk-LATEST.gguf"]
 
 
 def interrupt_at(monkeypatch, call: int, signum: int | None = None) -> list:

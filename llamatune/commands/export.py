@@ -28,8 +28,10 @@ weighted quantizer on the input columns' mean x^2 (from --imatrix or
 --calibration-data), GPTQ-style error compensation through each input's second
 moment (from --calibration-data only; Calibration runs the base + adapters over the
 text), and per block the base's own code wherever it is at least as close to the
-merged weight. Without statistics that is round to nearest keeping the base's blocks
-that are as close (a zero adapter gives back the base's bytes).
+merged weight. Given neither, the imatrix `finetune` wrote beside the first adapter
+(adapter-N.imatrix.gguf for adapter-N.gguf) is used when it exists. Without statistics that
+is round to nearest keeping the base's blocks that are as close (a zero adapter gives
+back the base's bytes).
 """
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ from ..console import notice
 from ..errors import LlamatuneError, listed
 from ..formats.adapter import LoraAdapter, RuntimeAdapters, is_norm, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
-from ..formats.imatrix import IMatrix, check_against, read_imatrix, write_imatrix
+from ..formats.imatrix import IMatrix, beside, check_against, read_imatrix, write_imatrix
 from ..formats.ollama import write_modelfile
 from ..kernels import dequant
 from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
@@ -72,6 +74,7 @@ class ExportReport:
     statistics: str = "none"  # what the compensated merge used: none, imatrix, calibration
     n_calibration_passes: int = 0
     modelfile: Path | None = None
+    imatrix: Path | None = None   # the training imatrix found beside an adapter (without --imatrix)
 
     @property
     def n_merged(self) -> int:
@@ -110,9 +113,16 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     loaded = _load_adapters(base, adapters, out)
     report = ExportReport(out, notes=_set_differences(loaded))
     imatrix = None
-    if options.imatrix is not None:
-        imatrix = read_imatrix(options.imatrix)
-        check_against(imatrix, Path(options.imatrix), {n: t.n_cols for n, t in base.tensors.items()})
+    source = options.imatrix
+    if source is None and options.calibration_data is None and options.merge_method == "compensated":
+        source = _training_imatrix(loaded)
+        if source is not None:
+            notice(f"using the imatrix that finetune wrote beside {loaded[0][0].path.name}: {source} "
+                   "(--imatrix or --calibration-data to use other statistics)")
+            report.imatrix = source
+    if source is not None:
+        imatrix = read_imatrix(source)
+        check_against(imatrix, Path(source), {n: t.n_cols for n, t in base.tensors.items()})
 
     # Every adapter term per base weight, in the order the adapters were given.
     deltas: dict[str, list[Delta]] = {}
@@ -187,6 +197,13 @@ def _load_adapters(base: GGUFFile, adapters: list[tuple[str | Path, float]],
         numbered = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
         raise LlamatuneError(f"export-lora: {len(problems)} problem(s), nothing written: {numbered}")
     return loaded
+
+
+def _training_imatrix(loaded: list[tuple[LoraAdapter, float]]) -> Path | None:
+    """The imatrix finetune writes beside the first adapter (adapter-N.imatrix.gguf),
+    when it exists; None otherwise (then: the merge without statistics)."""
+    path = beside(loaded[0][0].path)
+    return path if path.is_file() else None
 
 
 def _set_differences(loaded: list[tuple[LoraAdapter, float]]) -> list[str]:

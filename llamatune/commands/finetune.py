@@ -2,8 +2,10 @@
 (or, with --fine-tune-type full, the base's own weights: train/full.py).
 
 Sets up the job (base model memory-mapped and left as stored, adapter targets,
-data) and hands it to the shared training loop. Outputs: training checkpoints and
-an adapter in llama.cpp's `--lora` format, each also under the LATEST name.
+data) and hands it to the shared training loop. Outputs: training checkpoints, an
+adapter in llama.cpp's `--lora` format and beside it the imatrix of the training data
+(train/statistics.py; by default named as export-lora looks for it: formats/imatrix.py
+`beside`), each also under the LATEST name.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
 from ..formats.gguf_io import kv
+from ..formats.imatrix import beside, write_imatrix
 from ..locks import hold_training
 from ..models.model import Model
 from ..models.weights import FrozenBase
@@ -23,8 +26,10 @@ from ..train import checkpoint as ckpt
 from ..train import distributed
 from ..train.full import full_job
 from ..train.inputs import check_packing, read_training_text, train_and_validation
+from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
+from ..train.statistics import TrainingStats
 from ..train.trainer import Job, TrainResult, run
 
 
@@ -40,6 +45,8 @@ def build_job(o: FinetuneOptions) -> Job:
                              f"({model.path.name})")
     samples, val_samples = train_and_validation(o, model.tokenizer)
     check_packing(o, samples)
+    if o.merge_aware and o.fine_tune_type == "full":
+        raise LlamatuneError("--merge-aware trains LoRA adapters for a quantized merge: not with --fine-tune-type full")
     if o.fine_tune_type == "full":                    # every weight trained (train/full.py)
         return full_job(o, model, samples, val_samples, get_backend(o.device, o.tf32))
     tied = model.weights.output is model.weights.token_embd
@@ -48,23 +55,53 @@ def build_job(o: FinetuneOptions) -> Job:
     if any(t.kind.endswith("norm") for t in targets):
         notice("norm adapters are trained and kept in the adapter file, but llama.cpp ignores them at run time; "
                "`llamatune export-lora` merges them")
+    merge_extra = _merge_aware_bytes(o, model, targets)
     params = ParamBuffer(lora_specs(targets))
+    backend = get_backend(o.device, o.tf32)
+    stats = None
+    if o.method == "sft":
+        stats = TrainingStats(backend.xp, Path(o.train_data).name, o.ctx)
 
     def write_outputs(tag: str) -> list[Path]:
         path = ckpt.iteration_path(o.lora_out, tag)
+        if stats is not None:
+            imatrix = ckpt.iteration_path(o.imatrix_out or beside(o.lora_out), tag)
+            write_imatrix(imatrix, stats.imatrix(), cfg.arch)
         write_adapter(path, to_adapter(params, targets, cfg.arch, alpha),
                       extra=[kv("adapter.lora.base_model", model.path.name)])
-        return [path]
+        return [path] + ([imatrix] if stats is not None else [])
 
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
-    backend = get_backend(o.device, o.tf32)
+    imatrix_bytes = 0 if stats is None else 2**16 + sum(4 * t.n_cols + 512 for n, t in model.file.tensors.items()
+                                                         if n.startswith("blk.") and len(t.shape) == 2)
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
-               scratch_bytes=model.dequantizer.nbytes, backend=backend, model_path=model.path,
-               output_size=(o.lora_out, 4 * params.size + 2**16), val_samples=val_samples)
+               scratch_bytes=model.dequantizer.nbytes + merge_extra, backend=backend, model_path=model.path,
+               output_size=(o.lora_out, 4 * params.size + 2**16 + imatrix_bytes), val_samples=val_samples,
+               statistics=stats)
+
+
+def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
+    """--merge-aware's checks, and the host bytes it adds: the largest requantized matrix
+    held merged and dequantized in f32 at once (linear.py `requantized`)."""
+    if not o.merge_aware:
+        return 0
+    if o.lora_dropout > 0:
+        raise LlamatuneError(f"--merge-aware trains what the merged model computes, where no adapter input is dropped: "
+                             f"give --lora-dropout 0 (not {o.lora_dropout})")
+    stored = [model.file.tensors[t.weight] for t in targets if t.weight in model.file.tensors]
+    sizes = [8 * m.n_rows * m.n_cols for m in stored if len(m.shape) == 2 and requantizable(m.qtype)]
+    if not sizes:
+        raise LlamatuneError(f"--merge-aware: no adapted matrix of {model.path.name} is stored in a quantized type "
+                             "that a merge rounds to: nothing to train for")
+    unsimulated = sorted({t.kind for t in targets if t.weight in ("token_embd.weight", "output.weight")})
+    if unsimulated:
+        notice(f"--merge-aware: the {' and '.join(unsimulated)} adapters train as usual (only the layers' "
+               "matrices run through their merge)")
+    return max(sizes)
 
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:

@@ -10,6 +10,8 @@ common/imatrix-loader.cpp reads it:
 
 The importance of a column is in_sum2 / counts (llama-quantize: 1 where counts is 0).
 The old binary `.dat` format (before llama.cpp's GGUF imatrix) is not read.
+`finetune` writes one beside each adapter (train/statistics.py), named by `beside`;
+export-lora uses it when given no statistics.
 """
 from __future__ import annotations
 
@@ -41,6 +43,13 @@ class IMatrix:
             return None
         n = self.counts[name]
         return (self.sums[name] / n).astype(np.float32) if n > 0 else np.ones_like(self.sums[name], np.float32)
+
+
+def beside(adapter: str | Path) -> Path:
+    """The imatrix finetune writes with an adapter: adapter-12.gguf -> adapter-12.imatrix.gguf."""
+    adapter = Path(adapter)
+    stem = adapter.name[:-5] if adapter.name.endswith(".gguf") else adapter.name
+    return adapter.with_name(stem + ".imatrix.gguf")
 
 
 def write_imatrix(path: str | Path, stats: IMatrix, arch: str) -> None:

@@ -119,6 +119,17 @@ class FinetuneOptions(TrainOptions):
     """`llamatune finetune`: LoRA on a frozen (quantized) base model."""
     model_base: Optional[Path] = opt(None, "Base model GGUF (any supported quant type; never modified).", G_IO)
     lora_out: Path = opt(Path("adapter-ITERATION.gguf"), "LoRA adapter output (llama.cpp --lora format).", G_IO)
+    imatrix_out: Optional[Path] = opt(None, "Importance matrix of the training data (llama.cpp's imatrix GGUF: the "
+                                      "base weights' input statistics, collected by the forward passes), written "
+                                      "with each adapter, for llama-quantize --imatrix and export-lora (which finds it by "
+                                      "itself under the default name: --lora-out's, ending .imatrix.gguf). LoRA, "
+                                      "--method sft.", G_IO)
+    merge_aware: bool = opt(False, "Train for a quantized merge: each adapted quantized matrix's forward uses "
+                            "Q(W + s B A), requantized to the base tensor's type, with a straight-through gradient, "
+                            "so that export-lora --merge-method plain keeps what was trained. Costs, per adapted quantized "
+                            "matrix and micro-batch, a full-size f32 copy quantized and dequantized on the host, in "
+                            "forward and again in backward (counted in the memory estimate's scratch).", G_LORA,
+                            frozen=True)
     lora_r: int = opt(4, "Default LoRA rank for every adapted tensor.", G_LORA, frozen=True)
     lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA, frozen=True)
     lora_dropout: float = opt(0.0, "Dropout probability on the adapter input (as PEFT).", G_LORA, frozen=True)
@@ -164,7 +175,7 @@ class FinetuneOptions(TrainOptions):
     def unwritten_outputs(self) -> tuple[str, ...]:
         """Output options this run does not write (neither checked nor locked): a LoRA run
         writes no --model-out, a full finetune no --lora-out."""
-        return ("model_out",) if self.fine_tune_type == "lora" else ("lora_out",)
+        return ("model_out",) if self.fine_tune_type == "lora" else ("lora_out", "imatrix_out")
 
     def ranks(self) -> dict[str, int]:
         """Adapter rank per tensor kind (llama.cpp names)."""

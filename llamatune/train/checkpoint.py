@@ -18,7 +18,9 @@ Layout (format version 1):
        ParamBuffer: lora_a (r, n_in), lora_b (n_out, r) like today's adapters), then
        `optimizer.adam.first_moments` and `optimizer.adam.second_moments` (flat,
        parameter order), as llama.cpp's 2023 checkpoints stored them; none when
-       the run keeps no moments (SGD: ParamBuffer(moments=False)).
+       the run keeps no moments (SGD: ParamBuffer(moments=False)); a LoRA run's
+       imatrix statistics `imatrix.<weight>.in_sum2` with their counts in the KV
+       llamatune.imatrix (train/statistics.py; absent in older files).
 Writes are atomic (see gguf_io.atomic_path); the LATEST copy is a second atomic write.
 """
 from __future__ import annotations
@@ -77,7 +79,8 @@ def iteration_path(template: Path | str, iteration: int | str) -> Path:
 
 
 def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: TrainState,
-         model_kvs: list[KV], base_fingerprint: str = "") -> None:
+         model_kvs: list[KV], base_fingerprint: str = "", extra: tuple[list[KV], list] = ([], [])) -> None:
+    """`extra`: KVs and tensors of what else the run keeps (statistics.py: `imatrix.*`)."""
     kvs = [kv("general.type", "llamatune-checkpoint"), kv("llamatune.checkpoint.version", FORMAT_VERSION),
            kv("llamatune.checkpoint.kind", kind), kv("llamatune.options", options_json(opts)),
            kv("llamatune.base_model", base_fingerprint),
@@ -96,7 +99,7 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
     if params.has_moments:
         tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
                     tensor_out("optimizer.adam.second_moments", params.host(params.v))]
-    write_gguf(path, arch, kvs, tensors)
+    write_gguf(path, arch, kvs + list(extra[0]), tensors + list(extra[1]))
 
 
 def copy_atomic(src: Path, dst: Path) -> None:
@@ -123,7 +126,7 @@ class Checkpoint:
                 problems.append(f"missing tensor '{s.name}'")
             elif t.shape != s.shape:
                 problems.append(f"'{s.name}' has shape {t.shape}, this run needs {s.shape}")
-        extra = [n for n in f.tensors if n not in params.offsets and not n.startswith("optimizer.")]
+        extra = [n for n in f.tensors if n not in params.offsets and not n.startswith(("optimizer.", "imatrix."))]
         if extra:
             problems.append(f"unexpected tensors {extra[:5]}")
         moments = ("optimizer.adam.first_moments", "optimizer.adam.second_moments") if params.has_moments else ()

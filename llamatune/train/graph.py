@@ -290,7 +290,8 @@ class Graph(LoraLinear, LossHead, Forward):
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
                                                 compute_dtype=self.products.dtype)
-        g.dropout, g.merge_lora, g.reweight = self.dropout, self.merge_lora, self.reweight
+        g.dropout, g.merge_lora, g.merge_aware, g.reweight, g.observer = (self.dropout, self.merge_lora,
+                                                                          self.merge_aware, self.reweight, self.observer)
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -318,6 +319,7 @@ class Graph(LoraLinear, LossHead, Forward):
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
         self.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
+        self.observer = None                                # the step's forward alone is observed, not a recompute
         if self.reweight is not None:                       # the head forward alone: self.losses, then weights
             self.loss_head(tg, w, backward=False)
             w = self.reweight(self, w)

@@ -9,6 +9,17 @@ matrix (and no dropout), the adapter is added into that copy (`W + s B A`) and t
 product runs once, instead of the factored terms' (N, n_out) and (N, n_in) shares.
 Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
 with an adapter are used as `w + s (B A)[0]`.
+
+Merge-aware training (`merge_aware`, --merge-aware): an adapted matrix stored
+quantized is used as the plain merge will write it,
+
+    W_q = deq(Q(deq(W) + s B A))        Q: kernels.quantize to the tensor's own type
+
+(the same f32 arithmetic as export-lora's plain merge, so the same bytes), with a
+straight-through gradient: dx = dy W_q, and dA, dB as if Q were the identity (the
+adapter's share counts as merged into W_q). Each use builds W_q on the host: a
+full-size f32 matrix and its quantization per adapted matrix, in forward and again in
+backward (and in the recompute of --checkpointing layer).
 `LoraLinear` is a part of train.graph.Graph (it uses the graph's parameters, buffers
 and step key).
 """
@@ -18,10 +29,20 @@ import zlib
 
 import numpy as np
 
+from ..kernels.dequant import dequantize
+from ..kernels.quantize import QUANTIZABLE, quantize
 from .lora import LoraTarget
 
 
+def requantizable(qtype) -> bool:
+    """A block-quantized type the plain merge rounds to (F32/F16/BF16 merges are exact;
+    types kernels.quantize cannot produce are left as W + s B A)."""
+    return qtype in QUANTIZABLE and qtype.name not in ("F32", "F16", "BF16")
+
+
 class LoraLinear:
+    merge_aware = False        # adapted quantized matrices as deq(Q(W + s B A)), straight-through
+
     # ---------------------------------------------------------------- Forward's hooks
     def adapter_pairs(self, name: str) -> list:
         t = self.lora.get(name)
@@ -47,6 +68,8 @@ class LoraLinear:
         share to dx). Either way the product is the same up to float rounding."""
         W = self.weight(name)
         t = self.lora.get(name)
+        if t is not None and self.merge_aware and self.requantizes(name):
+            return self.requantized(W, name, t), True
         merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
                  and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
         if merge:
@@ -63,6 +86,25 @@ class LoraLinear:
         self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
         if not merged:
             y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self.scratch(*y.shape))
+
+    def requantizes(self, name: str) -> bool:
+        """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
+        t = getattr(self.base, "tensors", {}).get(name)
+        return t is not None and requantizable(t.qtype)
+
+    def requantized(self, W: np.ndarray, name: str, t: LoraTarget) -> np.ndarray:
+        """deq(Q(W + s B A)) in the graph's dtype (into W itself when it is the float32
+        scratch): export-lora's plain merge of the adapter as it stands."""
+        host = self.backend.to_host
+        qtype = self.base.tensors[name].qtype
+        merged = np.array(host(W), np.float32)                      # deq(W), as export-lora's _merge
+        merged += np.float32(t.scale) * (host(self.params[t.b]).astype(np.float32)
+                                         @ host(self.params[t.a]).astype(np.float32))
+        Wq = dequantize(quantize(merged, qtype), qtype, merged.shape[1])
+        if W.dtype == self.tmp.dtype:
+            W[...] = self.backend.to_device(Wq)
+            return W
+        return self.backend.to_device(Wq.astype(self.tmp.dtype))
 
     # ---------------------------------------------------------------- training only
     def dropout_mask(self, name: str, shape) -> np.ndarray | None:

@@ -75,6 +75,11 @@ class Job:
     model_path: Path | None = None              # the memory-mapped base model file
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
     val_samples: Samples | None = None          # validation samples (None: no validation)
+    statistics: object = None                   # statistics.TrainingStats: imatrix sums of the forward (LoRA sft)
+
+    def checkpoint_extra(self) -> tuple[list, list]:
+        """KVs and tensors a checkpoint keeps besides the parameters (the imatrix sums)."""
+        return self.statistics.checkpoint() if self.statistics is not None else ([], [])
 
 
 @dataclass
@@ -160,6 +165,9 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             o.compute_dtype = c.options["compute_dtype"]     # a resume keeps the dtype it was saved with
         ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
         c.load_into(job.params)
+        if job.statistics is not None and not job.statistics.restore(c.file):
+            notice(f"{path} holds no imatrix statistics: the imatrix files cover the steps from "
+                   f"iteration {c.state.iteration} on")
         if c.state.data_state:
             batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
         notice(f"resuming from {path} at iteration {c.state.iteration}")
@@ -181,7 +189,8 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     state.ranks = distributed.current().size
     state.data_state = data_state if data_state is not None else batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
-    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
+              job.checkpoint_extra())
     files = [out] + job.write_outputs(str(state.iteration))
     template = job.output_size and job.output_size[0]
     if o.fn_latest and (template is None or ckpt.iteration_path(template, o.fn_latest) not in files):
@@ -316,7 +325,8 @@ def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
         return []
     state.data_state = batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, "BEST")
-    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint)
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
+              job.checkpoint_extra())
     return [out] + job.write_outputs("BEST")
 
 
@@ -385,6 +395,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend, compute_dtype=o.compute_dtype)
+    graph.merge_aware = getattr(o, "merge_aware", False)     # linear.py: forward through Q(W + s B A)
     validator = make_validator(job, state, pref)
     if not quiet:
         if validator is not None:
@@ -431,7 +442,11 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                     grads.add(pref.step(graph, b, batcher.reference, *counts, (o.seed, step, micro)))
                     continue
                 w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
+                if job.statistics is not None:         # this forward's inputs are counted (statistics.py)
+                    job.statistics.batch(b.targets)
+                    graph.observer = job.statistics
                 grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b)))
+                graph.observer = None
             loss = grads.finish()                      # gradient and loss summed in global micro-batch order
             extra = pref.finish_step(world, batcher.reference) if pref is not None else {}
             gnorm = gradient_norm(job.params)
@@ -442,6 +457,10 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 saves.iteration = state.iteration
                 show.line(saved_line(state, loss, files))
                 pending = False
+            if job.statistics is not None and bad:         # a skipped step's inputs are not counted
+                job.statistics.discard()
+            elif job.statistics is not None:               # after the save of the state before this step
+                job.statistics.commit(world)
             lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
             guard.record(loss, bad, step + 1)
             state.guard = guard.state()
