@@ -80,13 +80,18 @@ def _tokenize(o) -> None:
             print(f"{t:6d} -> '{tok.token_to_piece(t, special=True)}'")
 
 
-def _runner(o):
+def _runner(o, announce: bool = True):
     """The command's runner; its compute dtype (resolved from --compute-dtype) named on stderr."""
-    from llamatune.console import err
     from llamatune.models.runner import runner_for
     runner = runner_for(o)
-    err.print(f"compute: {runner.compute_why}")
+    if announce:
+        _announce(runner)
     return runner
+
+
+def _announce(runner) -> None:
+    from llamatune.console import err
+    err.print(f"compute: {runner.compute_why}")
 
 
 def _perplexity(o) -> None:
@@ -142,7 +147,8 @@ def _preview_data(data, o) -> None:
 
 def _chat(o) -> None:
     from llamatune.commands.chat import run_chat
-    run_chat(_runner(o), o.chat_template, o.prompt, o.system, o.sampling())
+    runner = _runner(o, announce=False)
+    run_chat(runner, o.chat_template, o.prompt, o.system, o.sampling(), started=lambda: _announce(runner))
 
 
 def _plot(o) -> None:

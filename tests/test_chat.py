@@ -38,8 +38,9 @@ def test_chat_turn_is_greedy_generation_after_the_generation_prompt(tiny_model):
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
     assert chat.messages[-1]["content"] == answer
     r = run("chat", "-m", tiny_model, "--chat-template", "chatml", "-s", "Be kind.", "-p", "hello there",
-            "-n", 6, "--temp", 0, "-c", 256)
-    assert r.exit_code == 0 and r.output == answer + "\n"
+            "-n", 6, "--temp", 0, "-c", 256, "--compute-dtype", "f32")
+    assert r.exit_code == 0 and r.stdout == answer + "\n"
+    assert r.stderr == "compute: f32 products as asked\n"
 
 
 def test_chat_without_template_is_an_error(tiny_model):

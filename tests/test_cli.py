@@ -76,7 +76,8 @@ def test_perplexity_runs(tiny_model, tmp_path):
 def test_generate_runs(tiny_model):
     r = run("generate", "-m", tiny_model, "-p", "First Citizen:", "-n", 5, "--temp", 0)
     assert r.exit_code == 0, r.output
-    assert r.output.startswith("First Citizen:")
+    assert r.stdout.startswith("First Citizen:")
+    assert r.stderr.startswith("compute: ")                 # the resolved --compute-dtype (auto)
 
 
 @pytest.mark.parametrize("args,match", [

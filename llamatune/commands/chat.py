@@ -80,8 +80,9 @@ def stream_ids(tok, token_ids, write: Callable[[str], None], stop: str | None = 
 
 
 def run_chat(runner: Runner, template_override: str | None, prompt: str | None, system: str | None,
-             sampling: Sampling) -> None:
-    """One turn (`prompt`) or a read-answer loop on stdin until EOF or /exit."""
+             sampling: Sampling, started: Callable[[], None] = lambda: None) -> None:
+    """One turn (`prompt`) or a read-answer loop on stdin until EOF or /exit; `started()`
+    once the template is found (the start-up line)."""
     import sys
 
     from ..errors import LlamatuneError
@@ -92,6 +93,7 @@ def run_chat(runner: Runner, template_override: str | None, prompt: str | None, 
         raise LlamatuneError(f"{runner.model.path.name}: the model has no chat template: pass --chat-template "
                              f"with a file or one of {', '.join(BUILTIN)}")
     chat = Chat(runner, template, system, sampling)
+    started()
 
     def write(s: str) -> None:
         sys.stdout.write(s)

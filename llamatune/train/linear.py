@@ -66,10 +66,10 @@ class LoraLinear:
         N > max(n_out, n_in), where adding (r-factored) B A to W costs less than adding
         the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
         share to dx). Either way the product is the same up to float rounding."""
-        W = self.weight(name)
         t = self.lora.get(name)
-        if t is not None and self.merge_aware and self.requantizes(name):
-            return self.requantized(W, name, t), True
+        if t is not None and self.merge_aware and self.requantizes(name):      # f32 W, whatever the products
+            return self.requantized(self.base.matrix(name), name, t), True
+        W = self.weight(name)
         merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
                  and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
         if merge:
