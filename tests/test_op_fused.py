@@ -242,3 +242,33 @@ def _cuda_add_rmsnorm_eps():
 def test_argument_checks_raise(b, call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.slow
+@pytest.mark.cuda
+def test_cuda_step_launches_the_fused_kernels():
+    """bench/cuda_launches.py on a qwen3 micro model (simulator): a layer's forward launches the
+    fused kernels and no separate rope or per-head norm, its LoRA products are one cuBLAS call
+    each (no scale or add of their own), and the backward rotates and norms q, k in two launches."""
+    import collections
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).parents[1] / "bench" / "cuda_launches.py"
+    res = subprocess.run([sys.executable, str(script), "--arch", "qwen3", "--detail"], capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, NUMBA_ENABLE_CUDASIM="1"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    sites = collections.defaultdict(collections.Counter)      # phase -> (kind, name) -> launches
+    for line in res.stdout.splitlines():
+        parts = line.split()                                   # "  layer forward  kernel  1  site [name]"
+        if line.startswith("  layer ") and len(parts) >= 5:
+            sites[parts[1]][parts[2], parts[-1] if len(parts) > 5 else ""] += int(parts[3])
+    kernels = {ph: {n: c for (k, n), c in s.items() if k == "kernel" and n != "kernel"} for ph, s in sites.items()}
+    assert kernels["forward"] == {"_rmsnorm_forward_kernel": 1, "_qk_norm_rope_kernel": 1, "_add_rmsnorm_kernel": 1,
+                                  "_swiglu_forward_kernel": 1}
+    assert kernels["backward"]["_qk_norm_rope_dx_kernel"] == kernels["backward"]["_qk_norm_dw_kernel"] == 1
+    assert "_rope_kernel" not in kernels["backward"] and "_rmsnorm_dx_kernel" not in kernels["backward"]
+    gemms = sum(c for (k, n), c in sites["forward"].items() if n == "gemm")
+    assert gemms == 7                                          # q, k, v, o, gate, up, down: one each
+    assert not [n for (k, n), c in sites["forward"].items() if n == "multiply"]
