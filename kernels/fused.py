@@ -45,11 +45,19 @@ def qk_norm_rope_forward(q, rstd_q, qp, wq, k, rstd_k, kp, wk, cos, sin, eps, n_
     rope_qk_forward(q, k, cos, sin, n_rot, mode)
 
 
+def _dw(dw, like):
+    """dw, or a throwaway (C,) for a frozen norm weight (dw None: the GPU skips its kernel)."""
+    return np.zeros(like.shape[-1], like.dtype) if dw is None else dw
+
+
 def qk_norm_rope_backward(dqp, dwq, dq, qp, wq, rstd_q, dkp, dwk, dk, kp, wk, rstd_k, cos, sin, n_rot, mode):
-    """dqp, dkp overwritten; dwq, dwk +=; dq, dk hold R(-theta) dq, R(-theta) dk after."""
+    """dqp, dkp overwritten; dwq, dwk += (both None: not wanted); dq, dk hold R(-theta) dq,
+    R(-theta) dk after."""
+    if (dwq is None) != (dwk is None):
+        raise ValueError("fused: dwq and dwk must both be arrays or both be None")
     rope_qk_backward(dq, dk, cos, sin, n_rot, mode)
-    rmsnorm.rmsnorm_backward(_rows(dqp), dwq, _rows(dq), _rows(qp), wq, rstd_q)
-    rmsnorm.rmsnorm_backward(_rows(dkp), dwk, _rows(dk), _rows(kp), wk, rstd_k)
+    rmsnorm.rmsnorm_backward(_rows(dqp), _dw(dwq, qp), _rows(dq), _rows(qp), wq, rstd_q)
+    rmsnorm.rmsnorm_backward(_rows(dkp), _dw(dwk, kp), _rows(dk), _rows(kp), wk, rstd_k)
 
 
 def add_rmsnorm_forward(out, rstd, s, x, w, eps):
@@ -59,8 +67,9 @@ def add_rmsnorm_forward(out, rstd, s, x, w, eps):
 
 
 def rmsnorm_backward_add(dx, dw, dout, x, w, rstd, scratch):
-    """dx (N, C) += the norm's dL/dx (computed into scratch (N, C) first); dw (C,) +=."""
-    rmsnorm.rmsnorm_backward(scratch, dw, dout, x, w, rstd)
+    """dx (N, C) += the norm's dL/dx (computed into scratch (N, C) first); dw (C,) +=, or
+    None (a frozen weight)."""
+    rmsnorm.rmsnorm_backward(scratch, _dw(dw, x), dout, x, w, rstd)
     dx += scratch
 
 

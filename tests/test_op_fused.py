@@ -6,7 +6,7 @@ against float64 finite differences; the argument checks."""
 import numpy as np
 import pytest
 from fdcheck import fd_check
-from op_helpers import CUDA, F32, F64, FD_TOL, TOL32, cases, impls, randn, zeros32
+from op_helpers import CPU, CUDA, F32, F64, FD_TOL, TOL32, cases, impls, randn, zeros32
 
 from llamatune.kernels import fused, lora, rope
 
@@ -85,6 +85,12 @@ def test_qk_norm_rope_matches_ref(b, shape, mode, per_row):
                                     cd, sd, n_rot, mode)
     for name in ref:
         np.testing.assert_allclose(b.get(got[name]), ref[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    frozen = dict(dqp=b.nan(qp.shape), dq=b.to(dq), dkp=b.nan(kp.shape), dk=b.to(dk))   # dw None: same dx
+    b.k.fused.qk_norm_rope_backward(frozen["dqp"], None, frozen["dq"], b.to(qp), b.to(wq), b.to(want["rq"]),
+                                    frozen["dkp"], None, frozen["dk"], b.to(kp), b.to(wk), b.to(want["rk"]),
+                                    cd, sd, n_rot, mode)
+    for name in frozen:
+        np.testing.assert_array_equal(b.get(frozen[name]), b.get(got[name]), err_msg=name)
 
 
 @pytest.mark.parametrize("fns", impls(fused, "qk_norm_rope_forward", "qk_norm_rope_backward"))
@@ -137,6 +143,9 @@ def test_rmsnorm_backward_add_matches_ref(b, N, C):
     b.k.fused.rmsnorm_backward_add(dx, dw, b.to(dout), b.to(x), b.to(w), b.to(rstd), b.nan((N, C)))
     np.testing.assert_allclose(b.get(dx), want_dx, **TOL32)
     np.testing.assert_allclose(b.get(dw), want_dw, rtol=1e-5, atol=1e-5)
+    dx_only = b.to(dx0)                                        # dw None: a frozen weight, the same dx
+    b.k.fused.rmsnorm_backward_add(dx_only, None, b.to(dout), b.to(x), b.to(w), b.to(rstd), b.nan((N, C)))
+    np.testing.assert_array_equal(b.get(dx_only), b.get(dx))
 
 
 # ------------------------------------------------------------------ the adapter's products
@@ -221,6 +230,15 @@ def _cuda_rmsnorm_backward_add_dw():
     CUDA.k.fused.rmsnorm_backward_add(z((2, 3)), z((2,)), z((2, 3)), z((2, 3)), z((3,)), z((2,)), z((2, 3)))
 
 
+def _qk_norm_rope_one_dw(k):
+    def call():
+        z = k.to(zeros32(1, 2, 2, 6)), k.to(zeros32(1, 2, 1, 6))
+        k.k.fused.qk_norm_rope_backward(z[0], k.to(zeros32(6)), z[0], z[0], k.to(zeros32(6)), k.to(zeros32(4)), z[1],
+                                        None, z[1], z[1], k.to(zeros32(6)), k.to(zeros32(2)), k.to(zeros32(2, 2)),
+                                        k.to(zeros32(2, 2)), 4, rope.ROPE_NEOX)
+    return call
+
+
 def _cuda_add_rmsnorm_eps():
     CUDA.k.fused.add_rmsnorm_forward(CUDA.nan((2, 3)), CUDA.nan((2,)), CUDA.nan((2, 3)), CUDA.nan((2, 3)),
                                      CUDA.nan((3,)), 0.0)
@@ -231,7 +249,9 @@ def _cuda_add_rmsnorm_eps():
      "n_rot must be even"),
     (lambda: fused.add_rmsnorm_forward(zeros32(2, 3), zeros32(2), zeros32(2, 3), zeros32(2, 3), zeros32(4), 1e-5),
      "rmsnorm: w must be"),
+    (_qk_norm_rope_one_dw(CPU), "fused: dwq and dwk must both be arrays or both be None"),
 ], cuda=[
+    (_qk_norm_rope_one_dw(CUDA), "fused: dwq and dwk must both be arrays or both be None"),
     (_cuda_rope_qk_odd_rot, "fused: n_rot must be even"),
     (_cuda_rope_qk_head_size, "fused: k must be a C-contiguous float32 device array of shape"),
     (_cuda_norm_rope_rstd, r"fused: rstd_q must be a C-contiguous float32 device array of shape \(4,\)"),

@@ -239,17 +239,22 @@ def qk_norm_rope_forward(q, rstd_q, qp, wq, k, rstd_k, kp, wk, cos, sin, eps, n_
 def qk_norm_rope_backward(dqp, dwq, dq, qp, wq, rstd_q, dkp, dwk, dk, kp, wk, rstd_k, cos, sin, n_rot,
                           mode) -> None:
     """The backward of qk_norm_rope_forward: dqp, dkp = dL/dqp, dL/dkp (overwritten),
-    dwq, dwk (D,) += dL/dwq, dL/dwk, from dq, dk = dL/dq, dL/dk, which are rotated
-    back in place (R(-theta) dq afterwards). Two launches."""
+    dwq, dwk (D,) += dL/dwq, dL/dwk (both None: frozen weights, no launch for them),
+    from dq, dk = dL/dq, dL/dk, which are rotated back in place (R(-theta) dq
+    afterwards). Two launches (one without dw)."""
+    if (dwq is None) != (dwk is None):
+        raise ValueError("fused: dwq and dwk must both be arrays or both be None")
+    dws = {} if dwq is None else dict(dwq=dwq, dwk=dwk)
     NQ, NK, D, cos, sin = _check_norm_rope(
         dict(dqp=dqp, dq=dq, qp=qp, dkp=dkp, dk=dk, kp=kp),
-        dict(dwq=dwq, wq=wq, rstd_q=rstd_q, dwk=dwk, wk=wk, rstd_k=rstd_k), qp, kp, cos, sin, n_rot, mode)
+        dict(wq=wq, rstd_q=rstd_q, wk=wk, rstd_k=rstd_k, **dws), qp, kp, cos, sin, n_rot, mode)
     if not (NQ + NK and D):
         return
     _qk_norm_rope_dx_kernel[NQ + NK, row_threads(D)](dqp, dq, qp, wq, rstd_q, dkp, dk, kp, wk, rstd_k, cos, sin,
                                                      np.int64(n_rot), mode == ROPE_NEOX)
-    _qk_norm_dw_kernel[cdiv(2 * D, _DW_THREADS), _DW_THREADS](
-        dwq, dwk, dq.reshape(NQ, D), qp.reshape(NQ, D), rstd_q, dk.reshape(NK, D), kp.reshape(NK, D), rstd_k)
+    if dws:
+        _qk_norm_dw_kernel[cdiv(2 * D, _DW_THREADS), _DW_THREADS](
+            dwq, dwk, dq.reshape(NQ, D), qp.reshape(NQ, D), rstd_q, dk.reshape(NK, D), kp.reshape(NK, D), rstd_k)
 
 
 # ------------------------------------------------------------------ residual add, then RMSNorm
@@ -306,13 +311,15 @@ def _rmsnorm_dx_add_kernel(dx, dout, x, w, rstd):
 
 def rmsnorm_backward_add(dx, dw, dout, x, w, rstd, scratch) -> None:
     """dx (N, C) += dL/dx of out = RMSNorm(x) w (a residual's gradient gathering the
-    norm's share); dw (C,) += dL/dw; dout, x (N, C); rstd (N,). Two launches, as
-    rmsnorm_backward alone; scratch (N, C) unused (the CPU's room for dL/dx). dx may
-    not alias dout or x."""
+    norm's share); dw (C,) += dL/dw, or None for a frozen weight (no launch for it);
+    dout, x (N, C); rstd (N,). Two launches with dw, one without; scratch (N, C) unused
+    (the CPU's room for dL/dx). dx may not alias dout or x."""
     N, C = check_ndim("fused", "x", x, 2, np.float32)
     for name, a, shape in (("dx", dx, (N, C)), ("dw", dw, (C,)), ("dout", dout, (N, C)), ("x", x, (N, C)),
                            ("w", w, (C,)), ("rstd", rstd, (N,))):
-        check("fused", name, a, shape, np.float32)
+        if a is not None or name != "dw":
+            check("fused", name, a, shape, np.float32)
     if N and C:
         _rmsnorm_dx_add_kernel[N, row_threads(C)](dx, dout, x, w, rstd)
-        _rmsnorm_dw_kernel[cdiv(C, _DW_THREADS), _DW_THREADS](dw, dout, x, rstd)
+        if dw is not None:
+            _rmsnorm_dw_kernel[cdiv(C, _DW_THREADS), _DW_THREADS](dw, dout, x, rstd)

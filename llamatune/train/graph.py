@@ -172,9 +172,9 @@ class Graph(LoraLinear, LossHead, Forward):
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
         self._gate_up_backward(xn2, p)
-        self.dnorm.fill(0.0)
         dx_mid = dx_out                                      # residual: dL/d(x_mid) += the norm's share
-        self.ops.fused.rmsnorm_backward_add(dx_mid, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2, self.dx2)
+        self.ops.fused.rmsnorm_backward_add(dx_mid, self._norm_dw(p + "ffn_norm.weight"), self.dxn, a.x_mid, wn2,
+                                            a.rstd2, self.dx2)
         self.norm_grad(p + "ffn_norm.weight", self.dnorm)
         # ---- attention
         self.linear_backward(self.datt, self._post_norm_backward(dx_mid, a.o, a.rstd_o, p + "post_attention_norm.weight"),
@@ -197,8 +197,8 @@ class Graph(LoraLinear, LossHead, Forward):
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
         self._qkv_backward(dq, dk, xn1, p)
-        self.dnorm.fill(0.0)                                  # residual: dL/d(layer input) += the norm's share
-        self.ops.fused.rmsnorm_backward_add(self.dx, self.dnorm, self.dxn, a.x, wn1, a.rstd1, self.dx2)
+        self.ops.fused.rmsnorm_backward_add(self.dx, self._norm_dw(p + "attn_norm.weight"), self.dxn, a.x, wn1,
+                                            a.rstd1, self.dx2)     # residual: dL/d(layer input) += the norm's share
         self.norm_grad(p + "attn_norm.weight", self.dnorm)
 
     def _post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
@@ -231,14 +231,31 @@ class Graph(LoraLinear, LossHead, Forward):
         after rope) (rotated back in place); the norm weights' gradients routed."""
         HS, names = self.cfg.head_dim, (p + "attn_q_norm.weight", p + "attn_k_norm.weight")
         dwq, dwk = self.dnorm[:HS], self.dnorm[HS:2 * HS]
-        self.dnorm[:2 * HS].fill(0.0)
+        trained = any(self._norm_trained(n) for n in names)
+        if trained:
+            self.dnorm[:2 * HS].fill(0.0)
+        else:
+            dwq = dwk = None
         self.ops.fused.qk_norm_rope_backward(self.dqp.reshape(dq4.shape), dwq, dq4, a.qp.reshape(dq4.shape),
                                              self.norm_weight(names[0]), a.rstd_q,
                                              self.dkp.reshape(dk4.shape), dwk, dk4, a.kp.reshape(dk4.shape),
                                              self.norm_weight(names[1]), a.rstd_k,
                                              cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
-        self.norm_grad(names[0], dwq)
-        self.norm_grad(names[1], dwk)
+        if trained:
+            self.norm_grad(names[0], dwq)
+            self.norm_grad(names[1], dwk)
+
+    def _norm_trained(self, name: str) -> bool:
+        """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
+        return self.weight_grad(name) is not None or name in self.lora
+
+    def _norm_dw(self, name: str) -> np.ndarray | None:
+        """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
+        (norm_grad then has nothing to route, and the GPU skips the dw kernel)."""
+        if not self._norm_trained(name):
+            return None
+        self.dnorm.fill(0.0)
+        return self.dnorm
 
     def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
         """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""
