@@ -213,22 +213,24 @@ def _qk_norm_dw_kernel(dwq, dwk, dq, qp, rstd_q, dk, kp, rstd_k):
         dwk[c] += acc
 
 
-def _check_norm_rope(arrays, vectors, q, k, cos, sin, n_rot, mode):
-    B, T, NH, NKV, D = _check_qk("qp", q, "kp", k, n_rot, mode)
-    for name, a in arrays.items():
-        check("fused", name, a, (B, T, NKV if name.startswith(("k", "dk")) else NH, D), np.float32)
-    for name, a in vectors.items():
-        n = B * T * (NKV if "k" in name else NH)
-        check("fused", name, a, (n,) if name.startswith("rstd") else (D,), np.float32)
-    cos, sin = _tables(q.shape, cos, sin, n_rot)
+def _check_norm_rope(q_side: dict, k_side: dict, qp, kp, cos, sin, n_rot, mode):
+    """q_side / k_side: name -> array of q's heads / k's heads, each (B, T, H, D), or
+    (B*T*H,) for the rstd, or (D,) for the weights and their gradients."""
+    B, T, NH, NKV, D = _check_qk("qp", qp, "kp", kp, n_rot, mode)
+    for side, H in ((q_side, NH), (k_side, NKV)):
+        for name, a in side.items():
+            vector = len(getattr(a, "shape", ())) == 1
+            shape = (B * T * H,) if name.startswith("rstd") else (D,) if vector else (B, T, H, D)
+            check("fused", name, a, shape, np.float32)
+    cos, sin = _tables(qp.shape, cos, sin, n_rot)
     return B * T * NH, B * T * NKV, D, cos, sin
 
 
 def qk_norm_rope_forward(q, rstd_q, qp, wq, k, rstd_k, kp, wk, cos, sin, eps, n_rot, mode) -> None:
     """q (B, T, NH, D) = rope(RMSNorm(qp) per head, weight wq (D,)), rstd_q (B*T*NH,)
     saved; k, rstd_k the same of kp (B, T, NKV, D) with wk; one launch. q may not be qp."""
-    NQ, NK, D, cos, sin = _check_norm_rope(dict(q=q, qp=qp, k=k, kp=kp), dict(rstd_q=rstd_q, wq=wq, rstd_k=rstd_k,
-                                                                           wk=wk), qp, kp, cos, sin, n_rot, mode)
+    NQ, NK, D, cos, sin = _check_norm_rope(dict(q=q, rstd_q=rstd_q, wq=wq), dict(k=k, rstd_k=rstd_k, wk=wk), qp, kp,
+                                           cos, sin, n_rot, mode)
     if not eps > 0:
         raise ValueError(f"fused: eps must be > 0, got {eps}")
     if NQ + NK and D:
@@ -244,15 +246,15 @@ def qk_norm_rope_backward(dqp, dwq, dq, qp, wq, rstd_q, dkp, dwk, dk, kp, wk, rs
     afterwards). Two launches (one without dw)."""
     if (dwq is None) != (dwk is None):
         raise ValueError("fused: dwq and dwk must both be arrays or both be None")
-    dws = {} if dwq is None else dict(dwq=dwq, dwk=dwk)
     NQ, NK, D, cos, sin = _check_norm_rope(
-        dict(dqp=dqp, dq=dq, qp=qp, dkp=dkp, dk=dk, kp=kp),
-        dict(wq=wq, rstd_q=rstd_q, wk=wk, rstd_k=rstd_k, **dws), qp, kp, cos, sin, n_rot, mode)
+        dict(dqp=dqp, dq=dq, wq=wq, rstd_q=rstd_q, **({} if dwq is None else dict(dwq=dwq))),
+        dict(dkp=dkp, dk=dk, wk=wk, rstd_k=rstd_k, **({} if dwk is None else dict(dwk=dwk))),
+        qp, kp, cos, sin, n_rot, mode)
     if not (NQ + NK and D):
         return
     _qk_norm_rope_dx_kernel[NQ + NK, row_threads(D)](dqp, dq, qp, wq, rstd_q, dkp, dk, kp, wk, rstd_k, cos, sin,
                                                      np.int64(n_rot), mode == ROPE_NEOX)
-    if dws:
+    if dwq is not None:
         _qk_norm_dw_kernel[cdiv(2 * D, _DW_THREADS), _DW_THREADS](
             dwq, dwk, dq.reshape(NQ, D), qp.reshape(NQ, D), rstd_q, dk.reshape(NK, D), kp.reshape(NK, D), rstd_k)
 
