@@ -11,9 +11,18 @@
 # `pip wheel --no-deps . -w .whl`) are installed to /tmp/site first; otherwise the
 # llamatune installed in the environment is used. Variables: OUT, PYTEST_S and BENCH_S (stage
 # time limits), WORKERS (pytest-xdist), BENCH_ARGS, NO_BENCH=1 (skip the bench), STAGES (the
-# stages to run, default "tests cli bench"), BASE_WHL (a folder with an earlier llamatune wheel:
-# the bench also runs it, installed to /tmp/site-base, with BASE_BENCH_ARGS, as a baseline
-# measured on the same GPU in the same call).
+# stages to run, default "launches tests cli bench"), BASE_WHL (a folder with an earlier llamatune
+# wheel: the launch count and the bench also run it, installed to /tmp/site-base, the bench with
+# BASE_BENCH_ARGS, as a baseline measured on the same GPU in the same call).
+#
+# Before/after in one call (launches per step and tokens/s of the earlier wheel and this one):
+#   pip wheel --no-deps . -w .whl
+#   git archive BASE_COMMIT | tar -x -C /tmp/base && pip wheel --no-deps /tmp/base -w base-whl
+#   BASE_WHL=base-whl BENCH_ARGS="--layers 4 --steps 3 --types q4_k --modes tf32 --ckpt layer,selective" \
+#     BASE_BENCH_ARGS="--layers 4 --steps 3 --types q4_k --modes tf32 --ckpt layer,selective" bash bench/gpu_check.sh
+# The launch stage counts in numba's CUDA simulator (the code path's launches: numba-cuda kernels,
+# CuPy ops and cuBLAS products of one step of a 1-layer model); where Nsight Systems (`nsys`) is
+# installed it also counts the kernels the GPU ran in a 2-step tiny bench, per wheel.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-check}
@@ -46,8 +55,35 @@ print("cuda available:", kc.is_available(), "simulator:", kc.simulator_enabled()
 EOF
 cd "$REPO"
 
-STAGES=${STAGES:-tests cli bench}
+STAGES=${STAGES:-launches tests cli bench}
 has() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+
+if has launches; then
+  if [ -n "${BASE_WHL:-}" ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-base \
+      "$BASE_WHL"/llamatune-*.whl
+  fi
+  for arch in llama qwen3; do
+    for which in base now; do
+      [ $which = base ] && [ -z "${BASE_WHL:-}" ] && continue
+      stage "launches per step, $arch, $which (simulator)"
+      site=$([ $which = base ] && echo /tmp/site-base: || echo "")
+      (cd /tmp && PYTHONPATH=$site${PYTHONPATH:-} NUMBA_ENABLE_CUDASIM=1 timeout 300 $PY "$REPO/bench/cuda_launches.py" \
+         --arch $arch 2>&1 | tee "$OUT/launches-$arch-$which.txt")
+    done
+  done
+  if command -v nsys >/dev/null; then
+    for which in base now; do
+      [ $which = base ] && [ -z "${BASE_WHL:-}" ] && continue
+      stage "GPU kernels of a 2-step tiny bench, $which (nsys)"
+      site=$([ $which = base ] && echo /tmp/site-base: || echo "")
+      PYTHONPATH=$site${PYTHONPATH:-} timeout 300 nsys profile -t cuda -o "$OUT/nsys-$which" --force-overwrite true \
+        $PY bench/gpu_finetune.py --shape tiny --steps 2 --types q8_0 --modes fp32 --ckpt selective \
+        --workdir /tmp/gpu-bench-tiny --out "$OUT/tiny-$which.json" >/dev/null 2>&1
+      nsys stats -r cuda_gpu_kern_sum "$OUT/nsys-$which.nsys-rep" 2>/dev/null | tee "$OUT/nsys-kernels-$which.txt" | tail -25
+    done
+  fi
+fi
 
 if has tests; then
 stage "CUDA tests (pytest -m cuda --slow)"

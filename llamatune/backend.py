@@ -27,7 +27,7 @@ import numpy as np
 from .errors import LlamatuneError
 
 OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "geglu", "softcap", "cross_entropy",
-       "optim")
+       "optim", "fused", "lora")
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,7 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
 
     dispatcher.get_current_device = lambda: _Dev()
 
-    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, geglu, optim,
+    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, fused, geglu, optim,
                                         rmsnorm, rope, softcap, swiglu)
     assert not _common.SIM, "compile_all_ptx needs numba.cuda without the simulator"
     f32, f64, i64, u8, b1 = t.float32, t.float64, t.int64, t.uint8, t.boolean
@@ -182,6 +182,17 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         ("norm final", optim._norm_final_kernel, (A(f64, 1), i64, b1)),
         ("scale", optim._scale_kernel, (A(f32, 1), f32)),
         ("clip", optim._clip_kernel, (A(f32, 1), A(f64, 1), f64)),
+    ]
+    jobs += [
+        ("fused rope q k", fused._rope_qk_kernel, (A(f32, 4), A(f32, 4), A(f32, 3), A(f32, 3), i64, b1, b1)),
+        ("fused q k norm rope", fused._qk_norm_rope_kernel,
+         (A(f32, 4), A(f32, 1), A(f32, 4), A(f32, 1)) * 2 + (A(f32, 3), A(f32, 3), f32, i64, b1)),
+        ("fused q k norm rope dx", fused._qk_norm_rope_dx_kernel,
+         (A(f32, 4), A(f32, 4), A(f32, 4), A(f32, 1), A(f32, 1)) * 2 + (A(f32, 3), A(f32, 3), i64, b1)),
+        ("fused q k norm dw", fused._qk_norm_dw_kernel, (A(f32, 1),) * 2 + (A(f32, 2), A(f32, 2), A(f32, 1)) * 2),
+        ("fused add rmsnorm", fused._add_rmsnorm_kernel, (A(f32, 2), A(f32, 1), A(f32, 2), A(f32, 2), A(f32, 1), f32)),
+        ("fused rmsnorm dx add", fused._rmsnorm_dx_add_kernel,
+         (A(f32, 2), A(f32, 2), A(f32, 2), A(f32, 1), A(f32, 1))),
     ]
     i32 = t.int32
     opts = (f32, f32, f32, i64)  # scale, softcap, scale / softcap, window

@@ -23,7 +23,9 @@ ffn_up), one LoRA pair on the whole product as llama.cpp's build_lora_mm applies
     checkpointing mode `layer`), trainable adapters (dropout, the x A^T it keeps, the
     merge into a dequantized matrix), the loss head and the backward.
 Every product with a base weight goes through `base_product`: the one place where its
-precision is chosen.
+precision is chosen. The elementwise chains that run back to back (the per-head norms
+then rope, rope of q and k, the residual add then the next norm) go through
+`ops.fused`: one launch each on a GPU, the separate kernels (the same bits) on the CPU.
 """
 from __future__ import annotations
 
@@ -194,12 +196,6 @@ class Forward:
             return self.ops.geglu.geglu_forward, self.ops.geglu.geglu_backward
         return self.ops.swiglu.swiglu_forward, self.ops.swiglu.swiglu_backward
 
-    def head_norm(self, y: np.ndarray, rstd: np.ndarray, x: np.ndarray, name: str) -> None:
-        """y = RMSNorm of every head of x (N, H*HS) with one (HS,) weight (qk_norm)."""
-        HS = self.cfg.head_dim
-        self.ops.rmsnorm.rmsnorm_forward(y.reshape(-1, HS), rstd, x.reshape(-1, HS), self.norm_weight(name),
-                                         self.cfg.norm_eps)
-
     def embd_scale(self):
         """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
         return self.xn.dtype.type(np.sqrt(np.float32(self.cfg.n_embd)))
@@ -220,16 +216,16 @@ class Forward:
         cos, sin = self.ropes[cfg.rope_set(i)]
         xn = self.xn if a.xn1 is None else a.xn1
         ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self.norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
-        if cfg.spec.qk_norm:
-            self.qkv_forward(a.qp, a.kp, a.v, xn, p)
-            self.head_norm(a.q, a.rstd_q, a.qp, p + "attn_q_norm.weight")
-            self.head_norm(a.k, a.rstd_k, a.kp, p + "attn_k_norm.weight")
-        else:
-            self.qkv_forward(a.q, a.k, a.v, xn, p)
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        ops.rope.rope_forward(k4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        if cfg.spec.qk_norm:                     # per-head norms, then rope (one launch on a GPU)
+            self.qkv_forward(a.qp, a.kp, a.v, xn, p)
+            wq, wk = (self.norm_weight(f"{p}attn_{c}_norm.weight") for c in "qk")
+            ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
+                                           a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
+        else:
+            self.qkv_forward(a.q, a.k, a.v, xn, p)
+            ops.fused.rope_qk_forward(q4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
         k_all, v_all, n_past = self.kv(i, k4, a.v.reshape(k4.shape))
         ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
                                         segments=self.segments, **cfg.attention_options(i))
@@ -239,9 +235,8 @@ class Forward:
                                         cfg.norm_eps)
         else:
             self.linear(a.x_mid, a.att, p + "attn_output.weight")
-        a.x_mid += a.x
-        xn = self.xn if a.xn2 is None else a.xn2
-        ops.rmsnorm.rmsnorm_forward(xn, a.rstd2, a.x_mid, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
+        xn = self.xn if a.xn2 is None else a.xn2                  # x_mid += x, then its norm
+        ops.fused.add_rmsnorm_forward(xn, a.rstd2, a.x_mid, a.x, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
         self.gate_up_forward(a.g, a.u, xn, p)
         h = self.h if a.h is None else a.h
         self.gate()[0](h, a.g, a.u)

@@ -94,7 +94,7 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     mats = layer_matrix_shapes(cfg)
     plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
-             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (C,), "losses": (N,),
+             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (max(C, 2 * cfg.head_dim),), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
     if fused_width(cfg):                                           # a fused product, or its gradient,
         plan["fused"] = (N * fused_width(cfg),)                    # before it is split / after it is joined

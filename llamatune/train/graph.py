@@ -172,11 +172,10 @@ class Graph(LoraLinear, LossHead, Forward):
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
         xn2 = self.xn if a.xn2 is None else a.xn2
         self._gate_up_backward(xn2, p)
-        self.dnorm.fill(0.0)
-        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x_mid, wn2, a.rstd2)
+        dx_mid = dx_out                                      # residual: dL/d(x_mid) += the norm's share
+        self.ops.fused.rmsnorm_backward_add(dx_mid, self._norm_dw(p + "ffn_norm.weight"), self.dxn, a.x_mid, wn2,
+                                            a.rstd2, self.dx2)
         self.norm_grad(p + "ffn_norm.weight", self.dnorm)
-        dx_mid = dx_out
-        dx_mid += self.dx2                                   # residual: dL/d(x_mid)
         # ---- attention
         self.linear_backward(self.datt, self._post_norm_backward(dx_mid, a.o, a.rstd_o, p + "post_attention_norm.weight"),
                              a.att, p + "attn_output.weight", accumulate=False)
@@ -187,22 +186,20 @@ class Graph(LoraLinear, LossHead, Forward):
                                      q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
                                      segments=self.segments, **cfg.attention_options(i))
         cos, sin = self.ropes[cfg.rope_set(i)]
-        self.ops.rope.rope_backward(dq4, dq4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        self.ops.rope.rope_backward(dk4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
         dq, dk = self.dq, self.dk
-        if cfg.spec.qk_norm:                                  # back through the per-head norms
-            self._head_norm_backward(self.dqp, dq, a.qp, a.rstd_q, p + "attn_q_norm.weight")
-            self._head_norm_backward(self.dkp, dk, a.kp, a.rstd_k, p + "attn_k_norm.weight")
+        if cfg.spec.qk_norm:                                  # back through rope and the per-head norms
+            self._qk_norm_rope_backward(dq4, dk4, a, cos, sin, p)
             dq, dk = self.dqp, self.dkp
+        else:
+            self.ops.fused.rope_qk_backward(dq4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
         wn1 = self.norm_weight(p + "attn_norm.weight")
         if a.xn1 is None:
             self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
         xn1 = self.xn if a.xn1 is None else a.xn1
         self._qkv_backward(dq, dk, xn1, p)
-        self.dnorm.fill(0.0)
-        self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, self.dxn, a.x, wn1, a.rstd1)
+        self.ops.fused.rmsnorm_backward_add(self.dx, self._norm_dw(p + "attn_norm.weight"), self.dxn, a.x, wn1,
+                                            a.rstd1, self.dx2)     # residual: dL/d(layer input) += the norm's share
         self.norm_grad(p + "attn_norm.weight", self.dnorm)
-        self.dx += self.dx2                                   # residual: dL/d(layer input)
 
     def _post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
                             name: str) -> np.ndarray:
@@ -229,14 +226,36 @@ class Graph(LoraLinear, LossHead, Forward):
             self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
             self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
 
-    def _head_norm_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, rstd: np.ndarray,
-                            name: str) -> None:
-        HS = self.cfg.head_dim
-        dw = self.dnorm[:HS]
-        dw.fill(0.0)
-        self.ops.rmsnorm.rmsnorm_backward(dx.reshape(-1, HS), dw, dy.reshape(-1, HS), x.reshape(-1, HS),
-                                          self.norm_weight(name), rstd)
-        self.norm_grad(name, dw)
+    def _qk_norm_rope_backward(self, dq4: np.ndarray, dk4: np.ndarray, a: LayerActs, cos, sin, p: str) -> None:
+        """self.dqp, self.dkp = dL/d(q, k before their per-head norms) from dq4, dk4 = dL/d(q, k
+        after rope) (rotated back in place); the norm weights' gradients routed."""
+        HS, names = self.cfg.head_dim, (p + "attn_q_norm.weight", p + "attn_k_norm.weight")
+        dwq, dwk = self.dnorm[:HS], self.dnorm[HS:2 * HS]
+        trained = any(self._norm_trained(n) for n in names)
+        if trained:
+            self.dnorm[:2 * HS].fill(0.0)
+        else:
+            dwq = dwk = None
+        self.ops.fused.qk_norm_rope_backward(self.dqp.reshape(dq4.shape), dwq, dq4, a.qp.reshape(dq4.shape),
+                                             self.norm_weight(names[0]), a.rstd_q,
+                                             self.dkp.reshape(dk4.shape), dwk, dk4, a.kp.reshape(dk4.shape),
+                                             self.norm_weight(names[1]), a.rstd_k,
+                                             cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
+        if trained:
+            self.norm_grad(names[0], dwq)
+            self.norm_grad(names[1], dwk)
+
+    def _norm_trained(self, name: str) -> bool:
+        """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
+        return self.weight_grad(name) is not None or name in self.lora
+
+    def _norm_dw(self, name: str) -> np.ndarray | None:
+        """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
+        (norm_grad then has nothing to route, and the GPU skips the dw kernel)."""
+        if not self._norm_trained(name):
+            return None
+        self.dnorm.fill(0.0)
+        return self.dnorm
 
     def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
         """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""

@@ -85,7 +85,7 @@ class LoraLinear:
         xa = self.xa[name]
         self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
         if not merged:
-            y += self.xp.matmul(t.scale * xa, self.params[t.b].T, out=self.scratch(*y.shape))
+            self.ops.lora.lora_forward(y, xa, self.params[t.b], t.scale, self.scratch(*y.shape))
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
@@ -155,14 +155,8 @@ class LoraLinear:
         """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
         dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
         dx None: the adapter was merged into the W of dy W, which gave that share)."""
-        A, B = self.params[t.a], self.params[t.b]
-        self.params.grad_of(t.b)[...] += t.scale * (dy.T @ xa)
-        dxa = t.scale * (dy @ B)                                       # (N, r)
-        self.params.grad_of(t.a)[...] += (xd.T @ dxa).T                # not dxa.T @ xd: BLAS takes up
-        #                                   to 50x longer with the r-row transposed operand on the left
-        if dx is not None:
-            dxd = self.xp.matmul(dxa, A, out=self.scratch(*dx.shape))
-            dx += dxd if mask is None else dxd * mask
+        self.ops.lora.lora_backward(self.params.grad_of(t.a), self.params.grad_of(t.b), dx, dy, xd, xa,
+                                    self.params[t.a], self.params[t.b], t.scale, self.scratch(*xd.shape), mask)
 
     def head_scratch(self, rows: int, cols: int) -> np.ndarray:
         return self.head_tmp[: rows * cols].reshape(rows, cols)
