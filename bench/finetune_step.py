@@ -115,7 +115,7 @@ def bound_table(rows, step_flops_: float, sgemm: float) -> str:
 
 
 def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B, T: int = T,
-            cpu_clock: bool = False, bound: bool = False) -> dict:
+            cpu_clock: bool = False, bound: bool = False, dtype: str = "f32") -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
     import numpy as np
@@ -132,7 +132,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     targets = lora_targets(cfg, ranks, float(R), tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode)
+    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype)
     rng = np.random.default_rng(1)
     opts = FinetuneOptions(warmup=1)
     inputs = rng.integers(0, cfg.n_vocab, (B, T))
@@ -189,11 +189,12 @@ def main() -> None:
     ap.add_argument("--model", type=Path, help="this GGUF instead of the bench shape (--types is ignored)")
     ap.add_argument("--batch", type=int, default=B)
     ap.add_argument("--ctx", type=int, default=T)
+    ap.add_argument("--compute-dtype", default="f32", help="the base's products: f32 or bf16 (products.py)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "CHECKPOINTING"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         print(json.dumps(run_one(Path(a.one[0]), a.one[1], a.steps, a.profile, a.batch, a.ctx, a.cpu_clock,
-                                 a.bound)))
+                                 a.bound, a.compute_dtype)))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"LoRA r={R} on {','.join(TARGETS)}; ctx {a.ctx}, batch {a.batch}; "
@@ -206,7 +207,7 @@ def main() -> None:
         build(path, qtype, a.arch)
         for mode in a.modes.split(","):
             run = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), mode,
-                                  "--batch", str(a.batch), "--ctx", str(a.ctx)]
+                                  "--batch", str(a.batch), "--ctx", str(a.ctx), "--compute-dtype", a.compute_dtype]
                                  + (["--profile"] if a.profile else []) + (["--cpu-clock"] if a.cpu_clock else [])
                                  + (["--bound"] if a.bound else []),
                                  capture_output=True, text=True, check=True)

@@ -8,9 +8,9 @@ the answer after a space, which is exactly the text llama.cpp's multiple-choice 
 builds (question + " " + answer). Before and after training it prints, over the held-out
 pairs:
   * logp accuracy: the fraction where the chosen answer's summed log-probability beats the
-    rejected one's (sums favour the shorter plain answers: the hardest score);
-  * mean-logp accuracy: the same with the mean over the answer's tokens, which is how
-    llama.cpp's `llama-perplexity --multiple-choice` picks an ending;
+    rejected one's (answer and EOS, as trained; sums favour the shorter plain answers);
+  * the same over the answer's text alone (no EOS), summed and as per-token means, which
+    is how llama.cpp's `llama-perplexity --multiple-choice` picks an ending;
   * with --llama-bin and --form text: llama-perplexity --multiple-choice on the held-out
     pairs, the base alone and with the trained adapter at run time (--lora);
   * the run's own held-out reward accuracy and loss (metrics.jsonl, eval_ lines).
@@ -153,10 +153,12 @@ def llama_multiple_choice(bin_dir: Path, model: Path, tasks: Path, adapter: Path
     return float(m[-1])
 
 
-def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -> tuple[float, float, float]:
-    """(fraction of pairs whose chosen answer has the higher summed log-probability, the
-    same with per-token means, mean margin of the sums) with the adapter (a checkpoint) or
-    without."""
+def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -> dict[str, float]:
+    """With the adapter (a checkpoint) or without, over the held-out pairs: the fraction
+    whose chosen answer has the higher summed log-probability (the answer and the EOS
+    token, as trained), and, over the answer's text alone (no EOS: what llama.cpp's
+    multiple-choice scorer sees), the same for the sums and for the per-token means (its
+    measure); and the mean margin of the sums."""
     from llamatune.models.model import Model
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
@@ -176,15 +178,28 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     graph = Graph(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
     pref = Preference(o, params, targets)
     v = PairValidator(samples, o, model.config.n_vocab, model.tokenizer.bos_id, model.tokenizer.eos_id, pref)
-    lp, n = [], []
+    full, text, mean = [], [], []
     for b in v.batches():
-        s = pref._scores(b, pref._token_losses(graph, b), None)
-        lp.append(s.logp)
-        n.append(s.length)
-    lp, n = np.concatenate(lp), np.concatenate(n)
-    mean = lp / n
-    return (float((lp[:, 0] > lp[:, 1]).mean()), float((mean[:, 0] > mean[:, 1]).mean()),
-            float((lp[:, 0] - lp[:, 1]).mean()))
+        ce = pref._token_losses(graph, b)
+        s = pref._scores(b, ce, None)
+        full.append(s.logp)
+        t, m = np.zeros(s.logp.shape), np.zeros(s.logp.shape)
+        for k, row in enumerate(s.rows):
+            for j, r in enumerate((row, row + 1)):
+                idx = np.flatnonzero(b.targets[r] >= 0)[:-1]          # the answer's text, without EOS
+                t[k, j] = -ce[r, idx].sum()
+                m[k, j] = t[k, j] / len(idx)
+        text.append(t)
+        mean.append(m)
+    full, text, mean = np.concatenate(full), np.concatenate(text), np.concatenate(mean)
+    return {"sum": float((full[:, 0] > full[:, 1]).mean()), "text sum": float((text[:, 0] > text[:, 1]).mean()),
+            "text mean": float((mean[:, 0] > mean[:, 1]).mean()), "margin": float((full[:, 0] - full[:, 1]).mean())}
+
+
+def accuracy_line(acc: dict[str, float]) -> str:
+    return (f"held-out logp accuracy {acc['sum']:.1%} (answer + EOS, summed); answer text alone: summed "
+            f"{acc['text sum']:.1%}, per-token mean {acc['text mean']:.1%} (llama.cpp's measure); "
+            f"mean chosen - rejected logp {acc['margin']:+.2f}")
 
 
 def main() -> None:
@@ -200,6 +215,8 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp's bin folder: score with llama-perplexity "
                     "--multiple-choice (--form text)")
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-style"))
+    ap.add_argument("--score", action="store_true", help="no training: score the workdir's chk-LATEST.gguf "
+                    "(and adapter-LATEST.gguf in llama.cpp) of an earlier run")
     args = ap.parse_args()
     from llamatune.commands.finetune import finetune
     from llamatune.options import FinetuneOptions, validate
@@ -208,9 +225,15 @@ def main() -> None:
     n_train = len(FACTS) - args.val_pairs
     train = write_pairs(w / "train.jsonl", FACTS[:n_train], args.form)
     val = write_pairs(w / "val.jsonl", FACTS[n_train:], args.form)
+    if args.score:
+        print(f"scored: {accuracy_line(logp_accuracy(args.model, val, w / 'chk-LATEST.gguf', args.ctx))}")
+        if args.llama_bin is not None and args.form == "text":
+            tasks = write_multiple_choice(w / "val.mc.bin", FACTS[n_train:])
+            print(f"scored: llama-perplexity --multiple-choice --lora adapter-LATEST.gguf "
+                  f"{llama_multiple_choice(args.llama_bin, args.model, tasks, w / 'adapter-LATEST.gguf', w / 'mc-adapter.log'):.2f} %")
+        return
     before = logp_accuracy(args.model, val, None, args.ctx)
-    print(f"before: held-out logp accuracy {before[0]:.1%}, mean-logp accuracy {before[1]:.1%} "
-          f"(mean chosen - rejected logp {before[2]:+.2f})", flush=True)
+    print(f"before: {accuracy_line(before)}", flush=True)
     llama = args.llama_bin is not None and args.form == "text"
     if llama:
         tasks = write_multiple_choice(w / "val.mc.bin", FACTS[n_train:])
@@ -226,8 +249,7 @@ def main() -> None:
     res = finetune(o)
     print(f"{args.steps} steps in {time.perf_counter() - t:.0f} s; losses {res.losses[0]:.4f} -> {res.losses[-1]:.4f}")
     after = logp_accuracy(args.model, val, w / "chk-LATEST.gguf", args.ctx)
-    print(f"after:  held-out logp accuracy {after[0]:.1%}, mean-logp accuracy {after[1]:.1%} "
-          f"(mean chosen - rejected logp {after[2]:+.2f})", flush=True)
+    print(f"after:  {accuracy_line(after)}", flush=True)
     if llama:
         acc = llama_multiple_choice(args.llama_bin, args.model, tasks, w / "adapter-LATEST.gguf", w / "mc-adapter.log")
         print(f"after:  llama-perplexity --multiple-choice --lora adapter-LATEST.gguf {acc:.2f} %", flush=True)

@@ -126,12 +126,15 @@ class TrainingStats:
         mine = ({k: (v.get() if hasattr(v, "get") else np.asarray(v)) for k, v in self._step.items()},
                 dict(self._step_counts), self._step_rows)
         every = [mine] if world is None or world.size == 1 else world.allgather(mine, "imatrix statistics")
-        for step, counts, rows in every:
+        step_sums: dict[str, np.ndarray] = {}                 # the ranks' sums in float64, in rank order,
+        for step, counts, rows in every:                      # as one process's micro-batches add up
             for k, s in step.items():
-                total = self.sums.get(k)
-                self.sums[k] = s.astype(np.float32) if total is None else (total + s).astype(np.float32)
+                step_sums[k] = s if k not in step_sums else step_sums[k] + s
                 self.counts[k] = self.counts.get(k, 0) + counts[k]
             self.rows += rows
+        for k, s in step_sums.items():                        # then rounded to float32 once a step
+            total = self.sums.get(k)
+            self.sums[k] = s.astype(np.float32) if total is None else (total + s).astype(np.float32)
         self.discard()
 
     # ------------------------------------------------------------------ outputs and checkpoints
