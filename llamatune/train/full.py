@@ -69,8 +69,10 @@ def state_bytes(n_params: int, optimizer: str) -> dict[str, int]:
 class FullWeights:
     """The graph's weights when some or all of a base model's tensors are trained: a trained
     tensor is its f32 parameter (gradient: its view of params.grad), a frozen one comes
-    from the FrozenBase as stored (gradient: None, so the graph computes none)."""
+    from the FrozenBase as stored (gradient: None, so the graph computes none). Its
+    gradients are cleared lazily (ParamBuffer.zero_grad(lazy=True))."""
     trainable = True
+    lazy_grads = True
 
     def __init__(self, frozen: FrozenBase, params: ParamBuffer, tied: bool):
         self.frozen, self.params, self.tied = frozen, params, tied
@@ -108,8 +110,14 @@ class FullWeights:
             self.frozen.embed(ids, out)
 
     def grad(self, name: str):
+        """The gradient of a trained tensor, ready to be added to; None for a frozen one."""
         n = self._name(name)
-        return self.params.grad_of(n) if n in self.params else None
+        return self.params.grad_to_add(n) if n in self.params else None
+
+    def grad_to_write(self, name: str):
+        """(gradient, whether the first product may write it whole), or None if frozen."""
+        n = self._name(name)
+        return self.params.grad_to_write(n) if n in self.params else None
 
 
 def load_trained(params: ParamBuffer, f: GGUFFile) -> None:

@@ -348,6 +348,7 @@ class Graph(LoraLinear, LossHead, Forward):
                 self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
             self._layer_backward(i)
         self._embed_backward(tokens)
+        self.params.settle()                                # lazily cleared gradients no product wrote
         return loss
 
     def loss(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray,

@@ -37,7 +37,8 @@ class LossHead:
             xn, dxn, losses = self.xn, self.dxn, self.losses
         chunk = even_chunk(M, self.chunk)
         t = self.lora.get("output.weight")
-        dW = self.weight_grad("output.weight")
+        target = self.weight_grad_to_write("output.weight") if backward else None
+        dW, fresh = target if target is not None else (None, False)     # fresh: the first chunk writes it
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
         held = [None, None]                                  # (block, its expanded rows)
 
@@ -75,8 +76,11 @@ class LossHead:
                     self.products(dx, g, W, trans_b=False)
                 else:
                     dx += self.products(self.scratch(hi - lo, C), g, W, trans_b=False)
-                if dW is not None:
+                if dW is not None and fresh:
+                    xp.matmul(g.T, x, out=dW[vlo:vhi])
+                elif dW is not None:
                     dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+            fresh = False
             if t is not None:
                 self.lora_backward(t, logits, x, xa, dx)
         loss = float(xp.dot(losses.astype(np.float64), weights.astype(np.float64)))

@@ -119,6 +119,17 @@ class LoraLinear:
         """The gradient of a trained base weight (dense or full training); None when frozen."""
         return self.base.grad(name) if self.base.trainable else None
 
+    def weight_grad_to_write(self, name: str):
+        """(gradient of a trained base weight, whether a product may write it whole), or
+        None when frozen (full finetuning clears its gradients lazily: params.zero_grad)."""
+        if not self.base.trainable:
+            return None
+        write = getattr(self.base, "grad_to_write", None)
+        if write is not None:
+            return write(name)
+        g = self.base.grad(name)
+        return None if g is None else (g, False)
+
     def norm_grad(self, name: str, dw: np.ndarray) -> None:
         """Route a norm weight's gradient to its parameter or its adapter."""
         g = self.weight_grad(name)
@@ -139,9 +150,13 @@ class LoraLinear:
                 dx += self.products(self.scratch(*dx.shape), dy, W, trans_b=False)
             else:
                 self.products(dx, dy, W, trans_b=False)
-        dW = self.weight_grad(name)
-        if dW is not None:
-            dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))
+        target = self.weight_grad_to_write(name)
+        if target is not None:
+            dW, fresh = target
+            if fresh:                                              # the first product: written whole
+                self.xp.matmul(dy.T, x, out=dW)
+            else:
+                dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))
         bias = name.replace(".weight", ".bias")
         db = self.weight_grad(bias) if self.base.vector(bias) is not None else None
         if db is not None:                                         # qwen2's q/k/v biases

@@ -40,6 +40,7 @@ class ParamBuffer:
         self.grad = np.zeros(off, dtype)          # (P,) gradients, accumulated by backward
         self.m = np.zeros(off, dtype) if moments else None   # (P,) AdamW first moments (None: SGD)
         self.v = np.zeros(off, dtype) if moments else None   # (P,) AdamW second moments
+        self.stale: set[str] = set()              # gradients cleared lazily (zero_grad(lazy=True))
 
     def _view(self, flat: np.ndarray, name: str) -> np.ndarray:
         lo, hi = self.offsets[name]
@@ -63,8 +64,37 @@ class ParamBuffer:
             lo, hi = self.offsets[s.name]
             yield s, lo, hi
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, lazy: bool = False) -> None:
+        """Clear the gradients; `lazy` (large trained tensors: full finetuning) only marks
+        them stale, and each is cleared when first added to (`grad_to_add`), or written
+        without clearing by its first product (`grad_to_write`), or by `settle`: one pass
+        over the gradient memory fewer per step, and no add pass for the first product."""
+        if lazy:
+            self.stale = set(self.offsets)
+            return
         self.grad.fill(0.0)
+        self.stale = set()
+
+    def grad_to_add(self, name: str) -> np.ndarray:
+        """The gradient of `name`, ready to be added to (cleared first if stale)."""
+        g = self.grad_of(name)
+        if name in self.stale:
+            g.fill(0.0)
+            self.stale.discard(name)
+        return g
+
+    def grad_to_write(self, name: str) -> tuple[np.ndarray, bool]:
+        """(gradient of `name`, whether it is stale): a stale one is to be written whole
+        (`=`), no longer stale afterwards; else added to."""
+        fresh = name in self.stale
+        self.stale.discard(name)
+        return self.grad_of(name), fresh
+
+    def settle(self) -> None:
+        """Clear the gradients still stale (no product wrote them): every one is then valid."""
+        for name in self.stale:
+            self.grad_of(name).fill(0.0)
+        self.stale = set()
 
     def to_device(self, backend) -> None:
         """Move the four flat arrays to the backend's device (initialize and load

@@ -430,7 +430,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         while state.iteration < o.adam_iter:
             step = state.iteration
             metrics.begin_step()
-            job.params.zero_grad()
+            job.params.zero_grad(lazy=getattr(job.base, "lazy_grads", False))
             data_state = batcher.state() if pending else None
             batches = [batcher.next_batch() for _ in range(o.grad_acc * world.size)]   # the global batch
             n_targets = sum(b.n_targets for b in batches)
