@@ -7,11 +7,11 @@ ratios bf16 / f32 and, per round, how far bf16's loss is from f32's.
 
     python bench/compute_dtype.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
         [--data shakespeare.txt] [--val-data FILE] [--ctx 256] [--batch 2] [--steps 8] \
-        [--rounds 2] [--lr 1e-4] [--mode auto] [--extra "--pack"] [--work /tmp/llamatune-dtype]
+        [--rounds 2] [--lr 1e-4] [--mode auto] [--extra=--pack] [--work /tmp/llamatune-dtype]
 
 The 50-step chat comparison of issue #29:
     python bench/compute_dtype.py --model QWEN.gguf --data bench/chat_demo/pirate-train.jsonl \
-        --val-data bench/chat_demo/pirate-val.jsonl --ctx 256 --batch 2 --steps 50 --lr 1e-3 --extra "--pack"
+        --val-data bench/chat_demo/pirate-val.jsonl --ctx 256 --batch 2 --steps 50 --lr 1e-3 --extra=--pack
 """
 from __future__ import annotations
 

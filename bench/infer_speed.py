@@ -5,8 +5,8 @@ Each llamatune run is a fresh process timed as a whole; the start-up (load, kern
 is taken out by running two sizes and dividing the difference in tokens by the
 difference in seconds: perplexity over the first `--small` and `--large` windows of the
 held-out text, generation of `--n-small` and `--n-large` tokens (greedy, the same
-prompt). llama.cpp's figures are its own timings (llama-perplexity's and
-llama-completion's `prompt eval` / `eval` tokens per second).
+prompt). llama-perplexity is timed the same way (two sizes, whole processes);
+llama-completion's figure is its own `eval` tokens per second.
 
     python bench/infer_speed.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
         --llama-bin /work/llamacpp/build-avx512/bin [--ctx 512] [--rounds 2]
@@ -60,9 +60,9 @@ def ours_gen(a, dtype: str, n: int) -> float:
 
 
 def llama_ppl(a, text: Path) -> float:
-    _, out = timed([str(a.llama_bin / "llama-perplexity"), "-m", str(a.model), "-f", str(text), "-c", str(a.ctx),
-                    "-b", str(a.ctx), "-t", "2"])
-    return float(re.findall(r"prompt eval time =.*?([0-9.]+) tokens per second", out)[-1])
+    s, _ = timed([str(a.llama_bin / "llama-perplexity"), "-m", str(a.model), "-f", str(text), "-c", str(a.ctx),
+                  "-b", str(a.ctx), "-t", "2"])
+    return s
 
 
 def llama_gen(a) -> float:
@@ -93,7 +93,7 @@ def main() -> None:
             res[f"ppl {dtype}"].append((n_large - n_small) / (ours_ppl(a, dtype, large) - ours_ppl(a, dtype, small)))
             res[f"gen {dtype}"].append((a.n_large - a.n_small) / (ours_gen(a, dtype, a.n_large)
                                                                    - ours_gen(a, dtype, a.n_small)))
-        res["ppl llama.cpp"].append(llama_ppl(a, large))
+        res["ppl llama.cpp"].append((n_large - n_small) / (llama_ppl(a, large) - llama_ppl(a, small)))
         res["gen llama.cpp"].append(llama_gen(a))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)
     print(f"\n{a.model.name}, ctx {a.ctx}, 2 threads, tokens/s (median of {a.rounds} rounds; min-max)")
