@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--extra", default="", help="more finetune flags, one string")
     ap.add_argument("--work", type=Path, default=Path("/tmp/llamatune-dtype"))
     a = ap.parse_args()
+    a.model, a.data = a.model.resolve(), a.data.resolve()              # the runs' working folder is their own
+    a.val_data = a.val_data and a.val_data.resolve()
     res: dict[str, list[dict]] = {"f32": [], "bf16": []}
     for r in range(a.rounds):
         for dtype in ("f32", "bf16"):

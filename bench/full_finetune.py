@@ -85,7 +85,8 @@ def llamatune(a, text: Path, steps: int, optimizer: str, work: Path, log: Path) 
                "--checkpointing", a.checkpointing, "--save-every", "0", "--no-plot",
                "--checkpoint-out", str(work / f"chk-{optimizer}.gguf"),
                "--model-out", str(work / f"model-{optimizer}.gguf"), "--out-type", "f32",
-               "--metrics-out", str(work / f"metrics-{optimizer}.jsonl")], log)
+               "--metrics-out", str(work / f"metrics-{optimizer}.jsonl")]
+              + (["--adam-moments", a.adam_moments] if optimizer == "adamw" else []), log)
     text_out = log.read_text(errors="replace")
     m = re.search(r"finetune: (\d+) steps in ([\d.]+) s \(([\d.]+) tokens/s, ([\d.]+) after the first step\)",
                   text_out)
@@ -120,9 +121,10 @@ def estimate_1_5b(runtime_gib: float) -> dict:
                     if k.startswith("blk.") and len(s) == 2) // cfg.n_embd
     graph = plan_bytes(buffer_plan(cfg, [], 1, 256, "layer", head_rows, True))
     out = {"parameters": n, "graph_gib": graph / 2**30}
-    for opt in ("adamw", "sgd"):
-        state = sum(state_bytes(n, opt).values())
-        out[opt] = {"state_gib": state / 2**30, "total_gib": (state + graph) / 2**30 + runtime_gib}
+    for opt, moments in (("adamw", "f32"), ("adamw", "bf16"), ("sgd", "f32")):
+        state = sum(state_bytes(n, opt, moments).values())
+        key = opt + (" bf16 moments" if moments == "bf16" else "")
+        out[key] = {"state_gib": state / 2**30, "total_gib": (state + graph) / 2**30 + runtime_gib}
     return out
 
 
@@ -136,6 +138,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--sgd-steps", type=int, default=2, help="steps of the SGD run (its memory)")
     ap.add_argument("--checkpointing", default="auto")
+    ap.add_argument("--adam-moments", default="f32", help="llamatune's AdamW moments: f32 or bf16")
     ap.add_argument("--heldout", type=Path, default=SHARED / "shakespeare-eval.txt")
     ap.add_argument("--chunks", type=int, default=16, help="llama-perplexity windows of held-out text")
     ap.add_argument("--work", type=Path, default=Path("/tmp/full-bench"))
@@ -165,7 +168,7 @@ def main() -> None:
     from llamatune.train.full import state_bytes
     from llamatune.formats.gguf_io import GGUFFile
     n = sum(int(t.data.size) for t in GGUFFile(a.model).tensors.values())
-    state = sum(state_bytes(n, "adamw").values()) / 2**30
+    state = sum(state_bytes(n, "adamw", a.adam_moments).values()) / 2**30
     if res["llamatune"]:
         runtime = res["llamatune"][-1]["runtime_gib"] - state       # the 0.5B run's runtime less its trained values
         res["estimate_1.5b"] = estimate_1_5b(runtime)

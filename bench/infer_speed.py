@@ -4,8 +4,8 @@ on the same GGUF, two threads, alternating runs.
 Each llamatune run is a fresh process timed as a whole; the start-up (load, kernel cache)
 is taken out by running two sizes and dividing the difference in tokens by the
 difference in seconds: perplexity over the first `--small` and `--large` windows of the
-held-out text, generation of `--n-small` and `--n-large` tokens (greedy, the same
-prompt). llama-perplexity is timed the same way (two sizes, whole processes);
+held-out text. Generation: `--n-large` greedy tokens after the same prompt, timed in the
+process after a warm-up, the prompt's forward left out (tokens after the first / s). llama-perplexity is timed the same way (two sizes, whole processes);
 llama-completion's figure is its own `eval` tokens per second.
 
     python bench/infer_speed.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
@@ -54,9 +54,23 @@ def ours_ppl(a, dtype: str, text: Path) -> float:
 
 
 def ours_gen(a, dtype: str, n: int) -> float:
-    s, _ = timed([sys.executable, "-m", "llamatune.cli.main", "generate", "-m", str(a.model), "-p", PROMPT,
-                  "-n", str(n), "--temp", "0", "--compute-dtype", dtype])
-    return s
+    """Seconds of `n` greedy decode steps after the prompt, in a fresh process (no stop at
+    EOS, as llama-completion --ignore-eos); the prompt's own forward is timed apart and
+    left out, as llama.cpp's `eval time` leaves out its prompt."""
+    code = ("import time, llamatune\n"
+            "from llamatune.models.runner import make_runner\n"
+            "from llamatune.models.sampling import generate_ids\n"
+            f"r = make_runner({str(a.model)!r}, compute_dtype={dtype!r})\n"
+            f"ids = r.model.tokenizer.encode({PROMPT!r}, add_special=True)\n"
+            "list(generate_ids(r, ids, 2, 0.0, 40, 0.95, 1, None, set()))\n"   # warm-up: kernels loaded
+            "t = time.perf_counter(); list(generate_ids(r, ids, 1, 0.0, 40, 0.95, 1, None, set())); p = time.perf_counter() - t\n"
+            f"t = time.perf_counter(); out = list(generate_ids(r, ids, {n}, 0.0, 40, 0.95, 1, None, set()))\n"
+            f"assert len(out) == {n}, len(out)\n"
+            "print(time.perf_counter() - t - p)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"generation failed:\n{r.stderr[-2000:]}")
+    return float(r.stdout.strip().splitlines()[-1])
 
 
 def llama_ppl(a, text: Path) -> float:
@@ -91,8 +105,7 @@ def main() -> None:
     for r in range(a.rounds):
         for dtype in ("f32", "bf16"):
             res[f"ppl {dtype}"].append((n_large - n_small) / (ours_ppl(a, dtype, large) - ours_ppl(a, dtype, small)))
-            res[f"gen {dtype}"].append((a.n_large - a.n_small) / (ours_gen(a, dtype, a.n_large)
-                                                                   - ours_gen(a, dtype, a.n_small)))
+            res[f"gen {dtype}"].append((a.n_large - 1) / ours_gen(a, dtype, a.n_large))
         res["ppl llama.cpp"].append((n_large - n_small) / (llama_ppl(a, large) - llama_ppl(a, small)))
         res["gen llama.cpp"].append(llama_gen(a))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in res.items()), flush=True)

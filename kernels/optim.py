@@ -82,6 +82,30 @@ def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t):
                   float(weight_decay), bc1, bc2)
 
 
+BF16_CHUNK = 1 << 18          # moments widened to f32 this many at a time (2 x 1 MiB, cache-resident)
+
+
+def adamw_update_bf16(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t):
+    """adamw_update with the moments m, v kept as bf16 bits (uint16 (n,)): each chunk of
+    them widened to f32, updated by the f32 kernel, rounded back to nearest even. The
+    parameters move exactly as adamw_update moves them from the widened moments."""
+    from . import bf16
+    _check_flat(p=p, g=g)
+    for name, a in (("m", m), ("v", v)):
+        if not (isinstance(a, np.ndarray) and a.dtype == np.uint16 and a.shape == p.shape and a.flags.c_contiguous):
+            raise ValueError(f"optim: {name} must be a contiguous 1-D uint16 (bf16) array of shape {p.shape[:1]}")
+    n = p.shape[0]
+    mf, vf = np.empty(min(n, BF16_CHUNK), np.float32), np.empty(min(n, BF16_CHUNK), np.float32)
+    for lo in range(0, n, BF16_CHUNK):
+        hi = min(n, lo + BF16_CHUNK)
+        mc, vc = mf[: hi - lo], vf[: hi - lo]
+        bf16.from_bf16(mc, m[lo:hi])
+        bf16.from_bf16(vc, v[lo:hi])
+        adamw_update(p[lo:hi], g[lo:hi], mc, vc, lr, beta1, beta2, eps, weight_decay, t)
+        bf16.to_bf16(m[lo:hi], mc)
+        bf16.to_bf16(v[lo:hi], vc)
+
+
 def sgd_update(p, g, lr, weight_decay):
     """p (n,) -= lr * (g + weight_decay * p), in place; g (n,)."""
     _check_flat(p=p, g=g)

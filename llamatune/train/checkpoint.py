@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
@@ -78,6 +79,16 @@ def iteration_path(template: Path | str, iteration: int | str) -> Path:
     return Path(str(template).replace("ITERATION", str(iteration)))
 
 
+def moments_f32(flat: np.ndarray) -> np.ndarray:
+    """AdamW moments as a checkpoint stores them: f32 (bf16 moments widened, exactly)."""
+    if flat.dtype != np.uint16:
+        return flat
+    from ..kernels import bf16
+    out = np.empty(flat.shape, np.float32)
+    bf16.from_bf16(out, flat)
+    return out
+
+
 def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: TrainState,
          model_kvs: list[KV], base_fingerprint: str = "", extra: tuple[list[KV], list] = ([], [])) -> None:
     """`extra`: KVs and tensors of what else the run keeps (statistics.py: `imatrix.*`)."""
@@ -97,8 +108,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     if params.has_moments:
-        tensors += [tensor_out("optimizer.adam.first_moments", params.host(params.m)),
-                    tensor_out("optimizer.adam.second_moments", params.host(params.v))]
+        tensors += [tensor_out("optimizer.adam.first_moments", moments_f32(params.host(params.m))),
+                    tensor_out("optimizer.adam.second_moments", moments_f32(params.host(params.v)))]
     write_gguf(path, arch, kvs + list(extra[0]), tensors + list(extra[1]))
 
 
@@ -146,8 +157,12 @@ class Checkpoint:
         for s in params.specs:
             params[s.name][...] = f.tensors[s.name].data.reshape(s.shape)
         if params.has_moments:
-            params.m[...] = f.tensors["optimizer.adam.first_moments"].data
-            params.v[...] = f.tensors["optimizer.adam.second_moments"].data
+            for flat, name in ((params.m, "optimizer.adam.first_moments"), (params.v, "optimizer.adam.second_moments")):
+                if flat.dtype == np.uint16:               # bf16 moments: stored widened, exact both ways
+                    from ..kernels import bf16
+                    bf16.to_bf16(flat, np.ascontiguousarray(f.tensors[name].data, np.float32).reshape(-1))
+                else:
+                    flat[...] = f.tensors[name].data
 
 
 def load(path: Path) -> Checkpoint:

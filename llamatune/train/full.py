@@ -60,10 +60,11 @@ def trained_names(names: list[str], train_only: str, freeze: str, source: Path |
     return chosen
 
 
-def state_bytes(n_params: int, optimizer: str) -> dict[str, int]:
-    """What the trained values cost in f32: weights, gradients and (AdamW) the two moments."""
+def state_bytes(n_params: int, optimizer: str, moments: str = "f32") -> dict[str, int]:
+    """What the trained values cost: f32 weights and gradients and (AdamW) the two moments,
+    in f32 or bf16 (--adam-moments)."""
     return {"weights": 4 * n_params, "gradients": 4 * n_params,
-            "moments": 8 * n_params if optimizer == "adamw" else 0}
+            "moments": (4 if moments == "bf16" else 8) * n_params if optimizer == "adamw" else 0}
 
 
 class FullWeights:
@@ -194,7 +195,8 @@ def full_job(o, model: Model, samples, val_samples, backend):
     tied = model.weights.output is model.weights.token_embd
     shapes = tensor_names(cfg, tied)
     names = trained_names(list(shapes), o.train_only, o.freeze, model.path.name)
-    params = ParamBuffer([ParamSpec(n, shapes[n]) for n in names], moments=o.optimizer == "adamw")
+    params = ParamBuffer([ParamSpec(n, shapes[n]) for n in names], moments=o.optimizer == "adamw",
+                         moments_bf16=o.adam_moments == "bf16")
     target = parse_outtype(o.out_type) if o.out_type else None
     weights = FullWeights(FrozenBase(model, backend), params, tied)
 

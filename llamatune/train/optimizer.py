@@ -88,8 +88,8 @@ def apply_update(params: ParamBuffer, step: int, o: TrainOptions, gnorm: float) 
         if o.optimizer == "sgd":
             optim.sgd_update(p, g, lr, wd)
         else:
-            optim.adamw_update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2,
-                               o.adam_eps, wd, step + 1)
+            update = optim.adamw_update_bf16 if params.m.dtype == np.uint16 else optim.adamw_update
+            update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2, o.adam_eps, wd, step + 1)
     return lr
 
 

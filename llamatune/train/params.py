@@ -23,7 +23,7 @@ class ParamSpec:
 
 
 class ParamBuffer:
-    def __init__(self, specs: list[ParamSpec], dtype=np.float32, moments: bool = True):
+    def __init__(self, specs: list[ParamSpec], dtype=np.float32, moments: bool = True, moments_bf16: bool = False):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError("duplicate parameter names")
@@ -38,8 +38,9 @@ class ParamBuffer:
         # float64 only for finite-difference tests; training is float32
         self.data = np.zeros(off, dtype)          # (P,) parameters
         self.grad = np.zeros(off, dtype)          # (P,) gradients, accumulated by backward
-        self.m = np.zeros(off, dtype) if moments else None   # (P,) AdamW first moments (None: SGD)
-        self.v = np.zeros(off, dtype) if moments else None   # (P,) AdamW second moments
+        mdt = np.uint16 if moments_bf16 else dtype   # bf16 moments: their bits (kernels/bf16.py), 0 is +0.0
+        self.m = np.zeros(off, mdt) if moments else None     # (P,) AdamW first moments (None: SGD)
+        self.v = np.zeros(off, mdt) if moments else None     # (P,) AdamW second moments
         self.stale: set[str] = set()              # gradients cleared lazily (zero_grad(lazy=True))
 
     def _view(self, flat: np.ndarray, name: str) -> np.ndarray:

@@ -126,7 +126,9 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
 def state_line(params: ParamBuffer) -> str:
     """What the trained values hold (inside each estimate's measured runtime)."""
     n = 4 * params.size
-    moments = f"AdamW moments {gib(2 * n)}" if params.has_moments else "no optimizer moments (SGD)"
+    bf16 = params.has_moments and params.m.dtype == np.uint16
+    moments = (f"AdamW moments {gib(n if bf16 else 2 * n)}{' (bf16)' if bf16 else ''}" if params.has_moments
+               else "no optimizer moments (SGD)")
     return f"f32 weights {gib(n)}, gradients {gib(n)}, {moments}"
 
 
