@@ -103,7 +103,19 @@ def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
     model = Model(tiny_model)
     fast = Runner(model, compute_dtype="bf16").forward(tokens)
     monkeypatch.setattr(Products, "shared_input", lambda self, x: contextlib.nullcontext())
-    monkeypatch.setattr(Forward, "weight", lambda self, name: self.base.matrix(name))
-    monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi: self.base.matrix_rows(name, lo, hi))
+    monkeypatch.setattr(Forward, "weight", lambda self, name, N: self.base.matrix(name))
+    monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi, N: self.base.matrix_rows(name, lo, hi))
     plain = Runner(model, compute_dtype="bf16").forward(tokens)
     np.testing.assert_array_equal(fast, plain)
+
+
+@needs_bf16
+def test_bf16_decode_steps_multiply_in_f32(tiny_model):
+    """With bf16 products, a forward of fewer than BF16_MIN_ROWS tokens (a decode step)
+    runs the f32 products: its logits are the f32 runner's bit for bit."""
+    from llamatune.models.products import BF16_MIN_ROWS
+    tokens = np.random.default_rng(2).integers(0, 400, (1, BF16_MIN_ROWS - 1))
+    model = Model(tiny_model)
+    np.testing.assert_array_equal(Runner(model, compute_dtype="bf16").forward(tokens), Runner(model).forward(tokens))
+    long = np.random.default_rng(2).integers(0, 400, (1, BF16_MIN_ROWS))
+    assert not np.array_equal(Runner(model, compute_dtype="bf16").forward(long), Runner(model).forward(long))

@@ -119,18 +119,19 @@ class Forward:
     def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
         """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
         share is already in it (training may merge B A into a dequantized copy)."""
-        return self.weight(name), False
+        return self.weight(name, N), False
 
-    def weight(self, name: str) -> np.ndarray:
-        """A base matrix as the products take it: float32, or with bf16 products
-        dequantized straight to bf16 (half the bytes; products.py)."""
-        if self.products.dtype == "bf16":
+    def weight(self, name: str, N: int) -> np.ndarray:
+        """A base matrix as the products over N tokens take it: float32, or with bf16
+        products (N at least products.BF16_MIN_ROWS) dequantized straight to bf16 (half
+        the bytes; products.py)."""
+        if self.products.bf16_for(N):
             return self.base.matrix_rows_bf16(name)
         return self.base.matrix(name)
 
-    def weight_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+    def weight_rows(self, name: str, lo: int, hi: int, N: int) -> np.ndarray:
         """Rows lo:hi of a base matrix (the output head's blocks), as `weight`."""
-        if self.products.dtype == "bf16":
+        if self.products.bf16_for(N):
             return self.base.matrix_rows_bf16(name, lo, hi)
         return self.base.matrix_rows(name, lo, hi)
 

@@ -79,7 +79,7 @@ class Runner(Forward):
         adapters = [(s * (x @ a.T), b) for a, b, s in self.adapters.get("output.weight", ())]
         for lo in range(0, V, R):
             hi = min(V, lo + R)
-            self.base_product(logits[:, lo:hi], x, self.weight_rows("output.weight", lo, hi))
+            self.base_product(logits[:, lo:hi], x, self.weight_rows("output.weight", lo, hi, x.shape[0]))
             for xa, b in adapters:
                 logits[:, lo:hi] += xa @ b[lo:hi].T
         return logits

@@ -16,6 +16,11 @@ from contextlib import contextmanager
 import numpy as np
 
 
+BF16_MIN_ROWS = 16     # fewer rows (a decode step's one token) multiply in f32: oneDNN's bf16 kernels
+#                        run matrix-vector products slower than BLAS, and the weight's bf16 copy costs
+#                        as much as its f32 one
+
+
 class Products:
     def __init__(self, xp, dtype: str = "f32"):
         if dtype not in ("f32", "bf16"):
@@ -26,11 +31,16 @@ class Products:
         self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")}   # bf16 copies, grown as needed
         self._held = self._held_bf16 = None     # shared_input's x and its bf16 copy
 
+    def bf16_for(self, rows: int) -> bool:
+        """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
+        return self.dtype == "bf16" and rows >= BF16_MIN_ROWS
+
     def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
         """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out:
         float32, or with bf16 products already bf16 bits (uint16: dequantized straight to
-        bf16, `Forward.weight`)."""
-        if self.dtype == "f32":
+        bf16, `Forward.weight`). With bf16 products, fewer than BF16_MIN_ROWS rows of an
+        f32 weight multiply in f32."""
+        if self.dtype == "f32" or (W.dtype != np.uint16 and not self.bf16_for(a.shape[0])):
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
         from ..kernels import bf16
         a16 = self._held_bf16 if a is self._held else self._round(a, "a")

@@ -44,7 +44,7 @@ class LossHead:
 
         def rows(block):
             if held[0] != block:
-                held[:] = block, self.weight_rows("output.weight", *block)
+                held[:] = block, self.weight_rows("output.weight", *block, M)
             return held[1]
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)

@@ -69,7 +69,7 @@ class LoraLinear:
         t = self.lora.get(name)
         if t is not None and self.merge_aware and self.requantizes(name):      # f32 W, whatever the products
             return self.requantized(self.base.matrix(name), name, t), True
-        W = self.weight(name)
+        W = self.weight(name, N)
         merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
                  and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
         if merge:
