@@ -336,7 +336,7 @@ def test_adamw_with_bf16_moments_is_the_f32_update_of_the_widened_moments():
 
 def test_full_finetune_with_bf16_moments_trains_close_to_f32_and_resumes_exactly(tmp_path, tiny_model):
     """--adam-moments bf16: half the moments' memory, losses within 1 % of f32 moments over
-    6 steps, and a resume from the checkpoint (moments stored widened) gives the bytes of
+    6 steps, and a resume from the checkpoint (moments stored as BF16) gives the bytes of
     an uninterrupted run."""
     runs = {}
     for name, moments, iters in (("f32", "f32", 6), ("bf16", "bf16", 6), ("half", "bf16", 3)):
@@ -347,6 +347,7 @@ def test_full_finetune_with_bf16_moments_trains_close_to_f32_and_resumes_exactly
     np.testing.assert_allclose(runs["bf16"].losses, runs["f32"].losses, rtol=1e-2)
     c = ckpt.load(tmp_path / "bf16" / "chk-LATEST.gguf")
     assert c.options["adam_moments"] == "bf16"
+    assert c.file.tensors["optimizer.adam.first_moments"].qtype == QType.BF16       # stored as they are
     res = finetune(options(tmp_path / "half", tiny_model, adam_iter=6, adam_moments="bf16", compute_dtype="f32",
                                 checkpoint_in=tmp_path / "half" / "chk-LATEST.gguf"), quiet=True)
     assert res.state.iteration == 6

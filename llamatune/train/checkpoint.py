@@ -17,7 +17,8 @@ Layout (format version 1):
   Tensors: every trainable parameter by name (f32, numpy shapes as in the
        ParamBuffer: lora_a (r, n_in), lora_b (n_out, r) like today's adapters), then
        `optimizer.adam.first_moments` and `optimizer.adam.second_moments` (flat,
-       parameter order), as llama.cpp's 2023 checkpoints stored them; none when
+       parameter order; F32, or BF16 with --adam-moments bf16), as llama.cpp's 2023
+       checkpoints stored them; none when
        the run keeps no moments (SGD: ParamBuffer(moments=False)); a LoRA run's
        imatrix statistics `imatrix.<weight>.in_sum2` with their counts in the KV
        llamatune.imatrix (train/statistics.py; absent in older files).
@@ -39,7 +40,7 @@ from gguf import GGMLQuantizationType as QType
 from gguf import GGUFValueType as VType
 
 from ..errors import LlamatuneError, listed
-from ..formats.gguf_io import KV, GGUFFile, atomic_path, kv, tensor_out, write_gguf
+from ..formats.gguf_io import KV, GGUFFile, TensorOut, atomic_path, kv, tensor_out, write_gguf
 from ..formats.tensors import check_finite
 from .params import ParamBuffer
 from .validation import ValidationState
@@ -79,14 +80,23 @@ def iteration_path(template: Path | str, iteration: int | str) -> Path:
     return Path(str(template).replace("ITERATION", str(iteration)))
 
 
-def moments_f32(flat: np.ndarray) -> np.ndarray:
-    """AdamW moments as a checkpoint stores them: f32 (bf16 moments widened, exactly)."""
-    if flat.dtype != np.uint16:
-        return flat
-    from ..kernels import bf16
-    out = np.empty(flat.shape, np.float32)
-    bf16.from_bf16(out, flat)
-    return out
+def moments_out(name: str, flat: np.ndarray) -> TensorOut:
+    """AdamW moments as a checkpoint stores them: F32, or bf16 moments (--adam-moments bf16)
+    as BF16, their bits as they are (nothing widened: no copy at save time)."""
+    if flat.dtype == np.uint16:
+        return TensorOut(name, flat.shape, QType.BF16, lambda: flat)
+    return tensor_out(name, flat)
+
+
+def bf16_bits(path: Path, name: str, t) -> np.ndarray:
+    """A BF16 tensor's bits (uint16), checked finite without widening (an all-ones
+    exponent is inf or nan)."""
+    bits = np.asarray(t.data).view(np.uint16).reshape(-1)
+    step = 1 << 24
+    for lo in range(0, bits.size, step):
+        if ((bits[lo:lo + step] & 0x7F80) == 0x7F80).any():
+            raise LlamatuneError(f"{path}: tensor '{name}' holds non-finite values (inf or nan)")
+    return bits
 
 
 def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: TrainState,
@@ -108,8 +118,8 @@ def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: Tra
     values = params.host_views(params.data)
     tensors = [tensor_out(s.name, values[s.name]) for s in params.specs]
     if params.has_moments:
-        tensors += [tensor_out("optimizer.adam.first_moments", moments_f32(params.host(params.m))),
-                    tensor_out("optimizer.adam.second_moments", moments_f32(params.host(params.v)))]
+        tensors += [moments_out("optimizer.adam.first_moments", params.host(params.m)),
+                    moments_out("optimizer.adam.second_moments", params.host(params.v))]
     write_gguf(path, arch, kvs + list(extra[0]), tensors + list(extra[1]))
 
 
@@ -147,22 +157,25 @@ class Checkpoint:
                 problems.append(f"'{name}' missing or not of {params.size} values")
         if problems:
             raise LlamatuneError(f"{self.path}: checkpoint does not fit this run: " + listed(problems))
+        bf16_moments = params.has_moments and params.m.dtype == np.uint16
         used = [(s.name, f.tensors[s.name]) for s in params.specs]
         used += [(n, f.tensors[n]) for n in moments]
         for name, t in used:
-            if t.qtype != QType.F32:
+            if t.qtype != QType.F32 and not (bf16_moments and name in moments and t.qtype == QType.BF16):
                 raise LlamatuneError(f"{self.path}: tensor '{name}' has type {t.qtype.name}, expected F32 "
-                                     "(checkpoints hold parameters and moments in F32)")
-        check_finite(self.path, used)
+                                     "(checkpoints hold parameters and moments in F32, bf16 moments in BF16)")
+        check_finite(self.path, [(n, t) for n, t in used if t.qtype == QType.F32])
         for s in params.specs:
             params[s.name][...] = f.tensors[s.name].data.reshape(s.shape)
-        if params.has_moments:
-            for flat, name in ((params.m, "optimizer.adam.first_moments"), (params.v, "optimizer.adam.second_moments")):
-                if flat.dtype == np.uint16:               # bf16 moments: stored widened, exact both ways
-                    from ..kernels import bf16
-                    bf16.to_bf16(flat, np.ascontiguousarray(f.tensors[name].data, np.float32).reshape(-1))
-                else:
-                    flat[...] = f.tensors[name].data
+        for flat, name in zip((params.m, params.v), moments):
+            t = f.tensors[name]
+            if t.qtype == QType.BF16:                   # bf16 moments, bit for bit
+                flat[...] = bf16_bits(self.path, name, t)
+            elif bf16_moments:                          # F32 moments into bf16 ones: rounded
+                from ..kernels import bf16
+                bf16.to_bf16(flat, np.ascontiguousarray(t.data, np.float32).reshape(-1))
+            else:
+                flat[...] = t.data
 
 
 def load(path: Path) -> Checkpoint:
