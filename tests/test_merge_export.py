@@ -132,6 +132,30 @@ def test_input_stats_and_imatrix_file(tmp_path, tiny_vocab):
         np.testing.assert_allclose(back.importance(name), im.sums[name] / 16, rtol=1e-6)
 
 
+def test_input_stats_bf16_second_moments():
+    """The bf16 product of x^T x (f32 accumulation) over two calls, against float64,
+    within the rounding of its factors: |error| <= 2^-7 |x|^T |x| entry by entry."""
+    from llamatune.kernels import bf16
+    if not bf16.available():
+        pytest.skip(f"no oneDNN: {bf16.unavailable_reason()}")
+    rng = np.random.default_rng(3)
+    for n_in in (96, 1030):                                  # 1030: the upper blocks, mirrored
+        xs = [rng.standard_normal((n, n_in)).astype(np.float32) * rng.uniform(0.1, 4, n_in).astype(np.float32)
+              for n in (40, 17)]
+        stats = InputStats(lambda n: True, bf16=True)
+        for x in xs:
+            stats("blk.0.ffn_down.weight", x)
+        x = np.concatenate(xs).astype(np.float64)
+        key, got = stats.hessian("blk.0.ffn_down.weight")
+        assert key == "blk.0.ffn_down.weight" and got.shape == (n_in, n_in)
+        k = n_in // 2
+        if n_in >= 1024:
+            assert np.array_equal(got[k:, :k], got[:k, k:].T)      # the mirrored block
+        bound = 2.0 ** -7 * (np.abs(x).T @ np.abs(x)) / 57
+        assert np.all(np.abs(got - x.T @ x / 57) <= bound)
+        assert not np.array_equal(got, x.T @ x / 57)          # the rounding is real
+
+
 def test_calibration_in_several_passes_gives_the_same_moments(tmp_path, tiny_vocab):
     base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, **KCFG)
     model = Model(base)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_inverse, quantize_compensated,
+from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_cholesky_inverse, quantize_compensated,
                                           quantize_compensated_ref)
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
@@ -89,7 +89,11 @@ def test_inverse_cholesky():
     np.testing.assert_array_equal(u, np.triu(u))
     np.testing.assert_allclose(u.T @ u @ damped(h), np.eye(300), atol=1e-8)
     m = np.linalg.cholesky(damped(h))
-    np.testing.assert_allclose(lower_inverse(m) @ m, np.eye(300), atol=1e-10)
+    np.testing.assert_allclose(lower_cholesky_inverse(damped(h)) @ m, np.eye(300), atol=1e-10)
+    u32 = inverse_cholesky(h, dtype=np.float32)               # export's factor, as GPTQ's
+    assert u32.dtype == np.float32
+    np.testing.assert_array_equal(u32, np.triu(u32))
+    np.testing.assert_allclose(u32.astype(np.float64).T @ u32 @ damped(h), np.eye(300), atol=2e-3)
 
 
 @pytest.mark.parametrize("qtype,n_in", [(T.Q4_0, 256), (T.Q8_0, 256), (T.Q4_K, 1024), (T.Q3_K, 768)],
@@ -121,6 +125,8 @@ def test_compensation_lowers_the_output_error(qtype):
     weighted = out_err(quantize_weighted(w, qtype, qw))
     comp = out_err(quantize_compensated(w, qtype, inverse_cholesky(h), qw))
     assert comp < 0.8 * weighted < 0.8 * plain, (plain, weighted, comp)
+    comp32 = out_err(quantize_compensated(w, qtype, inverse_cholesky(h, dtype=np.float32), qw))   # f32 updates
+    assert abs(comp32 - comp) < 0.02 * comp, (comp, comp32)
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q5_1, T.Q2_K, T.Q4_K, T.Q6_K], ids=lambda t: t.name)

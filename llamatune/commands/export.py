@@ -258,7 +258,7 @@ class _Requant:
     def __init__(self, method: str, imatrix: IMatrix | None):
         self.method, self.imatrix = method, imatrix
         self.calibration = None
-        self._factor: tuple[str, np.ndarray] | None = None     # (input key, U): q/k/v share one
+        self._factors: dict[str, np.ndarray] = {}      # input key -> U, this layer's (q/k/v share one)
 
     def __call__(self, t: Tensor, w: np.ndarray, qtype: QType) -> np.ndarray:
         base = t.raw_rows() if t.qtype == qtype else None          # the base's codes: kept where as close
@@ -266,9 +266,11 @@ class _Requant:
         found = self.calibration.hessian(t.name) if self.calibration is not None else None
         if found is not None:
             key, h = found
-            if self._factor is None or self._factor[0] != key:
-                self._factor = (key, inverse_cholesky(h))
-            u = self._factor[1]
+            if key not in self._factors:
+                if len(self._factors) >= 4:         # a llama layer has 4 distinct inputs, in file order
+                    self._factors.pop(next(iter(self._factors)))     # mixed (k, o, q, v): keep a layer's
+                self._factors[key] = inverse_cholesky(h, dtype=np.float32)     # as GPTQ; twice f64 rate
+            u = self._factors[key]
         elif qw is not None:                                        # diagonal H: weighted, no compensation
             d = qw.astype(np.float64) + DAMP * max(float(qw.mean()), 1e-30)
             u = 1 / np.sqrt(d)
@@ -283,6 +285,7 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
     from ..models.calibration import Calibration, calibration_windows
     from ..models.infer import Runner
     from ..models.model import Model
+    from ..precision import compute_dtype
     path = Path(merge.calibration_data)
     try:
         text = path.read_text(encoding="utf-8")
@@ -295,7 +298,10 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
             if not is_norm(name):
                 runtime.add(name, a, b, adapter.scale(name, user_scale))
     windows = calibration_windows(model.tokenizer, text, merge.calibration_ctx, merge.calibration_chunks, str(path))
-    return Calibration(Runner(model, runtime), windows, ordered, merge.calibration_memory << 20, progress=progress)
+    dtype, _ = compute_dtype("auto")       # statistics need no f32 products: bf16 where the CPU has it
+    # four windows a forward: the second moments' products get K = 4 x 512 (+20 % rate)
+    return Calibration(Runner(model, runtime, compute_dtype=dtype), windows, ordered, merge.calibration_memory << 20,
+                       batch=4, progress=progress, bf16=dtype == "bf16")
 
 
 def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:

@@ -30,14 +30,17 @@ from ..formats.imatrix import IMatrix
 class InputStats:
     """Accumulates input statistics from (name, x) calls; see the module docstring."""
 
-    def __init__(self, hessian_for: Callable[[str], bool] = lambda name: False, diagonal: bool = True):
+    def __init__(self, hessian_for: Callable[[str], bool] = lambda name: False, diagonal: bool = True,
+                 bf16: bool = False):
         self.hessian_for = hessian_for
         self.diagonal = diagonal           # collect sum x^2 (off for later calibration passes)
+        self.bf16 = bf16                   # sum x x^T as a bf16 product with f32 accumulation (oneDNN)
         self.key: dict[str, str] = {}      # weight name -> the first weight name reading the same input
         self.sum_sq: dict[str, np.ndarray] = {}   # key -> (n_in,) float64
         self.count: dict[str, int] = {}           # key -> tokens seen
         self.xxt: dict[str, np.ndarray] = {}      # key -> (n_in, n_in) float32, sum x x^T
         self._prev: tuple[object, str] | None = None
+        self._upper: set[str] = set()             # keys whose xxt holds only its upper blocks
 
     def __call__(self, name: str, x) -> None:
         prev_x, prev_key = self._prev if self._prev is not None else (None, None)
@@ -56,16 +59,45 @@ class InputStats:
             else:
                 self.sum_sq[key] = sq
         if self.hessian_for(name):
-            if key in self.xxt:
+            if self.bf16:
+                self._xxt_bf16(key, x)
+            elif key in self.xxt:
                 self.xxt[key] += x.T @ x
             else:
                 self.xxt[key] = x.T @ x
+
+    def _xxt_bf16(self, key: str, x: np.ndarray) -> None:
+        """xxt[key] += x^T x with x rounded to bf16, accumulated in f32: 3-4x numpy's
+        f32 rate for the 4864-wide inputs of Qwen2.5-0.5B's ffn_down (AMX), which took
+        most of a calibration pass; the rounding (relative 2^-9 per factor) is far
+        below the damping the factorization adds. Wide inputs get only the three
+        upper blocks of a 2x2 split (3/4 of the flops); hessian() mirrors them."""
+        from ..kernels import bf16
+        xb = np.empty(x.shape, np.uint16)
+        bf16.to_bf16(xb, x)
+        xt = np.ascontiguousarray(xb.T)
+        n = x.shape[1]
+        first = key not in self.xxt
+        if first:
+            self.xxt[key] = np.empty((n, n), np.float32)
+        h = self.xxt[key]
+        if n < 1024:
+            bf16.gemm(h, xt, xt, trans_b=True, accumulate=not first)
+            return
+        self._upper.add(key)
+        k = n // 2
+        for rows, cols in ((slice(0, k), slice(0, k)), (slice(0, k), slice(k, n)), (slice(k, n), slice(k, n))):
+            bf16.gemm(h[rows, cols], xt[rows], xt[cols], trans_b=True, accumulate=not first)
 
     def hessian(self, name: str) -> tuple[str, np.ndarray] | None:
         """(key, E[x x^T] float64) of the input of weight `name`, None if not collected."""
         key = self.key.get(name)
         if key not in self.xxt or not self.count.get(key):
             return None
+        if key in self._upper:                               # mirror the upper blocks, once
+            h, k = self.xxt[key], self.xxt[key].shape[0] // 2
+            h[k:, :k] = h[:k, k:].T
+            self._upper.discard(key)
         return key, self.xxt[key].astype(np.float64) / self.count[key]
 
     @property
@@ -90,7 +122,13 @@ def calibration_windows(tokenizer, text: str, n_ctx: int, n_chunks: int, source:
     starting with BOS where the vocabulary adds one (as llama-imatrix)."""
     if not text.strip():
         raise LlamatuneError(f"{source}: calibration text is empty")
-    tokens = tokenizer.encode(text, add_special=True)
+    need = n_chunks * n_ctx
+    length = 8 * need + 4096              # a prefix of the text, 8 characters a token, grown while short
+    while True:                           # (a 5 MB text took 5 s to tokenize whole for 8192 tokens)
+        tokens = tokenizer.encode(text[:length], add_special=True)
+        if length >= len(text) or len(tokens) >= need + 256:       # the cut lies well past what is used
+            break
+        length *= 2
     n = min(n_chunks, len(tokens) // n_ctx)
     if n < 1:
         raise LlamatuneError(f"{source}: {len(tokens)} tokens, fewer than one calibration window of {n_ctx}")
@@ -109,8 +147,9 @@ class Calibration:
     stopping its forward after its last weight."""
 
     def __init__(self, runner, windows: np.ndarray, ordered: list[str], budget: int, batch: int = 1,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, bf16: bool = False):
         self.runner, self.windows, self.ordered, self.budget = runner, windows, ordered, budget
+        self.bf16 = bf16                                           # InputStats.bf16
         self.batch, self.progress = batch, progress or (lambda s: None)
         self.n_passes = 0
         n_in = {n: self.runner.model.file.tensor(n).n_cols for n in ordered}
@@ -129,12 +168,12 @@ class Calibration:
         return names
 
     def _pass(self, names: set[str], diagonal: bool) -> InputStats:
-        stats = InputStats(names.__contains__, diagonal)
+        stats = InputStats(names.__contains__, diagonal, self.bf16)
         last = None if diagonal else max(names, key=self.ordered.index)
 
         def observe(name, x):
             stats(name, x)
-            if name == last:
+            if name == last or name == "output.weight":            # the head's product is not needed
                 raise _Enough
         self.runner.observer = observe
         self.n_passes += 1
