@@ -128,7 +128,7 @@ def time_shape(n_out: int, n_in: int, qtype: QType, repeats: int = 2) -> dict[st
         t0 = time.perf_counter()
         quantize(w, qtype)
         t1 = time.perf_counter()
-        u = inverse_cholesky(h)
+        u = inverse_cholesky(h, dtype=np.float32)           # as export-lora factors
         t2 = time.perf_counter()
         quantize_compensated(w, qtype, u, qw)
         t3 = time.perf_counter()

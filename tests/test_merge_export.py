@@ -169,6 +169,27 @@ def test_calibration_in_several_passes_gives_the_same_moments(tmp_path, tiny_voc
     assert one.imatrix("t").counts == few.imatrix("t").counts
 
 
+def test_later_passes_start_at_their_layer(tmp_path, tiny_vocab):
+    """Passes of one layer each (3 layers) resume from the residual stream kept at the
+    layer where the previous pass stopped: the same second moments, bit for bit, as one
+    pass, and each layer's forward runs once per pass that needs it, not from layer 0."""
+    base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, **dict(KCFG, n_layer=3))
+    model = Model(base)
+    windows = calibration_windows(model.tokenizer, TEXT, 32, 3, "text")
+    ordered = [m.replace("blk.0", f"blk.{i}") for i in range(3) for m in MATS]
+    one = Calibration(Runner(model), windows, ordered, budget=1 << 30, batch=2)
+    runner = Runner(model)
+    ran = []
+    layer_forward = runner.layer_forward
+    runner.layer_forward = lambda i, a, x: (ran.append(i), layer_forward(i, a, x))
+    few = Calibration(runner, windows, ordered, budget=4 * (6 * 256 * 256 + 512 * 512), batch=2)   # a layer
+    ran.clear()                                                # the first (diagonal) pass ran all layers
+    for name in ordered:
+        np.testing.assert_array_equal(few.hessian(name)[1], one.hessian(name)[1])
+    assert few.n_passes == 3                                   # layer 0 with the diagonal pass, 1, 2
+    assert ran == [1, 1, 2, 2], ran                            # 2 batches of windows per pass
+
+
 def test_imatrix_errors(tmp_path, tiny_vocab):
     base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, **KCFG)
     with pytest.raises(LlamatuneError, match=r"base.gguf: not an importance matrix \(no '\*.in_sum2' tensors"):

@@ -43,14 +43,18 @@ class InputStats:
         self._upper: set[str] = set()             # keys whose xxt holds only its upper blocks
 
     def __call__(self, name: str, x) -> None:
-        prev_x, prev_key = self._prev if self._prev is not None else (None, None)
+        prev_x, prev_key, prev_h = self._prev if self._prev is not None else (None, None, False)
         same = x is prev_x
         key = self.key.setdefault(name, prev_key if same else name)
-        self._prev = (x, key)
-        if same and key == prev_key:
-            return                                          # the same input, already counted
-        x = x.get() if hasattr(x, "get") else x             # a device array comes to the host
-        x = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+        if same and key == prev_key:                        # the same input, already counted:
+            if prev_h or not self.hessian_for(name):        # its second moment too, unless only a
+                return                                      # later sharer (k after q) wants it
+            self._prev = (x, key, True)
+            self._add_xxt(key, self._host(x))
+            return
+        want = self.hessian_for(name)
+        self._prev = (x, key, want)
+        x = self._host(x)
         self.count[key] = self.count.get(key, 0) + x.shape[0]
         if self.diagonal:
             sq = np.einsum("ij,ij->j", x, x, dtype=np.float64)
@@ -58,13 +62,21 @@ class InputStats:
                 self.sum_sq[key] += sq
             else:
                 self.sum_sq[key] = sq
-        if self.hessian_for(name):
-            if self.bf16:
-                self._xxt_bf16(key, x)
-            elif key in self.xxt:
-                self.xxt[key] += x.T @ x
-            else:
-                self.xxt[key] = x.T @ x
+        if want:
+            self._add_xxt(key, x)
+
+    @staticmethod
+    def _host(x) -> np.ndarray:
+        x = x.get() if hasattr(x, "get") else x             # a device array comes to the host
+        return np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
+
+    def _add_xxt(self, key: str, x: np.ndarray) -> None:
+        if self.bf16:
+            self._xxt_bf16(key, x)
+        elif key in self.xxt:
+            self.xxt[key] += x.T @ x
+        else:
+            self.xxt[key] = x.T @ x
 
     def _xxt_bf16(self, key: str, x: np.ndarray) -> None:
         """xxt[key] += x^T x with x rounded to bf16, accumulated in f32: 3-4x numpy's
@@ -113,6 +125,11 @@ class InputStats:
         return m
 
 
+def _layer(name: str, n_layer: int) -> int:
+    """The layer a weight belongs to (blk.N.*), n_layer for the head."""
+    return int(name.split(".")[1]) if name.startswith("blk.") else n_layer
+
+
 class _Enough(Exception):
     """Raised by the observer to end a calibration forward once its last weight is seen."""
 
@@ -152,6 +169,7 @@ class Calibration:
         self.bf16 = bf16                                           # InputStats.bf16
         self.batch, self.progress = batch, progress or (lambda s: None)
         self.n_passes = 0
+        self._stream: dict[int, dict] = {}    # window index -> {layer: the residual stream it received}
         n_in = {n: self.runner.model.file.tensor(n).n_cols for n in ordered}
         self._bytes = {n: 4 * n_in[n] ** 2 for n in ordered}
         self.diag = self._pass(self._chunk(0), diagonal=True)     # every weight's sum x^2
@@ -168,20 +186,42 @@ class Calibration:
         return names
 
     def _pass(self, names: set[str], diagonal: bool) -> InputStats:
+        """One forward over the windows, collecting the statistics of `names` (the
+        diagonal ones of every weight when `diagonal`). A pass keeps, per batch of
+        windows, the residual stream at the start of its last layer and of the layer
+        after it (where it stops); the next pass starts at the latest of those at or
+        before its first weight's layer instead of at the embeddings (a Llama-2-7B in
+        2 GiB passes: about 11 passes, each running its own ~3 layers rather than all
+        the layers before them too)."""
+        n_layer = self.runner.cfg.n_layer
         stats = InputStats(names.__contains__, diagonal, self.bf16)
-        last = None if diagonal else max(names, key=self.ordered.index)
+        first = 0 if diagonal else min(_layer(n, n_layer) for n in names)
+        stop = max(_layer(n, n_layer) for n in names) if names else n_layer
 
         def observe(name, x):
             stats(name, x)
-            if name == last or name == "output.weight":            # the head's product is not needed
+            if name == "output.weight":                             # the head's product is not needed
                 raise _Enough
         self.runner.observer = observe
         self.n_passes += 1
         try:
             for i in range(0, len(self.windows), self.batch):
                 self.progress(f"calibration pass {self.n_passes}: window {i + 1}/{len(self.windows)}")
+                kept = self._stream.setdefault(i, {})
+                for layer in [k for k in kept if k < first and k != max(kept)]:
+                    del kept[layer]                                 # (a later pass never goes back)
+                ready = [k for k in kept if k <= first]
+                start = (max(ready), kept[max(ready)]) if ready else None
+
+                def at_layer(layer, x, kept=kept):
+                    if layer in (stop, stop + 1):
+                        if layer not in kept:
+                            kept[layer] = np.empty(x.shape, x.dtype)
+                        kept[layer][...] = x
+                    if layer == stop + 1 and not diagonal:
+                        raise _Enough
                 try:
-                    self.runner.forward(self.windows[i:i + self.batch])
+                    self.runner.forward(self.windows[i:i + self.batch], start=start, at_layer=at_layer)
                 except _Enough:
                     pass
         finally:

@@ -13,6 +13,7 @@ logit soft-cap as llama.cpp's graph.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -84,10 +85,14 @@ class Runner(Forward):
                 logits[:, lo:hi] += xa @ b[lo:hi].T
         return logits
 
-    def forward(self, tokens: np.ndarray, cache: KVCache | None = None) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, cache: KVCache | None = None,
+                start: tuple[int, np.ndarray] | None = None,
+                at_layer: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
         """tokens (B, T) int (host) -> logits (B, T, V) f32 on the backend's device. With a
         cache, the tokens follow the cache's n_past positions and their keys/values are
-        appended to it."""
+        appended to it. start = (i, x): begin at layer i with the residual stream x
+        (B*T, n_embd) that layer i received (what at_layer(i, x), called before each
+        layer, saw), not at the embeddings (calibration.py's later passes)."""
         cfg, xp = self.cfg, self.xp
         tokens = np.asarray(tokens, np.int64)
         B, T = tokens.shape
@@ -106,8 +111,14 @@ class Runner(Forward):
         self.xn, self.h = xp.empty((N, cfg.n_embd), np.float32), xp.empty((N, cfg.n_ff), np.float32)
         self.fused = xp.empty(N * fused_width(cfg), np.float32)
         try:
-            self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
-            for i in range(cfg.n_layer):
+            first = 0 if start is None else start[0]
+            if start is None:
+                self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
+            else:
+                a.x[...] = start[1]
+            for i in range(first, cfg.n_layer):
+                if at_layer is not None:
+                    at_layer(i, a.x)
                 self.layer_forward(i, a, a.x)
         finally:
             self.cache = None
