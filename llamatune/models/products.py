@@ -30,6 +30,7 @@ class Products:
         self.xp, self.dtype = xp, dtype
         self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")}   # bf16 copies, grown as needed
         self._held = self._held_bf16 = None     # shared_input's x and its bf16 copy
+        self._out = np.empty(0, np.float32)     # a contiguous product for a strided `out`, grown as needed
 
     def bf16_for(self, rows: int) -> bool:
         """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
@@ -44,7 +45,19 @@ class Products:
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
         from ..kernels import bf16
         a16 = self._held_bf16 if a is self._held else self._round(a, "a")
-        bf16.gemm(out, a16, W if W.dtype == np.uint16 else self._round(W, "w"), trans_b=trans_b)
+        w16 = W if W.dtype == np.uint16 else self._round(W, "w")
+        if out.flags.c_contiguous:
+            bf16.gemm(out, a16, w16, trans_b=trans_b)
+            return out
+        # a column block of a wider array (the head's logits): oneDNN writes rows far apart
+        # at 0.4-0.5x its rate (bench shape's head, 2048 x 512 x 32000 in blocks of 4096
+        # rows: 273 ms, against 133 ms through a contiguous block and a copy)
+        flat = self._out
+        if flat.size < out.size:
+            flat = self._out = np.empty(out.size, np.float32)
+        tmp = flat[: out.size].reshape(out.shape)
+        bf16.gemm(tmp, a16, w16, trans_b=trans_b)
+        out[...] = tmp
         return out
 
     @contextmanager
@@ -76,11 +89,12 @@ class Products:
 def bf16_bytes(cfg, N: int, head_rows: int, chunk: int) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of
-    logit gradient) and a shared input (N x the widest normed input). The weights come
+    logit gradient) and a shared input (N x the widest normed input); and the f32 block
+    (chunk x rows) the head's logits are multiplied into before their copy. The weights come
     dequantized straight to bf16 (model.Dequantizer.nbytes_bf16, in place of the f32
     scratch)."""
     from .arch import layer_matrix_shapes
     mats = layer_matrix_shapes(cfg)
     a = max(N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)),
             chunk * head_rows)
-    return 2 * (a + N * cfg.n_embd)
+    return 2 * (a + N * cfg.n_embd) + 4 * chunk * head_rows      # + the head's contiguous product block
