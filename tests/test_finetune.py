@@ -60,7 +60,7 @@ def test_resume_continues_the_same_trajectory(tmp_path, tiny_model):
         np.testing.assert_array_equal(arr, tensors(two / "adapter-LATEST.gguf")[name])
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])   # 25 s
 def test_compiled_and_cached_kernels_train_the_same_bits(tmp_path, tiny_model, tiny_vocab, arch):
     """A run whose kernels numba compiles and a run that loads them from its disk cache
     (a resumed run, after the first) train the same adapter bit for bit: the fused
