@@ -119,3 +119,22 @@ def test_bf16_decode_steps_multiply_in_f32(tiny_model):
     np.testing.assert_array_equal(Runner(model, compute_dtype="bf16").forward(tokens), Runner(model).forward(tokens))
     long = np.random.default_rng(2).integers(0, 400, (1, BF16_MIN_ROWS))
     assert not np.array_equal(Runner(model, compute_dtype="bf16").forward(long), Runner(model).forward(long))
+
+
+def test_bf16_product_into_a_column_block():
+    """A strided `out` (the head's logit blocks) gets through a contiguous block the same
+    bits as a contiguous `out`, and the columns around it are left as they were."""
+    from llamatune.models.products import Products
+    if not bf16.available():
+        pytest.skip(f"no oneDNN: {bf16.unavailable_reason()}")
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((40, 64)).astype(np.float32)
+    W = rng.standard_normal((24, 64)).astype(np.float32)
+    products = Products(np, "bf16")
+    want = products(np.empty((40, 24), np.float32), a, W, trans_b=True).copy()
+    wide = rng.standard_normal((40, 50)).astype(np.float32)
+    before = wide.copy()
+    products(wide[:, 13:37], a, W, trans_b=True)
+    np.testing.assert_array_equal(wide[:, 13:37], want)
+    np.testing.assert_array_equal(wide[:, :13], before[:, :13])
+    np.testing.assert_array_equal(wide[:, 37:], before[:, 37:])

@@ -208,10 +208,10 @@ class Calibration:
             for i in range(0, len(self.windows), self.batch):
                 self.progress(f"calibration pass {self.n_passes}: window {i + 1}/{len(self.windows)}")
                 kept = self._stream.setdefault(i, {})
-                for layer in [k for k in kept if k < first and k != max(kept)]:
-                    del kept[layer]                                 # (a later pass never goes back)
                 ready = [k for k in kept if k <= first]
                 start = (max(ready), kept[max(ready)]) if ready else None
+                for layer in [k for k in kept if start is not None and k < start[0]]:
+                    del kept[layer]                                 # (a later pass never goes back)
 
                 def at_layer(layer, x, kept=kept):
                     if layer in (stop, stop + 1):

@@ -28,9 +28,10 @@ class Products:
         if dtype == "bf16" and xp is not np:
             raise ValueError("bf16 products run on the CPU (numpy arrays)")
         self.xp, self.dtype = xp, dtype
-        self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")}   # bf16 copies, grown as needed
+        # kept buffers, grown as needed: the operands' bf16 copies, and a contiguous product
+        # for a strided `out`
+        self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")} | {"out": np.empty(0, np.float32)}
         self._held = self._held_bf16 = None     # shared_input's x and its bf16 copy
-        self._out = np.empty(0, np.float32)     # a contiguous product for a strided `out`, grown as needed
 
     def bf16_for(self, rows: int) -> bool:
         """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
@@ -52,10 +53,7 @@ class Products:
         # a column block of a wider array (the head's logits): oneDNN writes rows far apart
         # at 0.4-0.5x its rate (bench shape's head, 2048 x 512 x 32000 in blocks of 4096
         # rows: 273 ms, against 133 ms through a contiguous block and a copy)
-        flat = self._out
-        if flat.size < out.size:
-            flat = self._out = np.empty(out.size, np.float32)
-        tmp = flat[: out.size].reshape(out.shape)
+        tmp = self._buffer("out", out.shape)
         bf16.gemm(tmp, a16, w16, trans_b=trans_b)
         out[...] = tmp
         return out
@@ -73,13 +71,18 @@ class Products:
         finally:
             self._held = self._held_bf16 = None
 
+    def _buffer(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The first prod(shape) elements of kept buffer `key`, grown as needed."""
+        size = int(np.prod(shape))
+        flat = self._flat[key]
+        if flat.size < size:
+            flat = self._flat[key] = np.empty(size, flat.dtype)
+        return flat[:size].reshape(shape)
+
     def _round(self, x: np.ndarray, operand: str) -> np.ndarray:
-        """x rounded to bf16 into the operand's kept buffer (its first x.size elements)."""
+        """x rounded to bf16 into the operand's kept buffer."""
         from ..kernels import bf16
-        flat = self._flat[operand]
-        if flat.size < x.size:
-            flat = self._flat[operand] = np.empty(x.size, np.uint16)
-        buf = flat[: x.size].reshape(x.shape)
+        buf = self._buffer(operand, x.shape)
         if x.strides[-1] != x.itemsize:
             x = np.ascontiguousarray(x)
         bf16.to_bf16(buf, x)
