@@ -113,8 +113,9 @@ def score(runners: dict[str, Runner], reference: str, windows: np.ndarray) -> di
             for k, a in acc.items()}
 
 
-def time_shape(n_out: int, n_in: int, qtype: QType, repeats: int = 2) -> dict[str, float]:
-    """Seconds for one (n_out, n_in) matrix: plain quantize, inverse_cholesky(H),
+def time_shape(n_out: int, n_in: int, qtype: QType, block: int = 0, repeats: int = 2) -> dict[str, float]:
+    """Seconds for one (n_out, n_in) matrix: plain quantize, inverse_cholesky(H) (of its
+    diagonal blocks of `block` columns, as export-lora's --calibration-block; 0: whole),
     quantize_compensated; the fastest of `repeats`, the runs alternated."""
     from llamatune.kernels.compensate import inverse_cholesky, quantize_compensated
     rng = np.random.default_rng(0)
@@ -128,7 +129,8 @@ def time_shape(n_out: int, n_in: int, qtype: QType, repeats: int = 2) -> dict[st
         t0 = time.perf_counter()
         quantize(w, qtype)
         t1 = time.perf_counter()
-        u = inverse_cholesky(h, dtype=np.float32)           # as export-lora factors
+        hb = h if not 0 < block < n_in else [h[a:a + block, a:a + block] for a in range(0, n_in, block)]
+        u = inverse_cholesky(hb, dtype=np.float32)          # as export-lora factors
         t2 = time.perf_counter()
         quantize_compensated(w, qtype, u, qw)
         t3 = time.perf_counter()
@@ -150,9 +152,11 @@ def main() -> None:
     ap.add_argument("--llamacpp", type=Path, default=None, help="llama.cpp build/bin (for (d))")
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--windows", type=int, default=16, help="eval windows (the text's first ones)")
-    ap.add_argument("--calibration-ctx", type=int, default=512)
-    ap.add_argument("--calibration-chunks", type=int, default=16)
-    ap.add_argument("--calibration-memory", type=int, default=3072)
+    defaults = MergeOptions()
+    ap.add_argument("--calibration-ctx", type=int, default=defaults.calibration_ctx)
+    ap.add_argument("--calibration-chunks", type=int, default=defaults.calibration_chunks)
+    ap.add_argument("--calibration-block", type=int, default=defaults.calibration_block)
+    ap.add_argument("--calibration-memory", type=int, default=defaults.calibration_memory)
     ap.add_argument("--merge-aware-adapter", type=Path, default=None,
                     help="an adapter finetune --merge-aware trained on the --merge-aware-type base")
     ap.add_argument("--merge-aware-type", default="q4_k_m")
@@ -163,7 +167,8 @@ def main() -> None:
         for shape in args.time_shapes.split(","):
             n_out, n_in = map(int, shape.split("x"))
             qtype = QType.Q4_K if n_in % 256 == 0 else QType.Q4_0
-            print(shape, qtype.name, {k: round(v, 2) for k, v in time_shape(n_out, n_in, qtype).items()}, flush=True)
+            times = time_shape(n_out, n_in, qtype, args.calibration_block)
+            print(shape, qtype.name, {k: round(v, 2) for k, v in times.items()}, flush=True)
         return
     args.workdir.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -177,6 +182,7 @@ def main() -> None:
             if method == "compensated":
                 opts = MergeOptions(calibration_data=args.calibration, calibration_ctx=args.calibration_ctx,
                                     calibration_chunks=args.calibration_chunks,
+                                    calibration_block=args.calibration_block,
                                     calibration_memory=args.calibration_memory,
                                     imatrix_out=args.workdir / f"imatrix-{qtype}.gguf")
             t0 = time.perf_counter()

@@ -37,27 +37,37 @@ LAZY = 1024        # columns whose updates are applied within; the rest once per
 _LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
 
 
-def damped(h: np.ndarray, damp: float = DAMP) -> np.ndarray:
+def damped(h: np.ndarray, damp: float = DAMP, mean: float | None = None) -> np.ndarray:
     """H (float64 copy) with dead inputs (H_ii = 0) set to 1 and damp * mean(diag) added
-    to the diagonal, as GPTQ does before factoring."""
+    to the diagonal, as GPTQ does before factoring (`mean`: that of the whole H, when
+    h is one diagonal block of it)."""
     h = np.array(h, dtype=np.float64)
     d = np.diagonal(h).copy()
     dead = d <= 0
     h[dead, :] = 0
     h[:, dead] = 0
     h[dead, dead] = 1
-    np.fill_diagonal(h, np.diagonal(h) + damp * max(float(np.mean(np.diagonal(h))), 1e-30))
+    if mean is None:
+        mean = float(np.mean(np.diagonal(h)))
+    np.fill_diagonal(h, np.diagonal(h) + damp * max(mean, 1e-30))
     return h
+
+
+def _mean_diagonal(blocks: list[np.ndarray]) -> float:
+    """mean(diag) of the block-diagonal matrix of `blocks` after damped()'s dead inputs -> 1."""
+    d = np.concatenate([np.diagonal(b) for b in blocks]).astype(np.float64)
+    return float(np.mean(np.where(d <= 0, 1.0, d)))
 
 
 def lower_cholesky_inverse(a: np.ndarray) -> np.ndarray:
     """L^{-1} for the Cholesky factor L of a symmetric positive definite a (a = L L^T),
     by halves, every step a matrix product at GEMM rate (numpy's potrf ran at 26
-    GFLOP/s on a 4864 input, its GEMM at 168):
+    GFLOP/s on a 4864 input, its GEMM at 168), down to blocks of at most 64 (a 1024
+    block: 16 ms, against 26 with blocks of 256, whose LAPACK inverse is slower):
         L11^{-1} of a11;  L21 = a21 L11^{-T};  L22^{-1} of a22 - L21 L21^T;
         (L^{-1})21 = -L22^{-1} L21 L11^{-1}                  (4/3 n^3 flops in all)."""
     n = a.shape[0]
-    if n <= 256:
+    if n <= 64:
         return np.tril(np.linalg.inv(np.linalg.cholesky(a)))
     k = n // 2
     out = np.empty_like(a)
@@ -69,12 +79,20 @@ def lower_cholesky_inverse(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def inverse_cholesky(h: np.ndarray, damp: float = DAMP, dtype=np.float64) -> np.ndarray:
+def inverse_cholesky(h, damp: float = DAMP, dtype=np.float64):
     """U (n, n) upper triangular with U^T U = damped(H)^{-1}, in `dtype` (float64, or
     float32 as GPTQ factors: twice the rate, for export's large inputs).
     With J the reversal, J H J = M M^T (M lower) gives H^{-1} = (J M^{-T} J)(J M^{-1} J),
-    so U = J M^{-1} J (lower_cholesky_inverse; no explicit H^{-1})."""
-    hd = damped(h, damp).astype(dtype, copy=False)
+    so U = J M^{-1} J (lower_cholesky_inverse; no explicit H^{-1}).
+    h may be a list of the diagonal blocks of a block-diagonal H: then the list of
+    their U (damped by the whole H's mean diagonal, as damped(H) would)."""
+    if isinstance(h, list):
+        mean = _mean_diagonal(h)
+        return [_inverse_cholesky(damped(b, damp, mean).astype(dtype, copy=False), damp) for b in h]
+    return _inverse_cholesky(damped(h, damp).astype(dtype, copy=False), damp)
+
+
+def _inverse_cholesky(hd: np.ndarray, damp: float) -> np.ndarray:
     try:
         m_inv = lower_cholesky_inverse(np.ascontiguousarray(hd[::-1, ::-1]))
     except np.linalg.LinAlgError as e:
@@ -113,44 +131,58 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
                          base: np.ndarray | None = None, lazy: int = LAZY) -> np.ndarray:
     """GPTQ-style quantization of w (n_out, n_in) to `qtype` bytes (n_out, row_bytes).
 
-    u: inverse_cholesky(H) (n_in, n_in), or its diagonal (n_in,) for a diagonal H
-    (no cross-column updates: diag(H)^-1/2, or ones when nothing is known); the
-    updates run in u's precision (float32 u: float32 updates, as GPTQ);
-    quant_weights (n_in,): the importances
-    passed to the type's quantizer (None: its plain quantizer); base: the base
-    tensor's codes of the same type (n_out, row_bytes), kept per row and block where
-    they cost no more."""
+    u: inverse_cholesky(H) (n_in, n_in); or the list of its diagonal blocks for a
+    block-diagonal H (each a multiple of the type's group; no update crosses a block);
+    or its diagonal (n_in,) for a diagonal H (no cross-column updates: diag(H)^-1/2,
+    or ones when nothing is known). The updates run in u's precision (float32 u:
+    float32 updates, as GPTQ). quant_weights (n_in,): the importances passed to the
+    type's quantizer (None: its plain quantizer); base: the base tensor's codes of the
+    same type (n_out, row_bytes), kept per row and block where they cost no more."""
     qtype, g, ts, qw, sig = _check(w, qtype, quant_weights, base)
     n_out, n_in = w.shape
-    W = np.array(w, dtype=np.float32 if u.dtype == np.float32 else np.float64)
+    blocks = u if isinstance(u, list) else [u]
+    W = np.array(w, dtype=np.float32 if blocks[0].dtype == np.float32 else np.float64)
     out = np.empty((n_out, n_in // g * ts), np.uint8)
-    lazy = max(g, lazy // g * g)
-    if u.ndim == 1:                                   # diagonal H: blocks are independent
+    if sum(b.shape[0] for b in blocks) != n_in or any(b.shape[0] % g for b in blocks):
+        raise ValueError(f"factor blocks {[b.shape for b in blocks]} do not tile {n_in} inputs in groups of {g}")
+
+    def group(c0, c1, wg, cost):                      # codes of columns c0:c1 into out; their error
+        base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
+        q, e = _group_codes(wg, qtype, None if qw is None else qw[c0:c1], sig, base_g, cost)
+        out[:, c0 // g * ts:c1 // g * ts] = q
+        return e
+    if blocks[0].ndim == 1:                           # diagonal H: groups are independent
         for c0 in range(0, n_in, g):
-            c1 = c0 + g
-            uinv = 1 / u[c0:c1]
-            base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
-            out[:, c0 // g * ts:c1 // g * ts], _ = _group_codes(
-                W[:, c0:c1], qtype, None if qw is None else qw[c0:c1], sig, base_g,
-                lambda e: np.sum((e * uinv) ** 2, axis=1))
+            uinv = 1 / u[c0:c0 + g]
+            group(c0, c0 + g, W[:, c0:c0 + g], lambda e, uinv=uinv: np.sum((e * uinv) ** 2, axis=1))
         return out
+    c = 0
+    for ub in blocks:                                 # block-diagonal H: no update crosses a block
+        _compensate(W[:, c:c + ub.shape[0]], ub, g, max(g, lazy // g * g),
+                    lambda c0, c1, wg, cost, c=c: group(c + c0, c + c1, wg, cost))
+        c += ub.shape[0]
+    return out
+
+
+def _compensate(W: np.ndarray, u: np.ndarray, g: int, lazy: int, group) -> None:
+    """GPTQ over the columns of W (a view, updated in place) with factor u, in groups of
+    g and lazy windows; group(c0, c1, wg, cost) writes the codes and returns the error."""
+    n_out, n_in = W.shape
     for b0 in range(0, n_in, lazy):
         b1 = min(n_in, b0 + lazy)
         es = np.empty((n_out, b1 - b0), W.dtype)      # E_G U_GG^{-1} of the window's groups
         for c0 in range(b0, b1, g):
-            c1 = c0 + g
+            c1 = min(b1, c0 + g)
             wg = W[:, c0:c1] - es[:, :c0 - b0] @ u[b0:c0, c0:c1]
             uinv = np.linalg.inv(u[c0:c1, c0:c1])
 
             def cost(e):
-                return np.einsum("ij,ij->i", e @ uinv, e @ uinv)
-            base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
-            q, e = _group_codes(wg, qtype, None if qw is None else qw[c0:c1], sig, base_g, cost)
-            out[:, c0 // g * ts:c1 // g * ts] = q
+                z = e @ uinv
+                return np.einsum("ij,ij->i", z, z)
+            e = group(c0, c1, wg, cost)
             es[:, c0 - b0:c1 - b0] = e @ uinv
         if b1 < n_in:
             W[:, b1:] -= es @ u[b0:b1, b1:]
-    return out
 
 
 def quantize_compensated_ref(w: np.ndarray, qtype, h: np.ndarray, quant_weights: np.ndarray | None = None,

@@ -34,10 +34,19 @@ f32 = np.float32
 
 
 # ---------------------------------------------------------- ggml-quants.c helpers
+_QX_TRIALS = 19                 # make_qx_quants: -nmax/max, then 18 steps
+
+
 @njit(cache=True)
 def _make_qx_quants_w(nmax, x, L, qw):
     """make_qx_quants(n, nmax, x, L, rmse_type=1, qw): symmetric levels -nmax..nmax-1
-    stored as L+nmax; the qw-weighted best of 19 trial scales."""
+    stored as L+nmax; the qw-weighted best of 19 trial scales.
+
+    C sums each trial over the block in index order, one trial after another: a chain
+    of dependent float32 adds (4 cycles each). The trials are independent (each from
+    the block's max), so here they run side by side: one pass over the block updates
+    every trial's sums, each still in index order (the same bits); then the best is
+    picked in C's order. Q5_0 with weights: 0.47 us a block, against 1.06."""
     n = x.shape[0]
     amax = f32(0)
     mx = f32(0)
@@ -48,32 +57,31 @@ def _make_qx_quants_w(nmax, x, L, qw):
     if amax < GROUP_MAX_EPS:
         L[:n] = 0
         return f32(0)
-    iscale = f32(-nmax) / mx
-    sumlx = f32(0)
-    suml2 = f32(0)
-    for i in range(n):
-        l = max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
-        L[i] = l + nmax
-        fl = f32(l)
-        sumlx += qw[i] * x[i] * fl
-        suml2 += qw[i] * fl * fl
-    scale = sumlx / suml2 if suml2 != 0 else f32(0)
-    best = scale * sumlx
+    iscales = np.empty(_QX_TRIALS, np.float32)
+    iscales[0] = f32(-nmax) / mx
+    t = 1
     for step in range(-9, 10):
-        if step == 0:
-            continue
-        iscale = -(f32(nmax) + f32(0.1) * f32(step)) / mx
-        sumlx = f32(0)
-        suml2 = f32(0)
-        for i in range(n):
-            fl = f32(max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i]))))
-            sumlx += qw[i] * x[i] * fl
-            suml2 += qw[i] * fl * fl
-        if suml2 > 0 and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(iscale * x[i])))
-            scale = sumlx / suml2
-            best = scale * sumlx
+        if step != 0:
+            iscales[t] = -(f32(nmax) + f32(0.1) * f32(step)) / mx
+            t += 1
+    sumlx = np.zeros(_QX_TRIALS, np.float32)
+    suml2 = np.zeros(_QX_TRIALS, np.float32)
+    for i in range(n):
+        wx = qw[i] * x[i]
+        for t in range(_QX_TRIALS):
+            fl = f32(max(-nmax, min(nmax - 1, _nearest_int(iscales[t] * x[i]))))
+            sumlx[t] += wx * fl
+            suml2[t] += qw[i] * fl * fl
+    scale = sumlx[0] / suml2[0] if suml2[0] != 0 else f32(0)
+    best = scale * sumlx[0]
+    chosen = 0
+    for t in range(1, _QX_TRIALS):
+        if suml2[t] > 0 and sumlx[t] * sumlx[t] > best * suml2[t]:
+            chosen = t
+            scale = sumlx[t] / suml2[t]
+            best = scale * sumlx[t]
+    for i in range(n):
+        L[i] = nmax + max(-nmax, min(nmax - 1, _nearest_int(iscales[chosen] * x[i])))
     return scale
 
 

@@ -156,6 +156,55 @@ def test_input_stats_bf16_second_moments():
         assert not np.array_equal(got, x.T @ x / 57)          # the rounding is real
 
 
+def test_input_stats_block_diagonal():
+    """With `block`, an input wider than the block keeps only the diagonal blocks of
+    x^T x (the last one narrower), equal to those of the whole matrix; narrower inputs
+    keep the whole matrix."""
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((n, 600)).astype(np.float32) for n in (30, 21)]
+    whole, blocks = InputStats(lambda n: True), InputStats(lambda n: True, block=256)
+    for x in xs:
+        for stats in (whole, blocks):
+            stats("blk.0.ffn_down.weight", x)
+            stats("blk.0.attn_output.weight", x[:, :200])
+    _, h = whole.hessian("blk.0.ffn_down.weight")
+    _, got = blocks.hessian("blk.0.ffn_down.weight")
+    assert [b.shape for b in got] == [(256, 256), (256, 256), (88, 88)]
+    for b, (lo, hi) in zip(got, ((0, 256), (256, 512), (512, 600))):
+        np.testing.assert_allclose(b, h[lo:hi, lo:hi], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(blocks.hessian("blk.0.attn_output.weight")[1],
+                                  whole.hessian("blk.0.attn_output.weight")[1])
+    assert blocks.hessian_bytes == 4 * (2 * 256 ** 2 + 88 ** 2 + 200 ** 2)
+
+
+def test_export_with_calibration_blocks(tmp_path, tiny_vocab):
+    """--calibration-block 256: ffn_down (512 inputs) is quantized with the factors of
+    its two 256-column blocks, exactly as quantize_compensated does with them; the
+    blocks are the whole second moment's diagonal blocks."""
+    from llamatune.commands.export import _calibrate, _load_adapters
+    from llamatune.kernels.compensate import inverse_cholesky
+    base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, outtype=QType.Q4_0, **KCFG)
+    adapter = make_adapter(base, MATS, rank=8, alpha=16.0, seed=3)
+    path = saved(tmp_path, adapter)
+    opts = MergeOptions(calibration_data=_text(tmp_path), calibration_block=256, **CAL)
+    export_lora(base, [(path, 1.0)], tmp_path / "blocks.gguf", merge=opts)
+    f = GGUFFile(base)
+    loaded = _load_adapters(f, [(path, 1.0)], tmp_path / "x.gguf")
+    cal = _calibrate(f, loaded, opts, MATS, None)
+    whole = _calibrate(f, loaded, MergeOptions(calibration_data=opts.calibration_data, calibration_block=0, **CAL),
+                       MATS, None)
+    name = "blk.0.ffn_down.weight"
+    _, hb = cal.hessian(name)
+    _, h = whole.hessian(name)
+    assert len(hb) == 2
+    for i, b in enumerate(hb):
+        np.testing.assert_allclose(b, h[256 * i:256 * (i + 1), 256 * i:256 * (i + 1)], rtol=1e-6, atol=1e-9)
+    t = f.tensors[name]
+    want = quantize_compensated(exact_merge(t, [(*adapter.pairs[name], 2.0)]), QType.Q4_0,
+                                inverse_cholesky(hb, dtype=np.float32), cal.imatrix("t").importance(name), t.raw_rows())
+    np.testing.assert_array_equal(GGUFFile(tmp_path / "blocks.gguf").tensors[name].raw_rows(), want)
+
+
 def test_calibration_in_several_passes_gives_the_same_moments(tmp_path, tiny_vocab):
     base = write_tiny_model(tmp_path / "base.gguf", tiny_vocab, **KCFG)
     model = Model(base)
@@ -232,6 +281,7 @@ def test_ollama_modelfile(tmp_path, tiny_vocab):
     (dict(merge_method="gptq"), "--merge-method 'gptq': choose compensated or plain"),
     (dict(calibration_ctx=0), "--calibration-ctx 0: must be at least 1"),
     (dict(calibration_memory=0), "--calibration-memory 0: must be at least 1"),
+    (dict(calibration_block=100), r"--calibration-block 100: must be 0 or a multiple of 256 \(the K-quants' block\)"),
     (dict(imatrix_out="x.gguf"), "--imatrix-out needs --calibration-data"),
     (dict(merge_method="plain", imatrix="im.gguf"), "--merge-method plain uses no statistics"),
     (dict(imatrix="missing.gguf"), "--imatrix missing.gguf: file not found"),

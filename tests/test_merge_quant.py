@@ -111,6 +111,33 @@ def test_compensated_matches_reference(qtype, n_in):
         np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, lazy=n_in), ref)
 
 
+@pytest.mark.parametrize("qtype,sizes", [(T.Q4_0, (256, 96, 160)), (T.Q4_K, (512, 256))],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_block_diagonal_matches_reference(qtype, sizes):
+    """Factors of H's diagonal blocks (damped by the whole H's mean diagonal) give the
+    reference's codes on H with everything off those blocks zeroed."""
+    n_in = sum(sizes)
+    _, h = correlated(n_in)
+    h[3, 3] = 0                                            # a dead input: damped() makes it 1
+    cuts = np.cumsum((0,) + sizes)
+    blocks = [h[a:b, a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    masked = np.zeros_like(h)
+    for (a, b), blk in zip(zip(cuts[:-1], cuts[1:]), blocks):
+        masked[a:b, a:b] = blk
+    rng = np.random.default_rng(4)
+    w = (rng.standard_normal((10, n_in)) * 0.05).astype(np.float32)
+    qw = np.diagonal(h).astype(np.float32)
+    base = quantize(w + rng.standard_normal(w.shape).astype(np.float32) * 0.003, qtype)
+    u = inverse_cholesky(blocks)
+    assert [x.shape[0] for x in u] == list(sizes)
+    for b in (None, base):
+        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, lazy=128),
+                                      quantize_compensated_ref(w, qtype, masked, qw, b))
+    assert not np.array_equal(quantize_compensated(w, qtype, u, qw), quantize_compensated_ref(w, qtype, h, qw))
+    with pytest.raises(ValueError, match="do not tile"):
+        quantize_compensated(w, qtype, u[:-1], qw)
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
 def test_compensation_lowers_the_output_error(qtype):
     """The output error ||(W - Q) x||^2 on the data that H came from: plain > weighted

@@ -292,7 +292,7 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise LlamatuneError(f"{path}: calibration text is not UTF-8") from None
-    model = Model(base.path)
+    model = Model(base)
     runtime = RuntimeAdapters()
     for adapter, user_scale in loaded:
         for name, (a, b) in adapter.pairs.items():
@@ -302,7 +302,7 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
     dtype, _ = compute_dtype("auto")       # statistics need no f32 products: bf16 where the CPU has it
     # four windows a forward: the second moments' products get K = 4 x 512 (+20 % rate)
     return Calibration(Runner(model, runtime, compute_dtype=dtype), windows, ordered, merge.calibration_memory << 20,
-                       batch=4, progress=progress, bf16=dtype == "bf16")
+                       batch=4, progress=progress, bf16=dtype == "bf16", block=merge.calibration_block)
 
 
 def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:

@@ -8,8 +8,10 @@ do the same). Per weight it keeps
   * sum over tokens of x^2 per column and the token count: llama.cpp's imatrix
     (formats/imatrix.py writes it for llama-quantize);
   * for the weights `hessian_for(name)` selects, the sum of x x^T (n_in, n_in), the
-    second moment GPTQ needs. Weights fed the same array in consecutive calls (q, k, v
-    of a layer; gate and up) share one input, so one matrix and one count.
+    second moment GPTQ needs; with `block`, only its diagonal blocks of `block`
+    columns (an input at most that wide keeps the whole matrix). Weights fed the same
+    array in consecutive calls (q, k, v of a layer; gate and up) share one input, so
+    one matrix and one count.
 
 Memory: n_in^2 float32 per distinct input. Llama-2-7B has per layer three 4096-wide
 inputs (attention in, attention out, ffn in) and one 11008-wide (ffn_down in):
@@ -31,16 +33,17 @@ class InputStats:
     """Accumulates input statistics from (name, x) calls; see the module docstring."""
 
     def __init__(self, hessian_for: Callable[[str], bool] = lambda name: False, diagonal: bool = True,
-                 bf16: bool = False):
+                 bf16: bool = False, block: int = 0):
         self.hessian_for = hessian_for
         self.diagonal = diagonal           # collect sum x^2 (off for later calibration passes)
         self.bf16 = bf16                   # sum x x^T as a bf16 product with f32 accumulation (oneDNN)
+        self.block = block                 # > 0: keep only the diagonal blocks of this width
         self.key: dict[str, str] = {}      # weight name -> the first weight name reading the same input
         self.sum_sq: dict[str, np.ndarray] = {}   # key -> (n_in,) float64
         self.count: dict[str, int] = {}           # key -> tokens seen
-        self.xxt: dict[str, np.ndarray] = {}      # key -> (n_in, n_in) float32, sum x x^T
+        self.xxt: dict[str, list[np.ndarray]] = {}   # key -> sum x x^T float32: [(n_in, n_in)] or its blocks
         self._prev: tuple[object, str] | None = None
-        self._upper: set[str] = set()             # keys whose xxt holds only its upper blocks
+        self._upper: set[tuple[str, int]] = set()   # (key, block) holding only its upper 2x2 blocks
 
     def __call__(self, name: str, x) -> None:
         prev_x, prev_key, prev_h = self._prev if self._prev is not None else (None, None, False)
@@ -71,50 +74,61 @@ class InputStats:
         return np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])
 
     def _add_xxt(self, key: str, x: np.ndarray) -> None:
-        if self.bf16:
-            self._xxt_bf16(key, x)
-        elif key in self.xxt:
-            self.xxt[key] += x.T @ x
-        else:
-            self.xxt[key] = x.T @ x
-
-    def _xxt_bf16(self, key: str, x: np.ndarray) -> None:
-        """xxt[key] += x^T x with x rounded to bf16, accumulated in f32: 3-4x numpy's
-        f32 rate for the 4864-wide inputs of Qwen2.5-0.5B's ffn_down (AMX), which took
-        most of a calibration pass; the rounding (relative 2^-9 per factor) is far
-        below the damping the factorization adds. Wide inputs get only the three
-        upper blocks of a 2x2 split (3/4 of the flops); hessian() mirrors them."""
+        n = x.shape[1]
+        width = self.block if 0 < self.block < n else n
+        cuts = [(a, min(n, a + width)) for a in range(0, n, width)]
+        first = key not in self.xxt
+        if first:
+            self.xxt[key] = [np.empty((b - a, b - a), np.float32) for a, b in cuts]
+        if not self.bf16:
+            for h, (a, b) in zip(self.xxt[key], cuts):
+                xs = x[:, a:b]
+                if first:
+                    h[...] = xs.T @ xs
+                else:
+                    h += xs.T @ xs
+            return
         from ..kernels import bf16
         xb = np.empty(x.shape, np.uint16)
         bf16.to_bf16(xb, x)
         xt = np.ascontiguousarray(xb.T)
-        n = x.shape[1]
-        first = key not in self.xxt
-        if first:
-            self.xxt[key] = np.empty((n, n), np.float32)
-        h = self.xxt[key]
+        for i, (h, (a, b)) in enumerate(zip(self.xxt[key], cuts)):
+            self._xxt_bf16(h, xt[a:b], first, (key, i))
+
+    def _xxt_bf16(self, h: np.ndarray, xt: np.ndarray, first: bool, part: tuple[str, int]) -> None:
+        """h += x^T x (xt: x^T as bf16) accumulated in f32: 3-4x numpy's f32 rate for
+        the 4864-wide inputs of Qwen2.5-0.5B's ffn_down (AMX), which took most of a
+        calibration pass; the rounding (relative 2^-9 per factor) is far below the
+        damping the factorization adds. Wide blocks get only the three upper blocks of
+        a 2x2 split (3/4 of the flops); hessian() mirrors them."""
+        from ..kernels import bf16
+        n = h.shape[0]
         if n < 1024:
             bf16.gemm(h, xt, xt, trans_b=True, accumulate=not first)
             return
-        self._upper.add(key)
+        self._upper.add(part)
         k = n // 2
         for rows, cols in ((slice(0, k), slice(0, k)), (slice(0, k), slice(k, n)), (slice(k, n), slice(k, n))):
             bf16.gemm(h[rows, cols], xt[rows], xt[cols], trans_b=True, accumulate=not first)
 
-    def hessian(self, name: str) -> tuple[str, np.ndarray] | None:
-        """(key, E[x x^T] float64) of the input of weight `name`, None if not collected."""
+    def hessian(self, name: str) -> tuple[str, np.ndarray | list[np.ndarray]] | None:
+        """(key, E[x x^T] float64) of the input of weight `name` (with `block`: the list
+        of its diagonal blocks where the input is wider), None if not collected."""
         key = self.key.get(name)
         if key not in self.xxt or not self.count.get(key):
             return None
-        if key in self._upper:                               # mirror the upper blocks, once
-            h, k = self.xxt[key], self.xxt[key].shape[0] // 2
-            h[k:, :k] = h[:k, k:].T
-            self._upper.discard(key)
-        return key, self.xxt[key].astype(np.float64) / self.count[key]
+        blocks = []
+        for i, h in enumerate(self.xxt[key]):
+            if (key, i) in self._upper:                       # mirror the upper blocks, once
+                k = h.shape[0] // 2
+                h[k:, :k] = h[:k, k:].T
+                self._upper.discard((key, i))
+            blocks.append(h.astype(np.float64) / self.count[key])
+        return key, blocks if len(blocks) > 1 else blocks[0]
 
     @property
     def hessian_bytes(self) -> int:
-        return sum(h.nbytes for h in self.xxt.values())
+        return sum(h.nbytes for blocks in self.xxt.values() for h in blocks)
 
     def imatrix(self, datasets: Iterable[str] = (), chunk_count: int = 0, chunk_size: int = 0) -> IMatrix:
         """The diagonal statistics per weight name, as llama.cpp's imatrix holds them."""
@@ -164,14 +178,15 @@ class Calibration:
     stopping its forward after its last weight."""
 
     def __init__(self, runner, windows: np.ndarray, ordered: list[str], budget: int, batch: int = 1,
-                 progress: Callable[[str], None] | None = None, bf16: bool = False):
+                 progress: Callable[[str], None] | None = None, bf16: bool = False, block: int = 0):
         self.runner, self.windows, self.ordered, self.budget = runner, windows, ordered, budget
-        self.bf16 = bf16                                           # InputStats.bf16
+        self.bf16, self.block = bf16, block                        # InputStats.bf16, .block
         self.batch, self.progress = batch, progress or (lambda s: None)
         self.n_passes = 0
         self._stream: dict[int, dict] = {}    # window index -> {layer: the residual stream it received}
         n_in = {n: self.runner.model.file.tensor(n).n_cols for n in ordered}
-        self._bytes = {n: 4 * n_in[n] ** 2 for n in ordered}
+        width = {n: block if 0 < block < n_in[n] else n_in[n] for n in ordered}
+        self._bytes = {n: 4 * n_in[n] * width[n] for n in ordered}    # (at most: a last block is narrower)
         self.diag = self._pass(self._chunk(0), diagonal=True)     # every weight's sum x^2
         self.current = self.diag                                    # holds the second moments
 
@@ -194,7 +209,7 @@ class Calibration:
         2 GiB passes: about 11 passes, each running its own ~3 layers rather than all
         the layers before them too)."""
         n_layer = self.runner.cfg.n_layer
-        stats = InputStats(names.__contains__, diagonal, self.bf16)
+        stats = InputStats(names.__contains__, diagonal, self.bf16, self.block)
         first = 0 if diagonal else min(_layer(n, n_layer) for n in names)
         stop = max(_layer(n, n_layer) for n in names) if names else n_layer
 

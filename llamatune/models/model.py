@@ -177,8 +177,8 @@ class Model:
     """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32.
     Every weight is checked for inf/nan (an error unless `allow_nonfinite`)."""
 
-    def __init__(self, path: str | Path, allow_nonfinite: bool = False):
-        self.file = GGUFFile(path)
+    def __init__(self, path: str | Path | GGUFFile, allow_nonfinite: bool = False):
+        self.file = path if isinstance(path, GGUFFile) else GGUFFile(path)     # (a file already read: kept)
         self.path = self.file.path
         self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
         if self.file.get("general.type", "model") == "adapter":

@@ -134,7 +134,11 @@ class MergeOptions:
     calibration_data: Optional[Path] = opt(None, "Text to run the base + adapters over, collecting each merged "
                                            "weight's input statistics (importance and second moment).", G_MERGE)
     calibration_ctx: int = opt(512, "Tokens per calibration window.", G_MERGE)
-    calibration_chunks: int = opt(16, "Calibration windows at most (the text's first ones).", G_MERGE)
+    calibration_chunks: int = opt(4, "Calibration windows at most (the text's first ones); the calibration "
+                                  "forward's time grows with them (16 kept no more of an adapter than 4).", G_MERGE)
+    calibration_block: int = opt(1024, "Keep each input's second moment as diagonal blocks of this many columns "
+                                 "(errors are carried within a block only; 0: the whole matrix, much slower "
+                                 "for wide inputs such as ffn_down's).", G_MERGE)
     calibration_memory: int = opt(2048, "MiB of input second moments held at once; more needs further passes "
                                   "over the calibration text.", G_MERGE)
     imatrix_out: Optional[Path] = opt(None, "Write the statistics of --calibration-data as an imatrix GGUF "
@@ -148,6 +152,9 @@ class MergeOptions:
                             ("--calibration-memory", self.calibration_memory)):
             if value < 1:
                 raise LlamatuneError(f"{flag} {value}: must be at least 1")
+        if self.calibration_block < 0 or self.calibration_block % 256:
+            raise LlamatuneError(f"--calibration-block {self.calibration_block}: must be 0 or a multiple of 256 "
+                                 "(the K-quants' block)")
         if self.imatrix_out is not None and self.calibration_data is None:
             raise LlamatuneError("--imatrix-out needs --calibration-data (the statistics it writes)")
         if self.merge_method == "plain" and (self.imatrix or self.calibration_data):
