@@ -81,6 +81,19 @@ def _to_bf16_rows(out, x_bits):
 
 
 @njit(cache=True, parallel=True)
+def _to_bf16_transposed(out, x_bits):
+    # out (n, N) = rounded x (N, n) transposed, in 64 x 64 tiles (column strips in parallel)
+    N, n = x_bits.shape
+    for jb in prange((n + 63) // 64):
+        j1 = min(n, jb * 64 + 64)
+        for i0 in range(0, N, 64):
+            i1 = min(N, i0 + 64)
+            for j in range(jb * 64, j1):
+                for i in range(i0, i1):
+                    out[j, i] = np.uint16(_round_bits(np.uint64(x_bits[i, j])))
+
+
+@njit(cache=True, parallel=True)
 def _from_bf16(out_bits, x):
     for i in prange(x.shape[0]):
         out_bits[i] = np.uint32(x[i]) << np.uint32(16)
@@ -108,6 +121,17 @@ def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
         return
     out, x = _flat("to_bf16", out, x, np.uint16, np.float32)
     _to_bf16(out, x.view(np.uint32))
+
+
+def to_bf16_transposed(out: np.ndarray, x: np.ndarray) -> None:
+    """out (n, N) uint16 = to_bf16 of x (N, n) float32 (C order), transposed: x^T as the
+    left operand of a product over tokens (x^T x), without a strided copy."""
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and x.flags.c_contiguous):
+        raise ValueError("to_bf16_transposed: x must be a 2-D C-contiguous float32 array")
+    check_array("to_bf16_transposed", "out", out, x.shape[::-1], np.uint16)
+    if not out.flags.writeable:
+        raise ValueError("to_bf16_transposed: out must be writeable")
+    _to_bf16_transposed(out, x.view(np.uint32))
 
 
 def from_bf16(out: np.ndarray, x: np.ndarray) -> None:

@@ -66,6 +66,19 @@ def test_to_bf16_matches_reference():
     assert np.all(err <= ulp / 2)
 
 
+def test_to_bf16_transposed():
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((70, 131)).astype(np.float32)
+    x[3, 5], x[60, 130] = np.nan, np.inf
+    out = np.empty((131, 70), np.uint16)
+    bf16.to_bf16_transposed(out, x)
+    np.testing.assert_array_equal(out, bf16.to_bf16_ref(x).T)
+    with pytest.raises(ValueError, match="out must be a C-contiguous uint16 array of shape"):
+        bf16.to_bf16_transposed(np.empty((70, 131), np.uint16), x)
+    with pytest.raises(ValueError, match="x must be a 2-D C-contiguous float32"):
+        bf16.to_bf16_transposed(out, x[:, :70].T)
+
+
 def test_to_bf16_of_a_column_slice():
     x = special_values()[:40 * 64].reshape(40, 64)
     out = np.zeros((40, 24), np.uint16)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_cholesky_inverse, quantize_compensated,
-                                          quantize_compensated_ref)
+from llamatune.kernels.compensate import (damped, inverse_cholesky, lower_cholesky_inverse, lower_inverse,
+                                          quantize_compensated, quantize_compensated_ref)
 from llamatune.kernels.dequant import dequantize
 from llamatune.kernels.quantize import quantize
 from llamatune.kernels.quantize_weighted import WEIGHTED, quantize_weighted
@@ -90,6 +90,9 @@ def test_inverse_cholesky():
     np.testing.assert_allclose(u.T @ u @ damped(h), np.eye(300), atol=1e-8)
     m = np.linalg.cholesky(damped(h))
     np.testing.assert_allclose(lower_cholesky_inverse(damped(h)) @ m, np.eye(300), atol=1e-10)
+    inv = lower_inverse(m)                                   # the GPTQ loop's group inverses
+    np.testing.assert_array_equal(inv, np.tril(inv))
+    np.testing.assert_allclose(inv @ m, np.eye(300), atol=1e-10)
     u32 = inverse_cholesky(h, dtype=np.float32)               # export's factor, as GPTQ's
     assert u32.dtype == np.float32
     np.testing.assert_array_equal(u32, np.triu(u32))

@@ -89,9 +89,8 @@ class InputStats:
                     h += xs.T @ xs
             return
         from ..kernels import bf16
-        xb = np.empty(x.shape, np.uint16)
-        bf16.to_bf16(xb, x)
-        xt = np.ascontiguousarray(xb.T)
+        xt = np.empty(x.shape[::-1], np.uint16)               # x^T in bf16 (2048 x 4864: 14 ms, 48 by a copy)
+        bf16.to_bf16_transposed(xt, x)
         for i, (h, (a, b)) in enumerate(zip(self.xxt[key], cuts)):
             self._xxt_bf16(h, xt[a:b], first, (key, i))
 
