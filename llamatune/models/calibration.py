@@ -13,11 +13,12 @@ do the same). Per weight it keeps
     array in consecutive calls (q, k, v of a layer; gate and up) share one input, so
     one matrix and one count.
 
-Memory: n_in^2 float32 per distinct input. Llama-2-7B has per layer three 4096-wide
-inputs (attention in, attention out, ffn in) and one 11008-wide (ffn_down in):
-3 * 64 MiB + 462 MiB = 654 MiB, 20.4 GiB for 32 layers -- hence `Calibration` runs
-the text again for the next layers once `budget` bytes are used (Qwen2.5-0.5B:
-24 x 104 MiB = 2.4 GiB).
+Memory: n_in x min(n_in, block) float32 per distinct input. Llama-2-7B has per layer
+three 4096-wide inputs (attention in, attention out, ffn in) and one 11008-wide
+(ffn_down in): whole, 3 * 64 MiB + 462 MiB = 654 MiB, 20.4 GiB for 32 layers; in
+blocks of 1024 (export-lora's default), 3 * 16 + 42 = 90 MiB, 2.8 GiB -- and
+`Calibration` runs the text again for the next layers once `budget` bytes are used
+(Qwen2.5-0.5B: 2.4 GiB whole, 0.64 GiB in blocks).
 """
 from __future__ import annotations
 
