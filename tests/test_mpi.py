@@ -139,6 +139,7 @@ def test_full_finetune_on_two_ranks_writes_the_model_of_one_process(tmp_path, ti
     assert_same_training(tmp_path / "one" / "chk-4.gguf", tmp_path / "two" / "chk-4.gguf")
 
 
+@pytest.mark.slow                                  # 13 s: three launches
 def test_checkpoints_resume_with_another_number_of_ranks(tmp_path, tiny_model, launcher, single):
     """2 ranks for 2 steps, then 1 process to step 4 (and the reverse): the single run's trajectory."""
     run(launcher + CLI + train_args(tmp_path, tiny_model, "a", **{"adam-iter": 2}))

@@ -185,7 +185,8 @@ def test_cuda_row_widths(case):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", LAYOUT_CASES, ids=layout_id)
+@pytest.mark.parametrize("case", [c if c[0] in (T.Q4_K, T.Q4_0, T.F32) else pytest.param(c, marks=pytest.mark.slow)
+                                  for c in LAYOUT_CASES], ids=layout_id)        # (3-4 s each simulated)
 def test_cuda_gather_repeated_rows(case):
     qtype, n_cols = case
     data = random_tensor(qtype, 5, n_cols, seed=3)
@@ -196,6 +197,7 @@ def test_cuda_gather_repeated_rows(case):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow                                  # 5-11 s each under the simulator
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16], ids=lambda t: t.name)
 def test_cuda_many_rows(qtype):
     n_rows, n_cols = 70, GGML_QUANT_SIZES[qtype][0] * (1 if qtype == T.Q4_K else 2)

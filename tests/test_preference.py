@@ -278,6 +278,7 @@ def test_changed_preference_options_refuse_to_resume(tmp_path, tiny_model):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow                                  # 13 s under the simulator
 def test_dpo_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
     """The reweighted step and the reference with the adapter off on the CUDA backend (the
     simulator without a GPU): the CPU's losses, metrics and gradient."""
