@@ -30,6 +30,11 @@ from ..errors import LlamatuneError
 from ..formats.imatrix import IMatrix
 
 
+def block_width(n_in: int, block: int) -> int:
+    """Columns per diagonal block of an n_in-wide input's second moment (block 0: whole)."""
+    return block if 0 < block < n_in else n_in
+
+
 class InputStats:
     """Accumulates input statistics from (name, x) calls; see the module docstring."""
 
@@ -76,7 +81,7 @@ class InputStats:
 
     def _add_xxt(self, key: str, x: np.ndarray) -> None:
         n = x.shape[1]
-        width = self.block if 0 < self.block < n else n
+        width = block_width(n, self.block)
         cuts = [(a, min(n, a + width)) for a in range(0, n, width)]
         first = key not in self.xxt
         if first:
@@ -185,8 +190,8 @@ class Calibration:
         self.n_passes = 0
         self._stream: dict[int, dict] = {}    # window index -> {layer: the residual stream it received}
         n_in = {n: self.runner.model.file.tensor(n).n_cols for n in ordered}
-        width = {n: block if 0 < block < n_in[n] else n_in[n] for n in ordered}
-        self._bytes = {n: 4 * n_in[n] * width[n] for n in ordered}    # (at most: a last block is narrower)
+        # bytes per weight's moments (at most: a last block is narrower)
+        self._bytes = {n: 4 * n_in[n] * block_width(n_in[n], block) for n in ordered}
         self.diag = self._pass(self._chunk(0), diagonal=True)     # every weight's sum x^2
         self.current = self.diag                                    # holds the second moments
 
