@@ -13,7 +13,7 @@ error is then carried onto the columns not yet quantized, as GPTQ (Frantar et al
             = E_G · U_GG^{-1} · U_GR                  U upper, U^T U = H^{-1} (damped)
 
 The second form costs one (n_out, g) x (g, n_rest) product per group; updates are
-applied lazily, a window of columns at a time (GPTQ's "lazy batch"). The loss a
+applied by halves (a blocked form of GPTQ's "lazy batch"). The loss a
 group adds after that compensation is ||E_G U_GG^{-1}||^2 per row; a row's group is
 written with whichever of two codes costs less: the new one, or, when given, the
 base tensor's own block (same type) -- so an unchanged weight keeps its bytes and a
@@ -33,7 +33,7 @@ from .quantize_weighted import quantize_weighted
 __all__ = ["DAMP", "inverse_cholesky", "quantize_compensated", "quantize_compensated_ref"]
 
 DAMP = 0.01        # GPTQ's percdamp: H + DAMP * mean(diag H) * I
-LAZY = 1024        # columns whose updates are applied within; the rest once per window
+LEAF = 128         # spans of at most this many columns are compensated group by group
 _LEGACY = frozenset({T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0})
 
 
@@ -117,7 +117,7 @@ def _inverse_cholesky(hd: np.ndarray, damp: float) -> np.ndarray:
 def _group_codes(wg, qtype, qw, sig, base_g, cost):
     """Quantize one column group, choose per row between the new codes and base_g by
     cost(error) (n_out,), and return (codes, error)."""
-    q = quantize_weighted(wg.astype(np.float32), qtype, qw, sig)
+    q = quantize_weighted(wg.astype(np.float32, copy=False), qtype, qw, sig)
     e = wg - dequantize(q, qtype, wg.shape[1])
     if base_g is not None:
         e_base = wg - dequantize(base_g, qtype, wg.shape[1])
@@ -142,7 +142,7 @@ def _check(w, qtype, quant_weights, base):
 
 
 def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.ndarray | None = None,
-                         base: np.ndarray | None = None, lazy: int = LAZY) -> np.ndarray:
+                         base: np.ndarray | None = None, leaf: int = LEAF, overwrite: bool = False) -> np.ndarray:
     """GPTQ-style quantization of w (n_out, n_in) to `qtype` bytes (n_out, row_bytes).
 
     u: inverse_cholesky(H) (n_in, n_in); or the list of its diagonal blocks for a
@@ -151,11 +151,12 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
     or ones when nothing is known). The updates run in u's precision (float32 u:
     float32 updates, as GPTQ). quant_weights (n_in,): the importances passed to the
     type's quantizer (None: its plain quantizer); base: the base tensor's codes of the
-    same type (n_out, row_bytes), kept per row and block where they cost no more."""
+    same type (n_out, row_bytes), kept per row and block where they cost no more.
+    overwrite: w (of u's float type) may be used as the work array (its values are lost)."""
     qtype, g, ts, qw, sig = _check(w, qtype, quant_weights, base)
     n_out, n_in = w.shape
     blocks = u if isinstance(u, list) else [u]
-    W = np.array(w, dtype=np.float32 if blocks[0].dtype == np.float32 else np.float64)
+    W = (np.asarray if overwrite else np.array)(w, dtype=np.float32 if blocks[0].dtype == np.float32 else np.float64)
     out = np.empty((n_out, n_in // g * ts), np.uint8)
     if sum(b.shape[0] for b in blocks) != n_in or any(b.shape[0] % g for b in blocks):
         raise ValueError(f"factor blocks {[b.shape for b in blocks]} do not tile {n_in} inputs in groups of {g}")
@@ -172,31 +173,55 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
         return out
     c = 0
     for ub in blocks:                                 # block-diagonal H: no update crosses a block
-        _compensate(W[:, c:c + ub.shape[0]], ub, g, max(g, lazy // g * g),
+        _compensate(W[:, c:c + ub.shape[0]], ub, g, max(g, leaf // g * g),
                     lambda c0, c1, wg, cost, c=c: group(c + c0, c + c1, wg, cost))
         c += ub.shape[0]
     return out
 
 
-def _compensate(W: np.ndarray, u: np.ndarray, g: int, lazy: int, group) -> None:
+def _compensate(W: np.ndarray, u: np.ndarray, g: int, leaf: int, group) -> None:
     """GPTQ over the columns of W (a view, updated in place) with factor u, in groups of
-    g and lazy windows; group(c0, c1, wg, cost) writes the codes and returns the error."""
-    n_out, n_in = W.shape
-    for b0 in range(0, n_in, lazy):
-        b1 = min(n_in, b0 + lazy)
-        es = np.empty((n_out, b1 - b0), W.dtype)      # E_G U_GG^{-1} of the window's groups
-        for c0 in range(b0, b1, g):
-            c1 = min(b1, c0 + g)
-            wg = W[:, c0:c1] - es[:, :c0 - b0] @ u[b0:c0, c0:c1]
-            uinv = lower_inverse(u[c0:c1, c0:c1].T).T        # U_GG^{-1}, upper triangular
+    g; group(c0, c1, wg, cost) writes the codes and returns the error.
 
-            def cost(e):
-                z = e @ uinv
-                return np.einsum("ij,ij->i", z, z)
-            e = group(c0, c1, wg, cost)
-            es[:, c0 - b0:c1 - b0] = e @ uinv
-        if b1 < n_in:
-            W[:, b1:] -= es @ u[b0:b1, b1:]
+    By halves: the left half is compensated, its errors update the right half in one
+    product (es_L U_LR), then the right half; spans of at most `leaf` columns go group
+    by group. The flops are GPTQ's, but most run as square GEMMs rather than the
+    (n_out, window) x (window, g) products of a lazy window. A group's columns of W are
+    not read again once quantized: they then hold es = E_G U_GG^{-1}, which the updates
+    of later columns read (no array of its own: a fresh one per matrix cost as much in
+    page faults as the products)."""
+    _span(W, u, g, leaf, group, _group_inverses(u, g), 0, W.shape[1])
+
+
+def _span(W, u, g, leaf, group, uinv, a, b) -> None:
+    """Columns a:b of _compensate (a function, not a closure: a recursive closure is a
+    reference cycle that keeps W alive until the cyclic collector runs)."""
+    if b - a > leaf:
+        m = a + (b - a) // g // 2 * g
+        _span(W, u, g, leaf, group, uinv, a, m)
+        W[:, m:b] -= W[:, a:m] @ u[a:m, m:b]           # W[:, a:m] holds es by now
+        _span(W, u, g, leaf, group, uinv, m, b)
+        return
+    for c0 in range(a, b, g):
+        c1 = c0 + g
+        wg = W[:, c0:c1] - W[:, a:c0] @ u[a:c0, c0:c1]
+        ui = uinv[c0 // g]                            # U_GG^{-1}, upper triangular
+
+        def cost(e, ui=ui):
+            z = e @ ui
+            return np.einsum("ij,ij->i", z, z)
+        W[:, c0:c1] = group(c0, c1, wg, cost) @ ui    # es of the group, in its own columns
+
+
+def _group_inverses(u: np.ndarray, g: int) -> list[np.ndarray]:
+    """U_GG^{-1} of each g-column group (upper triangular): LAPACK's inverse of all of
+    them in one call for small groups, lower_inverse's halves for larger ones."""
+    n = u.shape[0] // g
+    if g > 32:
+        return [lower_inverse(u[c:c + g, c:c + g].T).T for c in range(0, n * g, g)]
+    s0, s1 = u.strides
+    diag_t = np.lib.stride_tricks.as_strided(u, (n, g, g), (g * (s0 + s1), s1, s0))    # U_GG^T, stacked
+    return list(np.tril(np.linalg.inv(diag_t)).transpose(0, 2, 1))
 
 
 def quantize_compensated_ref(w: np.ndarray, qtype, h: np.ndarray, quant_weights: np.ndarray | None = None,

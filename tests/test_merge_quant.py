@@ -110,8 +110,8 @@ def test_compensated_matches_reference(qtype, n_in):
     u = inverse_cholesky(h)
     for b in (None, base):
         ref = quantize_compensated_ref(w, qtype, h, qw, b)
-        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, lazy=512), ref)
-        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, lazy=n_in), ref)
+        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, leaf=512), ref)
+        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, leaf=n_in), ref)
 
 
 @pytest.mark.parametrize("qtype,sizes", [(T.Q4_0, (256, 96, 160)), (T.Q4_K, (512, 256))],
@@ -134,7 +134,7 @@ def test_block_diagonal_matches_reference(qtype, sizes):
     u = inverse_cholesky(blocks)
     assert [x.shape[0] for x in u] == list(sizes)
     for b in (None, base):
-        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, lazy=128),
+        np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, leaf=128),
                                       quantize_compensated_ref(w, qtype, masked, qw, b))
     assert not np.array_equal(quantize_compensated(w, qtype, u, qw), quantize_compensated_ref(w, qtype, h, qw))
     with pytest.raises(ValueError, match="do not tile"):

@@ -277,7 +277,7 @@ class _Requant:
             u = 1 / np.sqrt(d)
         else:
             u = np.ones(t.n_cols)
-        return quantize_compensated(w, qtype, u, qw, base)
+        return quantize_compensated(w, qtype, u, qw, base, overwrite=True)    # w: _merge's own
 
 
 def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: MergeOptions,
