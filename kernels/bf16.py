@@ -16,7 +16,7 @@ product, so a dtype package would add nothing but a dependency.
   ``b (K, N)``, or ``b (N, K)`` used as ``b^T`` when ``trans_b`` (x @ W^T in the
   forward, dy @ W in the backward, W never transposed in memory). Inputs bf16,
   products accumulated in float32 by oneDNN's matmul primitive (AMX or AVX512_BF16
-  brgemm kernels). oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
+  brgemm kernels); or inputs float32 (its avx512 kernels), for the adapters' `+=`. oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
   the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896; its
   verbose line names no kernel) and level only at (2048, 4096) x (4096, 4096)
   (bench/bf16_gemm.py --api), hence the primitive.
@@ -31,7 +31,7 @@ OpenMP's thread count for the calling thread to ``numba.get_num_threads()`` when
 differs, so oneDNN runs on exactly the threads numba's kernels run on.
 
 A primitive is built (and JIT-compiled by oneDNN) once per (M, N, K, trans_b,
-accumulate, threads) and kept; a training step repeats a handful of shapes.
+accumulate, threads, strides, input type) and kept; a training step repeats a handful of shapes.
 """
 from __future__ import annotations
 
@@ -277,16 +277,16 @@ class _Library:
         return md
 
     def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int,
-                  lda: int = 0, ldb: int = 0, ldc: int = 0):
+                  lda: int = 0, ldb: int = 0, ldc: int = 0, f32: bool = False):
         """(primitive, [src, weights, dst memories], exec args, implementation name);
-        ld*: the row strides in elements (0: the row length)."""
+        ld*: the row strides in elements (0: the row length); f32: float32 inputs."""
         lda, ldb, ldc = lda or K, ldb or (K if trans_b else N), ldc or N
-        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc)
+        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32)
         if key in self.primitives:
             return self.primitives[key]
         lib = self.lib
-        a = self._desc((M, K), (lda, 1), _BF16)
-        b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _BF16)
+        a = self._desc((M, K), (lda, 1), _F32 if f32 else _BF16)
+        b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _F32 if f32 else _BF16)
         c = self._desc((M, N), (ldc, 1), _F32)
         attr = None
         if accumulate:  # out = out + a @ b: a "sum" post-op
@@ -332,7 +332,8 @@ class _Library:
         N = out.shape[1]
         ld = [arr.strides[0] // arr.itemsize for arr in (a, b, out)]
         with self.lock:  # the memories' data handles are shared per primitive
-            prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld)
+            prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld,
+                                                 f32=a.dtype == np.float32)
             for mem, arr in zip(mems, (a, b, out)):
                 _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
             _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
@@ -406,12 +407,17 @@ def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
          accumulate: bool = False) -> None:
     """out (M, N) float32 = a (M, K) @ B, or out += a @ B when accumulate, where
     B = b (K, N), or b (N, K) transposed when trans_b. a and b bf16 (uint16 bits),
-    float32 accumulation. Each array's rows contiguous (unit inner stride, rows in
-    order and apart: a column slice of a wider array, say the head's logits)."""
+    float32 accumulation; or a and b both float32 (oneDNN's f32 kernels: an adapter's
+    rank-r `out += xa @ B^T` in one pass over out, 3x numpy's product-then-add). Each
+    array's rows contiguous (unit inner stride, rows in order and apart: a column slice
+    of a wider array, say the head's logits)."""
+    f32 = isinstance(a, np.ndarray) and a.dtype == np.float32
+    dtype = np.float32 if f32 else np.uint16
     for name, arr in (("a", a), ("b", b)):
-        if not (isinstance(arr, np.ndarray) and arr.dtype == np.uint16 and arr.ndim == 2
+        if not (isinstance(arr, np.ndarray) and arr.dtype == dtype and arr.ndim == 2
                 and _rows_contiguous(arr)):
-            raise ValueError(f"gemm: {name} must be a 2-D uint16 (bf16) array with contiguous rows")
+            raise ValueError(f"gemm: {name} must be a 2-D uint16 (bf16) array with contiguous rows"
+                             f"{', or both float32' if name == 'a' else ' (float32 when a is)'}")
     M, K = a.shape
     if (b.shape[1] if trans_b else b.shape[0]) != K:
         raise ValueError(f"gemm: a is {a.shape} but b is {b.shape}"

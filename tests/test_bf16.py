@@ -15,6 +15,7 @@ UB = 2.0 ** -9  # bf16 unit roundoff (8 significant bits, round to nearest)
 native = pytest.mark.skipif(not (bf16.cpu_bf16_flags() and bf16.available()),
                             reason="needs oneDNN (pip install 'llamatune[cpu-bf16]') and a CPU "
                                    "with avx512_bf16 or amx_bf16")
+needs_library = pytest.mark.skipif(not bf16.available(), reason="needs oneDNN (pip install 'llamatune[cpu-bf16]')")
 
 
 def bits(*u32):
@@ -223,9 +224,29 @@ def test_gemm_runs_on_numbas_thread_count():
         numba.set_num_threads(before)
 
 
+@needs_library
+@pytest.mark.parametrize("n_out", [4864, 896, 7])
+def test_gemm_f32_accumulates(n_out):
+    """float32 inputs: out += xa @ B^T for an adapter's rank-r factors (Products.add_product),
+    against numpy's product and add, whole tensors, within float32 rounding."""
+    rng = np.random.default_rng(n_out)
+    xa = rng.standard_normal((300, 8)).astype(np.float32)
+    b = rng.standard_normal((n_out, 8)).astype(np.float32)
+    y0 = rng.standard_normal((300, n_out)).astype(np.float32)
+    y = y0.copy()
+    bf16.gemm(y, xa, b, trans_b=True, accumulate=True)
+    want = y0.astype(np.float64) + xa.astype(np.float64) @ b.T.astype(np.float64)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+    bf16.gemm(y, xa, b, trans_b=True)                      # written, not added
+    np.testing.assert_allclose(y, xa.astype(np.float64) @ b.T.astype(np.float64), rtol=1e-5, atol=1e-5)
+
+
 def test_gemm_argument_checks():
     a, b = np.zeros((3, 4), np.uint16), np.zeros((4, 5), np.uint16)
-    with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows"):
+    with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows, "
+                                         "or both float32"):
+        bf16.gemm(np.zeros((3, 5), np.float32), a.astype(np.float64), b)
+    with pytest.raises(ValueError, match=r"gemm: b must be .* \(float32 when a is\)"):
         bf16.gemm(np.zeros((3, 5), np.float32), a.astype(np.float32), b)
     with pytest.raises(ValueError, match="gemm: b must be a 2-D uint16 .bf16. array with contiguous rows"):
         bf16.gemm(np.zeros((3, 5), np.float32), a, np.zeros((5, 4), np.uint16).T)
