@@ -16,10 +16,11 @@ product, so a dtype package would add nothing but a dependency.
   ``b (K, N)``, or ``b (N, K)`` used as ``b^T`` when ``trans_b`` (x @ W^T in the
   forward, dy @ W in the backward, W never transposed in memory). Inputs bf16,
   products accumulated in float32 by oneDNN's matmul primitive (AMX or AVX512_BF16
-  brgemm kernels); or inputs float32 (its avx512 kernels), for the adapters' `+=`. oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on
-  the training shapes of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896; its
-  verbose line names no kernel) and level only at (2048, 4096) x (4096, 4096)
-  (bench/bf16_gemm.py --api), hence the primitive.
+  brgemm kernels); or inputs float32 (its avx512 kernels), for the adapters' `+=`.
+  oneDNN's BLAS-like ``dnnl_gemm_bf16bf16f32`` measured slower on the training shapes
+  of a Sapphire Rapids CPU (1.3-2.3x at K = 512 and 896; its verbose line names no
+  kernel) and level only at (2048, 4096) x (4096, 4096) (bench/bf16_gemm.py --api),
+  hence the primitive.
 
 The library: ``libdnnl.so.3`` from the PyPI package ``onednn-cpu-gomp`` (the
 ``cpu-bf16`` extra), found once, lazily, at the first use; ``available()`` says
@@ -31,7 +32,8 @@ OpenMP's thread count for the calling thread to ``numba.get_num_threads()`` when
 differs, so oneDNN runs on exactly the threads numba's kernels run on.
 
 A primitive is built (and JIT-compiled by oneDNN) once per (M, N, K, trans_b,
-accumulate, threads, strides, input type) and kept; a training step repeats a handful of shapes.
+accumulate, threads, strides, input type) and kept; a training step repeats a handful
+of shapes.
 """
 from __future__ import annotations
 

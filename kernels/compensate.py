@@ -156,7 +156,8 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
     qtype, g, ts, qw, sig = _check(w, qtype, quant_weights, base)
     n_out, n_in = w.shape
     blocks = u if isinstance(u, list) else [u]
-    W = (np.asarray if overwrite else np.array)(w, dtype=np.float32 if blocks[0].dtype == np.float32 else np.float64)
+    dtype = np.float32 if blocks[0].dtype == np.float32 else np.float64
+    W = np.asarray(w, dtype) if overwrite else np.array(w, dtype)
     out = np.empty((n_out, n_in // g * ts), np.uint8)
     if sum(b.shape[0] for b in blocks) != n_in or any(b.shape[0] % g for b in blocks):
         raise ValueError(f"factor blocks {[b.shape for b in blocks]} do not tile {n_in} inputs in groups of {g}")

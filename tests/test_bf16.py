@@ -301,3 +301,22 @@ def test_cpu_flags_from_cpuinfo(tmp_path):
     f.write_text("processor : 0\nflags : fpu avx2\n")
     assert bf16.cpu_bf16_flags(str(f)) == []
     assert bf16.cpu_bf16_flags(str(tmp_path / "missing")) == []
+
+
+@pytest.mark.parametrize("dtype", ["f32", pytest.param("bf16", marks=needs_library)])
+def test_add_product(dtype):
+    """Products.add_product, out += a @ b^T for an adapter's factors: f32 products are
+    numpy's product and add bit for bit; bf16 products add through oneDNN's f32 kernels
+    (float32 rounding of the same sum)."""
+    from llamatune.models.products import Products
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((64, 8)).astype(np.float32)
+    b = rng.standard_normal((96, 8)).astype(np.float32)
+    y0 = rng.standard_normal((64, 96)).astype(np.float32)
+    y = y0.copy()
+    Products(np, dtype).add_product(y, a, b, np.empty_like(y))
+    if dtype == "f32":
+        np.testing.assert_array_equal(y, y0 + a @ b.T)
+    else:
+        np.testing.assert_allclose(y, y0.astype(np.float64) + a.astype(np.float64) @ b.T.astype(np.float64),
+                                   rtol=1e-5, atol=1e-5)

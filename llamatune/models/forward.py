@@ -141,10 +141,7 @@ class Forward:
     def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
         """y += sum_i s_i (x A_i^T) B_i^T."""
         for a, b, s in self.adapter_pairs(name):
-            if self.products.dtype == "bf16":
-                self.products.add_product(y, s * (x @ a.T), b)
-            else:
-                y += self.xp.matmul(s * (x @ a.T), b.T, out=self.scratch(*y.shape))
+            self.products.add_product(y, s * (x @ a.T), b, self.scratch(*y.shape))
 
     def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The keys and values layer i attends over, and the position of k's first row:

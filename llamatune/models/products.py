@@ -58,17 +58,17 @@ class Products:
         out[...] = tmp
         return out
 
-    def add_product(self, out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    def add_product(self, out: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> None:
         """out += a @ b^T in float32, a (N, r) and b (n_out, r) an adapter's rank-r factors.
         With bf16 products, oneDNN adds the product in its one pass over out (3x numpy's
-        product into a scratch and add, on (2048, 8) x (8, 4864)); f32 products keep numpy's
-        bit-exact path."""
+        product into a scratch and add, on (2048, 8) x (8, 4864)); f32 products keep
+        numpy's bit-exact product into `scratch` (out's shape) and add."""
         if self.dtype == "bf16" and out.flags.c_contiguous and a.dtype == np.float32:
             from ..kernels import bf16
             bf16.gemm(out, np.ascontiguousarray(a), np.ascontiguousarray(b, np.float32), trans_b=True,
                       accumulate=True)
             return
-        out += self.xp.matmul(a, b.T)
+        out += self.xp.matmul(a, b.T, out=scratch)
 
     @contextmanager
     def shared_input(self, x: np.ndarray):
