@@ -279,15 +279,16 @@ class _Library:
         return md
 
     def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int,
-                  lda: int = 0, ldb: int = 0, ldc: int = 0, f32: bool = False):
+                  lda: int = 0, ldb: int = 0, ldc: int = 0, f32: bool = False, trans_a: bool = False):
         """(primitive, [src, weights, dst memories], exec args, implementation name);
-        ld*: the row strides in elements (0: the row length); f32: float32 inputs."""
-        lda, ldb, ldc = lda or K, ldb or (K if trans_b else N), ldc or N
-        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32)
+        ld*: the row strides in elements (0: the row length); f32: float32 inputs;
+        trans_a: a held as (K, M)."""
+        lda, ldb, ldc = lda or (M if trans_a else K), ldb or (K if trans_b else N), ldc or N
+        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32, trans_a)
         if key in self.primitives:
             return self.primitives[key]
         lib = self.lib
-        a = self._desc((M, K), (lda, 1), _F32 if f32 else _BF16)
+        a = self._desc((M, K), (1, lda) if trans_a else (lda, 1), _F32 if f32 else _BF16)
         b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _F32 if f32 else _BF16)
         c = self._desc((M, N), (ldc, 1), _F32)
         attr = None
@@ -329,13 +330,13 @@ class _Library:
             self.gomp.omp_set_num_threads(n)
         return n if self.gomp is not None else 1
 
-    def matmul(self, out, a, b, trans_b: bool, accumulate: bool) -> None:
-        M, K = a.shape
+    def matmul(self, out, a, b, trans_b: bool, accumulate: bool, trans_a: bool = False) -> None:
+        M, K = a.shape[::-1] if trans_a else a.shape
         N = out.shape[1]
         ld = [arr.strides[0] // arr.itemsize for arr in (a, b, out)]
         with self.lock:  # the memories' data handles are shared per primitive
             prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld,
-                                                 f32=a.dtype == np.float32)
+                                                 f32=a.dtype == np.float32, trans_a=trans_a)
             for mem, arr in zip(mems, (a, b, out)):
                 _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
             _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
@@ -406,9 +407,10 @@ def _rows_contiguous(a: np.ndarray) -> bool:
     return (s1 == a.itemsize or a.shape[1] == 1) and s0 >= a.shape[1] * a.itemsize \
         and s0 % a.itemsize == 0
 def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
-         accumulate: bool = False) -> None:
-    """out (M, N) float32 = a (M, K) @ B, or out += a @ B when accumulate, where
-    B = b (K, N), or b (N, K) transposed when trans_b. a and b bf16 (uint16 bits),
+         accumulate: bool = False, trans_a: bool = False) -> None:
+    """out (M, N) float32 = A @ B, or out += A @ B when accumulate, where A = a (M, K),
+    or a (K, M) transposed when trans_a (the adapters' dy^T xa), and B = b (K, N), or
+    b (N, K) transposed when trans_b. a and b bf16 (uint16 bits),
     float32 accumulation; or a and b both float32 (oneDNN's f32 kernels: an adapter's
     rank-r `out += xa @ B^T` in one pass over out, 3x numpy's product-then-add). Each
     array's rows contiguous (unit inner stride, rows in order and apart: a column slice
@@ -420,10 +422,10 @@ def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
                 and _rows_contiguous(arr)):
             raise ValueError(f"gemm: {name} must be a 2-D uint16 (bf16) array with contiguous rows"
                              f"{', or both float32' if name == 'a' else ' (float32 when a is)'}")
-    M, K = a.shape
+    M, K = a.shape[::-1] if trans_a else a.shape
     if (b.shape[1] if trans_b else b.shape[0]) != K:
-        raise ValueError(f"gemm: a is {a.shape} but b is {b.shape}"
-                         f"{' (transposed)' if trans_b else ''}")
+        raise ValueError(f"gemm: a is {a.shape}{' (transposed)' if trans_a else ''} but b is "
+                         f"{b.shape}{' (transposed)' if trans_b else ''}")
     N = b.shape[0] if trans_b else b.shape[1]
     if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (M, N)
             and _rows_contiguous(out) and out.flags.writeable):
@@ -436,7 +438,7 @@ def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
         if not accumulate:
             out[...] = 0
         return
-    _library().matmul(out, a, b, trans_b, accumulate)
+    _library().matmul(out, a, b, trans_b, accumulate, trans_a)
 
 
 def gemm_ref(a: np.ndarray, b: np.ndarray, trans_b: bool = False) -> np.ndarray:

@@ -227,7 +227,7 @@ def test_gemm_runs_on_numbas_thread_count():
 @needs_library
 @pytest.mark.parametrize("n_out", [4864, 896, 7])
 def test_gemm_f32_accumulates(n_out):
-    """float32 inputs: out += xa @ B^T for an adapter's rank-r factors (Products.add_product),
+    """float32 inputs: out += xa @ B^T for an adapter's rank-r factors (an adapter's forward),
     against numpy's product and add, whole tensors, within float32 rounding."""
     rng = np.random.default_rng(n_out)
     xa = rng.standard_normal((300, 8)).astype(np.float32)
@@ -241,6 +241,29 @@ def test_gemm_f32_accumulates(n_out):
     np.testing.assert_allclose(y, xa.astype(np.float64) @ b.T.astype(np.float64), rtol=1e-5, atol=1e-5)
 
 
+@needs_library
+@pytest.mark.parametrize("accumulate", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gemm_trans_a(accumulate, trans_b):
+    """a held as (K, M) and used as a^T (the adapters' xa^T dy, dxa^T xd), float32 and
+    bf16 inputs, written and added, against numpy on whole tensors."""
+    rng = np.random.default_rng(3 + 2 * accumulate + trans_b)
+    K, M, N = 257, 8, 96
+    a32 = rng.standard_normal((K, M)).astype(np.float32)
+    b32 = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    B64 = (b32.T if trans_b else b32).astype(np.float64)
+    out0 = rng.standard_normal((M, N)).astype(np.float32)
+    out = out0.copy()
+    bf16.gemm(out, a32, b32, trans_a=True, trans_b=trans_b, accumulate=accumulate)
+    want = a32.T.astype(np.float64) @ B64 + (out0 if accumulate else 0)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-4)
+    a16, b16 = bf16.to_bf16_ref(a32), bf16.to_bf16_ref(b32)
+    out = out0.copy()
+    bf16.gemm(out, a16, b16, trans_a=True, trans_b=trans_b, accumulate=accumulate)
+    exact = bf16.gemm_ref(np.ascontiguousarray(a16.T), b16, trans_b=trans_b) + (out0 if accumulate else 0)
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-4)
+
+
 def test_gemm_argument_checks():
     a, b = np.zeros((3, 4), np.uint16), np.zeros((4, 5), np.uint16)
     with pytest.raises(ValueError, match="gemm: a must be a 2-D uint16 .bf16. array with contiguous rows, "
@@ -252,6 +275,8 @@ def test_gemm_argument_checks():
         bf16.gemm(np.zeros((3, 5), np.float32), a, np.zeros((5, 4), np.uint16).T)
     with pytest.raises(ValueError, match=r"gemm: a is \(3, 4\) but b is \(4, 5\) \(transposed\)"):
         bf16.gemm(np.zeros((3, 4), np.float32), a, b, trans_b=True)
+    with pytest.raises(ValueError, match=r"gemm: a is \(3, 4\) \(transposed\) but b is \(4, 5\)"):
+        bf16.gemm(np.zeros((4, 5), np.float32), a, b, trans_a=True)
     with pytest.raises(ValueError, match=r"gemm: out must be a writeable float32 array of shape \(3, 5\) "
                                          r"with contiguous rows, got float32 \(5, 3\)"):
         bf16.gemm(np.zeros((5, 3), np.float32), a, b)
@@ -303,20 +328,66 @@ def test_cpu_flags_from_cpuinfo(tmp_path):
     assert bf16.cpu_bf16_flags(str(tmp_path / "missing")) == []
 
 
-@pytest.mark.parametrize("dtype", ["f32", pytest.param("bf16", marks=needs_library)])
-def test_add_product(dtype):
-    """Products.add_product, out += a @ b^T for an adapter's factors: f32 products are
-    numpy's product and add bit for bit; bf16 products add through oneDNN's f32 kernels
-    (float32 rounding of the same sum)."""
+def test_lora_ops_f32_is_the_backends():
+    """f32 products keep the backend's own adapter kernels (numpy's bit-exact sums)."""
+    from llamatune.kernels import lora
     from llamatune.models.products import Products
-    rng = np.random.default_rng(5)
-    a = rng.standard_normal((64, 8)).astype(np.float32)
-    b = rng.standard_normal((96, 8)).astype(np.float32)
-    y0 = rng.standard_normal((64, 96)).astype(np.float32)
-    y = y0.copy()
-    Products(np, dtype).add_product(y, a, b, np.empty_like(y))
+    assert Products(np, "f32").lora_ops(lora) is lora
+
+
+@needs_library
+@pytest.mark.parametrize("masked,merged,strided", [(False, False, False), (True, False, False),
+                                                   (False, True, False), (False, False, True)])
+def test_lora_ops_onednn(masked, merged, strided):
+    """bf16 products' adapter kernels (oneDNN float32): lora_forward and lora_backward
+    against the float64 references on whole tensors, dA, dB, dx accumulated onto start
+    values (dx None when merged; y, dA a strided view when strided)."""
+    from llamatune.kernels import lora
+    from llamatune.models.products import Products
+    ops = Products(np, "bf16").lora_ops(lora)
+    N, n_in, n_out, r, s = 300, 96, 160, 8, 0.75
+    rng = np.random.default_rng(11)
+    f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    x, A, B, dy = f(N, n_in), f(r, n_in), f(n_out, r), f(N, n_out)
+    mask = ((rng.random((N, n_in)) > 0.3) / 0.7).astype(np.float32) if masked else None
+    xd = x if mask is None else x * mask
+    xa = xd @ A.T
+    y0 = f(N, n_out + 5)[:, 2:2 + n_out] if strided else f(N, n_out)
+    want = y0.astype(np.float64)
+    lora.lora_forward_ref(want, xa, B, s, None)
+    y = y0.copy(order="K") if not strided else y0
+    ops.lora_forward(y, xa, B, s, np.full((N, n_out), np.nan, np.float32))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5)
+
+    dA0 = f(r, n_in + 3)[:, :n_in] if strided else f(r, n_in)
+    start = dict(dA=dA0, dB=f(n_out, r), dx=None if merged else f(N, n_in))
+    ref = {k: None if v is None else v.astype(np.float64) for k, v in start.items()}
+    lora.lora_backward_ref(ref["dA"], ref["dB"], ref["dx"], dy, xd, xa, A, B, s, None, mask)
+    got = {k: None if v is None else v.copy() for k, v in start.items()}
+    ops.lora_backward(got["dA"], got["dB"], got["dx"], dy, xd, xa, A, B, s,
+                      np.full((N, n_in), np.nan, np.float32), mask)
+    for name in ("dA", "dB") + (() if merged else ("dx",)):
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["f32", pytest.param("bf16", marks=needs_library)])
+@pytest.mark.parametrize("strided", [False, True])
+def test_products_add(dtype, strided):
+    """Products.add, out += a @ W (the backward's dx += dy W): f32 products are numpy's
+    product and add bit for bit; bf16 products (a weight in bf16 bits) add the bf16
+    product in oneDNN's pass over out, or through a block where out is strided."""
+    from llamatune.models.products import Products
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((64, 48)).astype(np.float32)
+    W = rng.standard_normal((48, 40)).astype(np.float32)
+    wide = rng.standard_normal((64, 50)).astype(np.float32)
+    out0 = wide[:, 3:43] if strided else np.ascontiguousarray(wide[:, :40])
+    out = out0.copy() if not strided else wide.copy()[:, 3:43]
+    p = Products(np, dtype)
     if dtype == "f32":
-        np.testing.assert_array_equal(y, y0 + a @ b.T)
-    else:
-        np.testing.assert_allclose(y, y0.astype(np.float64) + a.astype(np.float64) @ b.T.astype(np.float64),
-                                   rtol=1e-5, atol=1e-5)
+        p.add(out, a, W, False, np.empty((64, 40), np.float32))
+        np.testing.assert_array_equal(out, out0 + a @ W)
+        return
+    p.add(out, a, bf16.to_bf16_ref(W), False, np.empty((64, 40), np.float32))
+    exact = out0.astype(np.float64) + bf16.gemm_ref(bf16.to_bf16_ref(a), bf16.to_bf16_ref(W))
+    np.testing.assert_allclose(out, exact, rtol=1e-5, atol=1e-5)

@@ -105,6 +105,7 @@ class Forward:
         self.cfg, self.base, self.backend = cfg, base, backend
         self.xp, self.ops = backend.xp, backend.ops
         self.products = Products(self.xp, compute_dtype)   # every product with a base weight
+        self.lora_ops = self.products.lora_ops(self.ops.lora)   # the adapters' rank-r products
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
 
     # ------------------------------------------------------------------ overridable parts
@@ -141,7 +142,7 @@ class Forward:
     def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
         """y += sum_i s_i (x A_i^T) B_i^T."""
         for a, b, s in self.adapter_pairs(name):
-            self.products.add_product(y, s * (x @ a.T), b, self.scratch(*y.shape))
+            self.lora_ops.lora_forward(y, x @ a.T, b, s, self.scratch(*y.shape))
 
     def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The keys and values layer i attends over, and the position of k's first row:

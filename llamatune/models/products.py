@@ -7,11 +7,13 @@
 precision.compute_dtype resolves --compute-dtype; this object applies it. Every base
 product of the forward (x W^T), of the backward (dy W) and of the output head goes
 through one `Products`; the adapters' rank-r products, norms, softmax, the loss and
-every accumulation stay float32.
+every accumulation stay float32 (with bf16 products the adapters' products run through
+oneDNN's float32 kernels: `lora_ops`).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -42,33 +44,49 @@ class Products:
         float32, or with bf16 products already bf16 bits (uint16: dequantized straight to
         bf16, `Forward.weight`). With bf16 products, fewer than BF16_MIN_ROWS rows of an
         f32 weight multiply in f32."""
-        if self.dtype == "f32" or (W.dtype != np.uint16 and not self.bf16_for(a.shape[0])):
+        if self._f32(a, W):
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
+        self._bf16(out, a, W, trans_b, accumulate=False)
+        return out
+
+    def add(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool, scratch: np.ndarray) -> None:
+        """out += a @ W^T (trans_b) or a @ W, W as in __call__. f32 products: the product
+        into `scratch` (out's shape) and an add, numpy's bits; bf16: oneDNN adds it in its
+        one pass over out (a sum post-op)."""
+        if self._f32(a, W):
+            out += self.xp.matmul(a, W.T if trans_b else W, out=scratch)
+        else:
+            self._bf16(out, a, W, trans_b, accumulate=True)
+
+    def lora_ops(self, ops_lora):
+        """The adapters' rank-r products (lora_forward, lora_backward): with bf16 products
+        oneDNN's float32 kernels (kernels/lora.py: the adds in the products' one pass, about
+        1.6x numpy's rate on a layer of the bench shape); f32 products keep the backend's
+        own, numpy's bit-exact sums on the CPU."""
+        if self.dtype != "bf16":
+            return ops_lora
+        from ..kernels import lora
+        return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn)
+
+    def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
+        return self.dtype == "f32" or (W.dtype != np.uint16 and not self.bf16_for(a.shape[0]))
+
+    def _bf16(self, out, a, W, trans_b: bool, accumulate: bool) -> None:
         from ..kernels import bf16
         a16 = self._held_bf16 if a is self._held else self._round(a, "a")
         w16 = W if W.dtype == np.uint16 else self._round(W, "w")
         if out.flags.c_contiguous:
-            bf16.gemm(out, a16, w16, trans_b=trans_b)
-            return out
+            bf16.gemm(out, a16, w16, trans_b=trans_b, accumulate=accumulate)
+            return
         # a column block of a wider array (the head's logits): oneDNN writes rows far apart
         # at 0.4-0.5x its rate (bench shape's head, 2048 x 512 x 32000 in blocks of 4096
         # rows: 273 ms, against 133 ms through a contiguous block and a copy)
         tmp = self._buffer("out", out.shape)
         bf16.gemm(tmp, a16, w16, trans_b=trans_b)
-        out[...] = tmp
-        return out
-
-    def add_product(self, out: np.ndarray, a: np.ndarray, b: np.ndarray, scratch: np.ndarray) -> None:
-        """out += a @ b^T in float32, a (N, r) and b (n_out, r) an adapter's rank-r factors.
-        With bf16 products, oneDNN adds the product in its one pass over out (3x numpy's
-        product into a scratch and add, on (2048, 8) x (8, 4864)); f32 products keep
-        numpy's bit-exact product into `scratch` (out's shape) and add."""
-        if self.dtype == "bf16" and out.flags.c_contiguous and a.dtype == np.float32:
-            from ..kernels import bf16
-            bf16.gemm(out, np.ascontiguousarray(a), np.ascontiguousarray(b, np.float32), trans_b=True,
-                      accumulate=True)
-            return
-        out += self.xp.matmul(a, b.T, out=scratch)
+        if accumulate:
+            out += tmp
+        else:
+            out[...] = tmp
 
     @contextmanager
     def shared_input(self, x: np.ndarray):

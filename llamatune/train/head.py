@@ -75,7 +75,7 @@ class LossHead:
                 if j == 0:
                     self.products(dx, g, W, trans_b=False)
                 else:
-                    dx += self.products(self.scratch(hi - lo, C), g, W, trans_b=False)
+                    self.products.add(dx, g, W, False, self.scratch(hi - lo, C))
                 if dW is not None and fresh:
                     xp.matmul(g.T, x, out=dW[vlo:vhi])
                 elif dW is not None:

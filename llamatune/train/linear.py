@@ -85,7 +85,7 @@ class LoraLinear:
         xa = self.xa[name]
         self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
         if not merged:
-            self.ops.lora.lora_forward(y, xa, self.params[t.b], t.scale, self.scratch(*y.shape))
+            self.lora_ops.lora_forward(y, xa, self.params[t.b], t.scale, self.scratch(*y.shape))
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
@@ -147,7 +147,7 @@ class LoraLinear:
         W, merged = self.matrix(name, dy.shape[0])
         if dx is not None:
             if accumulate:
-                dx += self.products(self.scratch(*dx.shape), dy, W, trans_b=False)
+                self.products.add(dx, dy, W, False, self.scratch(*dx.shape))
             else:
                 self.products(dx, dy, W, trans_b=False)
         target = self.weight_grad_to_write(name)
@@ -170,7 +170,7 @@ class LoraLinear:
         """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
         dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
         dx None: the adapter was merged into the W of dy W, which gave that share)."""
-        self.ops.lora.lora_backward(self.params.grad_of(t.a), self.params.grad_of(t.b), dx, dy, xd, xa,
+        self.lora_ops.lora_backward(self.params.grad_of(t.a), self.params.grad_of(t.b), dx, dy, xd, xa,
                                     self.params[t.a], self.params[t.b], t.scale, self.scratch(*xd.shape), mask)
 
     def head_scratch(self, rows: int, cols: int) -> np.ndarray:
