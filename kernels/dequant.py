@@ -47,7 +47,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as _gguf_dequantize
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 QK_K = 256  # super-block size of the K-quants
 _U = np.uint64  # inner-loop indices: unsigned, so numba emits no negative-index wraparound
@@ -68,6 +68,44 @@ def _bits_to_f32(typingctx, bits):
         return builder.bitcast(u32, ir.FloatType())
 
     return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_to_bf16(typingctx, v):
+    """bf16 bits (uint16) of a float32: round to nearest even, a NaN kept with its sign
+    and top payload and made quiet, as kernels/bf16.py's `to_bf16`. In 32-bit lanes (the
+    carry of the rounding can overflow only for NaN bits, which the select drops)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        c = lambda n: ir.Constant(i32, n)
+        b = builder.bitcast(args[0], i32)
+        hi = builder.lshr(b, c(16))
+        rounded = builder.lshr(builder.add(builder.add(b, c(0x7FFF)), builder.and_(hi, c(1))), c(16))
+        nan = builder.icmp_unsigned(">", builder.and_(b, c(0x7FFFFFFF)), c(0x7F800000))
+        return builder.trunc(builder.select(nan, builder.or_(hi, c(0x40)), rounded), ir.IntType(16))
+
+    return types.uint16(v), codegen
+
+
+def _put(dst, j, v):
+    """dst[j] = v (a float32): stored as is in a float32 row, or as its bf16 bits in a
+    uint16 row (the kernels then dequantize straight to bf16, `dequantize_into`)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_put, inline="always")
+def _put_numba(dst, j, v):
+    if dst.dtype == types.uint16:
+        def store_bf16(dst, j, v):
+            dst[j] = _f32_to_bf16(v)
+        return store_bf16
+
+    def store(dst, j, v):
+        dst[j] = v
+    return store
 
 
 @intrinsic
@@ -182,7 +220,7 @@ def _deq_f32(data, rows, gather, out):
         for j in range(dst.shape[0]):
             o = 4 * j
             bits = _u16(src, o) | (_u16(src, o + 2) << 16)
-            dst[j] = _bits_to_f32(bits)  # bit copy, NaN payloads kept
+            _put(dst, j, _bits_to_f32(bits))  # bit copy, NaN payloads kept
 
 
 @njit(cache=True, parallel=True)
@@ -191,7 +229,7 @@ def _deq_f16(data, rows, gather, out):
         src, dst = data[_src_row(rows, gather, i)], out[i]
         h16 = src.view(np.uint16)  # little-endian halves (the row's bytes are 2-aligned)
         for j in range(_U(dst.shape[0])):
-            dst[j] = _half_bits_to_f32(h16[j])
+            _put(dst, j, _half_bits_to_f32(h16[j]))
 
 
 @njit(cache=True, parallel=True)
@@ -200,7 +238,7 @@ def _deq_bf16(data, rows, gather, out):
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i]
         for j in range(dst.shape[0]):
-            dst[j] = _bits_to_f32(_u16(src, 2 * j) << 16)
+            _put(dst, j, _bits_to_f32(_u16(src, 2 * j) << 16))
 
 
 # -------------------------------------------------- 32-value legacy blocks
@@ -218,7 +256,7 @@ def _deq_q8_0(data, rows, gather, out):
             d = _f16(src, o)
             qs, y = _U(o + 2), _U(32 * b)
             for j in range(n32):
-                dst[y + j] = np.float32(s8[qs + j]) * d
+                _put(dst, y + j, np.float32(s8[qs + j]) * d)
 
 
 @njit(cache=True, parallel=True)
@@ -233,8 +271,8 @@ def _deq_q4_0(data, rows, gather, out):
             qs, y = _U(o + 2), _U(32 * b)
             for j in range(n16):
                 q = np.int32(src[qs + j])
-                dst[y + j] = d * _small_int_to_f32((q & 0xF) - 8)
-                dst[y + j + _U(16)] = d * _small_int_to_f32((q >> 4) - 8)
+                _put(dst, y + j, d * _small_int_to_f32((q & 0xF) - 8))
+                _put(dst, y + j + _U(16), d * _small_int_to_f32((q >> 4) - 8))
 
 
 @njit(cache=True, parallel=True)
@@ -250,8 +288,8 @@ def _deq_q4_1(data, rows, gather, out):
             qs, y = _U(o + 4), _U(32 * b)
             for j in range(n16):
                 q = np.int32(src[qs + j])
-                dst[y + j] = d * _small_int_to_f32(q & 0xF) + m
-                dst[y + j + _U(16)] = d * _small_int_to_f32(q >> 4) + m
+                _put(dst, y + j, d * _small_int_to_f32(q & 0xF) + m)
+                _put(dst, y + j + _U(16), d * _small_int_to_f32(q >> 4) + m)
 
 
 @njit(cache=True, parallel=True)
@@ -269,8 +307,8 @@ def _deq_q5_0(data, rows, gather, out):
                 q = np.int32(src[qs + _U(j)])
                 q0 = _field(q, 0, 0xF) | (_field(qh, j, 1) << 4)
                 q1 = _field(q, 4, 0xF) | (_field(qh, j + 16, 1) << 4)
-                dst[y + _U(j)] = d * _small_int_to_f32(q0 - 16)
-                dst[y + _U(j + 16)] = d * _small_int_to_f32(q1 - 16)
+                _put(dst, y + _U(j), d * _small_int_to_f32(q0 - 16))
+                _put(dst, y + _U(j + 16), d * _small_int_to_f32(q1 - 16))
 
 
 @njit(cache=True, parallel=True)
@@ -288,8 +326,8 @@ def _deq_q5_1(data, rows, gather, out):
                 q = np.int32(src[qs + _U(j)])
                 q0 = _field(q, 0, 0xF) | (_field(qh, j, 1) << 4)
                 q1 = _field(q, 4, 0xF) | (_field(qh, j + 16, 1) << 4)
-                dst[y + _U(j)] = d * _small_int_to_f32(q0) + m
-                dst[y + _U(j + 16)] = d * _small_int_to_f32(q1) + m
+                _put(dst, y + _U(j), d * _small_int_to_f32(q0) + m)
+                _put(dst, y + _U(j + 16), d * _small_int_to_f32(q1) + m)
 
 
 # ---------------------------------------------------- 256-value K-quants
@@ -314,7 +352,7 @@ def _deq_q2_k(data, rows, gather, out):
                 y = _U(QK_K * b + 16 * sb)
                 for k in range(n16):
                     q = _field(src[qs + k], shift, 3)
-                    dst[y + k] = dl * _small_int_to_f32(q) - ml
+                    _put(dst, y + k, dl * _small_int_to_f32(q) - ml)
 
 
 @njit(cache=True, parallel=True)
@@ -345,7 +383,7 @@ def _deq_q3_k(data, rows, gather, out):
                 for k in range(n16):
                     q = _field(src[qs + k], shift, 3)
                     h = _field(src[hm + k], hbit, 1)
-                    dst[y + k] = dl * _small_int_to_f32(q - 4 * (1 - h))
+                    _put(dst, y + k, dl * _small_int_to_f32(q - 4 * (1 - h)))
 
 
 @njit(cache=True, inline="always")
@@ -383,8 +421,8 @@ def _deq_q4_k(data, rows, gather, out):
                 y = _U(QK_K * b + 64 * pair)
                 for l in range(_U(32)):
                     q = np.int32(src[qs + l])
-                    dst[y + l] = dl0 * _small_int_to_f32(q & 0xF) - ml0
-                    dst[y + _U(32) + l] = dl1 * _small_int_to_f32(q >> 4) - ml1
+                    _put(dst, y + l, dl0 * _small_int_to_f32(q & 0xF) - ml0)
+                    _put(dst, y + _U(32) + l, dl1 * _small_int_to_f32(q >> 4) - ml1)
 
 
 @njit(cache=True, parallel=True)
@@ -410,8 +448,8 @@ def _deq_q5_k(data, rows, gather, out):
                 for l in range(_U(32)):
                     q = np.int32(src[qs + l])
                     h = np.int32(src[qh + l])
-                    dst[y + l] = dl0 * _small_int_to_f32(_field(q, 0, 0xF) | (_field(h, h0, 1) << 4)) - ml0
-                    dst[y + _U(32) + l] = dl1 * _small_int_to_f32(_field(q, 4, 0xF) | (_field(h, h1, 1) << 4)) - ml1
+                    _put(dst, y + l, dl0 * _small_int_to_f32(_field(q, 0, 0xF) | (_field(h, h0, 1) << 4)) - ml0)
+                    _put(dst, y + _U(32) + l, dl1 * _small_int_to_f32(_field(q, 4, 0xF) | (_field(h, h1, 1) << 4)) - ml1)
 
 
 @njit(cache=True, parallel=True)
@@ -440,10 +478,10 @@ def _deq_q6_k(data, rows, gather, out):
                         a = np.int32(src[ql + l])
                         a2 = np.int32(src[ql + _U(32) + l])
                         hb = np.int32(src[qh + l])
-                        dst[y + l] = dl1 * _small_int_to_f32((_field(a, 0, 0xF) | (_field(hb, 0, 3) << 4)) - 32)
-                        dst[y + _U(32) + l] = dl2 * _small_int_to_f32((_field(a2, 0, 0xF) | (_field(hb, 2, 3) << 4)) - 32)
-                        dst[y + _U(64) + l] = dl3 * _small_int_to_f32((_field(a, 4, 0xF) | (_field(hb, 4, 3) << 4)) - 32)
-                        dst[y + _U(96) + l] = dl4 * _small_int_to_f32((_field(a2, 4, 0xF) | (_field(hb, 6, 3) << 4)) - 32)
+                        _put(dst, y + l, dl1 * _small_int_to_f32((_field(a, 0, 0xF) | (_field(hb, 0, 3) << 4)) - 32))
+                        _put(dst, y + _U(32) + l, dl2 * _small_int_to_f32((_field(a2, 0, 0xF) | (_field(hb, 2, 3) << 4)) - 32))
+                        _put(dst, y + _U(64) + l, dl3 * _small_int_to_f32((_field(a, 4, 0xF) | (_field(hb, 4, 3) << 4)) - 32))
+                        _put(dst, y + _U(96) + l, dl4 * _small_int_to_f32((_field(a2, 4, 0xF) | (_field(hb, 6, 3) << 4)) - 32))
 
 
 # ------------------------------------------------------------ dispatch
@@ -478,9 +516,9 @@ def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int):
     if not (isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 2
             and data.flags.c_contiguous):
         raise ValueError("data must be a C-contiguous 2-D uint8 array (n_rows, row_bytes)")
-    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.ndim == 2
+    if not (isinstance(out, np.ndarray) and out.dtype in (np.float32, np.uint16) and out.ndim == 2
             and out.flags.c_contiguous and out.flags.writeable):
-        raise ValueError("out must be a writeable C-contiguous 2-D float32 array")
+        raise ValueError("out must be a writeable C-contiguous 2-D float32 (or uint16: bf16 bits) array")
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
     n_cols = out.shape[1]
     if n_cols % block_size != 0:
@@ -498,7 +536,9 @@ def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
 
     data: raw bytes as a C-contiguous uint8 array of shape (n_rows, row_bytes)
     (callers pass tensor bytes viewed as uint8); out: float32 C-contiguous
-    (n_rows, n_cols). Parallel over rows (numba prange)."""
+    (n_rows, n_cols), or uint16 for the values' bf16 bits (rounded to nearest even
+    as they are stored: kernels/bf16.py's dequantize_into). Parallel over rows
+    (numba prange)."""
     data = np.asarray(data)  # memmap subclass -> plain ndarray view
     kernel = _check(data, qtype, out, data.shape[0] if data.ndim == 2 else -1)
     kernel(data, _NO_ROWS, False, out)

@@ -123,20 +123,20 @@ def test_dequantize_to_bf16_bit_identical(qtype):
     f32 = np.zeros((n_rows, n_cols), np.float32)
     dequant.dequantize_into(data, int(qtype), f32)
     out = np.zeros((n_rows, n_cols), np.uint16)
-    scratch = np.zeros(3 * n_cols + 5, np.float32)  # three rows a chunk, the last one short
-    bf16.dequantize_into(data, int(qtype), out, scratch)
+    bf16.dequantize_into(data, int(qtype), out)
     np.testing.assert_array_equal(out, bf16.to_bf16_ref(f32))
+    rows = np.array([6, 0, 3, 3], np.int64)                # the gather kernels' uint16 versions
+    gathered = np.zeros((4, n_cols), np.uint16)
+    dequant.dequantize_rows_into(data, int(qtype), rows, gathered)
+    np.testing.assert_array_equal(gathered, bf16.to_bf16_ref(f32[rows]))
 
 
 def test_dequantize_to_bf16_argument_checks():
     data = random_tensor(dequant.T.Q8_0, 2, 64)
-    scratch = np.zeros(64, np.float32)
     with pytest.raises(ValueError, match="out must be a writeable C-contiguous 2-D uint16"):
-        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((2, 64), np.float32), scratch)
-    with pytest.raises(ValueError, match="scratch must be a C-contiguous float32 array of at least 64"):
-        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((2, 64), np.uint16), scratch[:32])
+        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((2, 64), np.float32))
     with pytest.raises(ValueError, match=r"data must be 2-D with 3 rows, got shape \(2, 68\)"):
-        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((3, 64), np.uint16), scratch)
+        bf16.dequantize_into(data, int(dequant.T.Q8_0), np.zeros((3, 64), np.uint16))
 
 
 def product_bounds(a32, b32, trans_b):

@@ -113,7 +113,6 @@ class Dequantizer:
         self.size = max(layer_max, self.head_rows * head.n_cols)
         self._buf: np.ndarray | None = None
         self._buf_bf16: np.ndarray | None = None
-        self._chunk: np.ndarray | None = None     # f32 rows on their way to bf16 (bf16.SCRATCH_VALUES)
 
     @property
     def nbytes(self) -> int:
@@ -121,9 +120,8 @@ class Dequantizer:
 
     @property
     def nbytes_bf16(self) -> int:
-        """The scratch of `block_bf16`: the bf16 matrix and the f32 rows it is expanded through."""
-        from ..kernels.bf16 import SCRATCH_VALUES
-        return self.size * 2 + SCRATCH_VALUES * 4
+        """The scratch of `block_bf16`: the bf16 matrix (the kernels round as they store)."""
+        return self.size * 2
 
     def get(self, t: Tensor) -> np.ndarray:
         return self.block(t, 0, t.n_rows)
@@ -153,12 +151,11 @@ class Dequantizer:
             raise ValueError(f"{t.name}: rows {lo}:{hi} do not fit the dequantization scratch; expand it in blocks")
         if self._buf_bf16 is None:
             self._buf_bf16 = np.empty(self.size, np.uint16)
-            self._chunk = np.empty(bf16.SCRATCH_VALUES, np.float32)
         out = self._buf_bf16[:n].reshape(hi - lo, t.n_cols)
         if t.qtype == QType.F32:
             bf16.to_bf16(out, t.data.reshape(t.n_rows, t.n_cols)[lo:hi])
-        elif t.qtype in dequant.NUMBA_TYPES and t.n_cols <= self._chunk.size:
-            bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, out, self._chunk)
+        elif t.qtype in dequant.NUMBA_TYPES:
+            bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, out)
         else:
             bf16.to_bf16(out, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
         return out
