@@ -52,10 +52,11 @@ class LossHead:
             if t is not None:
                 xa = x @ self.params[t.a].T                  # (n, r)
                 sxa, Bt = t.scale * xa, self.params[t.b]
-            for vlo, vhi in blocks:
-                self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)
-                if t is not None:
-                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(hi - lo, vhi - vlo))
+            with self.products.shared_input(x):              # x rounded to bf16 once, not once a block
+                for vlo, vhi in blocks:
+                    self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)
+                    if t is not None:
+                        logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(hi - lo, vhi - vlo))
             if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
                 self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
             if not backward:                                 # the step's kernel: the same losses bit for bit
