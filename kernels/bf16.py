@@ -45,6 +45,7 @@ import numpy as np
 from numba import njit, prange
 
 from . import dequant
+from .dequant import _f32_to_bf16
 from ._checks import check_array
 
 __all__ = ["to_bf16", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
@@ -53,42 +54,33 @@ __all__ = ["to_bf16", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_i
 
 
 # ---------------------------------------------------------------- conversions
-@njit(cache=True, inline="always")
-def _round_bits(u):
-    """bf16 bits of the float32 with bits u (an integer < 2**32): round to nearest
-    even on the 16 dropped bits; a NaN keeps its sign and top payload and is made
-    quiet (bit 6 of the bf16), as oneDNN's bfloat16_t does."""
-    U = np.uint64  # every constant unsigned: numba turns uint64-with-int64 arithmetic into float64
-    if (u & U(0x7FFFFFFF)) > U(0x7F800000):
-        return (u >> U(16)) | U(0x40)
-    return (u + U(0x7FFF) + ((u >> U(16)) & U(1))) >> U(16)
+# the rounding itself is dequant._f32_to_bf16 (one rule for conversions and for the
+# dequantization kernels' bf16 stores)
+@njit(cache=True, parallel=True)
+def _to_bf16(out, x):
+    for i in prange(x.shape[0]):
+        out[i] = _f32_to_bf16(x[i])
 
 
 @njit(cache=True, parallel=True)
-def _to_bf16(out, x_bits):
-    for i in prange(x_bits.shape[0]):
-        out[i] = np.uint16(_round_bits(np.uint64(x_bits[i])))
-
-
-@njit(cache=True, parallel=True)
-def _to_bf16_rows(out, x_bits):
+def _to_bf16_rows(out, x):
     # 2-D, rows contiguous but apart (a column slice such as the head's logits[:, lo:hi])
-    for i in prange(x_bits.shape[0]):
-        for j in range(x_bits.shape[1]):
-            out[i, j] = np.uint16(_round_bits(np.uint64(x_bits[i, j])))
+    for i in prange(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[i, j] = _f32_to_bf16(x[i, j])
 
 
 @njit(cache=True, parallel=True)
-def _to_bf16_transposed(out, x_bits):
+def _to_bf16_transposed(out, x):
     # out (n, N) = rounded x (N, n) transposed, in 64 x 64 tiles (column strips in parallel)
-    N, n = x_bits.shape
+    N, n = x.shape
     for jb in prange((n + 63) // 64):
         j1 = min(n, jb * 64 + 64)
         for i0 in range(0, N, 64):
             i1 = min(N, i0 + 64)
             for j in range(jb * 64, j1):
                 for i in range(i0, i1):
-                    out[j, i] = np.uint16(_round_bits(np.uint64(x_bits[i, j])))
+                    out[j, i] = _f32_to_bf16(x[i, j])
 
 
 @njit(cache=True, parallel=True)
@@ -115,10 +107,10 @@ def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
         check_array("to_bf16", "out", out, x.shape, np.uint16)
         if not out.flags.writeable:
             raise ValueError("to_bf16: out must be writeable")
-        _to_bf16_rows(out, x.view(np.uint32))
+        _to_bf16_rows(out, x)
         return
     out, x = _flat("to_bf16", out, x, np.uint16, np.float32)
-    _to_bf16(out, x.view(np.uint32))
+    _to_bf16(out, x)
 
 
 def to_bf16_transposed(out: np.ndarray, x: np.ndarray) -> None:
@@ -129,7 +121,7 @@ def to_bf16_transposed(out: np.ndarray, x: np.ndarray) -> None:
     check_array("to_bf16_transposed", "out", out, x.shape[::-1], np.uint16)
     if not out.flags.writeable:
         raise ValueError("to_bf16_transposed: out must be writeable")
-    _to_bf16_transposed(out, x.view(np.uint32))
+    _to_bf16_transposed(out, x)
 
 
 def from_bf16(out: np.ndarray, x: np.ndarray) -> None:
