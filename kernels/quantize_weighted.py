@@ -104,17 +104,15 @@ def _make_qx_quants_w(nmax, x, L, qw, iscales, sumlx, suml2):
     return scale
 
 
-@njit(cache=True)
-def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
-    """make_qkx3_quants with weights and use_mad=false: asymmetric levels 0..nmax,
-    x ~ scale*L - the_min, nstep+1 trial scales each refit by weighted least squares.
-    Returns (scale, the_min); L filled."""
-    n = x.shape[0]
+@njit(cache=True, inline="always")
+def _qkx3_stats(x, w):
+    """make_qkx3_quants' first pass: (min clamped to at most 0, max, sum w, sum w x),
+    each in index order."""
     mn = x[0]
     mx = x[0]
     sum_w = w[0]
     sum_x = sum_w * x[0]
-    for i in range(1, n):
+    for i in range(1, x.shape[0]):
         if x[i] < mn:
             mn = x[i]
         if x[i] > mx:
@@ -123,18 +121,51 @@ def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
         sum_x += w[i] * x[i]
     if mn > 0:
         mn = f32(0)
-    if mx <= mn:
-        L[:n] = 0
-        return f32(0), -mn
-    fnmax = f32(nmax)
-    iscale = fnmax / (mx - mn)
+    return mn, mx, sum_w, sum_x
+
+
+@njit(cache=True, inline="always")
+def _qkx3_start(nmax, x, w, L, mn, mx):
+    """The levels of the block's own range: (scale, their weighted squared error); L filled."""
+    iscale = f32(nmax) / (mx - mn)
     scale = f32(1) / iscale
     best_mad = f32(0)
-    for i in range(n):
+    for i in range(x.shape[0]):
         l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
         L[i] = l
         diff = scale * f32(l) + mn - x[i]
         best_mad += w[i] * (diff * diff)
+    return scale, best_mad
+
+
+@njit(cache=True, inline="always")
+def _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl):
+    """One trial's weighted least-squares refit: (D, scale, min), min at most 0;
+    scale and min are 0 where D <= 0 (the trial is then skipped)."""
+    D = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = f32(0)
+    this_min = f32(0)
+    if D > 0:
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        if this_min > 0:
+            this_min = f32(0)
+            this_scale = sum_xl / sum_l2
+    return D, this_scale, this_min
+
+
+@njit(cache=True)
+def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
+    """make_qkx3_quants with weights and use_mad=false: asymmetric levels 0..nmax,
+    x ~ scale*L - the_min, nstep+1 trial scales each refit by weighted least squares.
+    Returns (scale, the_min); L filled."""
+    n = x.shape[0]
+    mn, mx, sum_w, sum_x = _qkx3_stats(x, w)
+    if mx <= mn:
+        L[:n] = 0
+        return f32(0), -mn
+    fnmax = f32(nmax)
+    scale, best_mad = _qkx3_start(nmax, x, w, L, mn, mx)
     for step in range(nstep + 1):
         iscale = (rmin + rdelta * f32(step) + fnmax) / (mx - mn)
         sum_l = f32(0)
@@ -147,13 +178,8 @@ def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
             sum_l += w[i] * fl
             sum_l2 += w[i] * fl * fl
             sum_xl += w[i] * fl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
+        D, this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
         if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = f32(0)
-                this_scale = sum_xl / sum_l2
             mad = f32(0)
             for i in range(n):
                 diff = this_scale * f32(Laux[i]) + this_min - x[i]
@@ -174,55 +200,20 @@ def _make_qkx3_quants_2(nmax, xa, wa, La, xb, wb, Lb, Lt, Laux, rmin, rdelta, ns
     min the last improving trial chose, so one block's trials cannot overlap; two
     blocks' chains can. Every sum is still taken in index order in a scalar of its own
     (lanes in arrays stay in memory under numba, and were no faster): the same bits as
-    two calls. Levels are computed in float arithmetic (_rint), kept in Lt (float32,
-    2n); Laux is for a flat block's fallback. Q4_K with weights, 896 super-blocks on
-    2 cores: 18.7 ms, against 23.6 one block at a time with integer levels."""
+    two calls. The trials' levels are computed in float arithmetic (_rint), kept in Lt
+    (float32, 2n); Laux is for a flat block's fallback. Q4_K with weights, 896
+    super-blocks on 2 cores: 18.7 ms, against 23.6 one block at a time with integer
+    levels."""
     n = xa.shape[0]
-    mna = xa[0]
-    mxa = xa[0]
-    mnb = xb[0]
-    mxb = xb[0]
-    sum_wa = wa[0]
-    sum_xa = sum_wa * xa[0]
-    sum_wb = wb[0]
-    sum_xb = sum_wb * xb[0]
-    for i in range(1, n):
-        if xa[i] < mna:
-            mna = xa[i]
-        if xa[i] > mxa:
-            mxa = xa[i]
-        sum_wa += wa[i]
-        sum_xa += wa[i] * xa[i]
-        if xb[i] < mnb:
-            mnb = xb[i]
-        if xb[i] > mxb:
-            mxb = xb[i]
-        sum_wb += wb[i]
-        sum_xb += wb[i] * xb[i]
-    if mna > 0:
-        mna = f32(0)
-    if mnb > 0:
-        mnb = f32(0)
+    mna, mxa, sum_wa, sum_xa = _qkx3_stats(xa, wa)
+    mnb, mxb, sum_wb, sum_xb = _qkx3_stats(xb, wb)
     if mxa <= mna or mxb <= mnb:               # a flat block: C returns early; one at a time
         sa, ma = _make_qkx3_quants(nmax, xa, wa, La, Laux, rmin, rdelta, nstep)
         sb, mb = _make_qkx3_quants(nmax, xb, wb, Lb, Laux, rmin, rdelta, nstep)
         return sa, ma, sb, mb
     fnmax = f32(nmax)
-    iscale_a = fnmax / (mxa - mna)
-    scale_a = f32(1) / iscale_a
-    iscale_b = fnmax / (mxb - mnb)
-    scale_b = f32(1) / iscale_b
-    best_a = f32(0)
-    best_b = f32(0)
-    for i in range(n):
-        la = max(0, min(nmax, _nearest_int(iscale_a * (xa[i] - mna))))
-        La[i] = la
-        diff = scale_a * f32(la) + mna - xa[i]
-        best_a += wa[i] * (diff * diff)
-        lb = max(0, min(nmax, _nearest_int(iscale_b * (xb[i] - mnb))))
-        Lb[i] = lb
-        diff = scale_b * f32(lb) + mnb - xb[i]
-        best_b += wb[i] * (diff * diff)
+    scale_a, best_a = _qkx3_start(nmax, xa, wa, La, mna, mxa)
+    scale_b, best_b = _qkx3_start(nmax, xb, wb, Lb, mnb, mxb)
     for step in range(nstep + 1):
         iscale_a = (rmin + rdelta * f32(step) + fnmax) / (mxa - mna)
         iscale_b = (rmin + rdelta * f32(step) + fnmax) / (mxb - mnb)
@@ -243,21 +234,8 @@ def _make_qkx3_quants_2(nmax, xa, wa, La, xb, wb, Lb, Lt, Laux, rmin, rdelta, ns
             slb += wb[i] * fl
             sl2b += wb[i] * fl * fl
             sxlb += wb[i] * fl * xb[i]
-        Da = sum_wa * sl2a - sla * sla
-        Db = sum_wb * sl2b - slb * slb
-        this_scale_a = this_min_a = this_scale_b = this_min_b = f32(0)
-        if Da > 0:
-            this_scale_a = (sum_wa * sxla - sum_xa * sla) / Da
-            this_min_a = (sl2a * sum_xa - sla * sxla) / Da
-            if this_min_a > 0:
-                this_min_a = f32(0)
-                this_scale_a = sxla / sl2a
-        if Db > 0:
-            this_scale_b = (sum_wb * sxlb - sum_xb * slb) / Db
-            this_min_b = (sl2b * sum_xb - slb * sxlb) / Db
-            if this_min_b > 0:
-                this_min_b = f32(0)
-                this_scale_b = sxlb / sl2b
+        Da, this_scale_a, this_min_a = _qkx3_fit(sum_wa, sum_xa, sla, sl2a, sxla)
+        Db, this_scale_b, this_min_b = _qkx3_fit(sum_wb, sum_xb, slb, sl2b, sxlb)
         mad_a = f32(0)
         mad_b = f32(0)
         for i in range(n):
