@@ -125,17 +125,15 @@ def _pack_2bit(L, y, o):
 
 
 # ---------------------------------------------------------- ggml-quants.c helpers
-@njit(cache=True)
-def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
-    """make_qkx2_quants: asymmetric levels 0..nmax, x ~ scale*L - the_min; a scan
-    over nstep+1 trial inverse scales with a weighted least-squares (scale, min)
-    fit each. Returns (scale, the_min); L filled."""
-    n = x.shape[0]
+@njit(cache=True, inline="always")
+def _qk_stats(x, w):
+    """make_qkx2/qkx3_quants' first pass: (min clamped to at most 0, max, sum w, sum w x),
+    each in index order."""
     mn = x[0]
     mx = x[0]
     sum_w = w[0]
     sum_x = sum_w * x[0]
-    for i in range(1, n):
+    for i in range(1, x.shape[0]):
         if x[i] < mn:
             mn = x[i]
         if x[i] > mx:
@@ -144,6 +142,32 @@ def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
         sum_x += w[i] * x[i]
     if mn > 0:
         mn = f32(0)
+    return mn, mx, sum_w, sum_x
+
+
+@njit(cache=True, inline="always")
+def _qk_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl):
+    """One trial's weighted least-squares refit: (D, scale, min), min at most 0;
+    scale and min are 0 where D <= 0 (the trial is then skipped)."""
+    D = sum_w * sum_l2 - sum_l * sum_l
+    this_scale = f32(0)
+    this_min = f32(0)
+    if D > 0:
+        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+        if this_min > 0:
+            this_min = f32(0)
+            this_scale = sum_xl / sum_l2
+    return D, this_scale, this_min
+
+
+@njit(cache=True)
+def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
+    """make_qkx2_quants: asymmetric levels 0..nmax, x ~ scale*L - the_min; a scan
+    over nstep+1 trial inverse scales with a weighted least-squares (scale, min)
+    fit each. Returns (scale, the_min); L filled."""
+    n = x.shape[0]
+    mn, mx, sum_w, sum_x = _qk_stats(x, w)
     if mx == mn:
         L[:n] = 0
         return f32(0), -mn
@@ -171,13 +195,8 @@ def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
             sum_l += w[i] * fl
             sum_l2 += w[i] * fl * fl
             sum_xl += w[i] * fl * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
+        D, this_scale, this_min = _qk_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
         if D > 0:
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > 0:
-                this_min = f32(0)
-                this_scale = sum_xl / sum_l2
             cur_error = f32(0)
             for i in range(n):
                 diff = this_scale * f32(Laux[i]) + this_min - x[i]

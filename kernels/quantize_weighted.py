@@ -26,7 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
 from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4, _put_f16,
-                       _q6_k_block, _scale_min_k4, quantize)
+                       _q6_k_block, _qk_fit, _qk_stats, _scale_min_k4, quantize)
 
 __all__ = ["WEIGHTED", "quantize_weighted"]
 
@@ -105,26 +105,6 @@ def _make_qx_quants_w(nmax, x, L, qw, iscales, sumlx, suml2):
 
 
 @njit(cache=True, inline="always")
-def _qkx3_stats(x, w):
-    """make_qkx3_quants' first pass: (min clamped to at most 0, max, sum w, sum w x),
-    each in index order."""
-    mn = x[0]
-    mx = x[0]
-    sum_w = w[0]
-    sum_x = sum_w * x[0]
-    for i in range(1, x.shape[0]):
-        if x[i] < mn:
-            mn = x[i]
-        if x[i] > mx:
-            mx = x[i]
-        sum_w += w[i]
-        sum_x += w[i] * x[i]
-    if mn > 0:
-        mn = f32(0)
-    return mn, mx, sum_w, sum_x
-
-
-@njit(cache=True, inline="always")
 def _qkx3_start(nmax, x, w, L, mn, mx):
     """The levels of the block's own range: (scale, their weighted squared error); L filled."""
     iscale = f32(nmax) / (mx - mn)
@@ -138,29 +118,13 @@ def _qkx3_start(nmax, x, w, L, mn, mx):
     return scale, best_mad
 
 
-@njit(cache=True, inline="always")
-def _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl):
-    """One trial's weighted least-squares refit: (D, scale, min), min at most 0;
-    scale and min are 0 where D <= 0 (the trial is then skipped)."""
-    D = sum_w * sum_l2 - sum_l * sum_l
-    this_scale = f32(0)
-    this_min = f32(0)
-    if D > 0:
-        this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-        this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-        if this_min > 0:
-            this_min = f32(0)
-            this_scale = sum_xl / sum_l2
-    return D, this_scale, this_min
-
-
 @njit(cache=True)
 def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
     """make_qkx3_quants with weights and use_mad=false: asymmetric levels 0..nmax,
     x ~ scale*L - the_min, nstep+1 trial scales each refit by weighted least squares.
     Returns (scale, the_min); L filled."""
     n = x.shape[0]
-    mn, mx, sum_w, sum_x = _qkx3_stats(x, w)
+    mn, mx, sum_w, sum_x = _qk_stats(x, w)
     if mx <= mn:
         L[:n] = 0
         return f32(0), -mn
@@ -178,7 +142,7 @@ def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
             sum_l += w[i] * fl
             sum_l2 += w[i] * fl * fl
             sum_xl += w[i] * fl * x[i]
-        D, this_scale, this_min = _qkx3_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
+        D, this_scale, this_min = _qk_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
         if D > 0:
             mad = f32(0)
             for i in range(n):
@@ -205,8 +169,8 @@ def _make_qkx3_quants_2(nmax, xa, wa, La, xb, wb, Lb, Lt, Laux, rmin, rdelta, ns
     super-blocks on 2 cores: 18.7 ms, against 23.6 one block at a time with integer
     levels."""
     n = xa.shape[0]
-    mna, mxa, sum_wa, sum_xa = _qkx3_stats(xa, wa)
-    mnb, mxb, sum_wb, sum_xb = _qkx3_stats(xb, wb)
+    mna, mxa, sum_wa, sum_xa = _qk_stats(xa, wa)
+    mnb, mxb, sum_wb, sum_xb = _qk_stats(xb, wb)
     if mxa <= mna or mxb <= mnb:               # a flat block: C returns early; one at a time
         sa, ma = _make_qkx3_quants(nmax, xa, wa, La, Laux, rmin, rdelta, nstep)
         sb, mb = _make_qkx3_quants(nmax, xb, wb, Lb, Laux, rmin, rdelta, nstep)
@@ -234,8 +198,8 @@ def _make_qkx3_quants_2(nmax, xa, wa, La, xb, wb, Lb, Lt, Laux, rmin, rdelta, ns
             slb += wb[i] * fl
             sl2b += wb[i] * fl * fl
             sxlb += wb[i] * fl * xb[i]
-        Da, this_scale_a, this_min_a = _qkx3_fit(sum_wa, sum_xa, sla, sl2a, sxla)
-        Db, this_scale_b, this_min_b = _qkx3_fit(sum_wb, sum_xb, slb, sl2b, sxlb)
+        Da, this_scale_a, this_min_a = _qk_fit(sum_wa, sum_xa, sla, sl2a, sxla)
+        Db, this_scale_b, this_min_b = _qk_fit(sum_wb, sum_xb, slb, sl2b, sxlb)
         mad_a = f32(0)
         mad_b = f32(0)
         for i in range(n):
