@@ -20,6 +20,8 @@ bit numpy's sums: the f32 compute path keeps the numpy functions.
 """
 import numpy as np
 
+from . import bf16
+
 
 def lora_forward(y, xa, B, scale, scratch):
     """y (N, n_out) += scale * xa (N, r) B^T."""
@@ -39,7 +41,6 @@ def lora_backward(dA, dB, dx, dy, xd, xa, A, B, scale, scratch, mask=None):
 
 def lora_forward_onednn(y, xa, B, scale, scratch):
     """lora_forward through oneDNN: y += (scale xa) B^T in its one pass over y."""
-    from . import bf16
     xs = np.multiply(xa, np.float32(scale), dtype=np.float32)                  # (N, r)
     if not (y.flags.c_contiguous and y.dtype == np.float32):
         y += np.matmul(xs, B.T, out=scratch)
@@ -51,7 +52,6 @@ def lora_backward_onednn(dA, dB, dx, dy, xd, xa, A, B, scale, scratch, mask=None
     """lora_backward through oneDNN: dB^T = xa^T (s dy) as an (r, n_out) product (its
     transposed operand the thin one: 1.7x dy^T xa's rate) added to dB, dxa = dy (s B),
     dA += dxa^T xd, dx += dxa A (times the mask: then through scratch)."""
-    from . import bf16
     f32 = np.float32
     dy, xd, xa = (np.ascontiguousarray(v, f32) for v in (dy, xd, xa))
     N, r = xa.shape

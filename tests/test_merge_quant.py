@@ -112,6 +112,8 @@ def test_compensated_matches_reference(qtype, n_in):
         ref = quantize_compensated_ref(w, qtype, h, qw, b)
         np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, leaf=512), ref)
         np.testing.assert_array_equal(quantize_compensated(w, qtype, u, qw, b, leaf=n_in), ref)
+        work = w.astype(u.dtype)                        # the default spans, w used as the work array
+        np.testing.assert_array_equal(quantize_compensated(work, qtype, u, qw, b, overwrite=True), ref)
 
 
 @pytest.mark.parametrize("qtype,sizes", [(T.Q4_0, (256, 96, 160)), (T.Q4_K, (512, 256))],
