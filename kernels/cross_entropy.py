@@ -26,10 +26,12 @@ which perplexity uses, keeps libm's expf and llama-perplexity's order. (Validati
 losses come from the fused kernel, so they equal training's bit for bit.)
 """
 
+import numba
 import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
+from .dequant import _f32_to_bf16
 from .vecmath import FASTMATH, expf, row_max
 
 
@@ -135,6 +137,115 @@ def _ce_forward_backward_inplace_kernel(losses, logits, targets, weights):
             losses[n] = _ce_row(row, row, targets[n], weights[n], lanes[n])
 
 
+# ---------------------------------------------------------------- column blocks, bf16 gradient
+# The training head with bf16 products (train/head.py) multiplies the head W (V, C) a
+# block of `width` rows at a time; each block's logits land contiguous where oneDNN
+# writes them fastest (a column slice of (n, V) logits ran at 0.4-0.5x its rate, or
+# needed a copy). "Column blocks": block b, the columns [lo, hi) = [b*width,
+# min(V, (b+1)*width)), is the (n, hi - lo) C-order array at logits[n*lo : n*hi] of the
+# flat buffer. The gradient, which only feeds the bf16 product dx += g W, is written
+# as bf16 bits over the logits it came from: row r of block b in the first half of
+# that row's own float32 slots (so no row's write touches another row's logits), i.e.
+# the (n, w) bits with row stride 2w at logits.view(uint16)[2*n*lo : 2*n*hi].
+
+
+def column_block(logits: np.ndarray, n: int, lo: int, hi: int) -> np.ndarray:
+    """Block [lo, hi) of column-blocked logits (flat float32): an (n, hi - lo) array."""
+    return logits[n * lo: n * hi].reshape(n, hi - lo)
+
+
+def column_block_grad(logits: np.ndarray, n: int, lo: int, hi: int) -> np.ndarray:
+    """The bf16 gradient cross_entropy_blocked wrote over block [lo, hi): an (n, hi - lo)
+    uint16 view with rows 2 (hi - lo) apart."""
+    w = hi - lo
+    return logits.view(np.uint16)[2 * n * lo: 2 * n * hi].reshape(n, 2 * w)[:, :w]
+
+
+@njit(inline="always")
+def _ce_blocked_row(logits, ex, lanes, n, V, width, r, tgt):
+    # row r of column-blocked logits: its exps into ex (V,); returns (loss, sum of exps),
+    # each block's share summed as _ce_row sums a row (float32 sums of _CHUNK exps in
+    # fixed lanes, added in double)
+    u = np.uint64
+    mx = logits[r * min(width, V)]
+    for lo in range(0, V, width):
+        w = min(width, V - lo)
+        at = n * lo + r * w
+        mx = max(mx, row_max(logits, u(at), u(at + w)))
+    lo_t = tgt // width * width
+    lt = logits[n * lo_t + r * min(width, V - lo_t) + tgt - lo_t]
+    tot = 0.0
+    for lo in range(0, V, width):
+        w = min(width, V - lo)
+        at = n * lo + r * w
+        seg, dst = logits[at: at + w], ex[lo: lo + w]
+        for c in range(u(0), u(w), _CHUNK):
+            tot += _exp_lane_sum(dst, seg, mx, c, min(c + _CHUNK, u(w)), lanes)
+    return -((lt - mx) - np.log(tot)), tot
+
+
+@njit(cache=True, parallel=True, fastmath=_ROW_FLAGS)
+def _ce_blocked_kernel(losses, logits, bits, n, width, targets, weights, grad, workers):
+    # losses (n,); logits flat (n*V,) in column blocks, bits its uint16 view (the
+    # gradient's place); rows dealt to `workers` in contiguous runs, each worker with
+    # its own (V,) row of exps (L2-resident: logits are read twice, the gradient
+    # written once, as bf16)
+    V = logits.shape[0] // n
+    exps = np.empty((workers, V), logits.dtype)
+    lanes = np.empty((workers, _LANES), logits.dtype)
+    per = (n + workers - 1) // workers
+    for t in prange(workers):
+        ex = exps[t]
+        for r in range(t * per, min(n, (t + 1) * per)):
+            tgt = targets[r]
+            k = logits.dtype.type(0.0)
+            wn = weights[r]
+            if tgt < 0:
+                losses[r] = 0.0
+            else:
+                loss, tot = _ce_blocked_row(logits, ex, lanes[t], n, V, width, r, tgt)
+                losses[r] = loss
+                if wn != 0:
+                    k = logits.dtype.type(wn / tot)
+            if not grad:
+                continue
+            for lo in range(0, V, width):
+                w = np.uint64(min(width, V - lo))
+                at, ul = np.uint64(2 * (n * lo + r * w)), np.uint64(lo)   # unsigned: see vecmath.row_max
+                if k == 0:                          # no target or weight 0: gradient 0
+                    for j in range(np.uint64(0), w):
+                        bits[at + j] = 0
+                else:
+                    for j in range(np.uint64(0), w):
+                        bits[at + j] = _f32_to_bf16(ex[ul + j] * k)
+            if k != 0:
+                lo = tgt // width * width
+                bits[2 * (n * lo + r * min(width, V - lo)) + tgt - lo] = _f32_to_bf16(ex[tgt] * k - wn)
+
+
+def cross_entropy_blocked(losses, logits, width, targets, weights, grad=True):
+    """Cross-entropy of n = len(targets) rows of column-blocked logits (flat float32,
+    blocks of `width` columns: column_block), as cross_entropy_forward_backward: losses
+    (n,) and, with `grad`, the gradient weights * (softmax - onehot) rounded to bf16
+    over the logits (column_block_grad reads it). The losses agree with
+    cross_entropy_forward_backward's on the same logits to float rounding."""
+    n = targets.shape[0] if isinstance(targets, np.ndarray) and targets.ndim == 1 else -1
+    if not (isinstance(logits, np.ndarray) and logits.ndim == 1 and logits.dtype == np.float32
+            and logits.flags.c_contiguous and n > 0 and logits.size % n == 0 and logits.size):
+        raise ValueError("cross_entropy: blocked logits must be a flat C-contiguous float32 array "
+                         "of n x V values (n = len(targets) > 0)")
+    V = logits.size // n
+    if not (isinstance(width, (int, np.integer)) and width > 0):
+        raise ValueError(f"cross_entropy: width must be an integer > 0, got {width!r}")
+    _check("targets", targets, (n,), np.int64)
+    _check("losses", losses, (n,), np.float32)
+    _check("weights", weights, (n,), np.float32)
+    if targets.max() >= V:
+        raise ValueError(f"cross_entropy: target {targets.max()} out of range for vocabulary size {V}")
+    _ce_blocked_kernel(losses, logits, logits.view(np.uint16), n, int(width), targets, weights, bool(grad),
+                       max(1, min(n, numba.get_num_threads())))
+
+
 def _check(name, a, shape, dtype):
     check_array("cross_entropy", name, a, shape, dtype)
 
@@ -216,3 +327,21 @@ def cross_entropy_forward_backward_ref(losses, dlogits, logits, targets, weights
     logits = logits.copy()  # dlogits may be logits
     cross_entropy_forward_ref(losses, logits, targets)
     cross_entropy_backward_ref(dlogits, logits, targets, weights)
+
+
+def unblock(logits, n, width):
+    """(n, V) logits in C order from column-blocked ones (flat)."""
+    V = logits.size // n
+    return np.concatenate([column_block(logits, n, lo, min(V, lo + width)) for lo in range(0, V, width)], axis=1)
+
+
+def cross_entropy_blocked_ref(losses, logits, width, targets, weights):
+    """losses, and the gradient's bf16 bits (n, V) uint16 in C order (of float64
+    arithmetic, rounded once)."""
+    from .bf16 import to_bf16_ref
+    n = targets.shape[0]
+    x = unblock(logits, n, width)
+    cross_entropy_forward_ref(losses, x, targets)
+    g = np.empty(x.shape, np.float64)
+    cross_entropy_backward_ref(g, x, targets, weights.astype(np.float64))
+    return to_bf16_ref(g.astype(np.float32))

@@ -161,3 +161,42 @@ def test_bf16_inference_applies_adapters_as_f32_does(tiny_model):
     assert np.abs(shift32).max() > 10 * 1e-2 * np.abs(with32).max()     # the adapters do something
     np.testing.assert_allclose(shift16, shift32, atol=1e-2 * np.abs(with32).max())   # 0.012 of 2.5 measured
     assert np.abs(with16 - with32).max() < 2e-2 * np.abs(with32).max()
+
+
+@needs_bf16
+def test_bf16_head_in_column_blocks_is_the_plain_bf16_head(tiny_model, monkeypatch):
+    """The bf16 head (logits written in column blocks, the loss and the bf16 gradient from
+    one pass over them: head.LossHead._bf16_chunk) against the plain path with bf16
+    products (float32 logits, the gradient rounded per block): the same losses to float
+    rounding and the same adapter gradients within the bf16 rounding of a few gradient
+    values, on the whole gradient; evaluation losses equal training's bit for bit."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.head import LossHead
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(tiny_model)
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    B, T = 2, 24
+    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    tg[0, -3:] = -1
+    w = ((tg >= 0) / (tg >= 0).sum()).astype(np.float32)
+    results = []
+    for blocked in (True, False):
+        if not blocked:
+            monkeypatch.setattr(LossHead, "blocked_head", lambda self, n, adapter, dW: False)
+        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "attn_v", "ffn_down")}, 4.0, tied=False)
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(0))
+        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", compute_dtype="bf16")
+        assert g.head_rows == 96                          # 5 blocks of the 400-token head, the last one ragged
+        loss = g.step(inputs, tg, w)
+        results.append((loss, g.losses.copy(), params.grad.copy(), g.loss(inputs, tg, w)))
+    (l1, ls1, g1, e1), (l2, ls2, g2, e2) = results
+    assert e1 == l1                                       # evaluation = training, bit for bit
+    np.testing.assert_allclose(ls1, ls2, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(l1, l2, rtol=1e-6)
+    np.testing.assert_allclose(g1, g2, rtol=0, atol=2e-3 * np.abs(g2).max())
+    assert np.abs(g2).max() > 0

@@ -122,3 +122,49 @@ CHECKS = [
 def test_argument_checks_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("n,V,width", [(6, 11, 4), (7, 100, 32), (33, 3001, 512), (40, 2000, 2000)])
+def test_cross_entropy_blocked_matches_ref(n, V, width):
+    """Column-blocked logits (a ragged last block, one block): the losses of the reference
+    to float rounding, and the gradient's bf16 bits over the logits within one bf16 step
+    of the reference's rounded float64 gradient, on the whole (n, V) gradient; ignored
+    targets and weight 0 give zero rows."""
+    from llamatune.kernels.bf16 import from_bf16_ref
+    rng = np.random.default_rng(n)
+    logits = (3 * rng.standard_normal(n * V)).astype(F32)
+    targets = rng.integers(0, V, n)
+    targets[1::5] = -1
+    targets[0] = V - 1                                   # in the last (ragged) block
+    weights = rng.random(n).astype(F32)
+    weights[2] = 0.0
+    want_losses = np.zeros(n, F32)
+    want = cross_entropy.cross_entropy_blocked_ref(want_losses, logits.copy(), width, targets, weights)
+    losses = np.full(n, np.nan, F32)
+    cross_entropy.cross_entropy_blocked(losses, logits, width, targets, weights)
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-6, atol=2e-6)
+    got = np.concatenate([cross_entropy.column_block_grad(logits, n, lo, min(V, lo + width))
+                          for lo in range(0, V, width)], axis=1)
+    g, r = from_bf16_ref(got).astype(np.float64), from_bf16_ref(want).astype(np.float64)
+    assert (np.abs(g - r) <= np.abs(r) * 2.0**-7).all()
+    assert not got[targets < 0].any() and not got[2].any()
+    assert (got[targets >= 0].view(np.int16) != 0).any()
+
+
+def test_cross_entropy_blocked_losses_alone_and_checks():
+    rng = np.random.default_rng(3)
+    n, V, width = 5, 70, 16
+    logits = rng.standard_normal(n * V).astype(F32)
+    targets, weights = rng.integers(0, V, n), np.ones(n, F32)
+    want = np.zeros(n, F32)
+    cross_entropy.cross_entropy_forward_ref(want, cross_entropy.unblock(logits, n, width), targets)
+    keep, losses = logits.copy(), np.zeros(n, F32)
+    cross_entropy.cross_entropy_blocked(losses, logits, width, targets, weights, grad=False)
+    np.testing.assert_allclose(losses, want, rtol=2e-6)
+    np.testing.assert_array_equal(logits, keep)          # no gradient: the logits untouched
+    with pytest.raises(ValueError, match="blocked logits must be a flat"):
+        cross_entropy.cross_entropy_blocked(losses, logits.reshape(n, V), width, targets, weights)
+    with pytest.raises(ValueError, match="out of range"):
+        cross_entropy.cross_entropy_blocked(losses, logits, width, np.full(n, V, np.int64), weights)
+    with pytest.raises(ValueError, match="width must be"):
+        cross_entropy.cross_entropy_blocked(losses, logits, 0, targets, weights)

@@ -42,7 +42,8 @@ class Products:
     def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
         """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out:
         float32, or with bf16 products already bf16 bits (uint16: dequantized straight to
-        bf16, `Forward.weight`). With bf16 products, fewer than BF16_MIN_ROWS rows of an
+        bf16, `Forward.weight`); `a` float32, or with bf16 products bf16 bits made by its
+        producer (the head's logit gradient). With bf16 products, fewer than BF16_MIN_ROWS rows of an
         f32 weight multiply in f32."""
         if self._f32(a, W):
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
@@ -69,11 +70,15 @@ class Products:
         return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn)
 
     def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
-        return self.dtype == "f32" or (W.dtype != np.uint16 and not self.bf16_for(a.shape[0]))
+        return self.dtype == "f32" or (W.dtype != np.uint16 and a.dtype != np.uint16
+                                       and not self.bf16_for(a.shape[0]))
 
     def _bf16(self, out, a, W, trans_b: bool, accumulate: bool) -> None:
         from ..kernels import bf16
-        a16 = self._held_bf16 if a is self._held else self._round(a, "a")
+        if a.dtype == np.uint16:                         # already bf16 (the head's logit gradient)
+            a16 = a
+        else:
+            a16 = self._held_bf16 if a is self._held else self._round(a, "a")
         w16 = W if W.dtype == np.uint16 else self._round(W, "w")
         if out.flags.c_contiguous:
             bf16.gemm(out, a16, w16, trans_b=trans_b, accumulate=accumulate)
@@ -119,15 +124,17 @@ class Products:
         return buf
 
 
-def bf16_bytes(cfg, N: int, head_rows: int, chunk: int) -> int:
+def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool = True) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of
-    logit gradient) and a shared input (N x the widest normed input); and the f32 block
-    (chunk x rows) the head's logits are multiplied into before their copy. The weights come
+    logit gradient) and a shared input (N x the widest normed input); and, where the head
+    is not multiplied in column blocks (train/head.py `blocked_head`), the f32 block
+    (chunk x rows) its logits are multiplied into before their copy. The weights come
     dequantized straight to bf16 (model.Dequantizer.nbytes_bf16, in place of the f32
     scratch)."""
     from .arch import layer_matrix_shapes
     mats = layer_matrix_shapes(cfg)
-    a = max(N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)),
-            chunk * head_rows)
-    return 2 * (a + N * cfg.n_embd) + 4 * chunk * head_rows      # + the head's contiguous product block
+    widest = N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats))
+    if blocked_head:                                  # the head's gradient comes as bf16, its logits in place
+        return 2 * (widest + N * cfg.n_embd)
+    return 2 * (max(widest, chunk * head_rows) + N * cfg.n_embd) + 4 * chunk * head_rows

@@ -13,7 +13,38 @@ import numpy as np
 from .buffers import even_chunk
 
 
+def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
+    """Whether the head's chunks go through LossHead._bf16_chunk when its products are
+    bf16: no adapter on the head, the head frozen, no final soft-cap."""
+    return not (adapted or trained or cfg.final_softcap)
+
+
 class LossHead:
+    def blocked_head(self, n: int, adapter, dW) -> bool:
+        """Whether a chunk of n tokens goes through `_bf16_chunk` (`blocked_head`)."""
+        return self.products.bf16_for(n) and blocked_head(self.cfg, adapter is not None, dW is not None)
+
+    def _bf16_chunk(self, x, dx, losses, targets, weights, blocks, rows, backward: bool) -> None:
+        """One chunk of the head with bf16 products (no adapter on the head, no soft-cap, the
+        head frozen): each block's logits written contiguous, in column blocks
+        (kernels/cross_entropy.py), the losses and the logit gradient from one pass over
+        them, the gradient stored as bf16 over the logits: the operand of dx = g W as is,
+        with no copy of the logits and no rounding pass."""
+        ce, n = self.ops.cross_entropy, x.shape[0]
+        logits = self.logits.reshape(-1)[: n * self.cfg.n_vocab]
+        with self.products.shared_input(x):
+            for vlo, vhi in blocks:
+                self.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
+        ce.cross_entropy_blocked(losses, logits, self.head_rows, targets, weights, grad=backward)
+        if not backward:
+            return
+        for j, (vlo, vhi) in enumerate(reversed(blocks)):      # the block still expanded first
+            g = ce.column_block_grad(logits, n, vlo, vhi)
+            if j == 0:
+                self.products(dx, g, rows((vlo, vhi)), trans_b=False)
+            else:
+                self.products.add(dx, g, rows((vlo, vhi)), False, self.scratch(n, x.shape[1]))
+
     def loss_head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
         """Output norm, logits, loss and (backward) the gradient back to the last layer's
         output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
@@ -49,6 +80,9 @@ class LossHead:
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)
             x, logits, dx = xn[lo:hi], self.logits[: hi - lo], dxn[lo:hi]
+            if self.blocked_head(hi - lo, t, dW):
+                self._bf16_chunk(x, dx, losses[lo:hi], targets[lo:hi], weights[lo:hi], blocks, rows, backward)
+                continue
             if t is not None:
                 xa = x @ self.params[t.a].T                  # (n, r)
                 sxa, Bt = t.scale * xa, self.params[t.b]

@@ -31,6 +31,7 @@ import numpy as np
 from ..models.products import bf16_bytes
 from .buffers import buffer_plan, grad_scratch, head_chunk, head_floats, plan_bytes
 from .graph import Graph
+from .head import blocked_head
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
 
@@ -161,7 +162,9 @@ class Planner:
         scratch = self.scratch_bytes
         if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
             chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
-            temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk)
+            adapted = any(t.kind == "output" for t in self.targets)
+            temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk,
+                                      blocked_head(self.cfg, adapted, self.base.trainable))
             if scratch:                                  # weights dequantized straight to bf16, not to f32
                 scratch = self.base.model.dequantizer.nbytes_bf16
         return Estimate(mode, self.runtime, self.model_bytes, scratch, plan_bytes(plan),
