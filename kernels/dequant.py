@@ -108,6 +108,40 @@ def _put_numba(dst, j, v):
     return store
 
 
+def _get(src, i):
+    """src[i] as the kernels compute with it: a float as is, or the float32 value of bf16
+    bits (a uint16 array: activations saved in bf16, train/buffers.py)."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_get, inline="always")
+def _get_numba(src, i):
+    if src.dtype == types.uint16:
+        def load_bf16(src, i):
+            return _bits_to_f32(np.uint32(src[i]) << np.uint32(16))
+        return load_bf16
+    return lambda src, i: src[i]
+
+
+def _kept(dst, i, v):
+    """v as it is kept: with dst None v itself; else v rounded to bf16, its bits stored
+    in dst[i] (uint16), and the rounded value returned, so that a kernel computes with
+    exactly what it saves."""
+    raise NotImplementedError("numba only")
+
+
+@overload(_kept, inline="always")
+def _kept_numba(dst, i, v):
+    if isinstance(dst, (types.NoneType, types.Omitted)):
+        return lambda dst, i, v: v
+
+    def keep_bf16(dst, i, v):
+        b = _f32_to_bf16(v)
+        dst[i] = b
+        return _bits_to_f32(np.uint32(b) << np.uint32(16))
+    return keep_bf16
+
+
 @intrinsic
 def _small_int_to_f32(typingctx, v):
     """float32 of an integer known to fit in int32 (a quant's bit field), converted

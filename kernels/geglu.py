@@ -32,6 +32,8 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_gate
+from .dequant import _get, _kept
+from .swiglu import _STORED, _check_kept
 from .vecmath import tanhf
 
 # float32 constants keep float32 maths in float32 and promote exactly under float64
@@ -49,13 +51,13 @@ def _tanh_of(x):
 
 
 @njit(cache=True, parallel=True)
-def _geglu_forward_kernel(h, g, u):
-    # h, g, u (N, F)
+def _geglu_forward_kernel(h, g, u, g16, u16):
+    # h, g, u (N, F), g and u float or bf16 bits; g16, u16: as swiglu's
     N, F = g.shape
     for n in prange(N):
         for f in range(F):
-            x = g[n, f]
-            h[n, f] = _HALF * x * (_ONE + _tanh_of(x)) * u[n, f]
+            x = _kept(g16, (n, f), _get(g, (n, f)))
+            h[n, f] = _HALF * x * (_ONE + _tanh_of(x)) * _kept(u16, (n, f), _get(u, (n, f)))
 
 
 @njit(cache=True, parallel=True)
@@ -64,23 +66,24 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
     N, F = g.shape
     for n in prange(N):
         for f in range(F):
-            x = g[n, f]
+            x = _get(g, (n, f))
             t = _tanh_of(x)
             d = dh[n, f]
             dgelu = _HALF * (_ONE + t) + _HALF * x * (_ONE - t * t) * _SQRT_2_OVER_PI * (
                 _ONE + _COEF_3A * x * x)
-            dg[n, f] = d * u[n, f] * dgelu
+            dg[n, f] = d * _get(u, (n, f)) * dgelu
             du[n, f] = d * (_HALF * x * (_ONE + t))
 
 
-def geglu_forward(h, g, u):
-    """h (N, F) = gelu_tanh(g) * u (overwritten); g, u (N, F)."""
-    check_gate("geglu", dict(h=h, g=g, u=u))
-    _geglu_forward_kernel(h, g, u)
+def geglu_forward(h, g, u, g16=None, u16=None):
+    """h (N, F) = gelu_tanh(g) * u (overwritten); g, u, g16, u16 as in swiglu_forward."""
+    check_gate("geglu", dict(h=h, g=g, u=u, g16=g16, u16=u16), stored=_STORED)
+    _check_kept(g, g16, u16)
+    _geglu_forward_kernel(h, g, u, g16, u16)
 
 
 def geglu_backward(dg, du, dh, g, u):
-    """dg, du (N, F) = dL/dg, dL/du (overwritten); dh, g, u (N, F)."""
+    """dg, du (N, F) = dL/dg, dL/du (overwritten); dh, g, u (N, F), g and u as in the forward."""
     check_gate("geglu", dict(dg=dg, du=du, dh=dh, g=g, u=u))
     _geglu_backward_kernel(dg, du, dh, g, u)
 

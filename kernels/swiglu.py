@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_gate
+from .dequant import _get, _kept
 from .vecmath import expf
 
 # A float32 one keeps float32 maths in float32 and promotes exactly under float64.
@@ -24,13 +25,14 @@ _ONE = np.float32(1.0)
 
 
 @njit(cache=True, parallel=True)
-def _swiglu_forward_kernel(out, g, u):
-    # out, g, u (N, F)
+def _swiglu_forward_kernel(out, g, u, g16, u16):
+    # out, g, u (N, F), g and u float or bf16 bits; g16, u16 None, or (N, F) uint16 where
+    # g and u are kept rounded to bf16 (and the gate computed from what is kept)
     N, F = g.shape
     for n in prange(N):
         for f in range(F):
-            x = g[n, f]
-            out[n, f] = x / (_ONE + expf(-x)) * u[n, f]
+            x = _kept(g16, (n, f), _get(g, (n, f)))
+            out[n, f] = x / (_ONE + expf(-x)) * _kept(u16, (n, f), _get(u, (n, f)))
 
 
 @njit(cache=True, parallel=True)
@@ -39,23 +41,37 @@ def _swiglu_backward_kernel(dg, du, dout, g, u):
     N, F = g.shape
     for n in prange(N):
         for f in range(F):
-            x = g[n, f]
+            x = _get(g, (n, f))
             s = _ONE / (_ONE + expf(-x))  # sigmoid(g)
             d = dout[n, f]
-            dg[n, f] = d * u[n, f] * s * (_ONE + x * (_ONE - s))
+            dg[n, f] = d * _get(u, (n, f)) * s * (_ONE + x * (_ONE - s))
             du[n, f] = d * x * s
 
 
-def swiglu_forward(out, g, u):
-    """out (N, F) = silu(g) * u; g, u (N, F)."""
-    check_gate("swiglu", dict(out=out, g=g, u=u))
-    _swiglu_forward_kernel(out, g, u)
+def swiglu_forward(out, g, u, g16=None, u16=None):
+    """out (N, F) = silu(g) * u; g, u (N, F) float, or bf16 bits (uint16, saved
+    activations). g16, u16 (N, F) uint16: g and u (float32) rounded to bf16 are kept
+    there, and out is computed from the rounded values (what backward will read)."""
+    check_gate("swiglu", dict(out=out, g=g, u=u, g16=g16, u16=u16), stored=_STORED)
+    _check_kept(g, g16, u16)
+    _swiglu_forward_kernel(out, g, u, g16, u16)
 
 
 def swiglu_backward(dg, du, dout, g, u):
-    """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F)."""
+    """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F), g and u as in the forward."""
     check_gate("swiglu", dict(dg=dg, du=du, dout=dout, g=g, u=u))
     _swiglu_backward_kernel(dg, du, dout, g, u)
+
+
+_STORED = ("g", "u", "g16", "u16")
+
+
+def _check_kept(g, g16, u16):
+    if (g16 is None) != (u16 is None) or (g16 is not None and g.dtype != np.float32):
+        raise ValueError("gate: g16 and u16 go together, with float32 g and u")
+    for name, a in (("g16", g16), ("u16", u16)):
+        if a is not None and a.dtype != np.uint16:
+            raise ValueError(f"gate: {name} must be a C-contiguous uint16 (bf16) array, got {a.dtype}")
 
 
 # ----------------------------------------------------------------------------

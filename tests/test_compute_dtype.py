@@ -200,3 +200,38 @@ def test_bf16_head_in_column_blocks_is_the_plain_bf16_head(tiny_model, monkeypat
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     np.testing.assert_allclose(g1, g2, rtol=0, atol=2e-3 * np.abs(g2).max())
     assert np.abs(g2).max() > 0
+
+
+@needs_bf16
+def test_bf16_graph_keeps_the_gate_inputs_in_bf16_and_its_modes_agree(tiny_model):
+    """With bf16 products the layers keep g and u as bf16 bits (half their bytes in the
+    plan and the memory estimate), and every checkpointing mode still gives the same
+    gradients bit for bit (the forward computes h from what it keeps, as backward's
+    recompute does)."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.buffers import buffer_plan, plan_bytes
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(tiny_model)
+    cfg = model.config
+    rng = np.random.default_rng(6)
+    B, T = 2, 16
+    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    w = np.full((B, T), 1 / (B * T), np.float32)
+    grads = {}
+    for mode in ("selective", "none", "layer"):
+        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "ffn_gate", "ffn_up", "ffn_down")}, 4.0, tied=False)
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(0))
+        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype="bf16")
+        assert all(a.g.dtype == np.uint16 and a.u.dtype == np.uint16 for a in g.layers)
+        f32_plan = buffer_plan(cfg, targets, B, T, mode, g.head_rows, False)
+        saved = (1 if mode == "layer" else cfg.n_layer) * 2 * B * T * cfg.n_ff * 2      # bytes of g and u, halved
+        assert plan_bytes(f32_plan) - plan_bytes(g.plan) == saved
+        g.step(inputs, tg, w)
+        grads[mode] = params.grad.copy()
+    assert np.abs(grads["selective"]).max() > 0
+    np.testing.assert_array_equal(grads["none"], grads["selective"])
+    np.testing.assert_array_equal(grads["layer"], grads["selective"])

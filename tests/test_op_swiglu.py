@@ -46,3 +46,41 @@ def _cuda_forward_strided_u():
 def test_argument_checks_raise(b, call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("name", ["swiglu", "geglu"])
+def test_gate_keeps_and_reads_bf16_inputs(name):
+    """Training with bf16 products keeps g and u as bf16 bits: the forward given g16, u16
+    stores to_bf16(g), to_bf16(u) there and computes h from those rounded values (the
+    reference on them, whole tensors; the kernel on the rounded floats bit for bit); the
+    forward (a recompute) and the backward reading the bits equal them read as floats."""
+    from llamatune.kernels import bf16, geglu
+    mod = swiglu if name == "swiglu" else geglu
+    fwd, bwd = getattr(mod, f"{name}_forward"), getattr(mod, f"{name}_backward")
+    rng = np.random.default_rng(11)
+    N, F = 37, 300
+    g, u, dout = (3 * randn(rng, N, F) for _ in range(3))
+    g16, u16 = np.zeros((N, F), np.uint16), np.zeros((N, F), np.uint16)
+    h = zeros32(N, F)
+    fwd(h, g, u, g16, u16)
+    np.testing.assert_array_equal(g16, bf16.to_bf16_ref(g))
+    np.testing.assert_array_equal(u16, bf16.to_bf16_ref(u))
+    gr, ur = bf16.from_bf16_ref(g16), bf16.from_bf16_ref(u16)
+    want = zeros32(N, F)
+    getattr(mod, f"{name}_forward_ref")(want, gr.astype(F64), ur.astype(F64))
+    np.testing.assert_allclose(h, want, rtol=2e-6, atol=1e-6)
+    for a, b_ in ((g16, u16), (gr, ur)):
+        again = zeros32(N, F)
+        fwd(again, a, b_)
+        np.testing.assert_array_equal(again, h)
+    grads = []
+    for a, b_ in ((g16, u16), (gr, ur)):
+        dg, du = zeros32(N, F), zeros32(N, F)
+        bwd(dg, du, dout, a, b_)
+        grads.append((dg, du))
+    np.testing.assert_array_equal(grads[0][0], grads[1][0])
+    np.testing.assert_array_equal(grads[0][1], grads[1][1])
+    with pytest.raises(ValueError, match="g16 and u16 go together"):
+        fwd(h, g, u, g16, None)
+    with pytest.raises(ValueError, match="must be a C-contiguous uint16"):
+        fwd(h, g, u, g16, np.zeros((N, F), np.float32))

@@ -51,7 +51,7 @@ class LayerActs:
     lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
     x_mid: np.ndarray    # (N, C)   residual after attention
     rstd2: np.ndarray    # (N,)
-    g: np.ndarray        # (N, F)
+    g: np.ndarray        # (N, F)   (training with bf16 products: bf16 bits, uint16)
     u: np.ndarray        # (N, F)
     xn1: np.ndarray | None = None   # (N, C) kept only in checkpointing mode "none"
     xn2: np.ndarray | None = None   # (N, C)
@@ -143,6 +143,11 @@ class Forward:
         """y += sum_i s_i (x A_i^T) B_i^T."""
         for a, b, s in self.adapter_pairs(name):
             self.lora_ops.lora_forward(y, x @ a.T, b, s, self.scratch(*y.shape))
+
+    def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Two (N, F) float32 buffers for the gate's inputs where the layer keeps them as
+        bf16 bits (training with bf16 products: train.graph.Graph)."""
+        raise NotImplementedError("only a training graph keeps g and u as bf16")
 
     def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The keys and values layer i attends over, and the position of k's first row:
@@ -239,9 +244,14 @@ class Forward:
             self.linear(a.x_mid, a.att, p + "attn_output.weight")
         xn = self.xn if a.xn2 is None else a.xn2                  # x_mid += x, then its norm
         ops.fused.add_rmsnorm_forward(xn, a.rstd2, a.x_mid, a.x, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
-        self.gate_up_forward(a.g, a.u, xn, p)
         h = self.h if a.h is None else a.h
-        self.gate()[0](h, a.g, a.u)
+        if a.g.dtype == np.uint16:                                # kept as bf16 (training's bf16 products):
+            g, u = self.gate_scratch()                            # the products into float32 scratch, then
+            self.gate_up_forward(g, u, xn, p)                     # the gate rounds them into a.g, a.u and
+            self.gate()[0](h, g, u, a.g, a.u)                     # computes h from what it kept
+        else:
+            self.gate_up_forward(a.g, a.u, xn, p)
+            self.gate()[0](h, a.g, a.u)
         if cfg.spec.post_norms:
             self.linear(a.f, h, p + "ffn_down.weight")
             ops.rmsnorm.rmsnorm_forward(x_out, a.rstd_f, a.f, self.norm_weight(p + "post_ffw_norm.weight"),

@@ -6,6 +6,9 @@ counts exactly this list) and `carve` cuts them out of one arena:
   - `layer.*`: checkpointing mode `layer` keeps only each layer's input and recomputes
     the rest into this one set, shared by all layers;
   - `xa.*`: x A^T of each adapter on a matrix inside a layer (kept for backward);
+  - with bf16 products (`bf16_saved`), the gate's inputs g and u are kept as bf16
+    bits (`Bf16`: uint16 views, half the floats): what PyTorch's bf16 training keeps,
+    and half of a layer's saved activations at the usual widths;
   - the rest is scratch reused by every layer. The layer backward's gradients share one
     buffer with the output head's logits chunk (`grad_scratch`: the head runs before any
     layer backward), so a larger chunk of tokens costs no memory.
@@ -23,6 +26,19 @@ HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a ti
 HEAD_CHUNK_TOKENS = 128       # and for at least this many tokens (large vocabularies)
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
 LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
+
+
+BF16_SAVED = ("g", "u")      # activations kept as bf16 bits with bf16 products
+
+
+class Bf16(tuple):
+    """The shape of a buffer held as bf16 bits (uint16) in the float32 arena."""
+
+
+def floats(shape: tuple[int, ...]) -> int:
+    """Arena floats a planned buffer takes (a Bf16 one half its elements, rounded up)."""
+    n = int(np.prod(shape, dtype=np.int64))
+    return -(-n // 2) if isinstance(shape, Bf16) else n
 
 
 def has_xa(cfg: ModelConfig, kind: str) -> bool:
@@ -76,13 +92,16 @@ def even_chunk(n: int, most: int) -> int:
 
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
-                trainable: bool) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every array a Graph allocates (it allocates exactly these)."""
+                trainable: bool, bf16_saved: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array a Graph allocates (it allocates exactly these);
+    `bf16_saved`: BF16_SAVED activations as bf16 bits (Bf16 shapes)."""
     mode = checkpointing_mode(mode)
     N, C, F, Cq = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q
     plan: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.n_layer):
         for k, shape in act_shapes(cfg, B, T, keep_inputs=mode == "none").items():
+            if bf16_saved and k in BF16_SAVED:
+                shape = Bf16(shape)
             plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
     plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
     for t in targets:                                              # x A^T of each adapter (shared per kind
@@ -113,7 +132,7 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
 
 
 def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:
-    return int(sum(np.prod(s, dtype=np.int64) for s in plan.values())) * itemsize
+    return sum(floats(s) for s in plan.values()) * itemsize
 
 
 def carve(plan: dict[str, tuple[int, ...]], arena: np.ndarray) -> dict[str, np.ndarray]:
@@ -123,11 +142,14 @@ def carve(plan: dict[str, tuple[int, ...]], arena: np.ndarray) -> dict[str, np.n
     for name, shape in plan.items():
         if name.startswith("rope_"):
             continue
-        n = int(np.prod(shape, dtype=np.int64))
-        buf[name] = arena[at: at + n].reshape(shape)
+        n = floats(shape)
+        if isinstance(shape, Bf16):
+            buf[name] = arena[at: at + n].view(np.uint16)[: int(np.prod(shape))].reshape(shape)
+        else:
+            buf[name] = arena[at: at + n].reshape(shape)
         at += n
     return buf
 
 
 def arena_size(plan: dict[str, tuple[int, ...]]) -> int:
-    return sum(int(np.prod(s, dtype=np.int64)) for k, s in plan.items() if not k.startswith("rope_"))
+    return sum(floats(s) for k, s in plan.items() if not k.startswith("rope_"))

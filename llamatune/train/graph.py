@@ -68,7 +68,8 @@ class Graph(LoraLinear, LossHead, Forward):
         #                                        (not in bf16: rounding W + s B A would lose the adapter's share)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
-        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable)
+        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
+                                bf16_saved=self.products.dtype == "bf16")
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
@@ -115,6 +116,12 @@ class Graph(LoraLinear, LossHead, Forward):
         self.ropes = self.rope_rows                    # the step's tables, per rope set
         self.segments = None
         self.step_key = (0,)
+
+    def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
+        """The gate's float32 inputs before the layer keeps them as bf16: the backward's
+        dg and du, idle in a forward (and in `layer` mode's recompute, which runs
+        before that layer's backward)."""
+        return self.dg, self.du
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (the plan's)."""

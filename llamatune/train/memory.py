@@ -157,7 +157,8 @@ class Planner:
         self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
-        plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable)
+        plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
+                           bf16_saved=self.compute_dtype == "bf16")
         temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
         scratch = self.scratch_bytes
         if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
