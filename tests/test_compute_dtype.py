@@ -235,3 +235,37 @@ def test_bf16_graph_keeps_the_gate_inputs_in_bf16_and_its_modes_agree(tiny_model
     assert np.abs(grads["selective"]).max() > 0
     np.testing.assert_array_equal(grads["none"], grads["selective"])
     np.testing.assert_array_equal(grads["layer"], grads["selective"])
+
+
+@needs_bf16
+def test_bf16_head_kept_whole_changes_no_bit(tiny_model, monkeypatch):
+    """Where a chunk has at least n_embd tokens, bf16 training keeps the head's bf16
+    copy whole (FrozenBase.keep_bf16) instead of expanding its blocks twice a chunk:
+    the same losses and gradients bit for bit."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train import graph as graph_mod
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(tiny_model)
+    cfg = model.config
+    rng = np.random.default_rng(8)
+    B, T = 2, 40                                          # 80 tokens >= n_embd 64
+    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    w = np.full((B, T), 1 / (B * T), np.float32)
+    runs = []
+    for kept in (True, False):
+        if not kept:
+            monkeypatch.setattr(graph_mod, "kept_head_bytes", lambda cfg, chunk: 0)
+        targets = lora_targets(cfg, {k: 4 for k in ("attn_v", "ffn_down")}, 4.0, tied=False)
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(0))
+        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+        base = FrozenBase(model)
+        g = Graph(cfg, base, params, targets, B, T, "selective", compute_dtype="bf16")
+        assert ("output.weight" in base._kept_bf16) == kept
+        loss = g.step(inputs, tg, w)
+        runs.append((loss, g.losses.copy(), params.grad.copy()))
+    assert runs[0][0] == runs[1][0]
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])
+    np.testing.assert_array_equal(runs[0][2], runs[1][2])

@@ -38,6 +38,7 @@ class FrozenBase:
         self.rope_long, self.rope_short = w.rope_long, w.rope_short
         self._raw: dict[str, object] = {}         # cuda: tensor name -> device copy of the stored bytes
         self._scratch = None
+        self._kept_bf16: dict[str, np.ndarray] = {}   # name -> the whole matrix in bf16 (`keep_bf16`)
 
     def _device_raw(self, name: str):
         raw = self._raw.get(name)
@@ -75,9 +76,26 @@ class FrozenBase:
 
     def matrix_rows_bf16(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows lo:hi (all by default) of a matrix dequantized straight to bf16 bits
-        (uint16, host memory: the bf16 products are the CPU's), valid until the next call."""
+        (uint16, host memory: the bf16 products are the CPU's), valid until the next call
+        (or rows of its whole bf16 copy, `keep_bf16`)."""
         t = self.tensors[name]
-        return self.model.dequantizer.block_bf16(t, lo, t.n_rows if hi is None else hi)
+        hi = t.n_rows if hi is None else hi
+        kept = self._kept_bf16.get(name)
+        if kept is not None:
+            return kept[lo:hi]
+        return self.model.dequantizer.block_bf16(t, lo, hi)
+
+    def keep_bf16(self, name: str) -> None:
+        """Keep matrix `name` dequantized to bf16 whole, once (the frozen output head,
+        otherwise expanded block by block twice per chunk of tokens: train/head.py)."""
+        if name in self._kept_bf16:
+            return
+        t, deq = self.tensors[name], self.model.dequantizer
+        kept = np.empty((t.n_rows, t.n_cols), np.uint16)
+        for lo in range(0, t.n_rows, deq.head_rows):
+            hi = min(t.n_rows, lo + deq.head_rows)
+            kept[lo:hi] = deq.block_bf16(t, lo, hi)
+        self._kept_bf16[name] = kept
 
     def is_scratch(self, name: str) -> bool:
         """Whether `matrix(name)` is a dequantized copy the caller may modify (until the

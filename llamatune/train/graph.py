@@ -37,7 +37,7 @@ from ..models.forward import Forward, LayerActs
 from ..models.rope import rope_cache
 from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
                       head_floats, plan_bytes)
-from .head import LossHead
+from .head import LossHead, kept_head_bytes
 from .linear import LoraLinear
 from .lora import LoraTarget
 from .params import ParamBuffer
@@ -93,6 +93,9 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
+        if (self.products.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
+                and hasattr(base, "keep_bf16")):
+            base.keep_bf16("output.weight")
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")

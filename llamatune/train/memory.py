@@ -31,7 +31,7 @@ import numpy as np
 from ..models.products import bf16_bytes
 from .buffers import buffer_plan, grad_scratch, head_chunk, head_floats, plan_bytes
 from .graph import Graph
-from .head import blocked_head
+from .head import blocked_head, kept_head_bytes
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
 
@@ -168,6 +168,7 @@ class Planner:
                                       blocked_head(self.cfg, adapted, self.base.trainable))
             if scratch:                                  # weights dequantized straight to bf16, not to f32
                 scratch = self.base.model.dequantizer.nbytes_bf16
+            scratch += kept_head_bytes(self.cfg, chunk)  # and the head kept whole (train/head.py)
         return Estimate(mode, self.runtime, self.model_bytes, scratch, plan_bytes(plan),
                         temporaries, self.device)
 
