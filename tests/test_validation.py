@@ -280,8 +280,13 @@ def test_resume_takes_the_same_validation_decisions_bit_exactly(tmp_path, tiny_m
     end = first.state.iteration
     assert res.state.iteration == end and len(res.losses) == end - 5
     assert res.state.validation == first.state.validation
-    for name in (f"chk-{end}.gguf", f"adapter-{end}.gguf", "chk-BEST.gguf", "adapter-BEST.gguf"):
-        assert_same_file(one / name, two / name)
+    # the last step's save may be withheld by the divergence guard (trainer.final_save: with the
+    # large rate the loss after the last update can be out of bounds); then in both runs alike
+    for name in (f"chk-{end}.gguf", f"adapter-{end}.gguf", "chk-BEST.gguf", "adapter-BEST.gguf", "chk-LATEST.gguf"):
+        assert (one / name).exists() == (two / name).exists(), name
+        if (one / name).exists():
+            assert_same_file(one / name, two / name)
+    assert (one / "chk-BEST.gguf").exists()
     assert without_timings(metrics(two / "metrics.jsonl")) == without_timings(metrics(one / "metrics.jsonl"))
 
 
