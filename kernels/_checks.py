@@ -11,19 +11,27 @@ def check_array(op: str, name: str, a, shape, dtype) -> None:
                          f"array of shape {shape}, got {got}")
 
 
-def check_gate(op: str, arrays: dict, stored=("g", "u")) -> None:
+_STORED = ("g", "u", "g16", "u16")     # a gate's operands that may be bf16 bits
+
+
+def check_gate(op: str, arrays: dict) -> None:
     """The operands of an elementwise gate (swiglu, geglu): every array (name -> array)
-    C-contiguous, 2-D (N, F) like arrays["g"], of one float dtype (float32 or float64);
-    with float32, the `stored` operands may instead be bf16 bits (uint16: the saved
-    activations of bf16 training), and optional ones may be None."""
+    C-contiguous, 2-D (N, F) like arrays["g"], of one float dtype (float32 or float64).
+    With float32, g and u may instead be bf16 bits (uint16: the saved activations of bf16
+    training); g16 and u16, the forward's optional uint16 buffers for keeping float32 g and
+    u rounded, go together or not at all."""
     g = arrays["g"]
     if not isinstance(g, np.ndarray) or g.ndim != 2 or g.dtype not in (np.float32, np.float64, np.uint16):
         raise ValueError(f"{op}: g must be a 2-D float32, float64 or uint16 (bf16) array (N, F)")
-    floats = [a.dtype for k, a in arrays.items() if k not in stored and isinstance(a, np.ndarray)]
-    dtype = floats[0] if floats else np.dtype(np.float32)
+    kept = [arrays.get("g16"), arrays.get("u16")]
+    if (kept[0] is None) != (kept[1] is None) or (kept[0] is not None and g.dtype != np.float32):
+        raise ValueError(f"{op}: g16 and u16 go together, with float32 g and u")
+    dtype = next((a.dtype for k, a in arrays.items() if k not in _STORED and isinstance(a, np.ndarray)),
+                 np.dtype(np.float32))
     for name, a in arrays.items():
-        if a is None and name in stored:
+        if name in ("g16", "u16"):
+            if a is not None:
+                check_array(op, name, a, g.shape, np.uint16)
             continue
-        want = np.uint16 if (name in stored and isinstance(a, np.ndarray) and a.dtype == np.uint16
-                             and dtype == np.float32) else dtype
-        check_array(op, name, a, g.shape, want)
+        bits = name in ("g", "u") and isinstance(a, np.ndarray) and a.dtype == np.uint16 and dtype == np.float32
+        check_array(op, name, a, g.shape, np.uint16 if bits else dtype)

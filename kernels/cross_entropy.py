@@ -162,22 +162,27 @@ def column_block_grad(logits: np.ndarray, n: int, lo: int, hi: int) -> np.ndarra
 
 
 @njit(inline="always")
+def _block_row(n, V, width, r, lo):
+    # where row r of the column block starting at column lo begins in the flat logits
+    return n * lo + r * min(width, V - lo)
+
+
+@njit(inline="always")
 def _ce_blocked_row(logits, ex, lanes, n, V, width, r, tgt):
     # row r of column-blocked logits: its exps into ex (V,); returns (loss, sum of exps),
     # each block's share summed as _ce_row sums a row (float32 sums of _CHUNK exps in
     # fixed lanes, added in double)
     u = np.uint64
-    mx = logits[r * min(width, V)]
+    mx = logits[_block_row(n, V, width, r, 0)]
     for lo in range(0, V, width):
-        w = min(width, V - lo)
-        at = n * lo + r * w
-        mx = max(mx, row_max(logits, u(at), u(at + w)))
+        at = _block_row(n, V, width, r, lo)
+        mx = max(mx, row_max(logits, u(at), u(at + min(width, V - lo))))
     lo_t = tgt // width * width
-    lt = logits[n * lo_t + r * min(width, V - lo_t) + tgt - lo_t]
+    lt = logits[_block_row(n, V, width, r, lo_t) + tgt - lo_t]
     tot = 0.0
     for lo in range(0, V, width):
         w = min(width, V - lo)
-        at = n * lo + r * w
+        at = _block_row(n, V, width, r, lo)
         seg, dst = logits[at: at + w], ex[lo: lo + w]
         for c in range(u(0), u(w), _CHUNK):
             tot += _exp_lane_sum(dst, seg, mx, c, min(c + _CHUNK, u(w)), lanes)
@@ -210,8 +215,8 @@ def _ce_blocked_kernel(losses, logits, bits, n, width, targets, weights, grad, w
             if not grad:
                 continue
             for lo in range(0, V, width):
-                w = np.uint64(min(width, V - lo))
-                at, ul = np.uint64(2 * (n * lo + r * w)), np.uint64(lo)   # unsigned: see vecmath.row_max
+                w = np.uint64(min(width, V - lo))       # unsigned: see vecmath.row_max
+                at, ul = np.uint64(2 * _block_row(n, V, width, r, lo)), np.uint64(lo)
                 if k == 0:                          # no target or weight 0: gradient 0
                     for j in range(np.uint64(0), w):
                         bits[at + j] = 0
@@ -220,7 +225,7 @@ def _ce_blocked_kernel(losses, logits, bits, n, width, targets, weights, grad, w
                         bits[at + j] = _f32_to_bf16(ex[ul + j] * k)
             if k != 0:
                 lo = tgt // width * width
-                bits[2 * (n * lo + r * min(width, V - lo)) + tgt - lo] = _f32_to_bf16(ex[tgt] * k - wn)
+                bits[2 * _block_row(n, V, width, r, lo) + tgt - lo] = _f32_to_bf16(ex[tgt] * k - wn)
 
 
 def cross_entropy_blocked(losses, logits, width, targets, weights, grad=True):

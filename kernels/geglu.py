@@ -33,7 +33,6 @@ from numba import njit, prange
 
 from ._checks import check_gate
 from .dequant import _get, _kept
-from .swiglu import _STORED, _check_kept
 from .vecmath import tanhf
 
 # float32 constants keep float32 maths in float32 and promote exactly under float64
@@ -77,8 +76,7 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
 
 def geglu_forward(h, g, u, g16=None, u16=None):
     """h (N, F) = gelu_tanh(g) * u (overwritten); g, u, g16, u16 as in swiglu_forward."""
-    check_gate("geglu", dict(h=h, g=g, u=u, g16=g16, u16=u16), stored=_STORED)
-    _check_kept(g, g16, u16)
+    check_gate("geglu", dict(h=h, g=g, u=u, g16=g16, u16=u16))
     _geglu_forward_kernel(h, g, u, g16, u16)
 
 

@@ -124,7 +124,7 @@ class Products:
         return buf
 
 
-def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool = True) -> int:
+def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of
     logit gradient) and a shared input (N x the widest normed input); and, where the head

@@ -45,14 +45,20 @@ class LossHead:
             for vlo, vhi in blocks:
                 self.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
         ce.cross_entropy_blocked(losses, logits, self.head_rows, targets, weights, grad=backward)
-        if not backward:
-            return
-        for j, (vlo, vhi) in enumerate(reversed(blocks)):      # the block still expanded first
-            g = ce.column_block_grad(logits, n, vlo, vhi)
+        if backward:
+            self._dx_from_blocks(dx, blocks, rows, lambda lo, hi: ce.column_block_grad(logits, n, lo, hi))
+
+    def _dx_from_blocks(self, dx, blocks, rows, grad_of, each=None) -> None:
+        """dx = sum over the head's blocks of g W (g = grad_of(lo, hi), W = rows((lo, hi))),
+        the block still expanded first; each(lo, hi, g) after a block's product."""
+        for j, (vlo, vhi) in enumerate(reversed(blocks)):
+            g, W = grad_of(vlo, vhi), rows((vlo, vhi))
             if j == 0:
-                self.products(dx, g, rows((vlo, vhi)), trans_b=False)
+                self.products(dx, g, W, trans_b=False)
             else:
-                self.products.add(dx, g, rows((vlo, vhi)), False, self.scratch(n, x.shape[1]))
+                self.products.add(dx, g, W, False, self.scratch(*dx.shape))
+            if each is not None:
+                each(vlo, vhi, g)
 
     def loss_head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
         """Output norm, logits, loss and (backward) the gradient back to the last layer's
@@ -114,16 +120,14 @@ class LossHead:
             else:
                 self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], logits, logits,
                                                                       targets[lo:hi], weights[lo:hi])
-            for j, (vlo, vhi) in enumerate(reversed(blocks)):
-                W, g = rows((vlo, vhi)), logits[:, vlo:vhi]
-                if j == 0:
-                    self.products(dx, g, W, trans_b=False)
-                else:
-                    self.products.add(dx, g, W, False, self.scratch(hi - lo, C))
-                if dW is not None and fresh:
-                    xp.matmul(g.T, x, out=dW[vlo:vhi])
-                elif dW is not None:
-                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+            weight_grad = None
+            if dW is not None:                               # the first chunk writes dW, the others add
+                def weight_grad(vlo, vhi, g, x=x, fresh=fresh):
+                    if fresh:
+                        xp.matmul(g.T, x, out=dW[vlo:vhi])
+                    else:
+                        dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+            self._dx_from_blocks(dx, blocks, rows, lambda vlo, vhi: logits[:, vlo:vhi], weight_grad)
             fresh = False
             if t is not None:
                 self.lora_backward(t, logits, x, xa, dx)
