@@ -45,10 +45,10 @@ import numpy as np
 from numba import njit, prange
 
 from . import dequant
-from .dequant import _f32_to_bf16
+from .dequant import _bits_to_f32, _f32_to_bf16
 from ._checks import check_array
 
-__all__ = ["to_bf16", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
+__all__ = ["to_bf16", "to_bf16_rows", "split_into", "split_rows_into", "split_ref", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
            "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
            "library_version", "implementation", "cpu_bf16_flags"]
 
@@ -64,10 +64,30 @@ def _to_bf16(out, x):
 
 @njit(cache=True, parallel=True)
 def _to_bf16_rows(out, x):
-    # 2-D, rows contiguous but apart (a column slice such as the head's logits[:, lo:hi])
+    # 2-D, rows contiguous but apart (a column slice such as the head's logits[:, lo:hi]);
+    # out's rows may be wider than x's (their first columns written)
+    n = x.shape[1]
     for i in prange(x.shape[0]):
-        for j in range(x.shape[1]):
-            out[i, j] = _f32_to_bf16(x[i, j])
+        o = out[i, :n]
+        for j in range(n):
+            o[j] = _f32_to_bf16(x[i, j])
+
+
+@njit(cache=True, parallel=True)
+def _split_into(out, v, col, order):
+    # out[i, col + p r + j] = part order[p] of v[i, j] (0: hi = bf16(v), 1: lo = bf16(v - hi)),
+    # and out[i, col + len(order) r:] = 0
+    R, r = v.shape
+    end = col + len(order) * r
+    for i in prange(R):
+        for j in range(r):
+            x = v[i, j]
+            hi = _f32_to_bf16(x)
+            lo = _f32_to_bf16(x - _bits_to_f32(np.uint32(hi) << np.uint32(16)))
+            for p in range(len(order)):
+                out[i, col + p * r + j] = hi if order[p] == 0 else lo
+        for c in range(end, out.shape[1]):
+            out[i, c] = 0
 
 
 @njit(cache=True, parallel=True)
@@ -113,6 +133,68 @@ def to_bf16(out: np.ndarray, x: np.ndarray) -> None:
     _to_bf16(out, x)
 
 
+def to_bf16_rows(out: np.ndarray, x: np.ndarray) -> None:
+    """out[:, :n] (uint16, bf16 bits) = x (R, n) float32 rounded to nearest even, out a
+    C-contiguous (R, >= n) array whose other columns are left as they are (the product
+    operand whose K axis carries an adapter's parts: `split_into`); x's rows contiguous."""
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.ndim == 2 and _rows_contiguous(x)):
+        raise ValueError("to_bf16_rows: x must be a 2-D float32 array with contiguous rows")
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.ndim == 2 and out.flags.c_contiguous
+            and out.flags.writeable and out.shape[0] == x.shape[0] and out.shape[1] >= x.shape[1]):
+        raise ValueError(f"to_bf16_rows: out must be a writeable C-contiguous uint16 array of {x.shape[0]} rows "
+                         f"at least {x.shape[1]} wide")
+    _to_bf16_rows(out, x)
+
+
+SPLIT_ORDERS = {"a": (0, 0, 1), "b": (0, 1, 0)}
+"""The parts of a float32 operand v = hi + lo (hi = bf16(v), lo = bf16(v - hi)) in the
+K axis of a bf16 product: [a_hi a_hi a_lo] against [b_hi b_lo b_hi] gives
+a_hi b_hi + a_hi b_lo + a_lo b_hi, the product to about 2^-16 (a_lo b_lo dropped), each
+bf16 x bf16 term exact in the float32 accumulation."""
+
+
+def split_into(out: np.ndarray, v: np.ndarray, col: int, side: str) -> None:
+    """out[:, col:] = v (R, r) float32 as its three bf16 parts (SPLIT_ORDERS[side]: "a"
+    for the left operand, "b" for the right), r columns each, then zeros to the end of
+    out's rows (its padding). out: C-contiguous uint16 (R, >= col + 3 r)."""
+    if not (isinstance(v, np.ndarray) and v.dtype == np.float32 and v.ndim == 2):
+        raise ValueError("split_into: v must be a 2-D float32 array")
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.ndim == 2 and out.flags.c_contiguous
+            and out.flags.writeable and out.shape[0] == v.shape[0] and 0 <= col
+            and col + 3 * v.shape[1] <= out.shape[1]):
+        raise ValueError(f"split_into: out must be a writeable C-contiguous uint16 array of {v.shape[0]} rows "
+                         f"with room for 3 x {v.shape[1]} columns from column {col}")
+    _split_into(out, v, col, SPLIT_ORDERS[side])
+
+
+def split_rows_into(out: np.ndarray, v: np.ndarray, row: int, side: str) -> None:
+    """out[row:] = v (r, n) float32 as its three bf16 parts stacked as rows
+    (SPLIT_ORDERS[side]), then zero rows to the end of out: the parts on the K axis of a
+    right operand stored (K, n), the rows of A under W's in dx = [dy | ...] [W ; ...]."""
+    if not (isinstance(v, np.ndarray) and v.dtype == np.float32 and v.ndim == 2):
+        raise ValueError("split_rows_into: v must be a 2-D float32 array")
+    r, n = v.shape
+    if not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.ndim == 2 and out.flags.c_contiguous
+            and out.flags.writeable and out.shape[1] == n and 0 <= row and row + 3 * r <= out.shape[0]):
+        raise ValueError(f"split_rows_into: out must be a writeable C-contiguous uint16 array {n} wide "
+                         f"with room for 3 x {r} rows from row {row}")
+    v = np.ascontiguousarray(v)
+    hi, lo, wide = np.empty((r, n), np.uint16), np.empty((r, n), np.uint16), np.empty((r, n), np.float32)
+    to_bf16(hi, v)
+    from_bf16(wide, hi)
+    to_bf16(lo, v - wide)
+    for p, part in enumerate(SPLIT_ORDERS[side]):
+        out[row + p * r: row + (p + 1) * r] = lo if part else hi
+    out[row + 3 * r:] = 0
+
+
+def split_ref(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Numpy reference of the parts: (hi, lo) bf16 bits of v."""
+    hi = to_bf16_ref(v)
+    lo = to_bf16_ref(np.asarray(v, np.float32) - from_bf16_ref(hi))
+    return hi, lo
+
+
 def to_bf16_transposed(out: np.ndarray, x: np.ndarray) -> None:
     """out (n, N) uint16 = to_bf16 of x (N, n) float32 (C order), transposed: x^T as the
     left operand of a product over tokens (x^T x), without a strided copy."""
@@ -144,12 +226,13 @@ def from_bf16_ref(x: np.ndarray) -> np.ndarray:
 
 
 # ------------------------------------------------------ dequantization to bf16
-def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
+def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray, n_cols: int | None = None) -> None:
     """out (n_rows, n_cols) uint16 = to_bf16(dequant(data)): the types of
     kernels/dequant.py (``dequant.NUMBA_TYPES``), bit for bit. The dequantization
     kernels round each value to bf16 as they store it (their uint16 specialization), so
     no float32 expansion is written: a Q4_K block of 1536 x 512 in 0.07 ms against 0.24
-    through a float32 scratch and a rounding pass."""
+    through a float32 scratch and a rounding pass. With n_cols, out's rows may be wider:
+    out[:, :n_cols] is written, the rest left as it is."""
     data = np.asarray(data)
     if not (isinstance(out, np.ndarray) and out.dtype == np.uint16 and out.ndim == 2
             and out.flags.c_contiguous and out.flags.writeable):
@@ -157,7 +240,7 @@ def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
     n_rows = out.shape[0]
     if data.ndim != 2 or data.shape[0] != n_rows:
         raise ValueError(f"dequantize_into: data must be 2-D with {n_rows} rows, got shape {data.shape}")
-    dequant.dequantize_into(data, qtype, out)
+    dequant.dequantize_into(data, qtype, out, n_cols)
 
 
 # ---------------------------------------------------------------- the library

@@ -248,9 +248,9 @@ def _n16(dst):
 
 # ------------------------------------------------------- plain float types
 @njit(cache=True, parallel=True)
-def _deq_f32(data, rows, gather, out):
+def _deq_f32(data, rows, gather, out, n_cols):
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for j in range(dst.shape[0]):
             o = 4 * j
             bits = _u16(src, o) | (_u16(src, o + 2) << 16)
@@ -258,31 +258,31 @@ def _deq_f32(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_f16(data, rows, gather, out):
+def _deq_f16(data, rows, gather, out, n_cols):
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         h16 = src.view(np.uint16)  # little-endian halves (the row's bytes are 2-aligned)
         for j in range(_U(dst.shape[0])):
             _put(dst, j, _half_bits_to_f32(h16[j]))
 
 
 @njit(cache=True, parallel=True)
-def _deq_bf16(data, rows, gather, out):
+def _deq_bf16(data, rows, gather, out, n_cols):
     # gguf-py: (int16 -> int32 << 16).view(float32) == bits << 16
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for j in range(dst.shape[0]):
             _put(dst, j, _bits_to_f32(_u16(src, 2 * j) << 16))
 
 
 # -------------------------------------------------- 32-value legacy blocks
 @njit(cache=True, parallel=True)
-def _deq_q8_0(data, rows, gather, out):
+def _deq_q8_0(data, rows, gather, out, n_cols):
     # block_q8_0 (34 B): d(f16) qs[32](int8);  y = q * d
     # (the row's bytes read as int8: a sign extension LLVM vectorizes, 1.9x faster
     # than extending the uint8 by hand)
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         s8 = src.view(np.int8)
         n32 = _n32(dst)
         for b in range(dst.shape[0] // 32):
@@ -294,10 +294,10 @@ def _deq_q8_0(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q4_0(data, rows, gather, out):
+def _deq_q4_0(data, rows, gather, out, n_cols):
     # block_q4_0 (18 B): d(f16) qs[16];  y[j] = d*((qs[j]&15)-8), y[j+16] = d*((qs[j]>>4)-8)
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
             o = 18 * b
@@ -310,10 +310,10 @@ def _deq_q4_0(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q4_1(data, rows, gather, out):
+def _deq_q4_1(data, rows, gather, out, n_cols):
     # block_q4_1 (20 B): d(f16) m(f16) qs[16];  y = (d*q) + m
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
             o = 20 * b
@@ -327,11 +327,11 @@ def _deq_q4_1(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q5_0(data, rows, gather, out):
+def _deq_q5_0(data, rows, gather, out, n_cols):
     # block_q5_0 (22 B): d(f16) qh[4](u32 LE, bit j = 5th bit of value j) qs[16];
     # y = d*(q-16)
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for b in range(dst.shape[0] // 32):
             o = 22 * b
             d = _f16(src, o)
@@ -346,10 +346,10 @@ def _deq_q5_0(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q5_1(data, rows, gather, out):
+def _deq_q5_1(data, rows, gather, out, n_cols):
     # block_q5_1 (24 B): d(f16) m(f16) qh[4] qs[16];  y = (d*q) + m
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for b in range(dst.shape[0] // 32):
             o = 24 * b
             d = _f16(src, o)
@@ -366,12 +366,12 @@ def _deq_q5_1(data, rows, gather, out):
 
 # ---------------------------------------------------- 256-value K-quants
 @njit(cache=True, parallel=True)
-def _deq_q2_k(data, rows, gather, out):
+def _deq_q2_k(data, rows, gather, out, n_cols):
     # block_q2_K (84 B): scales[16] (lo nibble: scale, hi: min) qs[64] d(f16) dmin(f16).
     # Value i: h=i>>7, j=(i>>5)&3, l=i&31 -> q = (qs[32h+l] >> 2j) & 3, sub-block i>>4.
     # y = (d*sc)*q - (dmin*m)
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // QK_K):
             o = 84 * b
@@ -390,14 +390,14 @@ def _deq_q2_k(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q3_k(data, rows, gather, out):
+def _deq_q3_k(data, rows, gather, out, n_cols):
     # block_q3_K (110 B): hmask[32] qs[64] scales[12] d(f16).
     # 16 6-bit scales: low 4 bits from scales[sb] (sb<8, lo nibble) / scales[sb-8] (hi
     # nibble), high 2 bits = (scales[8 + sb%4] >> 2*(sb//4)) & 3; scale - 32.
     # Value i: 2 low bits like Q2_K, 3rd bit = (hmask[i&31] >> (i>>5)) & 1, subtract 4
     # when that bit is 0.  y = (d*sc) * q
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // QK_K):
             o = 110 * b
@@ -436,12 +436,12 @@ def _scale_min_k4(src, sc, j):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q4_k(data, rows, gather, out):
+def _deq_q4_k(data, rows, gather, out, n_cols):
     # block_q4_K (144 B): d(f16) dmin(f16) scales[12] qs[128].
     # Sub-block sb (32 values): q = (qs[32*(sb//2) + l] >> 4*(sb%2)) & 15.
     # y = (d*sc)*q - (dmin*m)
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for b in range(dst.shape[0] // QK_K):
             o = 144 * b
             d = _f16(src, o)
@@ -460,12 +460,12 @@ def _deq_q4_k(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q5_k(data, rows, gather, out):
+def _deq_q5_k(data, rows, gather, out, n_cols):
     # block_q5_K (176 B): d(f16) dmin(f16) scales[12] qh[32] qs[128].
     # Like Q4_K plus 5th bit (qh[l] >> sb) & 1.  y = (d*sc)*q - (dmin*m)
     # Sub-blocks in pairs, as Q4_K: the low and high nibbles of the same 32 bytes.
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for b in range(dst.shape[0] // QK_K):
             o = 176 * b
             d = _f16(src, o)
@@ -487,7 +487,7 @@ def _deq_q5_k(data, rows, gather, out):
 
 
 @njit(cache=True, parallel=True)
-def _deq_q6_k(data, rows, gather, out):
+def _deq_q6_k(data, rows, gather, out, n_cols):
     # block_q6_K (210 B): ql[128] qh[64] scales[16](int8) d(f16).
     # Value i: h=i>>7, r=i&127 -> low 4 bits (ql[64h + (r&63)] >> 4*(r>>6)) & 15,
     # high 2 bits (qh[32h + (r&31)] >> 2*(r>>5)) & 3; q - 32.  y = (d*sc) * q with
@@ -495,7 +495,7 @@ def _deq_q6_k(data, rows, gather, out):
     # bytes ql[l], ql[l+32], qh[l] give values l, l+32, l+64, l+96 with constant
     # shifts (a loop LLVM vectorizes, 3x faster than one shift pair per sub-block).
     for i in prange(out.shape[0]):
-        src, dst = data[_src_row(rows, gather, i)], out[i]
+        src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for b in range(dst.shape[0] // QK_K):
             o = 210 * b
             d = _f16(src, o + 208)
@@ -541,8 +541,8 @@ def _type_name(qtype: int) -> str:
         raise ValueError(f"unknown GGML tensor type id {qtype!r}") from None
 
 
-def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int):
-    """Validate arguments; return the kernel for qtype."""
+def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int, n_cols: int | None = None):
+    """Validate arguments; return the kernel for qtype and the row width written."""
     name = _type_name(qtype)
     kernel = _KERNELS.get(int(qtype))
     if kernel is None:
@@ -554,7 +554,10 @@ def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int):
             and out.flags.c_contiguous and out.flags.writeable):
         raise ValueError("out must be a writeable C-contiguous 2-D float32 (or uint16: bf16 bits) array")
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
-    n_cols = out.shape[1]
+    if n_cols is None:
+        n_cols = out.shape[1]
+    if not 0 <= n_cols <= out.shape[1]:
+        raise ValueError(f"{name}: n_cols {n_cols} does not fit out's rows of {out.shape[1]}")
     if n_cols % block_size != 0:
         raise ValueError(f"{name}: n_cols {n_cols} is not a multiple of block size {block_size}")
     if data.shape[1] != n_cols // block_size * type_size:
@@ -562,20 +565,21 @@ def _check(data: np.ndarray, qtype: int, out: np.ndarray, n_rows: int):
                          f"{n_cols // block_size * type_size} bytes, data rows have {data.shape[1]}")
     if out.shape[0] != n_rows:
         raise ValueError(f"out has {out.shape[0]} rows, expected {n_rows}")
-    return kernel
+    return kernel, n_cols
 
 
-def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
-    """Dequantize all rows: out[i] = dequant(data[i]).
+def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray, n_cols: int | None = None) -> None:
+    """Dequantize all rows: out[i] = dequant(data[i]), or out[i, :n_cols] = dequant(data[i])
+    (the other columns untouched) where out's rows are wider than the tensor's.
 
     data: raw bytes as a C-contiguous uint8 array of shape (n_rows, row_bytes)
     (callers pass tensor bytes viewed as uint8); out: float32 C-contiguous
-    (n_rows, n_cols), or uint16 for the values' bf16 bits (rounded to nearest even
+    (n_rows, >= n_cols), or uint16 for the values' bf16 bits (rounded to nearest even
     as they are stored: kernels/bf16.py's dequantize_into). Parallel over rows
     (numba prange)."""
     data = np.asarray(data)  # memmap subclass -> plain ndarray view
-    kernel = _check(data, qtype, out, data.shape[0] if data.ndim == 2 else -1)
-    kernel(data, _NO_ROWS, False, out)
+    kernel, n_cols = _check(data, qtype, out, data.shape[0] if data.ndim == 2 else -1, n_cols)
+    kernel(data, _NO_ROWS, False, out, n_cols)
 
 
 def dequantize_rows_into(data: np.ndarray, qtype: int, rows: np.ndarray, out: np.ndarray) -> None:
@@ -584,10 +588,10 @@ def dequantize_rows_into(data: np.ndarray, qtype: int, rows: np.ndarray, out: np
     data = np.asarray(data)
     if not (isinstance(rows, np.ndarray) and rows.dtype == np.int64 and rows.ndim == 1):
         raise ValueError("rows must be a 1-D int64 array")
-    kernel = _check(data, qtype, out, rows.shape[0])
+    kernel, n_cols = _check(data, qtype, out, rows.shape[0])
     if rows.size and (rows.min() < 0 or rows.max() >= data.shape[0]):
         raise IndexError(f"row index out of range [0, {data.shape[0]})")
-    kernel(data, rows, True, out)
+    kernel(data, rows, True, out, n_cols)
 
 
 def dequantize(data, qtype: int, n_cols: int) -> np.ndarray:

@@ -48,10 +48,12 @@ def lora_forward_onednn(y, xa, B, scale, scratch):
     bf16.gemm(y, xs, np.ascontiguousarray(B, np.float32), trans_b=True, accumulate=True)
 
 
-def lora_backward_onednn(dA, dB, dx, dy, xd, xa, A, B, scale, scratch, mask=None):
-    """lora_backward through oneDNN: dB^T = xa^T (s dy) as an (r, n_out) product (its
-    transposed operand the thin one: 1.7x dy^T xa's rate) added to dB, dxa = dy (s B),
-    dA += dxa^T xd, dx += dxa A (times the mask: then through scratch)."""
+def lora_grads_onednn(dA, dB, dy, xd, xa, B, scale):
+    """The factors' gradients through oneDNN, dB += s dy^T xa and dA += dxa^T xd, and
+    dxa = s dy B (N, r), returned: the operand of dx's share (lora_backward_onednn, or
+    the base product that carries it: models/products.py `Products.adapted`). dB^T =
+    xa^T (s dy) runs as an (r, n_out) product (its transposed operand the thin one: 1.7x
+    dy^T xa's rate)."""
     f32 = np.float32
     dy, xd, xa = (np.ascontiguousarray(v, f32) for v in (dy, xd, xa))
     N, r = xa.shape
@@ -61,10 +63,18 @@ def lora_backward_onednn(dA, dB, dx, dy, xd, xa, A, B, scale, scratch, mask=None
     dB += dBt.T
     dxa = np.empty((N, r), f32)
     bf16.gemm(dxa, dy, np.multiply(B, s, dtype=f32))
-    dAt = np.empty_like(A, f32) if not (dA.flags.c_contiguous and dA.dtype == f32) else None
+    dAt = np.empty((r, xd.shape[1]), f32) if not (dA.flags.c_contiguous and dA.dtype == f32) else None
     bf16.gemm(dA if dAt is None else dAt, dxa, xd, trans_a=True, accumulate=dAt is None)
     if dAt is not None:
         dA += dAt
+    return dxa
+
+
+def lora_backward_onednn(dA, dB, dx, dy, xd, xa, A, B, scale, scratch, mask=None):
+    """lora_backward through oneDNN: lora_grads_onednn, then dx += dxa A (times the mask:
+    then through scratch)."""
+    f32 = np.float32
+    dxa = lora_grads_onednn(dA, dB, dy, xd, xa, B, scale)
     if dx is None:
         return
     A32 = np.ascontiguousarray(A, f32)

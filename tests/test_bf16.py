@@ -131,6 +131,59 @@ def test_dequantize_to_bf16_bit_identical(qtype):
     np.testing.assert_array_equal(gathered, bf16.to_bf16_ref(f32[rows]))
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+def test_dequantize_into_wider_rows(qtype):
+    """With n_cols, the kernels write the first n_cols of each wider row (the weight of a
+    product whose K axis carries an adapter's parts) and leave the rest as it was."""
+    n_rows, n_cols, extra = 7, 512, 32
+    data = random_tensor(qtype, n_rows, n_cols)
+    want = np.zeros((n_rows, n_cols), np.uint16)
+    bf16.dequantize_into(data, int(qtype), want)
+    out = np.full((n_rows, n_cols + extra), 0xBEEF, np.uint16)
+    bf16.dequantize_into(data, int(qtype), out, n_cols)
+    np.testing.assert_array_equal(out[:, :n_cols], want)
+    assert (out[:, n_cols:] == 0xBEEF).all()
+    f32 = np.full((n_rows, n_cols + extra), 7.0, np.float32)
+    dequant.dequantize_into(data, int(qtype), f32, n_cols)
+    np.testing.assert_array_equal(bf16.to_bf16_ref(f32[:, :n_cols]), want)
+    assert (f32[:, n_cols:] == 7.0).all()
+
+
+def test_to_bf16_rows_and_the_split_parts():
+    """to_bf16_rows rounds into the first columns of wider rows; split_into writes a
+    float32 operand's three bf16 parts (hi, lo = bf16(v - hi)) in the order of its side
+    and zeros to the end of the rows; split_rows_into stacks them as rows. hi + lo gives
+    v to 2^-16 of |v| (v's lowest bits are all that is lost)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 40)).astype(np.float32) * np.float32(3.0)
+    out = np.full((9, 40 + 24), 0x1234, np.uint16)
+    bf16.to_bf16_rows(out, x)
+    np.testing.assert_array_equal(out[:, :40], bf16.to_bf16_ref(x))
+    assert (out[:, 40:] == 0x1234).all()
+    v = rng.standard_normal((9, 5)).astype(np.float32) * np.float32(1e-3)
+    hi, lo = bf16.split_ref(v)
+    np.testing.assert_allclose(bf16.from_bf16_ref(hi).astype(np.float64) + bf16.from_bf16_ref(lo), v,
+                               rtol=2.0 ** -16, atol=0)
+    assert np.abs(bf16.from_bf16_ref(lo)).max() > 0
+    wide = np.full((9, 40 + 32), 0x1234, np.uint16)
+    bf16.to_bf16_rows(wide, x)
+    for side, order in (("a", (hi, hi, lo)), ("b", (hi, lo, hi))):
+        bf16.split_into(wide, v, 40, side)
+        np.testing.assert_array_equal(wide[:, :40], bf16.to_bf16_ref(x))
+        np.testing.assert_array_equal(wide[:, 40:55], np.concatenate(order, axis=1))
+        assert (wide[:, 55:] == 0).all()
+    rows = np.full((20 + 32, 4), 0x1234, np.uint16)
+    bf16.split_rows_into(rows, np.ascontiguousarray(v[:4].T), 20, "b")   # (5, 4) stacked under 20 rows
+    vt = np.ascontiguousarray(v[:4].T)
+    h, l_ = bf16.split_ref(vt)
+    np.testing.assert_array_equal(rows[20:35], np.concatenate((h, l_, h), axis=0))
+    assert (rows[:20] == 0x1234).all() and (rows[35:] == 0).all()
+    with pytest.raises(ValueError, match="room for 3 x 5 columns from column 60"):
+        bf16.split_into(wide, v, 60, "a")
+    with pytest.raises(ValueError, match="at least 40 wide"):
+        bf16.to_bf16_rows(np.zeros((9, 39), np.uint16), x)
+
+
 def test_dequantize_to_bf16_argument_checks():
     data = random_tensor(dequant.T.Q8_0, 2, 64)
     with pytest.raises(ValueError, match="out must be a writeable C-contiguous 2-D uint16"):

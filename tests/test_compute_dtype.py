@@ -102,7 +102,7 @@ def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
     tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
     model = Model(tiny_model)
     fast = Runner(model, compute_dtype="bf16").forward(tokens)
-    monkeypatch.setattr(Products, "shared_input", lambda self, x: contextlib.nullcontext())
+    monkeypatch.setattr(Products, "shared_input", lambda self, x, extension=0: contextlib.nullcontext())
     monkeypatch.setattr(Forward, "weight", lambda self, name, N: self.base.matrix(name))
     monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi, N: self.base.matrix_rows(name, lo, hi))
     plain = Runner(model, compute_dtype="bf16").forward(tokens)
@@ -269,3 +269,81 @@ def test_bf16_head_kept_whole_changes_no_bit(tiny_model, monkeypatch):
     assert runs[0][0] == runs[1][0]
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
     np.testing.assert_array_equal(runs[0][2], runs[1][2])
+
+
+@needs_bf16
+@pytest.mark.parametrize("trans_b", [True, False])
+def test_adapter_in_the_bf16_product_keeps_float32_accuracy(trans_b):
+    """Products.adapted: the base product with an adapter's share in its K axis (the
+    float32 factors as three bf16 parts) equals bf16(a) bf16(W) + v F in float64 to float32
+    accuracy, the share included (with its bf16 rounding alone the share would be off by
+    ~2^-9 of itself, far beyond the tolerance); the shared input's wide buffer gives the
+    same bits; += accumulates."""
+    from llamatune.models.products import Products, adapter_extension
+    rng = np.random.default_rng(11)
+    N, K, n, r = 64, 96, 80, 4
+    E = adapter_extension(r)
+    a = rng.standard_normal((N, K)).astype(np.float32)
+    v = rng.standard_normal((N, r)).astype(np.float32)                 # s xa, or s dy B
+    F = rng.standard_normal((n, r) if trans_b else (r, n)).astype(np.float32)   # B, or A
+    W = rng.standard_normal((n, K) if trans_b else (K, n)).astype(np.float32)
+    ext = np.zeros((n, K + E) if trans_b else (K + E, n), np.uint16)
+    if trans_b:
+        bf16.to_bf16_rows(ext, W)
+        bf16.split_into(ext, F, K, "b")
+    else:
+        bf16.to_bf16(ext[:K], W)
+        bf16.split_rows_into(ext, F, K, "b")
+    wide = lambda u: bf16.from_bf16_ref(bf16.to_bf16_ref(u)).astype(np.float64)
+    ref = wide(a) @ (wide(W).T if trans_b else wide(W)) + v.astype(np.float64) @ (F.T if trans_b else F)
+    share = v.astype(np.float64) @ (F.T if trans_b else F)
+    assert np.abs(share).max() > 0.2 * np.abs(ref).max()                # the share is no rounding detail
+    products = Products(np, "bf16")
+    out = np.empty((N, n), np.float32)
+    products.adapted(out, a, ext, v, trans_b=trans_b)
+    np.testing.assert_allclose(out, ref, rtol=0, atol=5e-6 * np.abs(ref).max())
+    held = np.empty_like(out)
+    with products.shared_input(a, E):
+        products.adapted(held, a, ext, v, trans_b=trans_b)
+    np.testing.assert_array_equal(held, out)
+    twice = out.copy()
+    products.adapted(twice, a, ext, v, trans_b=trans_b, accumulate=True)
+    np.testing.assert_allclose(twice, 2 * ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_bf16
+def test_bf16_graph_with_adapters_in_the_products(tiny_model):
+    """Training with bf16 products carries each layer adapter in its base products
+    (forward and dx: no pass of its own over y or dx). Against the same graph with the
+    adapters' float32 passes: the same losses to float rounding and the same gradients
+    within a few bf16 roundings (whole tensors), both as far from the float32 graph;
+    the checkpointing modes agree bit for bit."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(tiny_model)
+    cfg = model.config
+    rng = np.random.default_rng(9)
+    B, T = 2, 24
+    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    w = np.full((B, T), 1 / (B * T), np.float32)
+    runs = {}
+    for key, dtype, carried, mode in (("f32", "f32", False, "selective"), ("pass", "bf16", False, "selective"),
+                                      ("carried", "bf16", True, "selective"), ("layer", "bf16", True, "layer")):
+        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                                    "ffn_up", "ffn_down")}, 4.0, tied=False)
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(0))
+        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype)
+        g.adapters_in_products = carried
+        assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
+        runs[key] = (g.step(inputs, tg, w), params.grad.copy())
+    (l32, g32), (lp, gp), (lc, gc), (ll, gl) = runs["f32"], runs["pass"], runs["carried"], runs["layer"]
+    np.testing.assert_allclose(lc, lp, rtol=1e-5)
+    np.testing.assert_allclose(gc, gp, rtol=0, atol=1e-2 * np.abs(gp).max())
+    err = lambda gr: np.abs(gr - g32).max() / np.abs(g32).max()
+    assert err(gc) < 1.5 * err(gp) + 1e-3
+    np.testing.assert_array_equal(gl, gc)
+    assert ll == lc

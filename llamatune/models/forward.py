@@ -160,16 +160,31 @@ class Forward:
         self.products(y, x, W, trans_b=True)
 
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
-        """y (N, n_out) = x W^T (+ bias) + the adapters' share."""
+        """y (N, n_out) = x W^T (+ bias) + the adapters' share (in the base product where
+        `adapter_in_product`: products.Products.adapted)."""
         if self.observer is not None:
             self.observer(name, x)
-        W, merged = self.matrix(name, x.shape[0])
-        self.base_product(y, x, W)
+        carried = self.adapter_in_product(name, x.shape[0])
+        if carried:
+            self.adapted_forward(y, x, name)
+        else:
+            W, merged = self.matrix(name, x.shape[0])
+            self.base_product(y, x, W)
         bias = self.base.vector(name.replace(".weight", ".bias"))
         if bias is not None:
             y += bias
-        self.adapter_forward(y, x, name, merged)
+        if not carried:
+            self.adapter_forward(y, x, name, merged)
         return y
+
+    def adapter_in_product(self, name: str, N: int) -> bool:
+        """Whether the adapter of `name` rides in the base product's K axis (training with
+        bf16 products: train.linear.LoraLinear); inference adds its adapters after."""
+        return False
+
+    def shared_extension(self, names: list[str], N: int) -> int:
+        """Columns the shared bf16 input of `names` needs for adapters in the products."""
+        return 0
 
     def fused_rows(self, width: int) -> np.ndarray:
         N = self.xn.shape[0]
@@ -178,7 +193,8 @@ class Forward:
     def qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
         """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
         if not self.cfg.spec.fused_qkv:
-            with self.products.shared_input(xn):
+            names = [f"{p}attn_{c}.weight" for c in "qkv"]
+            with self.products.shared_input(xn, self.shared_extension(names, xn.shape[0])):
                 for c, y in (("q", q), ("k", k), ("v", v)):
                     self.linear(y, xn, f"{p}attn_{c}.weight")
             return
@@ -189,7 +205,8 @@ class Forward:
     def gate_up_forward(self, g: np.ndarray, u: np.ndarray, xn: np.ndarray, p: str) -> None:
         """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
         if not self.cfg.spec.fused_gate_up:
-            with self.products.shared_input(xn):
+            names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+            with self.products.shared_input(xn, self.shared_extension(names, xn.shape[0])):
                 self.linear(g, xn, p + "ffn_gate.weight")
                 self.linear(u, xn, p + "ffn_up.weight")
             return

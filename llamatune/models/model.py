@@ -111,6 +111,9 @@ class Dequantizer:
         head = weights.output
         self.head_rows = max(1, min(head.n_rows, layer_max // head.n_cols))   # rows of the head per block
         self.size = max(layer_max, self.head_rows * head.n_cols)
+        # the longest side of a layer matrix: what an adapter's parts add to a bf16 block per column
+        self.layer_side = max((max(t.n_rows, t.n_cols) for _, t in weights.all_matrices() if id(t) not in vocab),
+                              default=0)
         self._buf: np.ndarray | None = None
         self._buf_bf16: np.ndarray | None = None
 
@@ -122,6 +125,10 @@ class Dequantizer:
     def nbytes_bf16(self) -> int:
         """The scratch of `block_bf16`: the bf16 matrix (the kernels round as they store)."""
         return self.size * 2
+
+    def nbytes_bf16_extended(self, extension: int) -> int:
+        """The same with room for `extension` more columns or rows (`block_bf16`'s cols/rows)."""
+        return 2 * (self.size + extension * self.layer_side)
 
     def get(self, t: Tensor) -> np.ndarray:
         return self.block(t, 0, t.n_rows)
@@ -142,23 +149,27 @@ class Dequantizer:
             out[...] = dequant.dequantize(raw, t.qtype, t.n_cols)
         return out
 
-    def block_bf16(self, t: Tensor, lo: int, hi: int) -> np.ndarray:
+    def block_bf16(self, t: Tensor, lo: int, hi: int, cols: int = 0, rows: int = 0) -> np.ndarray:
         """Rows lo:hi of a weight as (hi - lo, n_cols) bf16 bits (uint16), equal to
-        to_bf16(block(t, lo, hi)) bit for bit, valid until the next call."""
+        to_bf16(block(t, lo, hi)) bit for bit, valid until the next call. With cols or
+        rows, the (hi - lo + rows, n_cols + cols) buffer it sits in, top left, the rest
+        left for the caller (an adapter's parts in a product's K axis: models/products.py)."""
         from ..kernels import bf16
-        n = (hi - lo) * t.n_cols
-        if n > self.size:
+        n_rows, width = hi - lo + rows, t.n_cols + cols
+        n = n_rows * width
+        if (hi - lo) * t.n_cols > self.size:
             raise ValueError(f"{t.name}: rows {lo}:{hi} do not fit the dequantization scratch; expand it in blocks")
-        if self._buf_bf16 is None:
-            self._buf_bf16 = np.empty(self.size, np.uint16)
-        out = self._buf_bf16[:n].reshape(hi - lo, t.n_cols)
+        if self._buf_bf16 is None or self._buf_bf16.size < n:
+            self._buf_bf16 = np.empty(max(n, self.size), np.uint16)
+        out = self._buf_bf16[:n].reshape(n_rows, width)
+        block = out[: hi - lo]
         if t.qtype == QType.F32:
-            bf16.to_bf16(out, t.data.reshape(t.n_rows, t.n_cols)[lo:hi])
+            bf16.to_bf16_rows(block, t.data.reshape(t.n_rows, t.n_cols)[lo:hi])
         elif t.qtype in dequant.NUMBA_TYPES:
-            bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, out)
+            bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, block, t.n_cols)
         else:
-            bf16.to_bf16(out, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
-        return out
+            bf16.to_bf16_rows(block, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
+        return out if cols or rows else block
 
     def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = W[ids[i]]: embedding lookup that dequantizes only the rows used."""

@@ -9,6 +9,20 @@ product of the forward (x W^T), of the backward (dy W) and of the output head go
 through one `Products`; the adapters' rank-r products, norms, softmax, the loss and
 every accumulation stay float32 (with bf16 products the adapters' products run through
 oneDNN's float32 kernels: `lora_ops`).
+
+An adapter's share in the base product (`adapted`, training with bf16 products): the
+up-projection of a linear's adapter, y += (s xa) B^T, and its backward twin, dx +=
+(s dy B) A, ride in the K axis of the base product instead of a second pass over y or
+dx. Each float32 factor is split into two bf16 parts, v = hi + lo (hi = bf16(v), lo =
+bf16(v - hi), exact to 2^-17 of v), and the three products that matter are appended:
+
+    y  = [bf16(x)  | xs_hi  xs_hi  xs_lo  0] [bf16(W)  | B_hi B_lo B_hi 0]^T      xs = s xa
+    dx = [bf16(dy) | dxa_hi dxa_hi dxa_lo 0] [bf16(W) ; A_hi ; A_lo ; A_hi ; 0]   dxa = s dy B
+
+Each bf16 x bf16 term is exact in the float32 accumulation, so the adapter's share
+keeps float32's accuracy (2.2e-5 of its largest element at the bench shape, the same as
+the float32 pass: bench/lora_in_gemm.py) while the product costs what the base product
+alone costs. K grows by `adapter_extension(r)` (3 r, padded with zeros to AMX's 32).
 """
 from __future__ import annotations
 
@@ -16,6 +30,12 @@ from contextlib import contextmanager
 from types import SimpleNamespace
 
 import numpy as np
+
+
+def adapter_extension(rank: int) -> int:
+    """Columns an adapter of rank r adds to a bf16 product's K axis: its three bf16 parts,
+    padded with zeros to a multiple of 32 (the depth of an AMX bf16 tile)."""
+    return -(-3 * rank // 32) * 32
 
 
 BF16_MIN_ROWS = 16     # fewer rows (a decode step's one token) multiply in f32: oneDNN's bf16 kernels
@@ -34,6 +54,7 @@ class Products:
         # for a strided `out`
         self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")} | {"out": np.empty(0, np.float32)}
         self._held = self._held_bf16 = None     # shared_input's x and its bf16 copy
+        self._held_wide = None                  # that copy's (N, K + extension) buffer
 
     def bf16_for(self, rows: int) -> bool:
         """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
@@ -59,6 +80,25 @@ class Products:
         else:
             self._bf16(out, a, W, trans_b, accumulate=True)
 
+    def adapted(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, v: np.ndarray, trans_b: bool,
+                accumulate: bool = False) -> None:
+        """out = [bf16(a) | parts of v] [W]^T (trans_b) or [bf16(a) | parts of v] [W], or +=
+        with accumulate: a base product with an adapter's share in its K axis (module
+        docstring). a (N, K) float32; v (N, r) float32, the adapter's operand on a's side
+        (s xa, or s dy B); W the extended bf16 weight, (n_out, K + E) with B's parts in
+        its last E columns (trans_b) or (K + E, n_in) with A's parts in its last E rows
+        (kernels/bf16.py `split_into`, `split_rows_into`)."""
+        from ..kernels import bf16
+        N, K = a.shape
+        width = W.shape[1] if trans_b else W.shape[0]
+        if a is self._held and self._held_wide is not None and self._held_wide.shape[1] >= width:
+            full = self._held_wide              # the shared input, rounded once, parts written per adapter
+        else:
+            full = self._buffer("a", (N, width))
+            bf16.to_bf16_rows(full, a)
+        bf16.split_into(full, v, K, "a")
+        bf16.gemm(out, full[:, :width], W, trans_b=trans_b, accumulate=accumulate)
+
     def lora_ops(self, ops_lora):
         """The adapters' rank-r products (lora_forward, lora_backward): with bf16 products
         oneDNN's float32 kernels (kernels/lora.py: the adds in the products' one pass, about
@@ -67,7 +107,8 @@ class Products:
         if self.dtype != "bf16":
             return ops_lora
         from ..kernels import lora
-        return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn)
+        return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn,
+                               lora_grads=lora.lora_grads_onednn)
 
     def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
         return self.dtype == "f32" or (W.dtype != np.uint16 and a.dtype != np.uint16
@@ -94,17 +135,25 @@ class Products:
             out[...] = tmp
 
     @contextmanager
-    def shared_input(self, x: np.ndarray):
+    def shared_input(self, x: np.ndarray, extension: int = 0):
         """Products inside take `x` rounded to bf16 once (q, k and v of one normed input;
-        gate and up), not once each. x must not change inside."""
+        gate and up), not once each; with `extension`, into rows that many columns wider,
+        where `adapted` products write their adapter's parts. x must not change inside."""
         if self.dtype != "bf16":
             yield
             return
-        self._held_bf16, self._held = self._round(x, "x"), x
+        if extension:
+            from ..kernels import bf16
+            self._held_wide = self._buffer("x", (x.shape[0], x.shape[1] + extension))
+            bf16.to_bf16_rows(self._held_wide, x)
+            self._held_bf16 = self._held_wide[:, : x.shape[1]]
+        else:
+            self._held_bf16 = self._round(x, "x")
+        self._held = x
         try:
             yield
         finally:
-            self._held = self._held_bf16 = None
+            self._held = self._held_bf16 = self._held_wide = None
 
     def _buffer(self, key: str, shape: tuple[int, ...]) -> np.ndarray:
         """The first prod(shape) elements of kept buffer `key`, grown as needed."""
@@ -124,17 +173,19 @@ class Products:
         return buf
 
 
-def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool) -> int:
+def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool, extension: int = 0) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of
-    logit gradient) and a shared input (N x the widest normed input); and, where the head
+    logit gradient) and a shared input (N x the widest normed input), each `extension`
+    columns wider where adapters ride in the products (`adapted`); and, where the head
     is not multiplied in column blocks (train/head.py `blocked_head`), the f32 block
     (chunk x rows) its logits are multiplied into before their copy. The weights come
     dequantized straight to bf16 (model.Dequantizer.nbytes_bf16, in place of the f32
     scratch)."""
     from .arch import layer_matrix_shapes
     mats = layer_matrix_shapes(cfg)
-    widest = N * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats))
+    widest = N * (max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)) + extension)
+    shared = N * (cfg.n_embd + extension)
     if blocked_head:                                  # the head's gradient comes as bf16, its logits in place
-        return 2 * (widest + N * cfg.n_embd)
-    return 2 * (max(widest, chunk * head_rows) + N * cfg.n_embd) + 4 * chunk * head_rows
+        return 2 * (widest + shared)
+    return 2 * (max(widest, chunk * head_rows) + shared) + 4 * chunk * head_rows

@@ -85,6 +85,12 @@ class FrozenBase:
             return kept[lo:hi]
         return self.model.dequantizer.block_bf16(t, lo, hi)
 
+    def matrix_bf16_extended(self, name: str, cols: int = 0, rows: int = 0) -> np.ndarray:
+        """A whole matrix dequantized to bf16 at the top left of a (n_rows + rows,
+        n_cols + cols) scratch, the rest left for an adapter's parts (Dequantizer.block_bf16)."""
+        t = self.tensors[name]
+        return self.model.dequantizer.block_bf16(t, 0, t.n_rows, cols, rows)
+
     def keep_bf16(self, name: str) -> None:
         """Keep matrix `name` dequantized to bf16 whole, once (the frozen output head,
         otherwise expanded block by block twice per chunk of tokens: train/head.py)."""

@@ -321,6 +321,7 @@ class Graph(LoraLinear, LossHead, Forward):
                                                 compute_dtype=self.products.dtype)
         g.dropout, g.merge_lora, g.merge_aware, g.reweight, g.observer = (self.dropout, self.merge_lora,
                                                                           self.merge_aware, self.reweight, self.observer)
+        g.adapters_in_products = self.adapters_in_products
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]

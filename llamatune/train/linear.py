@@ -29,7 +29,9 @@ import zlib
 
 import numpy as np
 
+from ..kernels.bf16 import split_into, split_rows_into
 from ..kernels.dequant import dequantize
+from ..models.products import adapter_extension
 from ..kernels.quantize import QUANTIZABLE, quantize
 from .lora import LoraTarget
 
@@ -42,6 +44,7 @@ def requantizable(qtype) -> bool:
 
 class LoraLinear:
     merge_aware = False        # adapted quantized matrices as deq(Q(W + s B A)), straight-through
+    adapters_in_products = True  # with bf16 products, adapters ride in the base products (adapter_in_product)
 
     # ---------------------------------------------------------------- Forward's hooks
     def adapter_pairs(self, name: str) -> list:
@@ -86,6 +89,39 @@ class LoraLinear:
         self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
         if not merged:
             self.lora_ops.lora_forward(y, xa, self.params[t.b], t.scale, self.scratch(*y.shape))
+
+    # ---------------------------------------------------------------- the adapter in the product
+    def adapter_in_product(self, name: str, N: int) -> bool:
+        """Whether the adapter of `name` rides in the K axis of the base product
+        (products.Products.adapted): bf16 products over N tokens, a frozen base expanded
+        to bf16 by the dequantizer, and no dropout (its mask multiplies the adapter's
+        share of dx, which the product cannot)."""
+        return (self.adapters_in_products and name in self.lora and self.products.bf16_for(N)
+                and self.dropout <= 0 and not self.merge_aware and not self.base.trainable
+                and hasattr(self.base, "matrix_bf16_extended"))
+
+    def shared_extension(self, names: list[str], N: int) -> int:
+        return max((adapter_extension(self.lora[n].rank) for n in names if self.adapter_in_product(n, N)),
+                   default=0)
+
+    def adapted_forward(self, y: np.ndarray, x: np.ndarray, name: str) -> None:
+        """y = [bf16(x) | parts of s x A^T] [bf16(W) | parts of B]^T, keeping x A^T."""
+        t = self.lora[name]
+        xa = self.xa[name]
+        self.xp.matmul(x, self.params[t.a].T, out=xa)
+        W = self.base.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
+        split_into(W, self.params[t.b], x.shape[1], "b")
+        self.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
+
+    def adapted_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, name: str,
+                         accumulate: bool) -> None:
+        """dA, dB +=; dx (=, or +=) [bf16(dy) | parts of s dy B] [bf16(W) ; parts of A]."""
+        t = self.lora[name]
+        dxa = self.lora_ops.lora_grads(self.params.grad_of(t.a), self.params.grad_of(t.b), dy, x, self.xa[name],
+                                       self.params[t.b], t.scale)
+        W = self.base.matrix_bf16_extended(name, rows=adapter_extension(t.rank))
+        split_rows_into(W, self.params[t.a], dy.shape[1], "b")
+        self.products.adapted(dx, dy, W, dxa, trans_b=False, accumulate=accumulate)
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
@@ -144,6 +180,9 @@ class LoraLinear:
     def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
                         accumulate: bool) -> None:
         """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
+        if dx is not None and self.adapter_in_product(name, dy.shape[0]):
+            self.adapted_backward(dx, dy, x, name, accumulate)  # a frozen base: no dW, no bias gradient
+            return
         W, merged = self.matrix(name, dy.shape[0])
         if dx is not None:
             if accumulate:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.products import bf16_bytes
-from .buffers import buffer_plan, grad_scratch, head_chunk, head_floats, plan_bytes
+from ..models.products import adapter_extension, bf16_bytes
+from .buffers import buffer_plan, grad_scratch, has_xa, head_chunk, head_floats, plan_bytes
 from .graph import Graph
 from .head import blocked_head, kept_head_bytes
 
@@ -164,13 +164,21 @@ class Planner:
         if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
             chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
             adapted = any(t.kind == "output" for t in self.targets)
+            extension = self.extension()
             temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk,
-                                      blocked_head(self.cfg, adapted, self.base.trainable))
+                                      blocked_head(self.cfg, adapted, self.base.trainable), extension)
             if scratch:                                  # weights dequantized straight to bf16, not to f32
-                scratch = self.base.model.dequantizer.nbytes_bf16
+                scratch = self.base.model.dequantizer.nbytes_bf16_extended(extension)
             scratch += kept_head_bytes(self.cfg, chunk)  # and the head kept whole (train/head.py)
         return Estimate(mode, self.runtime, self.model_bytes, scratch, plan_bytes(plan),
                         temporaries, self.device)
+
+    def extension(self) -> int:
+        """Columns (or rows) the adapters riding in bf16 products add to their operands
+        (train.linear.LoraLinear.adapter_in_product: a frozen base, no dropout)."""
+        if self.dropout > 0 or self.base.trainable:
+            return 0
+        return max((adapter_extension(t.rank) for t in self.targets if has_xa(self.cfg, t.kind)), default=0)
 
     def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
         """The estimate of `mode`, or for auto of the fastest mode that fits `available`
