@@ -341,18 +341,19 @@ class _Library:
         return md
 
     def primitive(self, M: int, N: int, K: int, trans_b: bool, accumulate: bool, threads: int,
-                  lda: int = 0, ldb: int = 0, ldc: int = 0, f32: bool = False, trans_a: bool = False):
+                  lda: int = 0, ldb: int = 0, ldc: int = 0, f32: bool = False, trans_a: bool = False,
+                  out_bf16: bool = False):
         """(primitive, [src, weights, dst memories], exec args, implementation name);
         ld*: the row strides in elements (0: the row length); f32: float32 inputs;
-        trans_a: a held as (K, M)."""
+        trans_a: a held as (K, M); out_bf16: the float32 result stored rounded to bf16."""
         lda, ldb, ldc = lda or (M if trans_a else K), ldb or (K if trans_b else N), ldc or N
-        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32, trans_a)
+        key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32, trans_a, out_bf16)
         if key in self.primitives:
             return self.primitives[key]
         lib = self.lib
         a = self._desc((M, K), (1, lda) if trans_a else (lda, 1), _F32 if f32 else _BF16)
         b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _F32 if f32 else _BF16)
-        c = self._desc((M, N), (ldc, 1), _F32)
+        c = self._desc((M, N), (ldc, 1), _BF16 if out_bf16 else _F32)
         attr = None
         if accumulate:  # out = out + a @ b: a "sum" post-op
             attr, post_ops = _VP(), _VP()
@@ -398,7 +399,8 @@ class _Library:
         ld = [arr.strides[0] // arr.itemsize for arr in (a, b, out)]
         with self.lock:  # the memories' data handles are shared per primitive
             prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld,
-                                                 f32=a.dtype == np.float32, trans_a=trans_a)
+                                                 f32=a.dtype == np.float32, trans_a=trans_a,
+                                                 out_bf16=out.dtype == np.uint16)
             for mem, arr in zip(mems, (a, b, out)):
                 _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
             _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
@@ -476,7 +478,9 @@ def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
     float32 accumulation; or a and b both float32 (oneDNN's f32 kernels: an adapter's
     rank-r `out += xa @ B^T` in one pass over out, 3x numpy's product-then-add). Each
     array's rows contiguous (unit inner stride, rows in order and apart: a column slice
-    of a wider array, say the head's logits)."""
+    of a wider array, say the head's logits). With bf16 operands `out` may be uint16
+    (not accumulated): the float32 result rounded to bf16 as it is stored (to nearest
+    even, bit for bit `to_bf16` of the float32 out: half the bytes written)."""
     f32 = isinstance(a, np.ndarray) and a.dtype == np.float32
     dtype = np.float32 if f32 else np.uint16
     for name, arr in (("a", a), ("b", b)):
@@ -489,11 +493,12 @@ def gemm(out: np.ndarray, a: np.ndarray, b: np.ndarray, trans_b: bool = False,
         raise ValueError(f"gemm: a is {a.shape}{' (transposed)' if trans_a else ''} but b is "
                          f"{b.shape}{' (transposed)' if trans_b else ''}")
     N = b.shape[0] if trans_b else b.shape[1]
-    if not (isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (M, N)
+    out_types = (np.float32,) if f32 or accumulate else (np.float32, np.uint16)
+    if not (isinstance(out, np.ndarray) and out.dtype in out_types and out.shape == (M, N)
             and _rows_contiguous(out) and out.flags.writeable):
         got = f"{out.dtype} {out.shape}" if isinstance(out, np.ndarray) else type(out).__name__
         raise ValueError(f"gemm: out must be a writeable float32 array of shape {(M, N)} "
-                         f"with contiguous rows, got {got}")
+                         f"with contiguous rows (or uint16 for a bf16 product not accumulated), got {got}")
     if M == 0 or N == 0:
         return
     if K == 0:

@@ -331,8 +331,26 @@ def test_gemm_argument_checks():
     with pytest.raises(ValueError, match=r"gemm: a is \(3, 4\) \(transposed\) but b is \(4, 5\)"):
         bf16.gemm(np.zeros((4, 5), np.float32), a, b, trans_a=True)
     with pytest.raises(ValueError, match=r"gemm: out must be a writeable float32 array of shape \(3, 5\) "
-                                         r"with contiguous rows, got float32 \(5, 3\)"):
+                                         r"with contiguous rows \(or uint16 .*\), got float32 \(5, 3\)"):
         bf16.gemm(np.zeros((5, 3), np.float32), a, b)
+    with pytest.raises(ValueError, match=r"gemm: out must be .*got uint16 \(3, 5\)"):
+        bf16.gemm(np.zeros((3, 5), np.uint16), a, b, accumulate=True)      # a bf16 sum would round twice
+
+
+@native
+@pytest.mark.parametrize("trans_b", [False, True])
+def test_gemm_stored_as_bf16_is_the_rounded_float32_product(trans_b):
+    """A uint16 out gets the float32 product rounded to nearest even as oneDNN stores it:
+    bit for bit to_bf16 of the float32 out, on the whole tensor (rows apart too)."""
+    rng = np.random.default_rng(5)
+    a = bf16.to_bf16_ref(rng.standard_normal((70, 96)).astype(np.float32))
+    b = bf16.to_bf16_ref(rng.standard_normal((40, 96) if trans_b else (96, 40)).astype(np.float32))
+    f32 = np.empty((70, 40), np.float32)
+    bf16.gemm(f32, a, b, trans_b=trans_b)
+    out = np.full((70, 48), 0x7777, np.uint16)
+    bf16.gemm(out[:, :40], a, b, trans_b=trans_b)
+    np.testing.assert_array_equal(out[:, :40], bf16.to_bf16_ref(f32))
+    assert (out[:, 40:] == 0x7777).all()
 
 
 @pytest.fixture

@@ -347,3 +347,36 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
     assert err(gc) < 1.5 * err(gp) + 1e-3
     np.testing.assert_array_equal(gl, gc)
     assert ll == lc
+
+
+@needs_bf16
+def test_gate_inputs_stored_as_bf16_by_the_products_change_no_bit(tiny_model, monkeypatch):
+    """Where gate and up have no bias and their adapters ride in the products, the
+    products store g and u as bf16 bits straight into the layer's buffers (oneDNN rounds
+    as it stores): the same losses and gradients bit for bit as the float32 scratch the
+    gate kernel rounds."""
+    from llamatune.models.forward import Forward
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(tiny_model)
+    cfg = model.config
+    rng = np.random.default_rng(10)
+    B, T = 2, 16
+    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    w = np.full((B, T), 1 / (B * T), np.float32)
+    runs = []
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(Forward, "stores_bf16", lambda self, names, N: False)
+        targets = lora_targets(cfg, {k: 4 for k in ("ffn_gate", "ffn_down")}, 4.0, tied=False)
+        params = ParamBuffer(lora_specs(targets))
+        init_lora(params, targets, np.random.default_rng(0))
+        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", compute_dtype="bf16")
+        assert g.stores_bf16(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], B * T) == direct
+        runs.append((g.step(inputs, tg, w), params.grad.copy()))
+    assert runs[0][0] == runs[1][0]
+    assert np.abs(runs[1][1]).max() > 0
+    np.testing.assert_array_equal(runs[0][1], runs[1][1])

@@ -182,6 +182,16 @@ class Forward:
         bf16 products: train.linear.LoraLinear); inference adds its adapters after."""
         return False
 
+    def stores_bf16(self, names: list[str], N: int) -> bool:
+        """Whether the linears `names` over N tokens may store their results as bf16 bits
+        straight from the product (kernels/bf16.gemm into uint16: the float32 result
+        rounded as it is stored): bf16 products, separate matrices, no bias, and no
+        adapter share to add after the product."""
+        return (self.products.bf16_for(N) and not self.cfg.spec.fused_gate_up
+                and all(n in getattr(self.base, "tensors", ()) for n in names)
+                and all(self.base.vector(n.replace(".weight", ".bias")) is None
+                        and (not self.adapter_pairs(n) or self.adapter_in_product(n, N)) for n in names))
+
     def shared_extension(self, names: list[str], N: int) -> int:
         """Columns the shared bf16 input of `names` needs for adapters in the products."""
         return 0
@@ -262,7 +272,10 @@ class Forward:
         xn = self.xn if a.xn2 is None else a.xn2                  # x_mid += x, then its norm
         ops.fused.add_rmsnorm_forward(xn, a.rstd2, a.x_mid, a.x, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
         h = self.h if a.h is None else a.h
-        if a.g.dtype == np.uint16:                                # kept as bf16 (training's bf16 products):
+        if a.g.dtype == np.uint16 and self.stores_bf16([p + "ffn_gate.weight", p + "ffn_up.weight"], xn.shape[0]):
+            self.gate_up_forward(a.g, a.u, xn, p)                 # kept as bf16, stored so by the products
+            self.gate()[0](h, a.g, a.u)
+        elif a.g.dtype == np.uint16:                              # kept as bf16 (training's bf16 products):
             g, u = self.gate_scratch()                            # the products into float32 scratch, then
             self.gate_up_forward(g, u, xn, p)                     # the gate rounds them into a.g, a.u and
             self.gate()[0](h, g, u, a.g, a.u)                     # computes h from what it kept

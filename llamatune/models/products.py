@@ -121,6 +121,8 @@ class Products:
         else:
             a16 = self._held_bf16 if a is self._held else self._round(a, "a")
         w16 = W if W.dtype == np.uint16 else self._round(W, "w")
+        if out.dtype == np.uint16 and (accumulate or not out.flags.c_contiguous):
+            raise ValueError("a product stored as bf16 bits takes a C-contiguous out and no accumulation")
         if out.flags.c_contiguous:
             bf16.gemm(out, a16, w16, trans_b=trans_b, accumulate=accumulate)
             return
