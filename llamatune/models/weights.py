@@ -103,6 +103,10 @@ class FrozenBase:
             kept[lo:hi] = deq.block_bf16(t, lo, hi)
         self._kept_bf16[name] = kept
 
+    def is_kept_bf16(self, name: str) -> bool:
+        """Whether matrix `name` is kept dequantized to bf16 whole (`keep_bf16`)."""
+        return name in self._kept_bf16
+
     def is_scratch(self, name: str) -> bool:
         """Whether `matrix(name)` is a dequantized copy the caller may modify (until the
         next call), not the stored F32 data itself."""
