@@ -7,7 +7,10 @@ No full-size gradient of a frozen W ever exists. `x A^T` is kept for backward (t
 graph's `xa` buffers). Where a step's N tokens outnumber both sides of a dequantized
 matrix (and no dropout), the adapter is added into that copy (`W + s B A`) and the
 product runs once, instead of the factored terms' (N, n_out) and (N, n_in) shares.
-Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
+With bf16 products (where that merge would round the adapter's share away) the adapter
+rides in the base product's K axis instead, its float32 factors as bf16 parts
+(`adapter_in_product`, models/products.py `Products.adapted`): the same single product,
+the share kept to float32 accuracy. Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
 with an adapter are used as `w + s (B A)[0]`.
 
 Merge-aware training (`merge_aware`, --merge-aware): an adapted matrix stored
@@ -31,8 +34,8 @@ import numpy as np
 
 from ..kernels.bf16 import split_into, split_rows_into
 from ..kernels.dequant import dequantize
-from ..models.products import adapter_extension
 from ..kernels.quantize import QUANTIZABLE, quantize
+from ..models.products import adapter_extension
 from .lora import LoraTarget
 
 
