@@ -1,9 +1,9 @@
 """Benchmark: an adapter's forward share inside the bf16 base product (split bf16, "bf16x3").
 
-Today a bf16 step computes a linear with an adapter in two passes over y (N, n_out):
-the base product y = bf16(x) bf16(W)^T through oneDNN, then the adapter's float32
-share y += (s xa) B^T (kernels/lora.py `lora_forward_onednn`), a read and a write of y.
-This measures the alternative for the next step of issue #29: each float32 factor
+A linear with an adapter in two passes over y (N, n_out): the base product
+y = bf16(x) bf16(W)^T through oneDNN, then the adapter's float32 share y += (s xa) B^T
+(kernels/lora.py `lora_forward_onednn`), a read and a write of y. Against the way a bf16
+training step computes it (models/products.py `Products.adapted`): each float32 factor
 split into two bf16 parts, v = hi + lo with hi = bf16(v), lo = bf16(v - hi) (exact to
 2^-17 of v), and the three products that matter appended to the base product's K axis:
 
@@ -13,8 +13,8 @@ one AMX product with float32 accumulation (a bf16 x bf16 product is exact in flo
 K grown by 3r (padded with zeros to a multiple of 32, AMX's tile depth). Reported for each width: the adapter share's error against float64
 (relative to its largest element) for the float32 pass and for the split; the times
 of base + float32 pass, of the extended product alone, of the copies that build its
-operands here (a real graph would write x's rounding and W's dequantization straight
-into the extended buffers), and of the base product alone; medians of --repeat interleaved rounds (each the
+operands here (the graph writes x's rounding and W's dequantization straight into the
+extended buffers), and of the base product alone; medians of --repeat interleaved rounds (each the
 median of 3 calls).
 
     python bench/lora_in_gemm.py [--N 2048] [--K 512] [--widths 1536,512] [--r 8] [--repeat 30]
