@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -29,6 +30,11 @@ from pathlib import Path
 from finetune_step import B, R, SHAPE, T, build  # bench/ is sys.path[0] when run as a script
 
 HERE = Path(__file__).resolve().parent
+# The environment as the user started this script: each child gets it, not this process's after
+# `build` imported llamatune (whose start-up sets GOMP_SPINCOUNT=2000 and OPENBLAS_THREAD_TIMEOUT=4:
+# PyTorch runs on GNU OpenMP too, and inheriting the short spin cost it 0-13 %, a median of about
+# 4 %, in six alternating pairs; llamatune's children set their own policy when they start)
+USER_ENV = dict(os.environ)
 HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -68,7 +74,7 @@ def run_torch(steps: int) -> dict:
 
 
 def child(cmd: list[str]) -> dict:
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=USER_ENV)
     if r.returncode:
         sys.exit(f"{' '.join(cmd[:4])} ... failed:\n{r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])

@@ -118,6 +118,8 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
             cpu_clock: bool = False, bound: bool = False, dtype: str = "f32") -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
+    from llamatune.precision import prepare_threads
+    prepare_threads(dtype)  # the OpenMP spin the CLI sets for these products, before OpenMP starts
     import numpy as np
     from llamatune.models.weights import FrozenBase
     from llamatune.train.graph import Graph

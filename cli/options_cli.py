@@ -62,6 +62,17 @@ def _values(kwargs: dict, cls, names, prefix: str = "") -> dict:
     return out
 
 
+def _prepare_threads(opts) -> None:
+    """The OpenMP spin for the products this command will likely run, before OpenMP starts
+    (llamatune.precision.prepare_threads): training a frozen base and quickstart default
+    to auto, a command without a --compute-dtype (tokenize, export-lora, ...) to nothing."""
+    from llamatune import options as o
+    from llamatune.precision import prepare_threads
+    requested = getattr(opts, "compute_dtype", "auto" if isinstance(opts, o.QuickstartOptions) else None)
+    trainable = isinstance(opts, o.ScratchOptions) or getattr(opts, "fine_tune_type", "lora") == "full"
+    prepare_threads(requested, getattr(opts, "device", "cpu"), trainable)
+
+
 def add_options_command(app: typer.Typer, name: str, cls, run: Callable[..., None], help: str,
                         wrap: Callable[[Callable], Callable], *, preset: bool = False,
                         borrowed: tuple[Any, dict[str, dict]] | None = None) -> None:
@@ -99,6 +110,7 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[..., Non
         if config is not None:                     # no output may overwrite the preset
             from llamatune.outputs import check_training_paths
             check_training_paths(opts, config)
+        _prepare_threads(opts)
         if borrowed is None:
             return run(opts)
         return run(build_options(borrowed[0], _values(kwargs, borrowed[0], borrowed[1], "borrowed_")), opts)

@@ -47,6 +47,7 @@ from numba import njit, prange
 from . import dequant
 from .dequant import _bits_to_f32, _f32_to_bf16
 from ._checks import check_array
+from .cpuinfo import cpu_bf16_flags
 
 __all__ = ["to_bf16", "to_bf16_rows", "split_into", "split_rows_into", "split_ref", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
            "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
@@ -446,20 +447,6 @@ def implementation(M: int, N: int, K: int, trans_b: bool = False, accumulate: bo
     """The kernel oneDNN picked for this product, e.g. "brg:avx512_core_amx"."""
     lib = _library()
     return lib.primitive(M, N, K, trans_b, accumulate, lib.threads())[3]
-
-
-def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:
-    """The CPU's native bf16 flags among avx512_bf16 and amx_bf16 (empty when none, or
-    when the file cannot be read: then the CPU is taken to lack them)."""
-    try:
-        text = Path(cpuinfo).read_text()
-    except OSError:
-        return []
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return [f for f in ("avx512_bf16", "amx_bf16") if f in flags]
-    return []
 
 
 # ---------------------------------------------------------------- products

@@ -12,7 +12,9 @@ them when they start), and which a user's own settings override:
   idle workers starve OpenBLAS the same way (attention forward 660 ms vs 18 ms); with
   a short one a parallel kernel starts in about 1 us, against 80-100 us for the
   workqueue layer (a step of the bench shape launches ~400 kernels: 1.96 s a step vs
-  2.06 s). Workqueue, the fallback, is used where OpenMP is not available.
+  2.06 s). Workqueue, the fallback, is used where OpenMP is not available. A command
+  whose products will likely be oneDNN's bf16 ones (which run on the same OpenMP
+  workers) raises the spin before OpenMP starts: `precision.prepare_threads`.
 - Under an MPI launcher with several ranks on this machine, OPENBLAS_NUM_THREADS and
   NUMBA_NUM_THREADS default to the machine's cores divided among them
   (launcher.share_cores), so the ranks do not oversubscribe the cores.
@@ -28,7 +30,8 @@ from .launcher import share_cores
 
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 os.environ.setdefault("NUMBA_THREADING_LAYER_PRIORITY", "omp workqueue tbb")
-os.environ.setdefault("GOMP_SPINCOUNT", "2000")
+SPIN = "2000"                   # GOMP_SPINCOUNT's default here (precision.prepare_threads may raise it)
+os.environ.setdefault("GOMP_SPINCOUNT", SPIN)
 share_cores()
 
 __version__ = "0.1.0"

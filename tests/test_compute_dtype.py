@@ -389,3 +389,47 @@ def test_gate_inputs_stored_as_bf16_by_the_products_change_no_bit(tiny_model, mo
     assert runs[0][0] == runs[1][0]
     assert np.abs(runs[1][1]).max() > 0
     np.testing.assert_array_equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("requested,device,trainable,flags,want", [
+    ("auto", "cpu", False, ["amx_bf16"], "100000"),
+    ("bf16", "auto", False, ["avx512_bf16"], "100000"),
+    ("f32", "cpu", False, ["amx_bf16"], "2000"),        # OpenBLAS's threads would wait for spinning workers
+    ("auto", "cpu", True, ["amx_bf16"], "2000"),        # trained weights multiply in f32
+    ("auto", "cuda", False, ["amx_bf16"], "2000"),
+    ("auto", "cpu", False, [], "2000"),                 # no native bf16: f32 products
+])
+def test_prepare_threads_spins_longer_for_bf16_products(monkeypatch, requested, device, trainable, flags, want):
+    """The OpenMP spin a command sets before OpenMP starts: long where its products will
+    likely be oneDNN's bf16 ones, the package's short default otherwise; a value the user
+    set is kept, and a command without products changes nothing."""
+    from llamatune.kernels import cpuinfo
+    monkeypatch.setattr(cpuinfo, "cpu_bf16_flags", lambda *a: flags)
+    for start in ({}, {"GOMP_SPINCOUNT": "2000"}):          # unset, or the package's default
+        environ = dict(start)
+        precision.prepare_threads(requested, device, trainable, environ)
+        assert environ == {"GOMP_SPINCOUNT": want}
+    environ = {"GOMP_SPINCOUNT": "5000"}
+    precision.prepare_threads(requested, device, trainable, environ)
+    assert environ == {"GOMP_SPINCOUNT": "5000"}
+    environ = {}
+    precision.prepare_threads(None, device, trainable, environ)
+    assert environ == {}
+
+
+def test_commands_ask_for_the_spin_of_their_products(monkeypatch):
+    """The command line's options decide it (cli/options_cli._prepare_threads): a
+    frozen-base finetune at auto, quickstart as auto, full finetuning and from-scratch
+    training as trained weights, a command without --compute-dtype not at all."""
+    from types import SimpleNamespace
+    from llamatune import options as o
+    from llamatune.cli import options_cli
+    calls = []
+    monkeypatch.setattr(precision, "prepare_threads", lambda *a: calls.append(a))
+    options_cli._prepare_threads(SimpleNamespace(compute_dtype="auto", device="cpu", fine_tune_type="lora"))
+    options_cli._prepare_threads(SimpleNamespace(compute_dtype="auto", device="cpu", fine_tune_type="full"))
+    options_cli._prepare_threads(o.QuickstartOptions.__new__(o.QuickstartOptions))
+    options_cli._prepare_threads(o.ScratchOptions.__new__(o.ScratchOptions))
+    options_cli._prepare_threads(SimpleNamespace(lora=["a.gguf"]))
+    assert calls[:3] == [("auto", "cpu", False), ("auto", "cpu", True), ("auto", "cpu", False)]
+    assert calls[3][2] is True and calls[4][0] is None
