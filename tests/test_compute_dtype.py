@@ -74,6 +74,27 @@ def test_bf16_inference_logits_within_bf16_rounding(tiny_model):
     assert 0 < err < 2e-2 * np.abs(f32).max()
 
 
+def batch(cfg, seed: int, B: int, T: int):
+    """Random inputs and targets of B rows of T tokens, every token weighted alike."""
+    rng = np.random.default_rng(seed)
+    inputs, targets = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    return inputs, targets, np.full((B, T), 1 / (B * T), np.float32)
+
+
+def adapted_graph(model, kinds, B: int, T: int, mode: str = "selective", dtype: str = "bf16"):
+    """(graph, params): a training graph of `model` with rank-4 adapters on `kinds`, their
+    factors moved off their initialisation (B = 0) so that every adapter matters."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    targets = lora_targets(model.config, {k: 4 for k in kinds}, 4.0, tied=False)
+    params = ParamBuffer(lora_specs(targets))
+    init_lora(params, targets, np.random.default_rng(0))
+    params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
+    return Graph(model.config, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype), params
+
+
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "F16"])
 def test_weights_dequantized_straight_to_bf16_equal_the_rounded_f32_expansion(tmp_path, tiny_vocab, qtype):
     """Dequantizer.block_bf16 (every matrix whole, and head row blocks) is to_bf16 of the
@@ -170,27 +191,17 @@ def test_bf16_head_in_column_blocks_is_the_plain_bf16_head(tiny_model, monkeypat
     products (float32 logits, the gradient rounded per block): the same losses to float
     rounding and the same adapter gradients within the bf16 rounding of a few gradient
     values, on the whole gradient; evaluation losses equal training's bit for bit."""
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
     from llamatune.train.head import LossHead
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
     model = Model(tiny_model)
-    cfg = model.config
-    rng = np.random.default_rng(4)
     B, T = 2, 24
-    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
+    inputs, tg, _ = batch(model.config, 4, B, T)
     tg[0, -3:] = -1
     w = ((tg >= 0) / (tg >= 0).sum()).astype(np.float32)
     results = []
     for blocked in (True, False):
         if not blocked:
             monkeypatch.setattr(LossHead, "blocked_head", lambda self, n, adapter, dW: False)
-        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "attn_v", "ffn_down")}, 4.0, tied=False)
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(0))
-        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", compute_dtype="bf16")
+        g, params = adapted_graph(model, ("attn_q", "attn_v", "ffn_down"), B, T)
         assert g.head_rows == 96                          # 5 blocks of the 400-token head, the last one ragged
         loss = g.step(inputs, tg, w)
         results.append((loss, g.losses.copy(), params.grad.copy(), g.loss(inputs, tg, w)))
@@ -208,26 +219,16 @@ def test_bf16_graph_keeps_the_gate_inputs_in_bf16_and_its_modes_agree(tiny_model
     plan and the memory estimate), and every checkpointing mode still gives the same
     gradients bit for bit (the forward computes h from what it keeps, as backward's
     recompute does)."""
-    from llamatune.models.weights import FrozenBase
     from llamatune.train.buffers import buffer_plan, plan_bytes
-    from llamatune.train.graph import Graph
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
     model = Model(tiny_model)
     cfg = model.config
-    rng = np.random.default_rng(6)
     B, T = 2, 16
-    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
-    w = np.full((B, T), 1 / (B * T), np.float32)
+    inputs, tg, w = batch(cfg, 6, B, T)
     grads = {}
     for mode in ("selective", "none", "layer"):
-        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "ffn_gate", "ffn_up", "ffn_down")}, 4.0, tied=False)
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(0))
-        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype="bf16")
+        g, params = adapted_graph(model, ("attn_q", "ffn_gate", "ffn_up", "ffn_down"), B, T, mode)
         assert all(a.g.dtype == np.uint16 and a.u.dtype == np.uint16 for a in g.layers)
-        f32_plan = buffer_plan(cfg, targets, B, T, mode, g.head_rows, False)
+        f32_plan = buffer_plan(cfg, list(g.lora.values()), B, T, mode, g.head_rows, False)
         saved = (1 if mode == "layer" else cfg.n_layer) * 2 * B * T * cfg.n_ff * 2      # bytes of g and u, halved
         assert plan_bytes(f32_plan) - plan_bytes(g.plan) == saved
         g.step(inputs, tg, w)
@@ -246,17 +247,10 @@ def test_bf16_head_kept_whole_in_wider_blocks(tiny_model, monkeypatch):
     float rounding and the same gradients within the bf16 rounding of a few values
     (the blocks' dx sums in another order), on the whole tensors."""
     from llamatune.kernels import cross_entropy as ce
-    from llamatune.models.weights import FrozenBase
     from llamatune.train import graph as graph_mod
-    from llamatune.train.graph import Graph
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
     model = Model(tiny_model)
-    cfg = model.config
-    rng = np.random.default_rng(8)
     B, T = 2, 40                                          # 80 tokens >= n_embd 64
-    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
-    w = np.full((B, T), 1 / (B * T), np.float32)
+    inputs, tg, w = batch(model.config, 8, B, T)
     runs, widths = [], []
     blocked = ce.cross_entropy_blocked
     monkeypatch.setattr(ce, "cross_entropy_blocked", lambda losses, logits, width, *a, **k: (
@@ -264,13 +258,8 @@ def test_bf16_head_kept_whole_in_wider_blocks(tiny_model, monkeypatch):
     for kept in (True, False):
         if not kept:
             monkeypatch.setattr(graph_mod, "kept_head_bytes", lambda cfg, chunk: 0)
-        targets = lora_targets(cfg, {k: 4 for k in ("attn_v", "ffn_down")}, 4.0, tied=False)
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(0))
-        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-        base = FrozenBase(model)
-        g = Graph(cfg, base, params, targets, B, T, "selective", compute_dtype="bf16")
-        assert base.is_kept_bf16("output.weight") == kept
+        g, params = adapted_graph(model, ("attn_v", "ffn_down"), B, T)
+        assert g.base.is_kept_bf16("output.weight") == kept
         loss = g.step(inputs, tg, w)
         runs.append((loss, g.losses.copy(), params.grad.copy()))
         assert widths[-1] == (4096 if kept else 96)
@@ -327,25 +316,14 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
     adapters' float32 passes: the same losses to float rounding and the same gradients
     within a few bf16 roundings (whole tensors), both as far from the float32 graph;
     the checkpointing modes agree bit for bit."""
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
     model = Model(tiny_model)
-    cfg = model.config
-    rng = np.random.default_rng(9)
     B, T = 2, 24
-    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
-    w = np.full((B, T), 1 / (B * T), np.float32)
+    inputs, tg, w = batch(model.config, 9, B, T)
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     runs = {}
     for key, dtype, carried, mode in (("f32", "f32", False, "selective"), ("pass", "bf16", False, "selective"),
                                       ("carried", "bf16", True, "selective"), ("layer", "bf16", True, "layer")):
-        targets = lora_targets(cfg, {k: 4 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                                    "ffn_up", "ffn_down")}, 4.0, tied=False)
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(0))
-        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype)
+        g, params = adapted_graph(model, kinds, B, T, mode, dtype)
         g.adapters_in_products = carried
         assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
         runs[key] = (g.step(inputs, tg, w), params.grad.copy())
@@ -365,25 +343,14 @@ def test_gate_inputs_stored_as_bf16_by_the_products_change_no_bit(tiny_model, mo
     as it stores): the same losses and gradients bit for bit as the float32 scratch the
     gate kernel rounds."""
     from llamatune.models.forward import Forward
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
     model = Model(tiny_model)
-    cfg = model.config
-    rng = np.random.default_rng(10)
     B, T = 2, 16
-    inputs, tg = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
-    w = np.full((B, T), 1 / (B * T), np.float32)
+    inputs, tg, w = batch(model.config, 10, B, T)
     runs = []
     for direct in (True, False):
         if not direct:
             monkeypatch.setattr(Forward, "stores_bf16", lambda self, names, N: False)
-        targets = lora_targets(cfg, {k: 4 for k in ("ffn_gate", "ffn_down")}, 4.0, tied=False)
-        params = ParamBuffer(lora_specs(targets))
-        init_lora(params, targets, np.random.default_rng(0))
-        params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", compute_dtype="bf16")
+        g, params = adapted_graph(model, ("ffn_gate", "ffn_down"), B, T)
         assert g.stores_bf16(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], B * T) == direct
         runs.append((g.step(inputs, tg, w), params.grad.copy()))
     assert runs[0][0] == runs[1][0]
