@@ -49,8 +49,8 @@ from .dequant import _bits_to_f32, _f32_to_bf16
 from ._checks import check_array
 from .cpuinfo import cpu_bf16_flags
 
-__all__ = ["to_bf16", "to_bf16_rows", "split_into", "split_rows_into", "split_ref", "from_bf16", "to_bf16_ref", "from_bf16_ref", "dequantize_into",
-           "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
+__all__ = ["to_bf16", "to_bf16_rows", "split_into", "split_rows_into", "split_ref", "from_bf16",
+           "to_bf16_ref", "from_bf16_ref", "dequantize_into", "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
            "library_version", "implementation", "cpu_bf16_flags"]
 
 
@@ -179,14 +179,7 @@ def split_rows_into(out: np.ndarray, v: np.ndarray, row: int, side: str) -> None
             and out.flags.writeable and out.shape[1] == n and 0 <= row and row + 3 * r <= out.shape[0]):
         raise ValueError(f"split_rows_into: out must be a writeable C-contiguous uint16 array {n} wide "
                          f"with room for 3 x {r} rows from row {row}")
-    v = np.ascontiguousarray(v)
-    hi, lo, wide = np.empty((r, n), np.uint16), np.empty((r, n), np.uint16), np.empty((r, n), np.float32)
-    to_bf16(hi, v)
-    from_bf16(wide, hi)
-    to_bf16(lo, v - wide)
-    for p, part in enumerate(SPLIT_ORDERS[side]):
-        out[row + p * r: row + (p + 1) * r] = lo if part else hi
-    out[row + 3 * r:] = 0
+    _split_into(out.T, v.T, row, SPLIT_ORDERS[side])      # split_into's kernel on the transposed views
 
 
 def split_ref(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -188,7 +188,6 @@ class Forward:
         rounded as it is stored): bf16 products, separate matrices, no bias, and no
         adapter share to add after the product."""
         return (self.products.bf16_for(N) and not self.cfg.spec.fused_gate_up
-                and all(n in getattr(self.base, "tensors", ()) for n in names)
                 and all(self.base.vector(n.replace(".weight", ".bias")) is None
                         and (not self.adapter_pairs(n) or self.adapter_in_product(n, N)) for n in names))
 

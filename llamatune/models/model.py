@@ -169,7 +169,7 @@ class Dequantizer:
             bf16.dequantize_into(t.raw_rows()[lo:hi], t.qtype, block, t.n_cols)
         else:
             bf16.to_bf16_rows(block, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
-        return out if cols or rows else block
+        return out
 
     def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = W[ids[i]]: embedding lookup that dequantizes only the rows used."""

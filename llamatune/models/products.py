@@ -89,13 +89,12 @@ class Products:
         its last E columns (trans_b) or (K + E, n_in) with A's parts in its last E rows
         (kernels/bf16.py `split_into`, `split_rows_into`)."""
         from ..kernels import bf16
-        N, K = a.shape
+        K = a.shape[1]
         width = W.shape[1] if trans_b else W.shape[0]
         if a is self._held and self._held_wide is not None and self._held_wide.shape[1] >= width:
             full = self._held_wide              # the shared input, rounded once, parts written per adapter
         else:
-            full = self._buffer("a", (N, width))
-            bf16.to_bf16_rows(full, a)
+            full = self._round(a, "a", width - K)
         bf16.split_into(full, v, K, "a")
         bf16.gemm(out, full[:, :width], W, trans_b=trans_b, accumulate=accumulate)
 
@@ -144,14 +143,9 @@ class Products:
         if self.dtype != "bf16":
             yield
             return
-        if extension:
-            from ..kernels import bf16
-            self._held_wide = self._buffer("x", (x.shape[0], x.shape[1] + extension))
-            bf16.to_bf16_rows(self._held_wide, x)
-            self._held_bf16 = self._held_wide[:, : x.shape[1]]
-        else:
-            self._held_bf16 = self._round(x, "x")
-        self._held = x
+        wide = self._round(x, "x", extension)
+        self._held, self._held_bf16 = x, wide[:, : x.shape[1]]
+        self._held_wide = wide if extension else None
         try:
             yield
         finally:
@@ -165,12 +159,17 @@ class Products:
             flat = self._flat[key] = np.empty(size, flat.dtype)
         return flat[:size].reshape(shape)
 
-    def _round(self, x: np.ndarray, operand: str) -> np.ndarray:
-        """x rounded to bf16 into the operand's kept buffer."""
+    def _round(self, x: np.ndarray, operand: str, extension: int = 0) -> np.ndarray:
+        """x rounded to bf16 into the operand's kept buffer; with `extension`, into the
+        first columns of rows that many columns wider (x 2-D), the rest left as it is."""
         from ..kernels import bf16
-        buf = self._buffer(operand, x.shape)
         if x.strides[-1] != x.itemsize:
             x = np.ascontiguousarray(x)
+        if extension:
+            buf = self._buffer(operand, (x.shape[0], x.shape[1] + extension))
+            bf16.to_bf16_rows(buf, x)
+            return buf
+        buf = self._buffer(operand, x.shape)
         bf16.to_bf16(buf, x)
         return buf
 

@@ -38,7 +38,13 @@ class LossHead:
         """Whether a chunk of n tokens goes through `_bf16_chunk` (`blocked_head`)."""
         return self.products.bf16_for(n) and blocked_head(self.cfg, adapter is not None, dW is not None)
 
-    def _bf16_chunk(self, x, dx, losses, targets, weights, blocks, rows, backward: bool) -> None:
+    def bf16_head_width(self) -> int:
+        """Vocabulary columns per product of `_bf16_chunk`: the dequantization scratch's
+        head_rows, or KEPT_HEAD_BLOCK where the head's bf16 copy is kept whole."""
+        kept = getattr(self.base, "is_kept_bf16", None)
+        return max(self.head_rows, KEPT_HEAD_BLOCK) if kept and kept("output.weight") else self.head_rows
+
+    def _bf16_chunk(self, x, dx, losses, targets, weights, width, rows, backward: bool) -> None:
         """One chunk of the head with bf16 products (no adapter on the head, no soft-cap, the
         head frozen): each block's logits written contiguous, in column blocks
         (kernels/cross_entropy.py), the losses and the logit gradient from one pass over
@@ -46,10 +52,7 @@ class LossHead:
         with no copy of the logits and no rounding pass."""
         ce, n, V = self.ops.cross_entropy, x.shape[0], self.cfg.n_vocab
         logits = self.logits.reshape(-1)[: n * V]
-        width = self.head_rows
-        if getattr(self.base, "is_kept_bf16", lambda name: False)("output.weight"):   # no scratch bounds a block
-            width = max(width, KEPT_HEAD_BLOCK)
-            blocks = [(lo, min(V, lo + width)) for lo in range(0, V, width)]
+        blocks = [(lo, min(V, lo + width)) for lo in range(0, V, width)]
         with self.products.shared_input(x):
             for vlo, vhi in blocks:
                 self.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
@@ -95,6 +98,7 @@ class LossHead:
         target = self.weight_grad_to_write("output.weight") if backward else None
         dW, fresh = target if target is not None else (None, False)     # fresh: the first chunk writes it
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
+        bf16_width = self.bf16_head_width()
         held = [None, None]                                  # (block, its expanded rows)
 
         def rows(block):
@@ -105,7 +109,7 @@ class LossHead:
             hi = min(M, lo + chunk)
             x, logits, dx = xn[lo:hi], self.logits[: hi - lo], dxn[lo:hi]
             if self.blocked_head(hi - lo, t, dW):
-                self._bf16_chunk(x, dx, losses[lo:hi], targets[lo:hi], weights[lo:hi], blocks, rows, backward)
+                self._bf16_chunk(x, dx, losses[lo:hi], targets[lo:hi], weights[lo:hi], bf16_width, rows, backward)
                 continue
             if t is not None:
                 xa = x @ self.params[t.a].T                  # (n, r)

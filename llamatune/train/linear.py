@@ -100,8 +100,8 @@ class LoraLinear:
         to bf16 by the dequantizer, and no dropout (its mask multiplies the adapter's
         share of dx, which the product cannot)."""
         return (self.adapters_in_products and name in self.lora and self.products.bf16_for(N)
-                and self.dropout <= 0 and not self.merge_aware and not self.base.trainable
-                and hasattr(self.base, "matrix_bf16_extended"))
+                and self.dropout <= 0 and not self.merge_aware
+                and hasattr(self.base, "matrix_bf16_extended"))     # FrozenBase: a frozen, dequantized base
 
     def shared_extension(self, names: list[str], N: int) -> int:
         return max((adapter_extension(self.lora[n].rank) for n in names if self.adapter_in_product(n, N)),
