@@ -50,7 +50,7 @@ from ._checks import check_array
 from .cpuinfo import cpu_bf16_flags
 
 __all__ = ["to_bf16", "to_bf16_rows", "split_into", "split_rows_into", "split_ref", "from_bf16",
-           "to_bf16_ref", "from_bf16_ref", "dequantize_into", "gemm", "gemm_ref", "available", "unavailable_reason", "Unavailable",
+           "to_bf16_ref", "from_bf16_ref", "dequantize_into", "gemm", "batched", "gemm_ref", "available", "unavailable_reason", "Unavailable",
            "library_version", "implementation", "cpu_bf16_flags"]
 
 
@@ -239,7 +239,9 @@ def dequantize_into(data: np.ndarray, qtype: int, out: np.ndarray, n_cols: int |
 
 # ---------------------------------------------------------------- the library
 _BF16, _F32 = 2, 3                                  # dnnl_data_type_t
-_ARG_SRC, _ARG_WEIGHTS, _ARG_DST = 1, 33, 17        # DNNL_ARG_*
+_ARG_SRC, _ARG_WEIGHTS, _ARG_DST, _ARG_SCRATCHPAD = 1, 33, 17, 80   # DNNL_ARG_*
+_SCRATCHPAD_USER = 1                                # dnnl_scratchpad_mode_user
+_QUERY_SCRATCHPAD_MD = 136                          # dnnl_query_scratchpad_md
 _RUNTIME_OMP, _RUNTIME_SEQ = 2, 1                   # DNNL_RUNTIME_*
 _QUERY_IMPL_INFO_STR = 8                            # dnnl_query_impl_info_str
 _VP = ctypes.c_void_p
@@ -308,7 +310,8 @@ class _Library:
                      "dnnl_primitive_desc_query", "dnnl_primitive_create", "dnnl_memory_create",
                      "dnnl_memory_set_data_handle", "dnnl_primitive_execute",
                      "dnnl_primitive_attr_create", "dnnl_post_ops_create",
-                     "dnnl_post_ops_append_sum", "dnnl_primitive_attr_set_post_ops"):
+                     "dnnl_post_ops_append_sum", "dnnl_primitive_attr_set_post_ops",
+                     "dnnl_primitive_attr_set_scratchpad_mode"):
             getattr(lib, name).restype = ctypes.c_int
         lib.dnnl_engine_create.argtypes = [ctypes.POINTER(_VP), ctypes.c_int, ctypes.c_size_t]
         lib.dnnl_stream_create.argtypes = [ctypes.POINTER(_VP), _VP, ctypes.c_uint]
@@ -319,6 +322,11 @@ class _Library:
                      "dnnl_primitive_desc_destroy"):
             getattr(lib, name).argtypes = [_VP]
         lib.dnnl_post_ops_append_sum.argtypes = [_VP, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
+        lib.dnnl_primitive_attr_set_scratchpad_mode.argtypes = [_VP, ctypes.c_int]
+        lib.dnnl_primitive_desc_query_md.restype = _VP
+        lib.dnnl_primitive_desc_query_md.argtypes = [_VP, ctypes.c_int, ctypes.c_int]
+        lib.dnnl_memory_desc_get_size.restype = ctypes.c_size_t
+        lib.dnnl_memory_desc_get_size.argtypes = [_VP]
         lib.dnnl_primitive_execute.argtypes = [_VP, _VP, ctypes.c_int, ctypes.POINTER(_ExecArg)]
         self.engine, self.stream = _VP(), _VP()
         _check(lib.dnnl_engine_create(ctypes.byref(self.engine), 1, 0), "engine_create")  # dnnl_cpu
@@ -401,16 +409,126 @@ class _Library:
             _check(self.lib.dnnl_stream_wait(self.stream), "stream_wait")
 
 
+class _Serial(threading.local):
+    """A thread's own oneDNN stream and batched primitives (with their memories): what
+    `batched` runs on, so workers of a pool multiply at once without sharing a handle."""
+    stream = None
+    primitives: dict
+
+
+_SERIAL = _Serial()
+
+
+def _serial(lib: _Library) -> _Serial:
+    local = _SERIAL
+    if local.stream is None:
+        local.stream, local.primitives = _VP(), {}
+        _check(lib.lib.dnnl_stream_create(ctypes.byref(local.stream), lib.engine, 1), "stream_create")
+    return local
+
+
+def _batched_primitive(lib: _Library, local: _Serial, arrays, accumulate: bool):
+    """(primitive, memories, exec args, implementation, scratchpad) for `batched` on these
+    arrays' shapes and strides, built on first use in this thread (with OpenMP at one
+    thread: oneDNN blocks for it). The scratchpad is the thread's own (user mode): this
+    oneDNN build shares one library scratchpad among primitives, which threads running
+    products at once overwrote (oneDNN then failed, or worse)."""
+    key = tuple((x.shape, x.strides, x.dtype.char) for x in arrays) + (accumulate,)
+    if key in local.primitives:
+        return local.primitives[key]
+    c = lib.lib
+    mds = [lib._desc(x.shape, [s // x.itemsize for s in x.strides], _F32 if x.dtype == np.float32 else _BF16)
+           for x in arrays]
+    attr, post_ops = _VP(), None
+    _check(c.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive_attr_create")
+    _check(c.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_USER), "attr_set_scratchpad_mode")
+    if accumulate:  # out += a @ b: a "sum" post-op
+        post_ops = _VP()
+        _check(c.dnnl_post_ops_create(ctypes.byref(post_ops)), "post_ops_create")
+        _check(c.dnnl_post_ops_append_sum(post_ops, 1.0, 0, 0), "post_ops_append_sum")
+        _check(c.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr_set_post_ops")
+    pd, prim = _VP(), _VP()
+    _check(c.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), lib.engine, mds[0], mds[1], None, mds[2], attr),
+           f"matmul_primitive_desc_create (batched {arrays[0].shape} @ {arrays[1].shape})")
+    impl = ctypes.c_char_p()
+    _check(c.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl)), "primitive_desc_query")
+    _check(c.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive_create")
+    mems = []
+    for md in mds:
+        mem = _VP()
+        _check(c.dnnl_memory_create(ctypes.byref(mem), md, lib.engine, None), "memory_create")
+        mems.append(mem)
+        c.dnnl_memory_desc_destroy(md)
+    args = [_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]), _ExecArg(_ARG_DST, mems[2])]
+    scratch_md = _VP(c.dnnl_primitive_desc_query_md(pd, _QUERY_SCRATCHPAD_MD, 0))
+    scratchpad = np.empty(c.dnnl_memory_desc_get_size(scratch_md) + 64, np.uint8)
+    if scratchpad.size > 64:
+        mem = _VP()
+        _check(c.dnnl_memory_create(ctypes.byref(mem), scratch_md, lib.engine,
+                                    _VP(-(-scratchpad.ctypes.data // 64) * 64)), "memory_create")
+        args.append(_ExecArg(_ARG_SCRATCHPAD, mem))
+    if post_ops is not None:
+        c.dnnl_post_ops_destroy(post_ops)
+    c.dnnl_primitive_attr_destroy(attr)
+    c.dnnl_primitive_desc_destroy(pd)
+    local.primitives[key] = (prim, mems, (_ExecArg * len(args))(*args), (impl.value or b"?").decode(), scratchpad)
+    return local.primitives[key]
+
+
+def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = False) -> str:
+    """out[i] (M, N) float32 = a[i] (M, K) @ b[i] (K, N) for each i of n, or += when
+    accumulate; a and b bf16 (uint16), any non-negative strides (a transposed operand is
+    a transposed view), out's too. Runs on the calling thread alone (OpenMP at one thread
+    for the call), on that thread's own stream and primitives: for kernels that deal
+    their work to the threads of a pool (kernels/attention_bf16.py). oneDNN picks its AMX
+    brgemm kernels where each matrix has a unit inner stride (either axis) and the batch a
+    stride of its own. Returns the implementation oneDNN picked."""
+    for name, x in (("a", a), ("b", b), ("out", out)):
+        want = np.float32 if name == "out" else np.uint16
+        if not (isinstance(x, np.ndarray) and x.ndim == 3 and x.dtype == want
+                and all(s >= 0 and s % x.itemsize == 0 for s in x.strides)):
+            raise ValueError(f"batched: {name} must be a 3-D {np.dtype(want)} array with "
+                             "non-negative strides")
+    n, M, K = a.shape
+    if b.shape[:2] != (n, K) or out.shape != (n, M, b.shape[2]) or not out.flags.writeable:
+        raise ValueError(f"batched: shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
+    if out.size == 0:
+        return ""
+    if K == 0:
+        if not accumulate:
+            out[...] = 0
+        return ""
+    lib = _library()
+    local = _serial(lib)
+    gomp, threads = lib.gomp, 1
+    if gomp is not None:
+        threads = gomp.omp_get_max_threads()
+        gomp.omp_set_num_threads(1)
+    try:
+        prim, mems, args, impl, _ = _batched_primitive(lib, local, (a, b, out), accumulate)
+        for mem, x in zip(mems, (a, b, out)):
+            _check(lib.lib.dnnl_memory_set_data_handle(mem, x.ctypes.data), "memory_set_data_handle")
+        _check(lib.lib.dnnl_primitive_execute(prim, local.stream, len(args), args), "primitive_execute")
+        _check(lib.lib.dnnl_stream_wait(local.stream), "stream_wait")
+    finally:
+        if gomp is not None:
+            gomp.omp_set_num_threads(threads)
+    return impl
+
+
 _STATE: dict = {}  # "lib": _Library, or "reason": why not
+_LOADING = threading.Lock()
 
 
 def _library() -> _Library:
-    """The loaded library (found once); Unavailable with the reason otherwise."""
-    if "lib" not in _STATE and "reason" not in _STATE:
-        try:
-            _STATE["lib"] = _Library(_load_library())
-        except Unavailable as e:
-            _STATE["reason"] = str(e)
+    """The loaded library (found once, by one thread: threads of a pool may ask first
+    together); Unavailable with the reason otherwise."""
+    with _LOADING:
+        if "lib" not in _STATE and "reason" not in _STATE:
+            try:
+                _STATE["lib"] = _Library(_load_library())
+            except Unavailable as e:
+                _STATE["reason"] = str(e)
     if "reason" in _STATE:
         raise Unavailable(_STATE["reason"])
     return _STATE["lib"]

@@ -106,6 +106,7 @@ class Forward:
         self.xp, self.ops = backend.xp, backend.ops
         self.products = Products(self.xp, compute_dtype)   # every product with a base weight
         self.lora_ops = self.products.lora_ops(self.ops.lora)   # the adapters' rank-r products
+        self.attention = self.products.attention_ops(self.ops.attention)
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
 
     # ------------------------------------------------------------------ overridable parts
@@ -260,8 +261,8 @@ class Forward:
             self.qkv_forward(a.q, a.k, a.v, xn, p)
             ops.fused.rope_qk_forward(q4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
         k_all, v_all, n_past = self.kv(i, k4, a.v.reshape(k4.shape))
-        ops.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
-                                        segments=self.segments, **cfg.attention_options(i))
+        self.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                         segments=self.segments, **cfg.attention_options(i))
         if cfg.spec.post_norms:
             self.linear(a.o, a.att, p + "attn_output.weight")
             ops.rmsnorm.rmsnorm_forward(a.x_mid, a.rstd_o, a.o, self.norm_weight(p + "post_attention_norm.weight"),

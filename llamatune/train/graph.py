@@ -192,9 +192,9 @@ class Graph(LoraLinear, LossHead, Forward):
         q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
         k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
         dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
-        self.ops.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
-                                     q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
-                                     segments=self.segments, **cfg.attention_options(i))
+        self.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
+                                          q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                          segments=self.segments, **cfg.attention_options(i))
         cos, sin = self.ropes[cfg.rope_set(i)]
         dq, dk = self.dq, self.dk
         if cfg.spec.qk_norm:                                  # back through rope and the per-head norms

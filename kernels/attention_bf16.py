@@ -1,0 +1,265 @@
+"""Causal GQA attention with bf16 products (oneDNN, AMX or AVX512_BF16), float32 softmax.
+
+The same contract, masks, query blocks and tiles as kernels/attention.py (whose
+docstring explains them); what differs is the four T x S products of the backward and
+the two of the forward: their inputs are rounded to bf16 and multiplied by oneDNN with
+float32 accumulation (kernels/bf16.batched), each worker thread of the pool running
+its own single-threaded products, as numpy's single-threaded BLAS runs in the float32
+path. The softmax, its log-sum-exp, rowsum(dout * out) and every sum over blocks stay
+float32; the errors are bf16's rounding of q, k, v, dout, P and dS (a few 1e-3 of the
+outputs' scale: tests/test_op_attention_bf16.py).
+
+Layout: oneDNN runs its AMX brgemm kernels on dense batches of matrices, not on the
+strided (B, T, heads, HS) rows numpy's matmul reads in place (it then picks a jit gemm
+that ran no faster than float32). So each tile's keys and values are rounded into
+head-major copies (nk, S, HS) once, and each query block's q (and dout) rows into
+(nk, G * TQ, HS): a kv head's G query heads are one matrix of G * TQ rows against its
+keys. The rounding is the gather (one pass that reads the float32 rows once).
+
+A block's keys start at a multiple of KEY_ALIGN (the keys before its first visible one
+are computed and masked to 0): with packed samples the first visible key can be any
+position, and each distinct width would be a product to build and JIT-compile.
+
+Used for a bf16 compute dtype (models/products.py `attention_ops`), for float32 inputs
+of at least MIN_ROWS queries without soft-capping; the rest goes to the float32
+kernels unchanged (decode steps, float64 finite-difference checks, gemma2's cap).
+
+Measured (one thread, a tile's block of the bench shape: 4 kv heads, G 2, 128 queries,
+256 keys, HS 64): q k^T 65-120 us against numpy's float32 277-446 us, P v 54 against
+259, dS^T q 88 against 244.
+"""
+import numpy as np
+from numba import njit
+
+from . import attention as f32
+from . import bf16
+from .dequant import _f32_to_bf16
+from .vecmath import FASTMATH as _FASTMATH
+from .vecmath import expf as _exp
+from .vecmath import row_max as _row_max
+
+KEY_ALIGN = 64   # a block's first computed key is a multiple of this
+MIN_ROWS = 16    # fewer queries (a decode step) go to the float32 kernels
+
+
+@njit(cache=True, nogil=True)
+def _gather_bf16(out, src):
+    # src (R, H, C) float32 (rows, heads, columns; any strides); out (H, R, C) uint16:
+    # out[h, r, c] = bf16(src[r, h, c])
+    R, H, C = src.shape
+    for h in range(H):
+        for r in range(R):
+            for c in range(C):
+                out[h, r, c] = _f32_to_bf16(src[r, h, c])
+
+
+@njit(cache=True, nogil=True)
+def _gather_bf16_rowdot(out, d, src, other):
+    # _gather_bf16 of src (R, H, C) into out (H, R, C), and d (H, R) = the rows' dot
+    # products with other's, sum_c src[r, h, c] * other[r, h, c] in float32, summed in
+    # order whatever the layout (no fastmath: the bits do not depend on the tiling)
+    R, H, C = src.shape
+    for h in range(H):
+        for r in range(R):
+            acc = np.float32(0)
+            for c in range(C):
+                x = src[r, h, c]
+                out[h, r, c] = _f32_to_bf16(x)
+                acc += x * other[r, h, c]
+            d[h, r] = acc
+
+
+@njit(cache=True, nogil=True)
+def _scatter(out, src, add):
+    # out (R, H, C) (any strides) = or += src (H, R, C): a head-major block back into rows
+    H, R, C = src.shape
+    for r in range(R):
+        for h in range(H):
+            o, x = out[r, h], src[h, r]
+            if add:
+                for c in range(C):
+                    o[c] += x[c]
+            else:
+                for c in range(C):
+                    o[c] = x[c]
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softmax_bf16_kernel(att, p16, lse, scale, lo, hi):
+    # att (R, TQ, W): raw scores q.k (float32, overwritten); p16 (R, TQ, W) out:
+    # bf16(P), 0 outside [lo[i], hi[i]); lse (nk, G, TQ) out; R = nk * G
+    R, TQ, W = att.shape
+    G = lse.shape[1]
+    one = np.float32(1)
+    for r in range(R * TQ):
+        h = r // TQ
+        i = r % TQ
+        row, prow = att[h, i], p16[h, i]
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])
+        mx = _row_max(row, a, n) * scale
+        tot = scale - scale
+        for j in range(a, n):
+            e = _exp(row[j] * scale - mx)
+            row[j] = e
+            tot += e
+        inv = one / tot
+        for j in range(a, n):
+            prow[j] = _f32_to_bf16(row[j] * inv)
+        for j in range(a):
+            prow[j] = 0
+        for j in range(n, np.uint64(W)):
+            prow[j] = 0
+        lse[h // G, h % G, i] = mx + np.log(tot)
+
+
+@njit(cache=True, nogil=True, fastmath=_FASTMATH)
+def _softmax_backward_bf16_kernel(att, dp, p16, ds16, lse, d, scale, lo, hi):
+    # att (R, TQ, W) raw scores, dp (R, TQ, W) dout.v (float32 in); p16, ds16 out:
+    # bf16(P) and bf16(P (dp - d) scale), 0 outside [lo[i], hi[i]); lse (nk, G, TQ);
+    # d (R, TQ): rowsum(dout * out)
+    R, TQ, W = att.shape
+    G = lse.shape[1]
+    for r in range(R * TQ):
+        h = r // TQ
+        i = r % TQ
+        a, n = np.uint64(lo[i]), np.uint64(hi[i])
+        d_i, lse_i = d[h, i], lse[h // G, h % G, i]
+        row, drow, prow, dsrow = att[h, i], dp[h, i], p16[h, i], ds16[h, i]
+        for j in range(a, n):
+            p = _exp(row[j] * scale - lse_i)
+            prow[j] = _f32_to_bf16(p)
+            dsrow[j] = _f32_to_bf16(p * (drow[j] - d_i) * scale)
+        for j in range(a):
+            prow[j] = 0
+            dsrow[j] = 0
+        for j in range(n, np.uint64(W)):
+            prow[j] = 0
+            dsrow[j] = 0
+
+
+def _aligned(blocks):
+    """The blocks of attention._blocks with each first key j0 moved down to a multiple of
+    KEY_ALIGN (lo and hi shifted with it)."""
+    out = []
+    for i0, i1, j0, lo, hi in blocks:
+        shift = j0 % KEY_ALIGN
+        out.append((i0, i1, j0 - shift, lo + shift, hi + shift))
+    return out
+
+
+def _float32_path(q, T, softcap) -> bool:
+    return q.dtype != np.float32 or T < MIN_ROWS or softcap > 0
+
+
+def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
+                      window=0):
+    """attention.attention_forward with bf16 products (same arguments and contract)."""
+    T = q.shape[1] if isinstance(q, np.ndarray) and q.ndim == 4 else 0
+    if not isinstance(q, np.ndarray) or _float32_path(q, T, softcap) or n_past < 0:
+        return f32.attention_forward(out, lse, q, k, v, n_past, segments, scale=scale,
+                                     softcap=softcap, window=window)
+    B, T, NH, NKV, HS = f32._check_qkv(q, k, v, n_past + T)
+    f32._check("out", out, q.shape, q.dtype)
+    f32._check("lse", lse, (B, NH, T), q.dtype)
+    scale = f32.attention_options(q.dtype, HS, scale, softcap, window)[0]
+    starts = f32._starts(segments, B, T, n_past)
+    blocks = [_aligned(f32._blocks(T, n_past, starts[b], window)) for b in range(B)]
+    G, QB, S = NH // NKV, min(T, f32._QBLOCK), n_past + T
+    tiles = f32._tiles(B, NKV, G * QB * S)
+    lse4 = lse.reshape(B, NKV, G, T)
+    most = tiles[0][1].stop  # the largest tile's kv heads
+
+    def work(items):
+        qh = np.empty(most * G * QB * HS, np.uint16)
+        kh, vh = np.empty((2, most * S * HS), np.uint16)  # a block's keys and values
+        scores = np.empty(most * G * QB * S, np.float32)
+        p16 = np.empty(most * G * QB * S, np.uint16)
+        o = np.empty(most * G * QB * HS, np.float32)
+        for item in items:
+            b, ks = tiles[item]
+            nk = ks.stop - ks.start
+            heads = slice(ks.start * G, ks.stop * G)
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, n_past + i1 - j0
+                qb = qh[: nk * G * TQ * HS].reshape(nk * G, TQ, HS)
+                kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
+                _gather_bf16(qb, q[b, i0:i1, heads])
+                _gather_bf16(kb, k[b, j0:j0 + W, ks])
+                _gather_bf16(vb, v[b, j0:j0 + W, ks])
+                att = scores[: nk * G * TQ * W].reshape(nk, G * TQ, W)
+                pb = p16[: nk * G * TQ * W].reshape(nk, G * TQ, W)
+                bf16.batched(att, qb.reshape(nk, G * TQ, HS), kb.transpose(0, 2, 1))
+                _softmax_bf16_kernel(att.reshape(nk * G, TQ, W), pb.reshape(nk * G, TQ, W),
+                                     lse4[b, ks, :, i0:i1], scale, lo, hi)
+                ob = o[: nk * G * TQ * HS].reshape(nk, G * TQ, HS)
+                bf16.batched(ob, pb, vb)
+                _scatter(out[b, i0:i1, heads], ob.reshape(nk * G, TQ, HS), False)
+
+    f32._run_items(work, len(tiles))
+
+
+def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, scale=None,
+                       softcap=0.0, window=0):
+    """attention.attention_backward with bf16 products (same arguments and contract)."""
+    T = q.shape[1] if isinstance(q, np.ndarray) and q.ndim == 4 else 0
+    if not isinstance(q, np.ndarray) or _float32_path(q, T, softcap):
+        return f32.attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments, scale=scale,
+                                      softcap=softcap, window=window)
+    B, T, NH, NKV, HS = f32._check_qkv(q, k, v, T)
+    for name, a in (("dq", dq), ("dout", dout), ("out", out)):
+        f32._check(name, a, q.shape, q.dtype)
+    f32._check("dk", dk, k.shape, q.dtype)
+    f32._check("dv", dv, k.shape, q.dtype)
+    f32._check("lse", lse, (B, NH, T), q.dtype)
+    scale = f32.attention_options(q.dtype, HS, scale, softcap, window)[0]
+    starts = f32._starts(segments, B, T, 0)
+    blocks = [_aligned(f32._blocks(T, 0, starts[b], window)) for b in range(B)]
+    G, QB = NH // NKV, min(T, f32._QBLOCK)
+    tiles = f32._tiles(B, NKV, G * QB * T)
+    lse4 = lse.reshape(B, NKV, G, T)
+    most = tiles[0][1].stop
+
+    def work(items):
+        qh, doh = np.empty((2, most * G * QB * HS), np.uint16)
+        kh, vh = np.empty((2, most * T * HS), np.uint16)  # a block's keys and values
+        scores, dps = np.empty((2, most * G * QB * T), np.float32)
+        p16, ds16 = np.empty((2, most * G * QB * T), np.uint16)
+        dqh = np.empty(most * G * QB * HS, np.float32)
+        dkv = np.empty((2, most * T * HS), np.float32)  # the tile's dk, dv, head-major
+        d = np.empty(most * G * QB, np.float32)  # rowsum(dout * out) of a block's rows
+        for item in items:
+            b, ks = tiles[item]
+            nk = ks.stop - ks.start
+            heads = slice(ks.start * G, ks.stop * G)
+            dkt, dvt = (dkv[j, : nk * T * HS].reshape(nk, T, HS) for j in (0, 1))
+            dkt[...] = 0.0
+            dvt[...] = 0.0
+            for i0, i1, j0, lo, hi in blocks[b]:
+                TQ, W = i1 - i0, i1 - j0
+                m, n = nk * G * TQ * HS, nk * G * TQ * W
+                qb, db = qh[:m].reshape(nk * G, TQ, HS), doh[:m].reshape(nk * G, TQ, HS)
+                db_dot = d[: nk * G * TQ].reshape(nk * G, TQ)
+                _gather_bf16(qb, q[b, i0:i1, heads])
+                _gather_bf16_rowdot(db, db_dot, dout[b, i0:i1, heads], out[b, i0:i1, heads])
+                qb, db = qb.reshape(nk, G * TQ, HS), db.reshape(nk, G * TQ, HS)
+                kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
+                _gather_bf16(kb, k[b, j0:i1, ks])
+                _gather_bf16(vb, v[b, j0:i1, ks])
+                att, dp = scores[:n].reshape(nk, G * TQ, W), dps[:n].reshape(nk, G * TQ, W)
+                pb, dsb = p16[:n].reshape(nk, G * TQ, W), ds16[:n].reshape(nk, G * TQ, W)
+                bf16.batched(att, qb, kb.transpose(0, 2, 1))
+                bf16.batched(dp, db, vb.transpose(0, 2, 1))
+                rows = (nk * G, TQ, W)
+                _softmax_backward_bf16_kernel(att.reshape(rows), dp.reshape(rows), pb.reshape(rows),
+                                              dsb.reshape(rows), lse4[b, ks, :, i0:i1], db_dot, scale, lo, hi)
+                dqb = dqh[:m].reshape(nk, G * TQ, HS)
+                bf16.batched(dqb, dsb, kb)  # dq rows of this block are complete
+                _scatter(dq[b, i0:i1, heads], dqb.reshape(nk * G, TQ, HS), False)
+                # dk, dv: contracted over (G, TQ) at once (summed over the group's heads), added
+                # to the tile's sums by the product itself
+                bf16.batched(dkt[:, j0:i1], dsb.transpose(0, 2, 1), qb, accumulate=True)
+                bf16.batched(dvt[:, j0:i1], pb.transpose(0, 2, 1), db, accumulate=True)
+            _scatter(dk[b, :, ks], dkt, False)
+            _scatter(dv[b, :, ks], dvt, False)
+
+    f32._run_items(work, len(tiles))
