@@ -11,7 +11,7 @@ xa (N, r), dy (N, n_out). dx is None where the adapter was merged into the base
 matrix (its share of dx came with the base product). `scratch` (N, n_out) forward,
 (N, n_in) backward: room for the product before it is added.
 
-`lora_forward_onednn` and `lora_backward_onednn` are the same products in float32
+`lora_forward_onednn` and `lora_backward_onednn` (and `lora_xa_onednn`, xa itself) are the same products in float32
 through oneDNN (kernels.bf16.gemm), what a step with bf16 base products uses: the adds
 ride on the products (a sum post-op), the transposed operands are read in place, and
 oneDNN's kernels keep their rate on these skinny shapes where OpenBLAS's drop (one
@@ -46,6 +46,13 @@ def lora_forward_onednn(y, xa, B, scale, scratch):
         y += np.matmul(xs, B.T, out=scratch)
         return
     bf16.gemm(y, xs, np.ascontiguousarray(B, np.float32), trans_b=True, accumulate=True)
+
+
+def lora_xa_onednn(xa, xd, A):
+    """xa (N, r) = xd (N, n_in) A^T through oneDNN's float32 kernels: 1.5-2x numpy's
+    OpenBLAS on these skinny products (N = 2048, r = 8: 0.19 against 0.30 ms at n_in 512,
+    0.48 against 0.94-1.0 at 1536)."""
+    bf16.gemm(xa, xd, np.ascontiguousarray(A, np.float32), trans_b=True)
 
 
 def lora_grads_onednn(dA, dB, dy, xd, xa, B, scale):

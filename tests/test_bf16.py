@@ -410,8 +410,8 @@ def test_lora_ops_f32_is_the_backends():
 @pytest.mark.parametrize("masked,merged,strided", [(False, False, False), (True, False, False),
                                                    (False, True, False), (False, False, True)])
 def test_lora_ops_onednn(masked, merged, strided):
-    """bf16 products' adapter kernels (oneDNN float32): lora_forward and lora_backward
-    against the float64 references on whole tensors, dA, dB, dx accumulated onto start
+    """bf16 products' adapter kernels (oneDNN float32): lora_xa, lora_forward and
+    lora_backward against the float64 references on whole tensors, dA, dB, dx accumulated onto start
     values (dx None when merged; y, dA a strided view when strided)."""
     from llamatune.kernels import lora
     from llamatune.models.products import Products
@@ -423,6 +423,9 @@ def test_lora_ops_onednn(masked, merged, strided):
     mask = ((rng.random((N, n_in)) > 0.3) / 0.7).astype(np.float32) if masked else None
     xd = x if mask is None else x * mask
     xa = xd @ A.T
+    got_xa = np.full((N, r), np.nan, np.float32)
+    ops.lora_xa(got_xa, xd, A)
+    np.testing.assert_allclose(got_xa, xd.astype(np.float64) @ A.T.astype(np.float64), rtol=1e-5, atol=1e-5)
     y0 = f(N, n_out + 5)[:, 2:2 + n_out] if strided else f(N, n_out)
     want = y0.astype(np.float64)
     lora.lora_forward_ref(want, xa, B, s, None)

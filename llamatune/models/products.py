@@ -108,7 +108,7 @@ class Products:
             return ops_lora
         from ..kernels import lora
         return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn,
-                               lora_grads=lora.lora_grads_onednn)
+                               lora_grads=lora.lora_grads_onednn, lora_xa=lora.lora_xa_onednn)
 
     def attention_ops(self, ops_attention):
         """Attention's kernels (attention_forward, attention_backward): with bf16 products

@@ -111,7 +111,7 @@ class LoraLinear:
         """y = [bf16(x) | parts of s x A^T] [bf16(W) | parts of B]^T, keeping x A^T."""
         t = self.lora[name]
         xa = self.xa[name]
-        self.xp.matmul(x, self.params[t.a].T, out=xa)
+        self.lora_ops.lora_xa(xa, x, self.params[t.a])
         W = self.base.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
         split_into(W, self.params[t.b], x.shape[1], "b")
         self.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
