@@ -2,9 +2,12 @@
 bf16 (`Graph(..., compute_dtype="bf16")`, issue #29) against the float32 step, in one
 process: rounds alternate f32 step, bf16 step. Printed: each step's best and worst time,
 the share of the step spent in the base's products (models/products.py, rounding to
-bf16 included), and both losses.
+bf16 included) and in attention, and the losses. `--f32-attention` adds a third graph,
+bf16 products with the float32 attention kernels (kernels/attention.py instead of
+kernels/attention_bf16.py), to the rounds.
 
-    python bench/bf16_step.py [--type q4_k] [--mode selective] [--rounds 4] [--workdir /tmp/llamatune-bench]
+    python bench/bf16_step.py [--type q4_k] [--mode selective] [--rounds 4] [--f32-attention]
+        [--workdir /tmp/llamatune-bench]
 """
 from __future__ import annotations
 
@@ -15,16 +18,44 @@ from pathlib import Path
 
 
 class Timed:
-    """A graph's Products with the seconds its products take (rounding included)."""
+    """A graph's Products with the seconds its products take (rounding included): the
+    calls, `add` and `adapted` timed, everything else handed through."""
 
     def __init__(self, products):
-        self.products, self.dtype, self.seconds = products, products.dtype, defaultdict(float)
+        self.products, self.seconds = products, defaultdict(float)
 
     def __call__(self, *args, **kw):
+        return self._timed(self.products, args, kw)
+
+    def __getattr__(self, name):
+        attr = getattr(self.products, name)
+        if name in ("add", "adapted"):
+            return lambda *args, **kw: self._timed(attr, args, kw)
+        return attr
+
+    def _timed(self, fn, args, kw):
         t = time.perf_counter()
-        out = self.products(*args, **kw)
+        out = fn(*args, **kw)
         self.seconds["products"] += time.perf_counter() - t
         return out
+
+
+class TimedAttention:
+    """A graph's attention kernels, adding their seconds to `seconds["attention"]`."""
+
+    def __init__(self, kernels, seconds):
+        self.kernels, self.seconds = kernels, seconds
+
+    def attention_forward(self, *args, **kw):
+        return self._timed(self.kernels.attention_forward, args, kw)
+
+    def attention_backward(self, *args, **kw):
+        return self._timed(self.kernels.attention_backward, args, kw)
+
+    def _timed(self, fn, args, kw):
+        t = time.perf_counter()
+        fn(*args, **kw)
+        self.seconds["attention"] += time.perf_counter() - t
 
 
 def main() -> None:
@@ -32,6 +63,8 @@ def main() -> None:
     ap.add_argument("--type", default="q4_k")
     ap.add_argument("--mode", default="selective")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--f32-attention", action="store_true",
+                    help="also run bf16 products with the float32 attention kernels")
     ap.add_argument("--workdir", default="/tmp/llamatune-bench")
     a = ap.parse_args()
     import llamatune  # noqa: F401  (first: the threading policy)
@@ -54,12 +87,15 @@ def main() -> None:
     rng = np.random.default_rng(1)
     inputs, labels = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
+    from llamatune.kernels import attention
     runs = {}
-    for name in ("f32", "bf16"):                       # one graph and parameter set each
-        params = ParamBuffer(lora_specs(targets))
+    for name in ("f32", "bf16") + (("bf16, f32 attention",) if a.f32_attention else ()):
+        params = ParamBuffer(lora_specs(targets))      # one graph and parameter set each
         init_lora(params, targets, np.random.default_rng(0))
-        graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, compute_dtype=name)
+        graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, compute_dtype=name[:4])
         graph.products = Timed(graph.products)
+        kernels = attention if name.endswith("f32 attention") else graph.attention
+        graph.attention = TimedAttention(kernels, graph.products.seconds)
         runs[name] = (graph, params)
     opts = FinetuneOptions(warmup=1)
     times, losses, split = defaultdict(list), defaultdict(list), defaultdict(list)
@@ -80,13 +116,17 @@ def main() -> None:
     for name in runs:
         best = min(range(a.rounds), key=lambda r: times[name][r])
         parts = ", ".join(f"{k} {v:.3f} s" for k, v in split[name][best].items())
-        print(f"{name:5} step {min(times[name]):.3f}-{max(times[name]):.3f} s "
+        print(f"{name} step {min(times[name]):.3f}-{max(times[name]):.3f} s "
               f"({tok / min(times[name]):.0f}-{tok / max(times[name]):.0f} tokens/s); best step: {parts}; "
               f"losses {' '.join(f'{x:.5f}' for x in losses[name])}")
     f32_best = min(range(a.rounds), key=lambda r: times["f32"][r])
     share = split["f32"][f32_best]["products"] / times["f32"][f32_best]
     print(f"base products: {share:.0%} of the f32 step; bf16 step / f32 step (best): "
           f"{min(times['f32']) / min(times['bf16']):.2f}x faster")
+    if a.f32_attention:
+        ratios = sorted(x / y for x, y in zip(times["bf16, f32 attention"], times["bf16"]))
+        print(f"bf16 step with the float32 attention / with bf16 attention, per round: median "
+              f"{ratios[len(ratios) // 2]:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 if __name__ == "__main__":

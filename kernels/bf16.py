@@ -319,7 +319,7 @@ class _Library:
                                                              _DIMS, ctypes.c_int, _DIMS]
         lib.dnnl_memory_set_data_handle.argtypes = [_VP, _VP]
         for name in ("dnnl_memory_desc_destroy", "dnnl_post_ops_destroy", "dnnl_primitive_attr_destroy",
-                     "dnnl_primitive_desc_destroy"):
+                     "dnnl_primitive_desc_destroy", "dnnl_memory_destroy", "dnnl_primitive_destroy"):
             getattr(lib, name).argtypes = [_VP]
         lib.dnnl_post_ops_append_sum.argtypes = [_VP, ctypes.c_float, ctypes.c_int32, ctypes.c_int]
         lib.dnnl_primitive_attr_set_scratchpad_mode.argtypes = [_VP, ctypes.c_int]
@@ -403,10 +403,13 @@ class _Library:
             prim, mems, args, _ = self.primitive(M, N, K, trans_b, accumulate, self.threads(), *ld,
                                                  f32=a.dtype == np.float32, trans_a=trans_a,
                                                  out_bf16=out.dtype == np.uint16)
-            for mem, arr in zip(mems, (a, b, out)):
-                _check(self.lib.dnnl_memory_set_data_handle(mem, arr.ctypes.data), "memory_set_data_handle")
+            for mem, ptr in zip(mems, _pointers(a, b, out)):
+                _check(self.lib.dnnl_memory_set_data_handle(mem, ptr), "memory_set_data_handle")
             _check(self.lib.dnnl_primitive_execute(prim, self.stream, 3, args), "primitive_execute")
             _check(self.lib.dnnl_stream_wait(self.stream), "stream_wait")
+
+
+BATCHED_KEPT = 64  # batched primitives kept per thread
 
 
 class _Serial(threading.local):
@@ -427,16 +430,20 @@ def _serial(lib: _Library) -> _Serial:
     return local
 
 
-def _batched_primitive(lib: _Library, local: _Serial, arrays, accumulate: bool):
+def _batched_primitive(lib: _Library, local: _Serial, key: tuple, arrays, accumulate: bool):
     """(primitive, memories, exec args, implementation, scratchpad) for `batched` on these
     arrays' shapes and strides, built on first use in this thread (with OpenMP at one
-    thread: oneDNN blocks for it). The scratchpad is the thread's own (user mode): this
-    oneDNN build shares one library scratchpad among primitives, which threads running
-    products at once overwrote (oneDNN then failed, or worse)."""
-    key = tuple((x.shape, x.strides, x.dtype.char) for x in arrays) + (accumulate,)
-    if key in local.primitives:
-        return local.primitives[key]
+    thread: oneDNN blocks for it) and kept, the BATCHED_KEPT most recent per thread (a
+    chat's prompts each bring new widths). The scratchpad is the primitive's own (user
+    mode): a build without DNNL_ENABLE_CONCURRENT_EXEC, as this one, shares one library
+    scratchpad among primitives, which oneDNN documents as unsafe for distinct primitives
+    run at once."""
     c = lib.lib
+    while len(local.primitives) >= max(1, BATCHED_KEPT):  # the oldest go (dicts keep insertion order)
+        prim, mems, args, _, _ = local.primitives.pop(next(iter(local.primitives)))
+        for i in range(len(args)):
+            c.dnnl_memory_destroy(_VP(args[i].memory))
+        c.dnnl_primitive_destroy(prim)
     mds = [lib._desc(x.shape, [s // x.itemsize for s in x.strides], _F32 if x.dtype == np.float32 else _BF16)
            for x in arrays]
     attr, post_ops = _VP(), None
@@ -475,6 +482,18 @@ def _batched_primitive(lib: _Library, local: _Serial, arrays, accumulate: bool):
     return local.primitives[key]
 
 
+_U16, _F32_DTYPE = np.dtype(np.uint16), np.dtype(np.float32)
+
+
+def _operand(x, dtype) -> bool:
+    return type(x) is np.ndarray and x.ndim == 3 and x.dtype == dtype and min(x.strides) >= 0
+
+
+@njit(cache=True)
+def _pointers(a, b, out):
+    return a.ctypes.data, b.ctypes.data, out.ctypes.data
+
+
 def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = False) -> str:
     """out[i] (M, N) float32 = a[i] (M, K) @ b[i] (K, N) for each i of n, or += when
     accumulate; a and b bf16 (uint16), any non-negative strides (a transposed operand is
@@ -482,13 +501,14 @@ def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = Fa
     for the call), on that thread's own stream and primitives: for kernels that deal
     their work to the threads of a pool (kernels/attention_bf16.py). oneDNN picks its AMX
     brgemm kernels where each matrix has a unit inner stride (either axis) and the batch a
-    stride of its own. Returns the implementation oneDNN picked."""
-    for name, x in (("a", a), ("b", b), ("out", out)):
-        want = np.float32 if name == "out" else np.uint16
-        if not (isinstance(x, np.ndarray) and x.ndim == 3 and x.dtype == want
-                and all(s >= 0 and s % x.itemsize == 0 for s in x.strides)):
-            raise ValueError(f"batched: {name} must be a 3-D {np.dtype(want)} array with "
-                             "non-negative strides")
+    stride of its own. Returns the implementation oneDNN picked. The Python around the
+    product is kept short (about 10 us a call; the attention of a bench-shape step makes
+    900 calls, two threads sharing the interpreter): one compiled call for the three data
+    pointers, the primitive found by shapes and strides."""
+    if not (_operand(a, _U16) and _operand(b, _U16) and _operand(out, _F32_DTYPE)):
+        for name, x, want in (("a", a, _U16), ("b", b, _U16), ("out", out, _F32_DTYPE)):
+            if not _operand(x, want):
+                raise ValueError(f"batched: {name} must be a 3-D {want} array with non-negative strides")
     n, M, K = a.shape
     if b.shape[:2] != (n, K) or out.shape != (n, M, b.shape[2]) or not out.flags.writeable:
         raise ValueError(f"batched: shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
@@ -498,18 +518,23 @@ def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = Fa
         if not accumulate:
             out[...] = 0
         return ""
-    lib = _library()
-    local = _serial(lib)
+    lib = _STATE.get("lib") or _library()
+    local = _SERIAL if _SERIAL.stream is not None else _serial(lib)
+    key = (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, accumulate)
+    entry = local.primitives.get(key)
     gomp, threads = lib.gomp, 1
     if gomp is not None:
         threads = gomp.omp_get_max_threads()
         gomp.omp_set_num_threads(1)
     try:
-        prim, mems, args, impl, _ = _batched_primitive(lib, local, (a, b, out), accumulate)
-        for mem, x in zip(mems, (a, b, out)):
-            _check(lib.lib.dnnl_memory_set_data_handle(mem, x.ctypes.data), "memory_set_data_handle")
-        _check(lib.lib.dnnl_primitive_execute(prim, local.stream, len(args), args), "primitive_execute")
-        _check(lib.lib.dnnl_stream_wait(local.stream), "stream_wait")
+        if entry is None:
+            entry = _batched_primitive(lib, local, key, (a, b, out), accumulate)
+        prim, mems, args, impl, _ = entry
+        c = lib.lib
+        for mem, ptr in zip(mems, _pointers(a, b, out)):
+            _check(c.dnnl_memory_set_data_handle(mem, ptr), "memory_set_data_handle")
+        _check(c.dnnl_primitive_execute(prim, local.stream, len(args), args), "primitive_execute")
+        _check(c.dnnl_stream_wait(local.stream), "stream_wait")
     finally:
         if gomp is not None:
             gomp.omp_set_num_threads(threads)

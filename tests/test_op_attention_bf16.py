@@ -207,3 +207,19 @@ def test_batched_rejects_bad_arguments():
         bf16.batched(np.zeros((2, 4, 4), np.float32), a, a)
     with pytest.raises(ValueError, match="out must be a 3-D float32"):
         bf16.batched(np.zeros((2, 4, 4), np.uint16), a, a.transpose(0, 2, 1))
+
+
+def test_batched_keeps_a_bounded_number_of_primitives(monkeypatch):
+    """A thread keeps the BATCHED_KEPT most recent primitives (a chat's prompts bring new
+    widths); one dropped is built again when its shape returns, with the same result."""
+    monkeypatch.setattr(bf16, "BATCHED_KEPT", 2)
+    rng = np.random.default_rng(46)
+    a = bf16.to_bf16_ref(randn(rng, 1, 8, 16))
+    first = None
+    for n in (8, 16, 24, 8):
+        b = bf16.to_bf16_ref(randn(np.random.default_rng(n), 1, 16, n))
+        out = np.empty((1, 8, n), np.float32)
+        bf16.batched(out, a, b)
+        first = out.copy() if first is None else first
+        assert len(bf16._SERIAL.primitives) <= 2
+    np.testing.assert_array_equal(out, first)
