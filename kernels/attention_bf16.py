@@ -47,32 +47,27 @@ MIN_ROWS = 16    # fewer queries (a decode step) go to the float32 kernels
 
 
 @njit(cache=True, nogil=True)
-def _gather_bf16(out, src, r0, h0):
+def _gather_bf16(out, src, r0, h0, d=None, other=None):
     # out (H, R, C) uint16 = bf16(src[r0 + r, h0 + h, c]): src a batch row (T, heads, C),
     # C-contiguous, indexed rather than sliced so the inner loop has unit stride (numba
-    # vectorizes it; on a strided view it ran scalar, 1.3 ns a value)
+    # vectorizes it; on a strided view it ran scalar, 1.3 ns a value). With d (H, R) and
+    # other (src's layout): d = sum_c src * other of the same rows in float32, summed in
+    # order (no fastmath: the same bits whatever the tiling)
     H, R, C = out.shape
     for h in range(H):
         for r in range(R):
             row, o = src[r0 + r, h0 + h], out[h, r]
-            for c in range(C):
-                o[c] = _f32_to_bf16(row[c])
-
-
-@njit(cache=True, nogil=True)
-def _gather_bf16_rowdot(out, d, src, other, r0, h0):
-    # _gather_bf16 of src, and d (H, R) = sum_c src[.., c] * other[.., c] of the same
-    # rows in float32, summed in order (no fastmath: the same bits whatever the tiling)
-    H, R, C = out.shape
-    for h in range(H):
-        for r in range(R):
-            row, oth, o = src[r0 + r, h0 + h], other[r0 + r, h0 + h], out[h, r]
-            acc = np.float32(0)
-            for c in range(C):
-                x = row[c]
-                o[c] = _f32_to_bf16(x)
-                acc += x * oth[c]
-            d[h, r] = acc
+            if d is None:
+                for c in range(C):
+                    o[c] = _f32_to_bf16(row[c])
+            else:
+                oth = other[r0 + r, h0 + h]
+                acc = np.float32(0)
+                for c in range(C):
+                    x = row[c]
+                    o[c] = _f32_to_bf16(x)
+                    acc += x * oth[c]
+                d[h, r] = acc
 
 
 @njit(cache=True, nogil=True)
@@ -243,7 +238,7 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                 qb, db = qh[:m].reshape(nk * G, TQ, HS), doh[:m].reshape(nk * G, TQ, HS)
                 db_dot = d[: nk * G * TQ].reshape(nk * G, TQ)
                 _gather_bf16(qb, q[b], i0, heads.start)
-                _gather_bf16_rowdot(db, db_dot, dout[b], out[b], i0, heads.start)
+                _gather_bf16(db, dout[b], i0, heads.start, db_dot, out[b])
                 qb, db = qb.reshape(nk, G * TQ, HS), db.reshape(nk, G * TQ, HS)
                 kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
                 _gather_bf16(kb, k[b], j0, ks.start)
