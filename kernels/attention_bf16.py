@@ -20,9 +20,19 @@ A block's keys start at a multiple of KEY_ALIGN (the keys before its first visib
 are computed and masked to 0): with packed samples the first visible key can be any
 position, and each distinct width would be a product to build and JIT-compile.
 
-Used for a bf16 compute dtype (models/products.py `attention_ops`), for float32 inputs
-of at least MIN_ROWS queries without soft-capping; the rest goes to the float32
-kernels unchanged (decode steps, float64 finite-difference checks, gemma2's cap).
+For float32 inputs of at least MIN_ROWS queries without soft-capping; the rest goes to
+the float32 kernels unchanged (decode steps, float64 finite-difference checks, gemma2's
+cap).
+
+Not used by training or inference. It made the bench-shape bf16 step about 5 % faster
+(`bench/bf16_step.py --bf16-attention`). But on Qwen2.5-Coder-0.5B's 50-step chat run
+(`bench/compute_dtype.py ... --steps 50 --lr 1e-3 --extra=--pack`) it moved the final
+validation loss to -2.96 % of the float32 run's, against +0.47 % for bf16 products with
+this float32 attention. Issue #29 bounds that figure at 1 %. The likely cause is the
+scores: q and k rounded to bf16 put an absolute error of about 2^-9 |q| |k| on each q.k,
+which the softmax exponentiates. Splitting q and k into hi + lo parts along the K axis
+(as models/products.py does for the adapters) would keep the scores float32-accurate at
+3x the q k^T product. Kept, tested and benched for that.
 
 Measured on a 2-core Sapphire Rapids (AMX): one thread, a tile's block of the bench
 shape (4 kv heads, G 2, 128 queries, 256 keys, HS 64), q k^T 65-120 us against numpy's

@@ -7,8 +7,7 @@ gives errors of order 1), and the same attention with the kernel's roundings app
 (q, k, v, dout, P and dS rounded to bf16 where the kernel rounds them), which it must
 match to float32 accumulation but for rare ties of P's rounding. Then the oracles that
 need no reference: results independent of threads and tiles, the float32 path taken
-bit for bit where the module hands over (float64, soft-capping, decode steps), and
-the compute dtype choosing the module."""
+bit for bit where the module hands over (float64, soft-capping, decode steps)."""
 import numpy as np
 import pytest
 from op_helpers import qkv, random_segments, randn
@@ -146,12 +145,6 @@ def test_bf16_attention_hands_over_to_the_float32_kernels(what):
     for a, c in zip(run(q, k, v, 0, None, dout, **opts),
                     run(q, k, v, 0, None, dout, module=attention, **opts)):
         np.testing.assert_array_equal(a, c)
-
-
-def test_the_compute_dtype_chooses_the_attention_kernels():
-    from llamatune.models.products import Products
-    assert Products(np, "bf16").attention_ops(attention) is attention_bf16
-    assert Products(np, "f32").attention_ops(attention) is attention
 
 
 # ------------------------------------------------------------------ batched products
