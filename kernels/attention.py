@@ -95,12 +95,21 @@ _QBLOCK = 128  # query rows per block; at T=256 fwd 21 / bwd 48 ms vs 27 / 57 ms
 _TILE_FLOATS = 1 << 20  # scores of a tile's query block, at most (4 MB float32; see _tiles)
 
 
+@njit(inline="always")
+def _zero_outside(row, a, n):
+    """row[:a] = row[n:] = 0: a score row's keys that a query does not see (a, n uint64)."""
+    for j in range(a):
+        row[j] = 0
+    for j in range(n, np.uint64(row.shape[0])):
+        row[j] = 0
+
+
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
 def _softmax_causal_kernel(att, lse, scale, lo, hi):
     # att (R, TQ, S): raw scores q.k in, R = nk * G score rows of one block of a tile
     # (kv heads, query heads of each); out P = exp(s*scale - lse), 0 outside
     # [lo[i], hi[i]); lse (nk, G, TQ) out (a view into the (B, NH, T) lse)
-    R, TQ, S = att.shape
+    R, TQ = att.shape[:2]
     G = lse.shape[1]
     for r in range(R * TQ):
         h = r // TQ
@@ -113,10 +122,7 @@ def _softmax_causal_kernel(att, lse, scale, lo, hi):
             e = _exp(row[j] * scale - mx)
             row[j] = e
             tot += e
-        for j in range(a):
-            row[j] = 0.0
-        for j in range(n, np.uint64(S)):
-            row[j] = 0.0
+        _zero_outside(row, a, n)
         inv = 1 / tot
         for j in range(a, n):  # normalized as ggml's soft_max, on the row while in L1
             row[j] *= inv
@@ -128,7 +134,7 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
     # att (R, TQ, S): raw scores q.k in, P out; dp (R, TQ, S): dout.v in, dS*scale out
     # (R = nk * G rows as in the forward); lse (nk, G, TQ); out, dout (TQ, nk, G, HS):
     # this block's rows; visible keys [lo[i], hi[i])
-    R, TQ, S = att.shape
+    R, TQ = att.shape[:2]
     G, HS = out.shape[2], out.shape[3]
     for r in range(R * TQ):
         h = r // TQ
@@ -144,12 +150,8 @@ def _softmax_causal_backward_kernel(att, dp, lse, out, dout, scale, lo, hi):
             p = _exp(row[j] * scale - lse_i)
             row[j] = p
             drow[j] = p * (drow[j] - d) * scale
-        for j in range(a):
-            row[j] = 0.0
-            drow[j] = 0.0
-        for j in range(n, np.uint64(S)):
-            row[j] = 0.0
-            drow[j] = 0.0
+        _zero_outside(row, a, n)
+        _zero_outside(drow, a, n)
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH, error_model="numpy")  # vecmath.tanhf: see there

@@ -47,6 +47,7 @@ from numba import njit
 
 from . import attention as f32
 from . import bf16
+from .attention import _zero_outside
 from .dequant import _f32_to_bf16
 from .vecmath import FASTMATH as _FASTMATH
 from .vecmath import expf as _exp
@@ -96,7 +97,7 @@ def _scatter(dst, src, r0, h0):
 def _softmax_bf16_kernel(att, p16, lse, scale, lo, hi):
     # att (R, TQ, W): raw scores q.k (float32, overwritten); p16 (R, TQ, W) out:
     # bf16(P), 0 outside [lo[i], hi[i]); lse (nk, G, TQ) out; R = nk * G
-    R, TQ, W = att.shape
+    R, TQ = att.shape[:2]
     G = lse.shape[1]
     one = np.float32(1)
     for r in range(R * TQ):
@@ -113,10 +114,7 @@ def _softmax_bf16_kernel(att, p16, lse, scale, lo, hi):
         inv = one / tot
         for j in range(a, n):
             prow[j] = _f32_to_bf16(row[j] * inv)
-        for j in range(a):
-            prow[j] = 0
-        for j in range(n, np.uint64(W)):
-            prow[j] = 0
+        _zero_outside(prow, a, n)
         lse[h // G, h % G, i] = mx + np.log(tot)
 
 
@@ -125,7 +123,7 @@ def _softmax_backward_bf16_kernel(att, dp, p16, ds16, lse, d, scale, lo, hi):
     # att (R, TQ, W) raw scores, dp (R, TQ, W) dout.v (float32 in); p16, ds16 out:
     # bf16(P) and bf16(P (dp - d) scale), 0 outside [lo[i], hi[i]); lse (nk, G, TQ);
     # d (R, TQ): rowsum(dout * out)
-    R, TQ, W = att.shape
+    R, TQ = att.shape[:2]
     G = lse.shape[1]
     for r in range(R * TQ):
         h = r // TQ
@@ -137,12 +135,8 @@ def _softmax_backward_bf16_kernel(att, dp, p16, ds16, lse, d, scale, lo, hi):
             p = _exp(row[j] * scale - lse_i)
             prow[j] = _f32_to_bf16(p)
             dsrow[j] = _f32_to_bf16(p * (drow[j] - d_i) * scale)
-        for j in range(a):
-            prow[j] = 0
-            dsrow[j] = 0
-        for j in range(n, np.uint64(W)):
-            prow[j] = 0
-            dsrow[j] = 0
+        _zero_outside(prow, a, n)
+        _zero_outside(dsrow, a, n)
 
 
 def _aligned(blocks):

@@ -352,40 +352,59 @@ class _Library:
         key = (M, N, K, trans_b, accumulate, threads, lda, ldb, ldc, f32, trans_a, out_bf16)
         if key in self.primitives:
             return self.primitives[key]
-        lib = self.lib
         a = self._desc((M, K), (1, lda) if trans_a else (lda, 1), _F32 if f32 else _BF16)
         b = self._desc((K, N), (1, ldb) if trans_b else (ldb, 1), _F32 if f32 else _BF16)
         c = self._desc((M, N), (ldc, 1), _BF16 if out_bf16 else _F32)
-        attr = None
-        if accumulate:  # out = out + a @ b: a "sum" post-op
-            attr, post_ops = _VP(), _VP()
+        self.primitives[key] = self.build((a, b, c), accumulate, f"{M}x{K} @ {K}x{N}")[:4]
+        return self.primitives[key]
+
+    def build(self, mds, accumulate: bool, what: str, scratchpad: bool = False):
+        """(primitive, [src, weights, dst memories], exec args, implementation name, scratchpad
+        buffer or None) of the matmul on memory descriptors `mds` (destroyed here: the
+        primitive and memories keep copies); `accumulate`: out += a @ b (a sum post-op);
+        `scratchpad`: the primitive's own scratchpad (user mode, its buffer returned to be
+        kept) instead of the library's shared one."""
+        lib = self.lib
+        attr = post_ops = None
+        if accumulate or scratchpad:
+            attr = _VP()
             _check(lib.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive_attr_create")
+        if scratchpad:
+            _check(lib.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_USER), "attr_set_scratchpad_mode")
+        if accumulate:
+            post_ops = _VP()
             _check(lib.dnnl_post_ops_create(ctypes.byref(post_ops)), "post_ops_create")
             _check(lib.dnnl_post_ops_append_sum(post_ops, 1.0, 0, 0), "post_ops_append_sum")
             _check(lib.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr_set_post_ops")
         pd, prim = _VP(), _VP()
-        _check(lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine, a, b, None, c, attr),
-               f"matmul_primitive_desc_create ({M}x{K} @ {K}x{N})")
+        _check(lib.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), self.engine, *mds[:2], None, mds[2], attr),
+               f"matmul_primitive_desc_create ({what})")
         impl = ctypes.c_char_p()
         _check(lib.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl)),
                "primitive_desc_query")
         _check(lib.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive_create")
         mems = []
-        for md in (a, b, c):
+        for md in mds:
             mem = _VP()
             _check(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine, None), "memory_create")
             mems.append(mem)
-        args = (_ExecArg * 3)(_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]),
-                              _ExecArg(_ARG_DST, mems[2]))
-        self.primitives[key] = (prim, mems, args, (impl.value or b"?").decode())
-        # the primitive and memories hold copies of what they were made from
-        for md in (a, b, c):
             lib.dnnl_memory_desc_destroy(md)
-        if attr is not None:
+        args = [_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]), _ExecArg(_ARG_DST, mems[2])]
+        buffer = None
+        if scratchpad:
+            md = _VP(lib.dnnl_primitive_desc_query_md(pd, _QUERY_SCRATCHPAD_MD, 0))
+            buffer = np.empty(lib.dnnl_memory_desc_get_size(md) + 64, np.uint8)
+            if buffer.size > 64:
+                mem = _VP()
+                _check(lib.dnnl_memory_create(ctypes.byref(mem), md, self.engine,
+                                              _VP(-(-buffer.ctypes.data // 64) * 64)), "memory_create")
+                args.append(_ExecArg(_ARG_SCRATCHPAD, mem))
+        if post_ops is not None:
             lib.dnnl_post_ops_destroy(post_ops)
+        if attr is not None:
             lib.dnnl_primitive_attr_destroy(attr)
         lib.dnnl_primitive_desc_destroy(pd)
-        return self.primitives[key]
+        return prim, mems, (_ExecArg * len(args))(*args), (impl.value or b"?").decode(), buffer
 
     def threads(self) -> int:
         """numba's thread count, made OpenMP's for this thread (oneDNN reads it)."""
@@ -446,39 +465,8 @@ def _batched_primitive(lib: _Library, local: _Serial, key: tuple, arrays, accumu
         c.dnnl_primitive_destroy(prim)
     mds = [lib._desc(x.shape, [s // x.itemsize for s in x.strides], _F32 if x.dtype == np.float32 else _BF16)
            for x in arrays]
-    attr, post_ops = _VP(), None
-    _check(c.dnnl_primitive_attr_create(ctypes.byref(attr)), "primitive_attr_create")
-    _check(c.dnnl_primitive_attr_set_scratchpad_mode(attr, _SCRATCHPAD_USER), "attr_set_scratchpad_mode")
-    if accumulate:  # out += a @ b: a "sum" post-op
-        post_ops = _VP()
-        _check(c.dnnl_post_ops_create(ctypes.byref(post_ops)), "post_ops_create")
-        _check(c.dnnl_post_ops_append_sum(post_ops, 1.0, 0, 0), "post_ops_append_sum")
-        _check(c.dnnl_primitive_attr_set_post_ops(attr, post_ops), "attr_set_post_ops")
-    pd, prim = _VP(), _VP()
-    _check(c.dnnl_matmul_primitive_desc_create(ctypes.byref(pd), lib.engine, mds[0], mds[1], None, mds[2], attr),
-           f"matmul_primitive_desc_create (batched {arrays[0].shape} @ {arrays[1].shape})")
-    impl = ctypes.c_char_p()
-    _check(c.dnnl_primitive_desc_query(pd, _QUERY_IMPL_INFO_STR, 0, ctypes.byref(impl)), "primitive_desc_query")
-    _check(c.dnnl_primitive_create(ctypes.byref(prim), pd), "primitive_create")
-    mems = []
-    for md in mds:
-        mem = _VP()
-        _check(c.dnnl_memory_create(ctypes.byref(mem), md, lib.engine, None), "memory_create")
-        mems.append(mem)
-        c.dnnl_memory_desc_destroy(md)
-    args = [_ExecArg(_ARG_SRC, mems[0]), _ExecArg(_ARG_WEIGHTS, mems[1]), _ExecArg(_ARG_DST, mems[2])]
-    scratch_md = _VP(c.dnnl_primitive_desc_query_md(pd, _QUERY_SCRATCHPAD_MD, 0))
-    scratchpad = np.empty(c.dnnl_memory_desc_get_size(scratch_md) + 64, np.uint8)
-    if scratchpad.size > 64:
-        mem = _VP()
-        _check(c.dnnl_memory_create(ctypes.byref(mem), scratch_md, lib.engine,
-                                    _VP(-(-scratchpad.ctypes.data // 64) * 64)), "memory_create")
-        args.append(_ExecArg(_ARG_SCRATCHPAD, mem))
-    if post_ops is not None:
-        c.dnnl_post_ops_destroy(post_ops)
-    c.dnnl_primitive_attr_destroy(attr)
-    c.dnnl_primitive_desc_destroy(pd)
-    local.primitives[key] = (prim, mems, (_ExecArg * len(args))(*args), (impl.value or b"?").decode(), scratchpad)
+    local.primitives[key] = lib.build(mds, accumulate, f"batched {arrays[0].shape} @ {arrays[1].shape}",
+                                      scratchpad=True)
     return local.primitives[key]
 
 
@@ -519,7 +507,7 @@ def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = Fa
             out[...] = 0
         return ""
     lib = _STATE.get("lib") or _library()
-    local = _SERIAL if _SERIAL.stream is not None else _serial(lib)
+    local = _serial(lib)
     key = (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, accumulate)
     entry = local.primitives.get(key)
     gomp, threads = lib.gomp, 1
