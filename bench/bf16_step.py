@@ -2,11 +2,11 @@
 bf16 (`Graph(..., compute_dtype="bf16")`, issue #29) against the float32 step, in one
 process: rounds alternate f32 step, bf16 step. Printed: each step's best and worst time,
 the share of the step spent in the base's products (models/products.py, rounding to
-bf16 included) and in attention, and the losses. `--bf16-attention` adds a third graph,
-bf16 products with attention's products in bf16 too (kernels/attention_bf16.py, which
-training does not use: see there), to the rounds.
+bf16 included) and in attention, and the losses. `--f32-attention` adds a third graph,
+bf16 products with the float32 attention kernels (kernels/attention.py instead of
+kernels/attention_bf16.py, whose products but the scores are bf16), to the rounds.
 
-    python bench/bf16_step.py [--type q4_k] [--mode selective] [--rounds 4] [--bf16-attention]
+    python bench/bf16_step.py [--type q4_k] [--mode selective] [--rounds 4] [--f32-attention]
         [--workdir /tmp/llamatune-bench]
 """
 from __future__ import annotations
@@ -63,8 +63,8 @@ def main() -> None:
     ap.add_argument("--type", default="q4_k")
     ap.add_argument("--mode", default="selective")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--bf16-attention", action="store_true",
-                    help="also run bf16 products with kernels/attention_bf16.py")
+    ap.add_argument("--f32-attention", action="store_true",
+                    help="also run bf16 products with the float32 attention kernels")
     ap.add_argument("--workdir", default="/tmp/llamatune-bench")
     a = ap.parse_args()
     import llamatune  # noqa: F401  (first: the threading policy)
@@ -87,14 +87,14 @@ def main() -> None:
     rng = np.random.default_rng(1)
     inputs, labels = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
-    from llamatune.kernels import attention_bf16
+    from llamatune.kernels import attention
     runs = {}
-    for name in ("f32", "bf16") + (("bf16, bf16 attention",) if a.bf16_attention else ()):
+    for name in ("f32", "bf16") + (("bf16, f32 attention",) if a.f32_attention else ()):
         params = ParamBuffer(lora_specs(targets))      # one graph and parameter set each
         init_lora(params, targets, np.random.default_rng(0))
         graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, compute_dtype=name[:4])
         graph.products = Timed(graph.products)
-        kernels = attention_bf16 if name.endswith("bf16 attention") else graph.attention
+        kernels = attention if name.endswith("f32 attention") else graph.attention
         graph.attention = TimedAttention(kernels, graph.products.seconds)
         runs[name] = (graph, params)
     opts = FinetuneOptions(warmup=1)
@@ -123,8 +123,8 @@ def main() -> None:
     share = split["f32"][f32_best]["products"] / times["f32"][f32_best]
     print(f"base products: {share:.0%} of the f32 step; bf16 step / f32 step (best): "
           f"{min(times['f32']) / min(times['bf16']):.2f}x faster")
-    if a.bf16_attention:
-        ratios = sorted(x / y for x, y in zip(times["bf16"], times["bf16, bf16 attention"]))
+    if a.f32_attention:
+        ratios = sorted(x / y for x, y in zip(times["bf16, f32 attention"], times["bf16"]))
         print(f"bf16 step with the float32 attention / with bf16 attention, per round: median "
               f"{ratios[len(ratios) // 2]:.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f})")
 

@@ -68,8 +68,9 @@ joins waited for a descheduled thread, and the attention of the bench shape
 0.2 GFLOP/s forward, 0.3 backward, against 11 and 9 then (bench/attention.py).
 Results do not depend on the thread count or the tiles.
 
-kernels/attention_bf16.py runs these same blocks and tiles with the T x S products in
-bf16 (oneDNN); it is not used yet (see there).
+With a bf16 compute dtype, kernels/attention_bf16.py runs these same blocks and tiles
+with the T x S products but the scores in bf16 (oneDNN) and this module's float32
+softmax logic.
 
 The backward is flash-attention style: it recomputes P = exp(s - lse) from the
 saved log-sum-exp, so no (T, T) probabilities are kept between the passes:

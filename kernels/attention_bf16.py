@@ -1,20 +1,33 @@
-"""Causal GQA attention with bf16 products (oneDNN, AMX or AVX512_BF16), float32 softmax.
+"""Causal GQA attention with bf16 products (oneDNN, AMX or AVX512_BF16), float32 scores
+and softmax.
 
 The same contract, masks, query blocks and tiles as kernels/attention.py (whose
-docstring explains them); what differs is the four T x S products of the backward and
-the two of the forward: their inputs are rounded to bf16 and multiplied by oneDNN with
-float32 accumulation (kernels/bf16.batched), each worker thread of the pool running
-its own single-threaded products, as numpy's single-threaded BLAS runs in the float32
-path. The softmax, its log-sum-exp, rowsum(dout * out) and every sum over blocks stay
-float32; the errors are bf16's rounding of q, k, v, dout, P and dS (a few 1e-3 of the
-outputs' scale: tests/test_op_attention_bf16.py).
+docstring explains them); what differs is how the T x S products run. Each worker
+thread of the pool runs its own single-threaded oneDNN products (kernels/bf16.batched),
+as numpy's single-threaded BLAS runs in the float32 path:
+- the scores q k^T (forward, and again in the backward) in float32: oneDNN's float32
+  kernels on float32 copies of q and k;
+- P v of the forward and the backward's dout v^T, dS k, dS^T q and P^T dout in bf16
+  with float32 accumulation: their inputs rounded to bf16.
+The softmax, its log-sum-exp, rowsum(dout * out) and every sum over blocks stay float32.
+The errors are bf16's rounding of v, dout, P, dS and of q and k in dq and dk's products:
+relative errors of a few 1e-3 of the outputs' scale (tests/test_op_attention_bf16.py).
 
-Layout: oneDNN runs its AMX brgemm kernels on dense batches of matrices, not on the
-strided (B, T, heads, HS) rows numpy's matmul reads in place (it then picks a jit gemm
-that ran no faster than float32). So each tile's keys and values are rounded into
-head-major copies (nk, S, HS) once, and each query block's q (and dout) rows into
-(nk, G * TQ, HS): a kv head's G query heads are one matrix of G * TQ rows against its
-keys. The rounding is the gather (one pass that reads the float32 rows once).
+Why the scores stay float32: q and k rounded to bf16 put an absolute error of about
+2^-8 |q| |k| on each q.k, which the softmax exponentiates. Models whose q and k are
+large (Qwen2's biased q and k) then attend elsewhere: an earlier version multiplied the
+scores in bf16 too, and on Qwen2.5-Coder-0.5B's 50-step chat run (`bench/compute_dtype.py
+... --steps 50 --lr 1e-3 --extra=--pack`) it moved the final validation loss to -2.96 %
+of the float32 run's (issue #29 bounds it at 1 %). The test with q and k of a large norm
+shows the difference: out 9.5 % of its scale off with bf16 scores, 0.3 % with these.
+
+Layout: oneDNN runs its brgemm kernels on dense batches of matrices, not on the strided
+(B, T, heads, HS) rows numpy's matmul reads in place (it then picks a jit gemm that ran
+no faster than float32). So each tile's keys and values are copied into head-major
+blocks (nk, S, HS) once, and each query block's q (and dout) rows into (nk, G * TQ, HS):
+a kv head's G query heads are one matrix of G * TQ rows against its keys. The rounding
+is the gather (one pass that reads the float32 rows once and writes the bf16 copy, and
+the float32 one the scores need).
 
 A block's keys start at a multiple of KEY_ALIGN (the keys before its first visible one
 are computed and masked to 0): with packed samples the first visible key can be any
@@ -22,25 +35,12 @@ position, and each distinct width would be a product to build and JIT-compile.
 
 For float32 inputs of at least MIN_ROWS queries without soft-capping; the rest goes to
 the float32 kernels unchanged (decode steps, float64 finite-difference checks, gemma2's
-cap).
+cap). Used by training, perplexity and generation when the products are bf16
+(models/products.Products.attention_ops).
 
-Not used by training or inference. It made the bench-shape bf16 step about 5 % faster
-(`bench/bf16_step.py --bf16-attention`). But on Qwen2.5-Coder-0.5B's 50-step chat run
-(`bench/compute_dtype.py ... --steps 50 --lr 1e-3 --extra=--pack`) it moved the final
-validation loss to -2.96 % of the float32 run's, against +0.47 % for bf16 products with
-this float32 attention. Issue #29 bounds that figure at 1 %. The likely cause is the
-scores: q and k rounded to bf16 put an absolute error of about 2^-9 |q| |k| on each q.k,
-which the softmax exponentiates. Splitting q and k into hi + lo parts along the K axis
-(as models/products.py does for the adapters) would keep the scores float32-accurate at
-3x the q k^T product. Kept, tested and benched for that.
-
-Measured on a 2-core Sapphire Rapids (AMX): one thread, a tile's block of the bench
-shape (4 kv heads, G 2, 128 queries, 256 keys, HS 64), q k^T 65-120 us against numpy's
-float32 277-446 us, P v 54 against 259, dS^T q 88 against 244; the whole kernels
-(`python bench/attention.py --dtype f32,bf16`, B 8, 8/4 heads of 64, T 256) forward 12.8
-against 17.3 ms and backward 29.0 against 39.8 on one thread, 9.5 against 10.6 and 17.4
-against 23.1 on two, where the gathers, the softmax and the scatters now take more than
-the products (one thread: forward 1.9 ms gathers, 3.1 products, 3.3 softmax, 0.8 scatter).
+Measured, `python bench/attention.py --threads 2 --T 256 --dtype f32,bf16` (B 8, 8/4
+heads of 64): on 2 Zen 4 cores (AVX512_BF16), forward 5.5 against 6.7 ms and backward
+11.7 against 16.4 ms; packed samples 3.9 against 4.9 and 9.0 against 11.1.
 """
 import numpy as np
 from numba import njit
@@ -58,16 +58,21 @@ MIN_ROWS = 16    # fewer queries (a decode step) go to the float32 kernels
 
 
 @njit(cache=True, nogil=True)
-def _gather_bf16(out, src, r0, h0, d=None, other=None):
+def _gather_bf16(out, src, r0, h0, d=None, other=None, out32=None):
     # out (H, R, C) uint16 = bf16(src[r0 + r, h0 + h, c]): src a batch row (T, heads, C),
     # C-contiguous, indexed rather than sliced so the inner loop has unit stride (numba
-    # vectorizes it; on a strided view it ran scalar, 1.3 ns a value). With d (H, R) and
-    # other (src's layout): d = sum_c src * other of the same rows in float32, summed in
-    # order (no fastmath: the same bits whatever the tiling)
+    # vectorizes it; on a strided view it ran scalar, 1.3 ns a value). With out32 (out's
+    # shape, float32): the same rows unrounded too. With d (H, R) and other (src's
+    # layout): d = sum_c src * other of the same rows in float32, summed in order (no
+    # fastmath: the same bits whatever the tiling)
     H, R, C = out.shape
     for h in range(H):
         for r in range(R):
             row, o = src[r0 + r, h0 + h], out[h, r]
+            if out32 is not None:
+                o32 = out32[h, r]
+                for c in range(C):
+                    o32[c] = row[c]
             if d is None:
                 for c in range(C):
                     o[c] = _f32_to_bf16(row[c])
@@ -79,6 +84,17 @@ def _gather_bf16(out, src, r0, h0, d=None, other=None):
                     o[c] = _f32_to_bf16(x)
                     acc += x * oth[c]
                 d[h, r] = acc
+
+
+@njit(cache=True, nogil=True)
+def _gather_f32(out, src, r0, h0):
+    # out (H, R, C) float32 = src[r0 + r, h0 + h, c] (_gather_bf16 without the rounding)
+    H, R, C = out.shape
+    for h in range(H):
+        for r in range(R):
+            row, o = src[r0 + r, h0 + h], out[h, r]
+            for c in range(C):
+                o[c] = row[c]
 
 
 @njit(cache=True, nogil=True)
@@ -172,8 +188,9 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
     most = tiles[0][1].stop  # the largest tile's kv heads
 
     def work(items):
-        qh = np.empty(most * G * QB * HS, np.uint16)
-        kh, vh = np.empty((2, most * S * HS), np.uint16)  # a block's keys and values
+        qh = np.empty(most * G * QB * HS, np.float32)
+        kh = np.empty(most * S * HS, np.float32)  # a block's keys (float32: the scores) and values
+        vh = np.empty(most * S * HS, np.uint16)
         scores = np.empty(most * G * QB * S, np.float32)
         p16 = np.empty(most * G * QB * S, np.uint16)
         o = np.empty(most * G * QB * HS, np.float32)
@@ -185,12 +202,12 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
                 TQ, W = i1 - i0, n_past + i1 - j0
                 qb = qh[: nk * G * TQ * HS].reshape(nk * G, TQ, HS)
                 kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
-                _gather_bf16(qb, q[b], i0, heads.start)
-                _gather_bf16(kb, k[b], j0, ks.start)
+                _gather_f32(qb, q[b], i0, heads.start)
+                _gather_f32(kb, k[b], j0, ks.start)
                 _gather_bf16(vb, v[b], j0, ks.start)
                 att = scores[: nk * G * TQ * W].reshape(nk, G * TQ, W)
                 pb = p16[: nk * G * TQ * W].reshape(nk, G * TQ, W)
-                bf16.batched(att, qb.reshape(nk, G * TQ, HS), kb.transpose(0, 2, 1))
+                bf16.batched(att, qb.reshape(nk, G * TQ, HS), kb.transpose(0, 2, 1))  # float32
                 _softmax_bf16_kernel(att.reshape(nk * G, TQ, W), pb.reshape(nk * G, TQ, W),
                                      lse4[b, ks, :, i0:i1], scale, lo, hi)
                 ob = o[: nk * G * TQ * HS].reshape(nk, G * TQ, HS)
@@ -224,6 +241,8 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
     def work(items):
         qh, doh = np.empty((2, most * G * QB * HS), np.uint16)
         kh, vh = np.empty((2, most * T * HS), np.uint16)  # a block's keys and values
+        q32 = np.empty(most * G * QB * HS, np.float32)  # q and k unrounded, for the scores
+        k32 = np.empty(most * T * HS, np.float32)
         scores, dps = np.empty((2, most * G * QB * T), np.float32)
         p16, ds16 = np.empty((2, most * G * QB * T), np.uint16)
         dqh = np.empty(most * G * QB * HS, np.float32)
@@ -241,15 +260,16 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                 m, n = nk * G * TQ * HS, nk * G * TQ * W
                 qb, db = qh[:m].reshape(nk * G, TQ, HS), doh[:m].reshape(nk * G, TQ, HS)
                 db_dot = d[: nk * G * TQ].reshape(nk * G, TQ)
-                _gather_bf16(qb, q[b], i0, heads.start)
+                qf, kf = q32[:m].reshape(nk * G, TQ, HS), k32[: nk * W * HS].reshape(nk, W, HS)
+                _gather_bf16(qb, q[b], i0, heads.start, out32=qf)
                 _gather_bf16(db, dout[b], i0, heads.start, db_dot, out[b])
                 qb, db = qb.reshape(nk, G * TQ, HS), db.reshape(nk, G * TQ, HS)
                 kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
-                _gather_bf16(kb, k[b], j0, ks.start)
+                _gather_bf16(kb, k[b], j0, ks.start, out32=kf)
                 _gather_bf16(vb, v[b], j0, ks.start)
                 att, dp = scores[:n].reshape(nk, G * TQ, W), dps[:n].reshape(nk, G * TQ, W)
                 pb, dsb = p16[:n].reshape(nk, G * TQ, W), ds16[:n].reshape(nk, G * TQ, W)
-                bf16.batched(att, qb, kb.transpose(0, 2, 1))
+                bf16.batched(att, qf.reshape(nk, G * TQ, HS), kf.transpose(0, 2, 1))  # float32
                 bf16.batched(dp, db, vb.transpose(0, 2, 1))
                 rows = (nk * G, TQ, W)
                 _softmax_backward_bf16_kernel(att.reshape(rows), dp.reshape(rows), pb.reshape(rows),

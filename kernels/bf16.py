@@ -484,8 +484,9 @@ def _pointers(a, b, out):
 
 def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = False) -> str:
     """out[i] (M, N) float32 = a[i] (M, K) @ b[i] (K, N) for each i of n, or += when
-    accumulate; a and b bf16 (uint16), any non-negative strides (a transposed operand is
-    a transposed view), out's too. Runs on the calling thread alone (OpenMP at one thread
+    accumulate; a and b both bf16 (uint16) or both float32 (oneDNN's float32 kernels:
+    attention's scores), any non-negative strides (a transposed operand is a transposed
+    view), out's too. Runs on the calling thread alone (OpenMP at one thread
     for the call), on that thread's own stream and primitives: for kernels that deal
     their work to the threads of a pool (kernels/attention_bf16.py). oneDNN picks its AMX
     brgemm kernels where each matrix has a unit inner stride (either axis) and the batch a
@@ -493,10 +494,12 @@ def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = Fa
     product is kept short (about 10 us a call; the attention of a bench-shape step makes
     900 calls, two threads sharing the interpreter): one compiled call for the three data
     pointers, the primitive found by shapes and strides."""
-    if not (_operand(a, _U16) and _operand(b, _U16) and _operand(out, _F32_DTYPE)):
-        for name, x, want in (("a", a, _U16), ("b", b, _U16), ("out", out, _F32_DTYPE)):
+    inputs = _F32_DTYPE if type(a) is np.ndarray and a.dtype == _F32_DTYPE else _U16
+    if not (_operand(a, inputs) and _operand(b, inputs) and _operand(out, _F32_DTYPE)):
+        for name, x, want in (("a", a, inputs), ("b", b, inputs), ("out", out, _F32_DTYPE)):
             if not _operand(x, want):
-                raise ValueError(f"batched: {name} must be a 3-D {want} array with non-negative strides")
+                raise ValueError(f"batched: {name} must be a 3-D {want} array with non-negative strides"
+                                 f" (a and b both uint16 or both float32)")
     n, M, K = a.shape
     if b.shape[:2] != (n, K) or out.shape != (n, M, b.shape[2]) or not out.flags.writeable:
         raise ValueError(f"batched: shapes {a.shape} @ {b.shape} -> {out.shape} do not match")
@@ -508,7 +511,7 @@ def batched(out: np.ndarray, a: np.ndarray, b: np.ndarray, accumulate: bool = Fa
         return ""
     lib = _STATE.get("lib") or _library()
     local = _serial(lib)
-    key = (a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, accumulate)
+    key = (inputs, a.shape, a.strides, b.shape, b.strides, out.shape, out.strides, accumulate)
     entry = local.primitives.get(key)
     gomp, threads = lib.gomp, 1
     if gomp is not None:

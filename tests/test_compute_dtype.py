@@ -8,7 +8,7 @@ import pytest
 from llamatune import precision
 from llamatune.commands.finetune import finetune
 from llamatune.errors import LlamatuneError
-from llamatune.kernels import bf16
+from llamatune.kernels import attention, attention_bf16, bf16
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.train import checkpoint as ckpt
@@ -325,6 +325,8 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
                                       ("carried", "bf16", True, "selective"), ("layer", "bf16", True, "layer")):
         g, params = adapted_graph(model, kinds, B, T, mode, dtype)
         g.adapters_in_products = carried
+        g.attention = attention  # float32 attention: its bf16 roundings would turn the share's
+        #                          2e-5 differences into flips of a bf16 ulp (the loss moved 1e-4)
         assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
         runs[key] = (g.step(inputs, tg, w), params.grad.copy())
     (l32, g32), (lp, gp), (lc, gc), (ll, gl) = runs["f32"], runs["pass"], runs["carried"], runs["layer"]
@@ -400,3 +402,11 @@ def test_commands_ask_for_the_spin_of_their_products(monkeypatch):
     options_cli._prepare_threads(SimpleNamespace(lora=["a.gguf"]))
     assert calls[:3] == [("auto", "cpu", False), ("auto", "cpu", True), ("auto", "cpu", False)]
     assert calls[3][2] is True and calls[4][0] is None
+
+
+def test_the_compute_dtype_chooses_the_attention_kernels():
+    """bf16 products bring attention's bf16 kernels (float32 scores); f32 keeps the
+    backend's own."""
+    from llamatune.models.products import Products
+    assert Products(np, "bf16").attention_ops(attention) is attention_bf16
+    assert Products(np, "f32").attention_ops(attention) is attention

@@ -4,7 +4,8 @@ runs on (kernels/bf16.batched).
 Whole tensors against two float64 references: the exact attention (the bf16 errors,
 a few 1e-3 of the outputs' scale, and nothing more: a wrong mask, head or block
 gives errors of order 1), and the same attention with the kernel's roundings applied
-(q, k, v, dout, P and dS rounded to bf16 where the kernel rounds them), which it must
+(v, dout, P and dS rounded to bf16 where the kernel rounds them, q and k in the
+gradients' products but not in the scores, which stay float32), which it must
 match to float32 accumulation but for rare ties of P's rounding. Then the oracles that
 need no reference: results independent of threads and tiles, the float32 path taken
 bit for bit where the module hands over (float64, soft-capping, decode steps)."""
@@ -25,19 +26,20 @@ def rounded(x):
 
 def reference(q, k, v, n_past=0, segments=None, dout=None, window=0, emulate=False):
     """[out, lse(, dq, dk, dv)] in float64 per head: the exact attention, or with
-    `emulate` the kernel's roundings (bf16 q, k, v, dout, P, dS; lse, rowsum(dout * out)
-    and the softmax exact)."""
+    `emulate` the kernel's roundings (bf16 v, dout, P, dS, and q, k in dq and dk's
+    products; the scores, lse, rowsum(dout * out) and the softmax exact)."""
     B, T, NH, HS = q.shape
     G = NH // k.shape[2]
     r = rounded if emulate else (lambda x: np.asarray(x, np.float64))
     q64, k64, v64 = r(q), r(k), r(v)
+    qs, ks = np.asarray(q, np.float64), np.asarray(k, np.float64)  # the scores' inputs
     out, lse = np.zeros(q.shape), np.zeros((B, NH, T))
     grads = [np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)] if dout is not None else []
     scale = 1 / np.sqrt(HS)
     for b in range(B):
         for h in range(NH):
             kh = h // G
-            P, lse[b, h], _ = attention._probs_ref(q64, k64, b, h, kh, n_past, segments, window=window)
+            P, lse[b, h], _ = attention._probs_ref(qs, ks, b, h, kh, n_past, segments, window=window)
             out[b, :, h] = r(P) @ v64[b, :, kh]
             if dout is None:
                 continue
@@ -100,6 +102,26 @@ def test_bf16_attention_forward_and_backward_match_the_references(shape, n_past,
     got = run(q, k, v, 0, seg, dout, window=window)
     assert_bf16_close(got, reference(q, k, v, 0, seg, dout, window),
                       reference(q, k, v, 0, seg, dout, window, emulate=True))
+
+
+def test_bf16_attention_scores_stay_float32_when_they_are_large(small_blocks):
+    """q and k of a large norm (scores of order 100, as Qwen2's biased q and k give):
+    scores from bf16 q and k would be off by about 2^-8 |q| |k|, which the softmax
+    exponentiates (out 9.5 % of its scale off, lse 2.8e-3, dq 16 %); the kernel's float32
+    scores keep out within 0.3 % and lse within 2e-7 (measured). dq and dk, products of
+    bf16 dS and bf16 k or q whose terms here cancel, stay within 2.3 %."""
+    rng = np.random.default_rng(48)
+    B, T, NH, NKV, HS = 2, 40, 4, 2, 16
+    q, k, v = qkv(rng, B, T, NH, NKV, HS)
+    q, k = q * 12, k * 12  # |q.k| / sqrt(HS) up to a few hundred
+    dout = randn(rng, B, T, NH, HS)
+    got = run(q, k, v, 0, None, dout)
+    exact = reference(q, k, v, 0, None, dout)
+    rounded_scores = reference(rounded(q).astype(np.float32), rounded(k).astype(np.float32), v, 0, None, dout)
+    error = lambda x, e: np.abs(x - e).max() / np.abs(e).max()
+    for name, g, e, bound in zip(("out", "lse", "dq", "dk", "dv"), got, exact, (1e-2, 1e-5, 4e-2, 4e-2, 1e-2)):
+        assert np.isfinite(g).all() and error(g, e) <= bound, (name, error(g, e))
+    assert error(rounded_scores[0], exact[0]) > 5e-2 and error(rounded_scores[1], exact[1]) > 1e-3
 
 
 @pytest.mark.parametrize("n_past,window", [(5, 0), (21, 0), (21, 6)])
@@ -192,9 +214,24 @@ def test_batched_runs_at_once_on_threads_of_a_pool():
                 np.testing.assert_array_equal(x, y)
 
 
+def test_batched_float32_operands_match_numpy():
+    """float32 a and b (attention's scores) run oneDNN's float32 kernels: within float32
+    sums of the float64 product, on a transposed view, with accumulation."""
+    rng = np.random.default_rng(47)
+    a, b = randn(rng, 3, 24, 40), randn(rng, 3, 33, 40)
+    out = np.full((3, 24, 33), np.nan, np.float32)
+    bf16.batched(out, a, b.transpose(0, 2, 1))
+    want = a.astype(np.float64) @ b.astype(np.float64).transpose(0, 2, 1)
+    np.testing.assert_allclose(out, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    bf16.batched(out, a, b.transpose(0, 2, 1), accumulate=True)
+    np.testing.assert_allclose(out, 2 * want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 def test_batched_rejects_bad_arguments():
     a = np.zeros((2, 4, 8), np.uint16)
     with pytest.raises(ValueError, match="a must be a 3-D uint16"):
+        bf16.batched(np.zeros((2, 4, 4), np.float32), a.astype(np.int32), a.transpose(0, 2, 1))
+    with pytest.raises(ValueError, match="b must be a 3-D float32.*both uint16 or both float32"):
         bf16.batched(np.zeros((2, 4, 4), np.float32), a.astype(np.float32), a.transpose(0, 2, 1))
     with pytest.raises(ValueError, match="do not match"):
         bf16.batched(np.zeros((2, 4, 4), np.float32), a, a)

@@ -106,7 +106,7 @@ class Forward:
         self.xp, self.ops = backend.xp, backend.ops
         self.products = Products(self.xp, compute_dtype)   # every product with a base weight
         self.lora_ops = self.products.lora_ops(self.ops.lora)   # the adapters' rank-r products
-        self.attention = self.ops.attention      # attention's kernels (bench/bf16_step.py swaps in the bf16 twin)
+        self.attention = self.products.attention_ops(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
 
     # ------------------------------------------------------------------ overridable parts

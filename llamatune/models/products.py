@@ -8,8 +8,8 @@ precision.compute_dtype resolves --compute-dtype; this object applies it. Every 
 product of the forward (x W^T), of the backward (dy W) and of the output head goes
 through one `Products`; the adapters' rank-r products, norms, softmax, the loss and
 every accumulation stay float32 (with bf16 products the adapters' products run through
-oneDNN's float32 kernels: `lora_ops`). Attention stays float32 (kernels/attention_bf16.py
-says why its bf16 twin is not used).
+oneDNN's float32 kernels: `lora_ops`). Attention's T x S products follow the compute
+dtype too (`attention_ops`), but for its scores q k^T, which stay float32 as its softmax.
 
 An adapter's share in the base product (`adapted`, training with bf16 products): the
 up-projection of a linear's adapter, y += (s xa) B^T, and its backward twin, dx +=
@@ -109,6 +109,16 @@ class Products:
         from ..kernels import lora
         return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn,
                                lora_grads=lora.lora_grads_onednn, lora_xa=lora.lora_xa_onednn)
+
+    def attention_ops(self, ops_attention):
+        """Attention's kernels (attention_forward, attention_backward): with bf16 products
+        kernels/attention_bf16.py, whose products but the scores run in bf16 through
+        oneDNN (decode steps, float64 and soft-capped scores go to the float32 kernels);
+        f32 products keep the backend's own."""
+        if self.dtype != "bf16":
+            return ops_attention
+        from ..kernels import attention_bf16
+        return attention_bf16
 
     def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
         return self.dtype == "f32" or (W.dtype != np.uint16 and a.dtype != np.uint16
