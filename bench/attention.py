@@ -32,9 +32,8 @@ def visible_pairs(T: int, seg_len: int | None) -> int:
 
 
 def measure(T: int, seg_len: int | None, repeat: int, dtype: str = "f32") -> dict:
+    import llamatune  # noqa: F401  (threading policy first: before numpy loads OpenBLAS)
     import numpy as np
-
-    import llamatune  # noqa: F401  (threading policy first)
     if dtype == "bf16":
         from llamatune.kernels import attention_bf16 as attention
     else:
