@@ -87,26 +87,20 @@ def _gather_bf16(out, src, r0, h0, d=None, other=None, out32=None):
 
 
 @njit(cache=True, nogil=True)
-def _gather_f32(out, src, r0, h0):
-    # out (H, R, C) float32 = src[r0 + r, h0 + h, c] (_gather_bf16 without the rounding)
-    H, R, C = out.shape
-    for h in range(H):
-        for r in range(R):
-            row, o = src[r0 + r, h0 + h], out[h, r]
-            for c in range(C):
-                o[c] = row[c]
-
-
-@njit(cache=True, nogil=True)
-def _scatter(dst, src, r0, h0):
-    # dst[r0 + r, h0 + h, c] = src[h, r, c]: a head-major block back into a batch row
-    # (T, heads, C), C-contiguous
-    H, R, C = src.shape
+def _copy_block(block, rows, r0, h0, into_rows):
+    # block (H, R, C) head-major <-> rows[r0 + r, h0 + h, c] of a batch row (T, heads, C),
+    # C-contiguous: the block written back into the rows when into_rows (dq, dk, dv,
+    # out), else gathered from them unrounded (q and k for the float32 scores)
+    H, R, C = block.shape
     for r in range(R):
         for h in range(H):
-            o, x = dst[r0 + r, h0 + h], src[h, r]
-            for c in range(C):
-                o[c] = x[c]
+            x, y = block[h, r], rows[r0 + r, h0 + h]
+            if into_rows:
+                for c in range(C):
+                    y[c] = x[c]
+            else:
+                for c in range(C):
+                    x[c] = y[c]
 
 
 @njit(cache=True, nogil=True, fastmath=_FASTMATH)
@@ -202,8 +196,8 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
                 TQ, W = i1 - i0, n_past + i1 - j0
                 qb = qh[: nk * G * TQ * HS].reshape(nk * G, TQ, HS)
                 kb, vb = kh[: nk * W * HS].reshape(nk, W, HS), vh[: nk * W * HS].reshape(nk, W, HS)
-                _gather_f32(qb, q[b], i0, heads.start)
-                _gather_f32(kb, k[b], j0, ks.start)
+                _copy_block(qb, q[b], i0, heads.start, False)
+                _copy_block(kb, k[b], j0, ks.start, False)
                 _gather_bf16(vb, v[b], j0, ks.start)
                 att = scores[: nk * G * TQ * W].reshape(nk, G * TQ, W)
                 pb = p16[: nk * G * TQ * W].reshape(nk, G * TQ, W)
@@ -212,7 +206,7 @@ def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, s
                                      lse4[b, ks, :, i0:i1], scale, lo, hi)
                 ob = o[: nk * G * TQ * HS].reshape(nk, G * TQ, HS)
                 bf16.batched(ob, pb, vb)
-                _scatter(out[b], ob.reshape(nk * G, TQ, HS), i0, heads.start)
+                _copy_block(ob.reshape(nk * G, TQ, HS), out[b], i0, heads.start, True)
 
     f32._run_items(work, len(tiles))
 
@@ -276,12 +270,12 @@ def attention_backward(dq, dk, dv, dout, q, k, v, out, lse, segments=None, *, sc
                                               dsb.reshape(rows), lse4[b, ks, :, i0:i1], db_dot, scale, lo, hi)
                 dqb = dqh[:m].reshape(nk, G * TQ, HS)
                 bf16.batched(dqb, dsb, kb)  # dq rows of this block are complete
-                _scatter(dq[b], dqb.reshape(nk * G, TQ, HS), i0, heads.start)
+                _copy_block(dqb.reshape(nk * G, TQ, HS), dq[b], i0, heads.start, True)
                 # dk, dv: contracted over (G, TQ) at once (summed over the group's heads), added
                 # to the tile's sums by the product itself
                 bf16.batched(dkt[:, j0:i1], dsb.transpose(0, 2, 1), qb, accumulate=True)
                 bf16.batched(dvt[:, j0:i1], pb.transpose(0, 2, 1), db, accumulate=True)
-            _scatter(dk[b], dkt, 0, ks.start)
-            _scatter(dv[b], dvt, 0, ks.start)
+            _copy_block(dkt, dk[b], 0, ks.start, True)
+            _copy_block(dvt, dv[b], 0, ks.start, True)
 
     f32._run_items(work, len(tiles))
