@@ -1,5 +1,5 @@
 """A training step of bench/finetune_step.py's shape with the frozen base's products in
-bf16 (`Graph(..., compute_dtype="bf16")`, issue #29) against the float32 step, in one
+bf16 (`Graph(..., policy=precision.policy("bf16"))`, issue #29) against the float32 step, in one
 process: rounds alternate f32 step, bf16 step. Printed: each step's best and worst time,
 the share of the step spent in the base's products (models/products.py, rounding to
 bf16 included) and in attention, and the losses. `--f32-attention` adds a third graph,
@@ -73,6 +73,7 @@ def main() -> None:
     from llamatune.models.model import Model
     from llamatune.options import FinetuneOptions
     from llamatune.models.weights import FrozenBase
+    from llamatune.precision import policy
     from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.optimizer import optimizer_step
@@ -92,7 +93,7 @@ def main() -> None:
     for name in ("f32", "bf16") + (("bf16, f32 attention",) if a.f32_attention else ()):
         params = ParamBuffer(lora_specs(targets))      # one graph and parameter set each
         init_lora(params, targets, np.random.default_rng(0))
-        graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, compute_dtype=name[:4])
+        graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, policy=policy(name[:4]))
         graph.products = Timed(graph.products)
         kernels = attention if name.endswith("f32 attention") else graph.attention
         graph.attention = TimedAttention(kernels, graph.products.seconds)

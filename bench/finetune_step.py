@@ -118,7 +118,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
             cpu_clock: bool = False, bound: bool = False, dtype: str = "f32") -> dict:
     """One configuration in this process: returns tokens/s, RSS, shares."""
     import llamatune  # noqa: F401  (first: sets the threading policy before numpy loads)
-    from llamatune.precision import prepare_threads
+    from llamatune.precision import policy, prepare_threads
     prepare_threads(dtype)  # the OpenMP spin the CLI sets for these products, before OpenMP starts
     import numpy as np
     from llamatune.models.weights import FrozenBase
@@ -134,7 +134,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     targets = lora_targets(cfg, ranks, float(R), tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype)
+    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, policy=policy(dtype))
     rng = np.random.default_rng(1)
     opts = FinetuneOptions(warmup=1)
     inputs = rng.integers(0, cfg.n_vocab, (B, T))

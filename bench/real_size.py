@@ -126,6 +126,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step
     from llamatune.options import FinetuneOptions
+    from llamatune.precision import policy
     from llamatune.train.params import ParamBuffer
     t_load = time.perf_counter()
     model = Model(path)
@@ -138,9 +139,9 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     base = FrozenBase(model)
     compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg)
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
-                      model.dequantizer.nbytes, 0.0, compute_dtype=dtype)
+                      model.dequantizer.nbytes, 0.0, policy=policy(dtype))
     est = planner.estimate(1, ctx, mode)
-    graph = Graph(cfg, base, params, targets, 1, ctx, mode, compute_dtype=dtype)
+    graph = Graph(cfg, base, params, targets, 1, ctx, mode, policy=policy(dtype))
     rng = np.random.default_rng(1)
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from llamatune.precision import policy
+
 ARCHS = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3")
 SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=32, n_layer=2, n_ff=48, n_head=4, n_head_kv=2, head_dim=8,
              n_rot=8, norm_eps=1e-5)
@@ -94,7 +96,7 @@ def record_inference(out: dict, key: str, model, adapter: Path) -> None:
     runtime = load_runtime_adapters(model, [(str(adapter), 0.7)])
     for dtype in ("f32", "bf16"):
         for name, adapters in (("plain", None), ("adapter", runtime)):
-            runner = Runner(model, adapters, compute_dtype=dtype)
+            runner = Runner(model, adapters, policy=policy(dtype))
             out[f"{key}/infer/{dtype}/{name}/full"] = np.array(runner.forward(inputs))
             cache = KVCache.empty(model, 2, 18)
             parts = [runner.forward(inputs[:, :9], cache)]            # a prompt, then token by token
@@ -119,18 +121,17 @@ def record_training(out: dict, key: str, model) -> None:
             for mode in ("none", "selective", "layer"):
                 for packed in (False, True):
                     tg, params = _lora(model)
-                    g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, dropout, compute_dtype=dtype)
+                    g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, dropout, policy=policy(dtype))
                     name = f"{key}/step/{dtype}/d{dropout}/{mode}/{'packed' if packed else 'plain'}"
                     _step(out, name, g, params, inputs, targets, weights, PACKED if packed else {})
             tg, params = _lora(model)
-            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, "selective", dropout, compute_dtype=dtype)
+            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, "selective", dropout, policy=policy(dtype))
             out[f"{key}/eval/{dtype}/d{dropout}/loss"] = np.array(g.loss(inputs, targets, weights))
             out[f"{key}/eval/{dtype}/d{dropout}/losses"] = np.array(g.losses).copy()
     if model.file.tensors["blk.0.ffn_down.weight"].qtype.name != "F32":        # merge-aware
         for mode in ("none", "layer"):
             tg, params = _lora(model)
-            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, 0.0)
-            g.merge_aware = True
+            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, 0.0, policy=policy("f32", merge_aware=True))
             _step(out, f"{key}/step/merge_aware/{mode}", g, params, inputs, targets, weights, {})
     # a micro-batch whose last columns have no target (the trimmed graph), and a long one (merged adapters)
     tg, params = _lora(model)

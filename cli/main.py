@@ -91,7 +91,7 @@ def _runner(o, announce: bool = True):
 
 def _announce(runner) -> None:
     from llamatune.console import err
-    err.print(f"compute: {runner.compute_why}")
+    err.print(f"compute: {runner.policy.why}")
 
 
 def _perplexity(o) -> None:

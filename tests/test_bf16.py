@@ -402,8 +402,8 @@ def test_cpu_flags_from_cpuinfo(tmp_path):
 def test_lora_ops_f32_is_the_backends():
     """f32 products keep the backend's own adapter kernels (numpy's bit-exact sums)."""
     from llamatune.kernels import lora
-    from llamatune.models.products import Products
-    assert Products(np, "f32").lora_ops(lora) is lora
+    from llamatune.precision import F32
+    assert F32.lora(lora) is lora
 
 
 @needs_library
@@ -414,8 +414,8 @@ def test_lora_ops_onednn(masked, merged, strided):
     lora_backward against the float64 references on whole tensors, dA, dB, dx accumulated onto start
     values (dx None when merged; y, dA a strided view when strided)."""
     from llamatune.kernels import lora
-    from llamatune.models.products import Products
-    ops = Products(np, "bf16").lora_ops(lora)
+    from llamatune.precision import ComputePolicy
+    ops = ComputePolicy("bf16", lora_kernels="onednn").lora(lora)
     N, n_in, n_out, r, s = 300, 96, 160, 8, 0.75
     rng = np.random.default_rng(11)
     f = lambda *shape: rng.standard_normal(shape).astype(np.float32)
@@ -451,13 +451,14 @@ def test_products_add(dtype, strided):
     product and add bit for bit; bf16 products (a weight in bf16 bits) add the bf16
     product in oneDNN's pass over out, or through a block where out is strided."""
     from llamatune.models.products import Products
+    from llamatune.precision import ComputePolicy
     rng = np.random.default_rng(8)
     a = rng.standard_normal((64, 48)).astype(np.float32)
     W = rng.standard_normal((48, 40)).astype(np.float32)
     wide = rng.standard_normal((64, 50)).astype(np.float32)
     out0 = wide[:, 3:43] if strided else np.ascontiguousarray(wide[:, :40])
     out = out0.copy() if not strided else wide.copy()[:, 3:43]
-    p = Products(np, dtype)
+    p = Products(np, ComputePolicy(dtype))
     if dtype == "f32":
         p.add(out, a, W, False, np.empty((64, 40), np.float32))
         np.testing.assert_array_equal(out, out0 + a @ W)

@@ -2,6 +2,9 @@
 like the f32 one (the base's products in bf16, everything else f32)."""
 from __future__ import annotations
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 
@@ -32,6 +35,29 @@ def test_resolve_on_gpus_and_for_trained_weights():
         precision.resolve("bf8")
 
 
+def test_the_policy_is_decided_once_from_the_dtype():
+    """precision.policy: f32 merges adapters into dequantized copies and keeps the backend's
+    kernels; a trained base, a GPU or merge-aware training change what they must; the
+    policy is frozen."""
+    f32 = precision.policy("f32")
+    assert f32 == dataclasses.replace(precision.F32, why="f32 products as asked")
+    assert precision.policy("auto", "cuda").dtype == "f32" and precision.policy("auto", trainable=True).dtype == "f32"
+    assert precision.policy("f32", merge_aware=True).merge_aware
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f32.dtype = "bf16"
+    with pytest.raises(ValueError, match="f32 or bf16"):
+        precision.ComputePolicy("f16")
+
+
+@needs_bf16
+def test_the_bf16_policy_carries_adapters_in_the_products_but_for_merge_aware():
+    b16 = precision.policy("bf16")
+    assert (b16.dtype, b16.merge_adapters, b16.adapters_in_products) == ("bf16", False, True)
+    assert (b16.attention_kernels, b16.lora_kernels) == ("bf16", "onednn")
+    assert b16.bf16_for(precision.BF16_MIN_ROWS) and not b16.bf16_for(precision.BF16_MIN_ROWS - 1)
+    assert not precision.policy("bf16", merge_aware=True).adapters_in_products
+
+
 def test_without_the_library_auto_falls_back_and_bf16_is_an_error(monkeypatch):
     monkeypatch.setattr(bf16, "cpu_bf16_flags", lambda *a: ["amx_bf16"])
     monkeypatch.setattr(bf16, "available", lambda: False)
@@ -56,6 +82,8 @@ def test_a_bf16_run_trains_like_the_f32_run_and_resumes_in_bf16(tmp_path, tiny_m
     assert not np.array_equal(b16, f32)                       # the products did run in bf16
     a, b = (ckpt.load(tmp_path / d / "chk-LATEST.gguf") for d in ("f32", "bf16"))
     assert a.options["compute_dtype"] == "f32" and b.options["compute_dtype"] == "bf16"
+    recorded = json.loads(b.file.get_str("llamatune.compute"))          # the policy the run used, whole
+    assert recorded == precision.policy("bf16").record() | {"why": recorded["why"]} and recorded["dtype"] == "bf16"
     res = finetune(options(tmp_path / "bf16", tiny_model, adam_iter=7, lora_dropout=0.0, compute_dtype="auto",
                            checkpoint_in=tmp_path / "bf16" / "chk-LATEST.gguf"), quiet=True)
     assert res.state.iteration == 7
@@ -69,7 +97,7 @@ def test_a_bf16_run_trains_like_the_f32_run_and_resumes_in_bf16(tmp_path, tiny_m
 def test_bf16_inference_logits_within_bf16_rounding(tiny_model):
     tokens = np.random.default_rng(0).integers(0, 400, (2, 24))
     model = Model(tiny_model)
-    f32, b16 = Runner(model).forward(tokens), Runner(model, compute_dtype="bf16").forward(tokens)
+    f32, b16 = Runner(model).forward(tokens), Runner(model, policy=precision.policy("bf16")).forward(tokens)
     err = np.abs(b16 - f32).max()
     assert 0 < err < 2e-2 * np.abs(f32).max()
 
@@ -92,7 +120,7 @@ def adapted_graph(model, kinds, B: int, T: int, mode: str = "selective", dtype: 
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-    return Graph(model.config, FrozenBase(model), params, targets, B, T, mode, compute_dtype=dtype), params
+    return Graph(model.config, FrozenBase(model), params, targets, B, T, mode, policy=precision.policy(dtype)), params
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "F16"])
@@ -122,11 +150,11 @@ def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
     from llamatune.models.products import Products
     tokens = np.random.default_rng(1).integers(0, 400, (2, 20))
     model = Model(tiny_model)
-    fast = Runner(model, compute_dtype="bf16").forward(tokens)
+    fast = Runner(model, policy=precision.policy("bf16")).forward(tokens)
     monkeypatch.setattr(Products, "shared_input", lambda self, x, extension=0: contextlib.nullcontext())
     monkeypatch.setattr(Forward, "weight", lambda self, name, N: self.base.matrix(name))
     monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi, N: self.base.matrix_rows(name, lo, hi))
-    plain = Runner(model, compute_dtype="bf16").forward(tokens)
+    plain = Runner(model, policy=precision.policy("bf16")).forward(tokens)
     np.testing.assert_array_equal(fast, plain)
 
 
@@ -134,12 +162,13 @@ def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
 def test_bf16_decode_steps_multiply_in_f32(tiny_model):
     """With bf16 products, a forward of fewer than BF16_MIN_ROWS tokens (a decode step)
     runs the f32 products: its logits are the f32 runner's bit for bit."""
-    from llamatune.models.products import BF16_MIN_ROWS
+    from llamatune.precision import BF16_MIN_ROWS
     tokens = np.random.default_rng(2).integers(0, 400, (1, BF16_MIN_ROWS - 1))
     model = Model(tiny_model)
-    np.testing.assert_array_equal(Runner(model, compute_dtype="bf16").forward(tokens), Runner(model).forward(tokens))
+    bf16_products = precision.policy("bf16")
+    np.testing.assert_array_equal(Runner(model, policy=bf16_products).forward(tokens), Runner(model).forward(tokens))
     long = np.random.default_rng(2).integers(0, 400, (1, BF16_MIN_ROWS))
-    assert not np.array_equal(Runner(model, compute_dtype="bf16").forward(long), Runner(model).forward(long))
+    assert not np.array_equal(Runner(model, policy=bf16_products).forward(long), Runner(model).forward(long))
 
 
 def test_bf16_product_into_a_column_block():
@@ -151,7 +180,7 @@ def test_bf16_product_into_a_column_block():
     rng = np.random.default_rng(5)
     a = rng.standard_normal((40, 64)).astype(np.float32)
     W = rng.standard_normal((24, 64)).astype(np.float32)
-    products = Products(np, "bf16")
+    products = Products(np, precision.ComputePolicy("bf16"))
     want = products(np.empty((40, 24), np.float32), a, W, trans_b=True).copy()
     wide = rng.standard_normal((40, 50)).astype(np.float32)
     before = wide.copy()
@@ -175,9 +204,9 @@ def test_bf16_inference_applies_adapters_as_f32_does(tiny_model):
             adapters.add(name, rng.standard_normal((4, t.n_cols)).astype(np.float32) * 0.05,
                          rng.standard_normal((t.n_rows, 4)).astype(np.float32) * 0.05, 1.5)
     tokens = rng.integers(0, 400, (2, 24))
-    base32, base16 = Runner(model).forward(tokens), Runner(model, compute_dtype="bf16").forward(tokens)
+    base32, base16 = Runner(model).forward(tokens), Runner(model, policy=precision.policy("bf16")).forward(tokens)
     with32 = Runner(model, adapters).forward(tokens)
-    with16 = Runner(model, adapters, compute_dtype="bf16").forward(tokens)
+    with16 = Runner(model, adapters, policy=precision.policy("bf16")).forward(tokens)
     shift32, shift16 = with32 - base32, with16 - base16
     assert np.abs(shift32).max() > 10 * 1e-2 * np.abs(with32).max()     # the adapters do something
     np.testing.assert_allclose(shift16, shift32, atol=1e-2 * np.abs(with32).max())   # 0.012 of 2.5 measured
@@ -296,7 +325,7 @@ def test_adapter_in_the_bf16_product_keeps_float32_accuracy(trans_b):
     ref = wide(a) @ (wide(W).T if trans_b else wide(W)) + v.astype(np.float64) @ (F.T if trans_b else F)
     share = v.astype(np.float64) @ (F.T if trans_b else F)
     assert np.abs(share).max() > 0.2 * np.abs(ref).max()                # the share is no rounding detail
-    products = Products(np, "bf16")
+    products = Products(np, precision.ComputePolicy("bf16"))
     out = np.empty((N, n), np.float32)
     products.adapted(out, a, ext, v, trans_b=trans_b)
     np.testing.assert_allclose(out, ref, rtol=0, atol=5e-6 * np.abs(ref).max())
@@ -324,7 +353,7 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
     for key, dtype, carried, mode in (("f32", "f32", False, "selective"), ("pass", "bf16", False, "selective"),
                                       ("carried", "bf16", True, "selective"), ("layer", "bf16", True, "layer")):
         g, params = adapted_graph(model, kinds, B, T, mode, dtype)
-        g.adapters_in_products = carried
+        g.policy = dataclasses.replace(g.policy, adapters_in_products=carried)
         g.attention = attention  # float32 attention: its bf16 roundings would turn the share's
         #                          2e-5 differences into flips of a bf16 ulp (the loss moved 1e-4)
         assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
@@ -407,6 +436,6 @@ def test_commands_ask_for_the_spin_of_their_products(monkeypatch):
 def test_the_compute_dtype_chooses_the_attention_kernels():
     """bf16 products bring attention's bf16 kernels (float32 scores); f32 keeps the
     backend's own."""
-    from llamatune.models.products import Products
-    assert Products(np, "bf16").attention_ops(attention) is attention_bf16
-    assert Products(np, "f32").attention_ops(attention) is attention
+    assert precision.policy("bf16").attention(attention) is attention_bf16
+    assert precision.policy("f32").attention(attention) is attention
+    assert precision.F32.attention(attention) is attention

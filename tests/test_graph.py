@@ -3,12 +3,14 @@ checkpointing changes nothing, step 0 equals the base model, and gradient
 accumulation equals one big batch."""
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from fdcheck import fd_check
+from llamatune import precision
 from llamatune.models.weights import FrozenBase
 from llamatune.train.graph import Graph
 from llamatune.train.params import DenseWeights
@@ -80,6 +82,8 @@ def test_dense_gradient_matches_finite_differences(tiny_vocab):
         if n.endswith("norm.weight"):
             params[n][...] += np.random.default_rng(1).normal(0, 0.1, shapes[n])
     g = Graph(cfg, DenseWeights(params), params, [], 2, 4, "selective", dtype=np.float64)
+    with pytest.raises(ValueError, match="bf16 products are for a frozen base"):   # trained weights: f32
+        Graph(cfg, DenseWeights(params), params, [], 2, 4, policy=precision.ComputePolicy("bf16"))
     inputs, tg, w = batch(cfg, 2, 4, seed=5)
 
     def loss(p):
@@ -118,8 +122,8 @@ def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_
     runs = []
     for merge in (True, False):
         targets, params = lora_setup(model, ALL_RANKS, np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode)
-        g.merge_lora = merge
+        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode,
+                  policy=dataclasses.replace(precision.F32, merge_adapters=merge))
         assert g.matrix("blk.0.ffn_down.weight", B * T)[1] is merge
         runs.append((g.step(inputs, tg, w), params.grad.copy()))
     (loss_m, grad_m), (loss_f, grad_f) = runs

@@ -18,6 +18,7 @@ from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, MergeOptions
+from llamatune.precision import policy
 from llamatune.train.graph import Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from llamatune.train.params import ParamBuffer
@@ -53,8 +54,7 @@ def test_forward_is_the_plain_merge(tmp_path, q4_model):
     cfg = q4_model.config
     targets, params = lora(q4_model, np.float32, std=0.2)
     B, T = 2, 48
-    g = Graph(cfg, FrozenBase(q4_model), params, targets, B, T, "selective")
-    g.merge_aware = True
+    g = Graph(cfg, FrozenBase(q4_model), params, targets, B, T, "selective", policy=policy("f32", merge_aware=True))
     adapter = tmp_path / "a.gguf"
     write_adapter(adapter, to_adapter(params, targets, cfg.arch, 3.0))
     merged = tmp_path / "merged.gguf"
@@ -95,8 +95,8 @@ class Shifted(FrozenBase):
 def test_gradients_are_straight_through(q4_model, checkpointing):
     cfg = q4_model.config
     targets, params = lora(q4_model, np.float64)
-    g = Graph(cfg, FrozenBase(q4_model), params, targets, 2, 5, checkpointing, dtype=np.float64)
-    g.merge_aware = True
+    g = Graph(cfg, FrozenBase(q4_model), params, targets, 2, 5, checkpointing, dtype=np.float64,
+              policy=policy("f32", merge_aware=True))
     inputs, tg = batch(cfg, 2, 5, seed=3)
     w = np.full((2, 5), 0.1)
     params.zero_grad()

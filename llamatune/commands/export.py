@@ -286,7 +286,7 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
     from ..models.calibration import Calibration, calibration_windows
     from ..models.infer import Runner
     from ..models.model import Model
-    from ..precision import compute_dtype
+    from ..precision import policy
     path = Path(merge.calibration_data)
     try:
         text = path.read_text(encoding="utf-8")
@@ -299,10 +299,10 @@ def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: M
             if not is_norm(name):
                 runtime.add(name, a, b, adapter.scale(name, user_scale))
     windows = calibration_windows(model.tokenizer, text, merge.calibration_ctx, merge.calibration_chunks, str(path))
-    dtype, _ = compute_dtype("auto")       # statistics need no f32 products: bf16 where the CPU has it
+    compute = policy("auto")       # statistics need no f32 products: bf16 where the CPU has it
     # four windows a forward: the second moments' products get K = 4 x 512 (+20 % rate)
-    return Calibration(Runner(model, runtime, compute_dtype=dtype), windows, ordered, merge.calibration_memory << 20,
-                       batch=4, progress=progress, bf16=dtype == "bf16", block=merge.calibration_block)
+    return Calibration(Runner(model, runtime, policy=compute), windows, ordered, merge.calibration_memory << 20,
+                       batch=4, progress=progress, bf16=compute.dtype == "bf16", block=merge.calibration_block)
 
 
 def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:

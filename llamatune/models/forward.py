@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from ..backend import Backend
+from ..precision import F32, ComputePolicy
 from .config import ModelConfig
 from .products import Products
 
@@ -101,12 +102,12 @@ class Forward:
     floats, with fused projections)."""
     segments = None
 
-    def __init__(self, cfg: ModelConfig, base, backend: Backend, compute_dtype: str = "f32"):
-        self.cfg, self.base, self.backend = cfg, base, backend
+    def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32):
+        self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
         self.xp, self.ops = backend.xp, backend.ops
-        self.products = Products(self.xp, compute_dtype)   # every product with a base weight
-        self.lora_ops = self.products.lora_ops(self.ops.lora)   # the adapters' rank-r products
-        self.attention = self.products.attention_ops(self.ops.attention)   # attention's kernels
+        self.products = Products(self.xp, policy)         # every product with a base weight
+        self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
+        self.attention = policy.attention(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
 
     # ------------------------------------------------------------------ overridable parts
@@ -125,7 +126,7 @@ class Forward:
 
     def weight(self, name: str, N: int) -> np.ndarray:
         """A base matrix as the products over N tokens take it: float32, or with bf16
-        products (N at least products.BF16_MIN_ROWS) dequantized straight to bf16 (half
+        products (N at least the policy's bf16_min_rows) dequantized straight to bf16 (half
         the bytes; products.py)."""
         if self.products.bf16_for(N):
             return self.base.matrix_rows_bf16(name)

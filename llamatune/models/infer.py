@@ -19,6 +19,7 @@ import numpy as np
 
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
+from ..precision import F32, ComputePolicy
 from .forward import Forward, LayerActs, act_shapes, fused_width
 from .model import Model
 from .rope import rope_cache
@@ -49,14 +50,14 @@ class Runner(Forward):
     """Runs the forward pass of one model (optionally with runtime adapters)."""
 
     def __init__(self, model: Model, adapters: RuntimeAdapters | None = None, backend: Backend | None = None,
-                 compute_dtype: str = "f32"):
+                 policy: ComputePolicy = F32):
+        """`policy`: precision.policy's resolution of --compute-dtype (runner.make_runner)."""
         backend = backend or cpu()
-        super().__init__(model.config, FrozenBase(model, backend), backend, compute_dtype)
+        super().__init__(model.config, FrozenBase(model, backend), backend, policy)
         self.model = model
         self.adapters = {name: [(backend.to_device(a), backend.to_device(b), s) for a, b, s in pairs]
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}
         self.cache, self.n_past = None, 0
-        self.compute_why = f"{compute_dtype} products"   # runner.make_runner says why it chose them
 
     def adapter_pairs(self, name: str) -> list:
         return self.adapters.get(name, ())

@@ -4,12 +4,12 @@
     bf16  both operands rounded to bf16 (round to nearest even), the product through
           oneDNN with float32 accumulation (kernels/bf16.py): on CPUs that multiply
           bf16 natively (AVX512_BF16, AMX) about twice the float32 rate or more.
-precision.compute_dtype resolves --compute-dtype; this object applies it. Every base
+precision.policy resolves --compute-dtype into a ComputePolicy; this object applies it. Every base
 product of the forward (x W^T), of the backward (dy W) and of the output head goes
 through one `Products`; the adapters' rank-r products, norms, softmax, the loss and
 every accumulation stay float32 (with bf16 products the adapters' products run through
-oneDNN's float32 kernels: `lora_ops`). Attention's T x S products follow the compute
-dtype too (`attention_ops`), but for its scores q k^T, which stay float32 as its softmax.
+oneDNN's float32 kernels: `ComputePolicy.lora`). Attention's T x S products follow the compute
+dtype too (`ComputePolicy.attention`), but for its scores q k^T, which stay float32 as its softmax.
 
 An adapter's share in the base product (`adapted`, training with bf16 products): the
 up-projection of a linear's adapter, y += (s xa) B^T, and its backward twin, dx +=
@@ -28,9 +28,10 @@ alone costs. K grows by `adapter_extension(r)` (3 r, padded with zeros to AMX's 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import numpy as np
+
+from ..precision import F32, ComputePolicy
 
 
 def adapter_extension(rank: int) -> int:
@@ -39,18 +40,11 @@ def adapter_extension(rank: int) -> int:
     return -(-3 * rank // 32) * 32
 
 
-BF16_MIN_ROWS = 16     # fewer rows (a decode step's one token) multiply in f32: oneDNN's bf16 kernels
-#                        run matrix-vector products slower than BLAS, and the weight's bf16 copy costs
-#                        as much as its f32 one
-
-
 class Products:
-    def __init__(self, xp, dtype: str = "f32"):
-        if dtype not in ("f32", "bf16"):
-            raise ValueError(f"compute dtype {dtype!r}: f32 or bf16")
-        if dtype == "bf16" and xp is not np:
+    def __init__(self, xp, policy: ComputePolicy = F32):
+        if policy.dtype == "bf16" and xp is not np:
             raise ValueError("bf16 products run on the CPU (numpy arrays)")
-        self.xp, self.dtype = xp, dtype
+        self.xp, self.policy, self.dtype = xp, policy, policy.dtype
         # kept buffers, grown as needed: the operands' bf16 copies, and a contiguous product
         # for a strided `out`
         self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")} | {"out": np.empty(0, np.float32)}
@@ -59,13 +53,13 @@ class Products:
 
     def bf16_for(self, rows: int) -> bool:
         """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
-        return self.dtype == "bf16" and rows >= BF16_MIN_ROWS
+        return self.policy.bf16_for(rows)
 
     def __call__(self, out: np.ndarray, a: np.ndarray, W: np.ndarray, trans_b: bool) -> np.ndarray:
         """out = a @ W^T (trans_b) or a @ W; W (n_out, n_in) as the weights hand it out:
         float32, or with bf16 products already bf16 bits (uint16: dequantized straight to
         bf16, `Forward.weight`); `a` float32, or with bf16 products bf16 bits made by its
-        producer (the head's logit gradient). With bf16 products, fewer than BF16_MIN_ROWS rows of an
+        producer (the head's logit gradient). With bf16 products, fewer than policy.bf16_min_rows rows of an
         f32 weight multiply in f32."""
         if self._f32(a, W):
             return self.xp.matmul(a, W.T if trans_b else W, out=out)
@@ -98,27 +92,6 @@ class Products:
             full = self._round(a, "a", width - K)
         bf16.split_into(full, v, K, "a")
         bf16.gemm(out, full[:, :width], W, trans_b=trans_b, accumulate=accumulate)
-
-    def lora_ops(self, ops_lora):
-        """The adapters' rank-r products (lora_forward, lora_backward): with bf16 products
-        oneDNN's float32 kernels (kernels/lora.py: the adds in the products' one pass, about
-        1.6x numpy's rate on a layer of the bench shape); f32 products keep the backend's
-        own, numpy's bit-exact sums on the CPU."""
-        if self.dtype != "bf16":
-            return ops_lora
-        from ..kernels import lora
-        return SimpleNamespace(lora_forward=lora.lora_forward_onednn, lora_backward=lora.lora_backward_onednn,
-                               lora_grads=lora.lora_grads_onednn, lora_xa=lora.lora_xa_onednn)
-
-    def attention_ops(self, ops_attention):
-        """Attention's kernels (attention_forward, attention_backward): with bf16 products
-        kernels/attention_bf16.py, whose products but the scores run in bf16 through
-        oneDNN (decode steps, float64 and soft-capped scores go to the float32 kernels);
-        f32 products keep the backend's own."""
-        if self.dtype != "bf16":
-            return ops_attention
-        from ..kernels import attention_bf16
-        return attention_bf16
 
     def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
         return self.dtype == "f32" or (W.dtype != np.uint16 and a.dtype != np.uint16

@@ -7,16 +7,17 @@ from pathlib import Path
 
 from ..backend import get_backend
 from ..formats.tensors import NonFiniteError
+from ..precision import policy
 from .infer import Runner
 from .model import Model
 
 
 def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device: str = "cpu",
                 allow_nonfinite: bool = False, compute_dtype: str = "f32") -> Runner:
-    """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype."""
-    from ..precision import resolve
+    """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype,
+    resolved here into the runner's ComputePolicy (`runner.policy.why` says why)."""
     backend = get_backend(device)
-    dtype, why = resolve(compute_dtype, backend.name)
+    compute = policy(compute_dtype, backend.name)
     try:
         model = Model(model_path, allow_nonfinite)
         loaded = None
@@ -25,9 +26,7 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
             loaded = load_runtime_adapters(model, list(adapters), allow_nonfinite)
     except NonFiniteError as e:
         raise NonFiniteError(f"{e} (--allow-nonfinite runs anyway)") from None
-    runner = Runner(model, loaded, backend, dtype)
-    runner.compute_why = why              # the resolved --compute-dtype in one line, for the start-up line
-    return runner
+    return Runner(model, loaded, backend, compute)
 
 
 def runner_for(o) -> Runner:

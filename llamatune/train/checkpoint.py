@@ -71,9 +71,10 @@ def fingerprint(f: GGUFFile) -> str:
     return h.hexdigest()
 
 
-def options_json(opts) -> str:
-    return json.dumps({k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()},
-                      sort_keys=True)
+def options_json(opts, **given) -> str:
+    """The options as JSON; `given` values stand for the options' own."""
+    values = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(opts).items()}
+    return json.dumps(values | given, sort_keys=True)
 
 
 def iteration_path(template: Path | str, iteration: int | str) -> Path:
@@ -100,10 +101,15 @@ def bf16_bits(path: Path, name: str, t) -> np.ndarray:
 
 
 def save(path: Path, kind: str, arch: str, opts, params: ParamBuffer, state: TrainState,
-         model_kvs: list[KV], base_fingerprint: str = "", extra: tuple[list[KV], list] = ([], [])) -> None:
-    """`extra`: KVs and tensors of what else the run keeps (statistics.py: `imatrix.*`)."""
+         model_kvs: list[KV], base_fingerprint: str = "", extra: tuple[list[KV], list] = ([], []),
+         policy=None) -> None:
+    """`extra`: KVs and tensors of what else the run keeps (statistics.py: `imatrix.*`).
+    `policy`: the run's precision.ComputePolicy, kept whole (`llamatune.compute`) and as the
+    options' compute_dtype (the dtype it resolved to, which a resume with auto keeps)."""
+    options = options_json(opts) if policy is None else options_json(opts, compute_dtype=policy.dtype)
+    compute = [] if policy is None else [kv("llamatune.compute", json.dumps(policy.record(), sort_keys=True))]
     kvs = [kv("general.type", "llamatune-checkpoint"), kv("llamatune.checkpoint.version", FORMAT_VERSION),
-           kv("llamatune.checkpoint.kind", kind), kv("llamatune.options", options_json(opts)),
+           kv("llamatune.checkpoint.kind", kind), kv("llamatune.options", options), *compute,
            kv("llamatune.base_model", base_fingerprint),
            KV("training.iteration_count", state.iteration, VType.UINT64),
            KV("training.sample_count", state.sample_count, VType.UINT64),
@@ -237,17 +243,23 @@ def _check_ranks(f: GGUFFile) -> None:
                                  f"training.lora.rank.{kind} = {recorded}")
 
 
-def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1) -> None:
+def recorded_dtype(ckpt: Checkpoint) -> str:
+    """The compute dtype a checkpoint was trained with ("auto" where it records none)."""
+    return ckpt.options.get("compute_dtype", "auto")
+
+
+def check_frozen_options(ckpt: Checkpoint, opts, ranks: int = 1, given: dict | None = None) -> None:
     """Options that define the trajectory (shapes, data, ranks...) must not change on resume.
     For gradient accumulation what is frozen is the global batch, --grad-acc x data-parallel
-    ranks: a run saved by K ranks resumes with any other number of ranks."""
+    ranks: a run saved by K ranks resumes with any other number of ranks. `given`: values
+    that stand for the options' own (the compute dtype a resume with auto keeps)."""
     changed = []
     if "grad_acc" in ckpt.options and ckpt.options["grad_acc"] * ckpt.state.ranks != opts.grad_acc * ranks:
         changed.append(f"micro-batches per step (--grad-acc x ranks) {ckpt.options['grad_acc']} x {ckpt.state.ranks} "
                        f"-> {opts.grad_acc} x {ranks}")
     for fld in dataclasses.fields(opts):
         if fld.metadata.get("frozen") and fld.name in ckpt.options and fld.name != "grad_acc":
-            now = getattr(opts, fld.name)
+            now = (given or {}).get(fld.name, getattr(opts, fld.name))
             now = str(now) if isinstance(now, Path) else now
             if now != ckpt.options[fld.name]:
                 changed.append(f"--{fld.name.replace('_', '-')} {ckpt.options[fld.name]!r} -> {now!r}")

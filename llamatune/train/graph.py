@@ -35,6 +35,7 @@ from ..kernels import rope as host_rope
 from ..models.config import ModelConfig
 from ..models.forward import Forward, LayerActs
 from ..models.rope import rope_cache
+from ..precision import F32, ComputePolicy
 from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
                       head_floats, plan_bytes)
 from .head import LossHead, kept_head_bytes
@@ -51,12 +52,14 @@ class Graph(LoraLinear, LossHead, Forward):
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
                  dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None,
-                 compute_dtype: str = "f32"):
+                 policy: ComputePolicy = F32):
         """`within`: a graph of the same batch and longer rows whose memory this one uses
         (its `_trimmed` views, for micro-batches whose last columns have no target).
-        `compute_dtype` (products.py) applies to a frozen base's products; trained weights
-        (train-from-scratch) multiply in float32."""
-        super().__init__(cfg, base, backend or cpu(), "f32" if base.trainable else compute_dtype)
+        `policy`: the run's compute policy (precision.policy); bf16 products are a frozen
+        base's (trained weights multiply in float32: policy(trainable=True) is f32)."""
+        if policy.dtype != "f32" and base.trainable:
+            raise ValueError("bf16 products are for a frozen base: trained weights multiply in float32")
+        super().__init__(cfg, base, backend or cpu(), policy)
         xp = self.xp
         self.params = params
         self.lora = {t.weight: t for t in targets}
@@ -64,12 +67,10 @@ class Graph(LoraLinear, LossHead, Forward):
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
-        self.merge_lora = self.products.dtype == "f32"   # `matrix` may merge adapters into dequantized W
-        #                                        (not in bf16: rounding W + s B A would lose the adapter's share)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
-                                bf16_saved=self.products.dtype == "bf16")
+                                bf16_saved=policy.dtype == "bf16")
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
@@ -93,7 +94,7 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if (self.products.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
+        if (policy.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
                 and hasattr(base, "keep_bf16")):
             base.keep_bf16("output.weight")
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
@@ -318,10 +319,8 @@ class Graph(LoraLinear, LossHead, Forward):
         if g is None:
             g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
-                                                compute_dtype=self.products.dtype)
-        g.dropout, g.merge_lora, g.merge_aware, g.reweight, g.observer = (self.dropout, self.merge_lora,
-                                                                          self.merge_aware, self.reweight, self.observer)
-        g.adapters_in_products = self.adapters_in_products
+                                                policy=self.policy)
+        g.dropout, g.reweight, g.observer = self.dropout, self.reweight, self.observer
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]

@@ -13,7 +13,7 @@ rides in the base product's K axis instead, its float32 factors as bf16 parts
 the share kept to float32 accuracy. Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
 with an adapter are used as `w + s (B A)[0]`.
 
-Merge-aware training (`merge_aware`, --merge-aware): an adapted matrix stored
+Merge-aware training (`ComputePolicy.merge_aware`, --merge-aware): an adapted matrix stored
 quantized is used as the plain merge will write it,
 
     W_q = deq(Q(deq(W) + s B A))        Q: kernels.quantize to the tensor's own type
@@ -46,9 +46,6 @@ def requantizable(qtype) -> bool:
 
 
 class LoraLinear:
-    merge_aware = False        # adapted quantized matrices as deq(Q(W + s B A)), straight-through
-    adapters_in_products = True  # with bf16 products, adapters ride in the base products (adapter_in_product)
-
     # ---------------------------------------------------------------- Forward's hooks
     def adapter_pairs(self, name: str) -> list:
         t = self.lora.get(name)
@@ -73,10 +70,10 @@ class LoraLinear:
         the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
         share to dx). Either way the product is the same up to float rounding."""
         t = self.lora.get(name)
-        if t is not None and self.merge_aware and self.requantizes(name):      # f32 W, whatever the products
+        if t is not None and self.policy.merge_aware and self.requantizes(name):      # f32 W, whatever the products
             return self.requantized(self.base.matrix(name), name, t), True
         W = self.weight(name, N)
-        merge = (t is not None and self.merge_lora and self.dropout <= 0 and N > max(W.shape)
+        merge = (t is not None and self.policy.merge_adapters and self.dropout <= 0 and N > max(W.shape)
                  and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
         if merge:
             W += self.xp.matmul(t.scale * self.params[t.b], self.params[t.a], out=self.scratch(*W.shape))
@@ -96,12 +93,11 @@ class LoraLinear:
     # ---------------------------------------------------------------- the adapter in the product
     def adapter_in_product(self, name: str, N: int) -> bool:
         """Whether the adapter of `name` rides in the K axis of the base product
-        (products.Products.adapted): bf16 products over N tokens, a frozen base expanded
-        to bf16 by the dequantizer, and no dropout (its mask multiplies the adapter's
-        share of dx, which the product cannot)."""
-        return (self.adapters_in_products and name in self.lora and self.products.bf16_for(N)
-                and self.dropout <= 0 and not self.merge_aware
-                and hasattr(self.base, "matrix_bf16_extended"))     # FrozenBase: a frozen, dequantized base
+        (products.Products.adapted): the policy's choice (bf16 products of a frozen base,
+        not merge-aware), a product over N tokens that runs in bf16, and no dropout (its
+        mask multiplies the adapter's share of dx, which the product cannot)."""
+        return (self.policy.adapters_in_products and name in self.lora and self.policy.bf16_for(N)
+                and self.dropout <= 0)
 
     def shared_extension(self, names: list[str], N: int) -> int:
         return max((adapter_extension(self.lora[n].rank) for n in names if self.adapter_in_product(n, N)),

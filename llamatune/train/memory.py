@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from ..models.products import adapter_extension, bf16_bytes
+from ..precision import F32, ComputePolicy
 from .buffers import buffer_plan, grad_scratch, has_xa, head_chunk, head_floats, plan_bytes
 from .graph import Graph
 from .head import blocked_head, kept_head_bytes
@@ -151,17 +152,17 @@ class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
     def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float,
-                 device: bool = False, compute_dtype: str = "f32"):
-        self.cfg, self.targets, self.base, self.compute_dtype = cfg, targets, base, compute_dtype
+                 device: bool = False, policy: ComputePolicy = F32):
+        self.cfg, self.targets, self.base, self.policy = cfg, targets, base, policy
         self.runtime, self.model_bytes, self.scratch_bytes, self.dropout = runtime, model_bytes, scratch_bytes, dropout
         self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
-                           bf16_saved=self.compute_dtype == "bf16")
+                           bf16_saved=self.policy.dtype == "bf16")
         temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
         scratch = self.scratch_bytes
-        if self.compute_dtype == "bf16":                 # the products' bf16 copies (models/products.py)
+        if self.policy.dtype == "bf16":                  # the products' bf16 copies (models/products.py)
             chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
             adapted = any(t.kind == "output" for t in self.targets)
             extension = self.extension()
@@ -175,8 +176,8 @@ class Planner:
 
     def extension(self) -> int:
         """Columns (or rows) the adapters riding in bf16 products add to their operands
-        (train.linear.LoraLinear.adapter_in_product: a frozen base, no dropout)."""
-        if self.dropout > 0 or self.base.trainable:
+        (train.linear.LoraLinear.adapter_in_product: the policy's choice, no dropout)."""
+        if self.dropout > 0 or not self.policy.adapters_in_products:
             return 0
         return max((adapter_extension(t.rank) for t in self.targets if has_xa(self.cfg, t.kind)), default=0)
 

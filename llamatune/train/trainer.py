@@ -31,7 +31,8 @@ from ..formats.gguf_io import KV
 from ..models.config import ModelConfig
 from ..options import TrainOptions
 from ..outputs import check_free_space, metrics_path
-from ..precision import resolve as resolve_dtype
+from ..precision import ComputePolicy
+from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batcher, Samples, describe
@@ -92,7 +93,7 @@ class TrainResult:
     steady_tokens_per_second: float = 0.0       # after the first step (compilation, first page-in)
 
 
-def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
+def memory_estimate(job: Job, backend, policy: ComputePolicy, quiet: bool) -> Estimate:
     """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
     and refuse a run that does not fit with what would."""
     o = job.opts
@@ -100,7 +101,7 @@ def memory_estimate(job: Job, backend, quiet: bool) -> Estimate:
     device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
     planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
-                      getattr(o, "lora_dropout", 0.0), device=device, compute_dtype=o.compute_dtype)
+                      getattr(o, "lora_dropout", 0.0), device=device, policy=policy)
     have = free_memory(backend)
     mode = o.checkpointing_mode()
     est = planner.choose(o.batch, o.ctx, mode, have)
@@ -154,7 +155,10 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     return "\n".join(lines)
 
 
-def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
+def resume_or_init(job: Job, batcher: Batcher) -> tuple[ckpt.TrainState, str]:
+    """The state to start from (a checkpoint's, or fresh with initialized parameters) and
+    the --compute-dtype to resolve: a resume keeps the dtype its checkpoint was trained
+    with where the run asks for auto."""
     o = job.opts
     path = o.checkpoint_in
     if path is not None and Path(path).exists():
@@ -163,9 +167,8 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             raise LlamatuneError(f"{path}: is a {c.kind} checkpoint; this command trains {job.kind}")
         if job.base_fingerprint and c.base_fingerprint and c.base_fingerprint != job.base_fingerprint:
             raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
-        if o.compute_dtype == "auto" and "compute_dtype" in c.options:
-            o.compute_dtype = c.options["compute_dtype"]     # a resume keeps the dtype it was saved with
-        ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
+        requested = ckpt.recorded_dtype(c) if o.compute_dtype == "auto" else o.compute_dtype
+        ckpt.check_frozen_options(c, o, ranks=distributed.current().size, given={"compute_dtype": requested})
         c.load_into(job.params)
         if job.statistics is not None and not job.statistics.restore(c.file):
             notice(f"{path} holds no imatrix statistics: the imatrix files cover the steps from "
@@ -173,14 +176,15 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
         if c.state.data_state:
             batcher.load_state(c.state.data_state, job.samples, force_reshuffle=o.force_reshuffle)
         notice(f"resuming from {path} at iteration {c.state.iteration}")
-        return c.state
+        return c.state, requested
     if path is not None:
         notice(f"{path} does not exist: starting a fresh run")
     job.init_params(np.random.default_rng(o.seed))
-    return ckpt.TrainState()
+    return ckpt.TrainState(), o.compute_dtype
 
 
-def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dict | None = None) -> list[Path]:
+def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, policy: ComputePolicy,
+             data_state: dict | None = None) -> list[Path]:
     """Write the checkpoint and outputs of this iteration, then their LATEST copies, the
     LATEST checkpoint last: a write that fails (disk full) leaves every LATEST file as the
     previous save left it, and chk-LATEST never points past complete outputs.
@@ -192,7 +196,7 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     state.data_state = data_state if data_state is not None else batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
-              job.checkpoint_extra())
+              job.checkpoint_extra(), policy)
     files = [out] + job.write_outputs(str(state.iteration))
     template = job.output_size and job.output_size[0]
     if o.fn_latest and (template is None or ckpt.iteration_path(template, o.fn_latest) not in files):
@@ -304,7 +308,7 @@ def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph,
         show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
                   + "; LATEST keeps the last healthy save")
         return []
-    files = save_all(job, state, batcher)
+    files = save_all(job, state, batcher, graph.policy)
     show.line(saved_line(state, loss, files))
     return files
 
@@ -320,7 +324,7 @@ def make_validator(job: Job, state: ckpt.TrainState, pref: Preference | None = N
     return v
 
 
-def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
+def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher, policy: ComputePolicy) -> list[Path]:
     """The checkpoint and outputs under the BEST name (--save-best)."""
     o = job.opts
     if not distributed.current().is_root:         # rank 0 alone writes files
@@ -328,7 +332,7 @@ def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher) -> list[Path]:
     state.data_state = batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, "BEST")
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
-              job.checkpoint_extra())
+              job.checkpoint_extra(), policy)
     return [out] + job.write_outputs("BEST")
 
 
@@ -347,7 +351,7 @@ def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainStat
         text += f", reward accuracy {extra['eval_rewards/accuracies']:.1%}"
     text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
     if improved and job.opts.save_best:
-        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher))
+        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher, graph.policy))
     show.line(text)
     if validator.should_stop(vs):
         show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
@@ -385,19 +389,18 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     batcher = (Batcher if pref is None else PairBatcher)(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id,
                                                          job.tokenizer.eos_id)
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
-    state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
+    state, requested = resume_or_init(job, batcher)   # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
-    o.compute_dtype, why = resolve_dtype(o.compute_dtype, backend.name, job.base.trainable)   # checkpoints record it
+    policy = compute_policy(requested, backend.name, job.base.trainable, getattr(o, "merge_aware", False))
     if not quiet:
-        err.print(f"compute: {why}")
+        err.print(f"compute: {policy.why}")
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
-    est = memory_estimate(job, backend, quiet)
+    est = memory_estimate(job, backend, policy, quiet)
     if o.dry_run:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
-                  getattr(o, "lora_dropout", 0.0), backend=backend, compute_dtype=o.compute_dtype)
-    graph.merge_aware = getattr(o, "merge_aware", False)     # linear.py: forward through Q(W + s B A)
+                  getattr(o, "lora_dropout", 0.0), backend=backend, policy=policy)
     validator = make_validator(job, state, pref)
     if not quiet:
         if validator is not None:
@@ -455,7 +458,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
             if pending and not bad:                        # the state this step started from is healthy
                 with clock.paused():
-                    files = save_all(job, state, batcher, data_state)
+                    files = save_all(job, state, batcher, policy, data_state)
                 saves.iteration = state.iteration
                 show.line(saved_line(state, loss, files))
                 pending = False
