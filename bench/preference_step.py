@@ -62,8 +62,8 @@ def run_steps(args) -> dict:
     b = make_batch(model.config.n_vocab, args.batch, args.ctx)
     n = b.n_targets
     n_pairs, n_chosen = Preference.counts([b])
-    dpo = Preference(Opts(method="dpo"), params, targets)
-    orpo = Preference(Opts(method="orpo"), params, targets)
+    dpo = Preference(Opts(method="dpo"))
+    orpo = Preference(Opts(method="orpo"))
     cache = np.full((args.batch // 2, 2), np.nan)
     w = (b.targets >= 0).astype(np.float32) / np.float32(n)
 

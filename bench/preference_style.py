@@ -176,7 +176,7 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     if adapter is not None:
         ckpt.load(adapter).load_into(params)
     graph = Graph(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
-    pref = Preference(o, params, targets)
+    pref = Preference(o)
     v = PairValidator(samples, o, model.config.n_vocab, model.tokenizer.bos_id, model.tokenizer.eos_id, pref)
     full, text, mean = [], [], []
     for b in v.batches():

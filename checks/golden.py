@@ -174,7 +174,7 @@ def record_preference(out: dict, key: str, model) -> None:
     for method in ("dpo", "orpo"):
         tg, params = _lora(model)
         g = Graph(cfg, FrozenBase(model), params, tg, 4, T, "selective", 0.0)
-        pref = Preference(FinetuneOptions(method=method, beta=0.5), params, tg)
+        pref = Preference(FinetuneOptions(method=method, beta=0.5))
         cache = np.full((2, 2), np.nan)
         params.zero_grad()
         out[f"{key}/{method}/loss"] = np.array(pref.step(g, b, cache, *Preference.counts([b]), (0,)))

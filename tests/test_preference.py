@@ -19,7 +19,8 @@ from llamatune.models.weights import FrozenBase
 from llamatune.train.graph import Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
-from llamatune.train.preference import Preference, adapter_off, dpo_loss, orpo_loss
+from llamatune.train.lora import disabled_adapters
+from llamatune.train.preference import Preference, dpo_loss, orpo_loss
 
 import test_mpi
 from conftest import write_tiny_model
@@ -122,8 +123,7 @@ def test_weighted_step_is_the_gradient_of_the_preference_loss(small_model, metho
     from forward passes alone (reference held fixed), in float64 through the whole model."""
     cfg = small_model.config
     graph, params, targets = setup(small_model, 4, 8)
-    pref = Preference(FinetuneOptions(method=method, beta=0.7, loss_type=loss_type, label_smoothing=smoothing),
-                      params, targets)
+    pref = Preference(FinetuneOptions(method=method, beta=0.7, loss_type=loss_type, label_smoothing=smoothing))
     b = pair_batch(cfg.n_vocab, [0, 1], 8, seed=2)
     cache = np.full((2, 2), np.nan)
     n_pairs, n_chosen = Preference.counts([b])
@@ -150,12 +150,12 @@ def test_split_micro_batches_give_the_same_gradient(small_model):
     halves = [Batch(both.inputs[k:k + 2], both.targets[k:k + 2], 0, False, sample_ids=both.sample_ids[k:k + 2])
               for k in (0, 2)]
     graph, params, targets = setup(small_model, 4, 8)
-    pref = Preference(o, params, targets)
+    pref = Preference(o)
     params.zero_grad()
     loss = pref.step(graph, both, np.full((2, 2), np.nan), *Preference.counts([both]), (0,))
     one = params.grad.copy()
     graph2, params2, targets2 = setup(small_model, 2, 8)
-    pref2 = Preference(o, params2, targets2)
+    pref2 = Preference(o)
     cache, counts, total = np.full((2, 2), np.nan), Preference.counts(halves), 0.0
     params2.zero_grad()
     for h in halves:
@@ -165,19 +165,25 @@ def test_split_micro_batches_give_the_same_gradient(small_model):
     assert len(pref._rows) == 1 and len(pref2._rows) == 2
 
 
-def test_adapter_off_is_the_base_model_and_restores_every_bit(small_model):
+def test_disabled_adapters_are_the_base_model_and_switch_back_on(small_model):
+    """The DPO reference: every Lora of the graph disabled gives the losses of a fresh
+    adapter (B A = 0) bit for bit, in the trimmed graphs too (short rows), and leaves the
+    parameters untouched."""
     cfg = small_model.config
-    graph, params, targets = setup(small_model, 4, 8)
-    b = pair_batch(cfg.n_vocab, [0, 1], 8, seed=5)
+    graph, params, targets = setup(small_model, 4, 40)
+    b = pair_batch(cfg.n_vocab, [0, 1], 8, seed=5)                  # rows padded to 40 columns without targets
+    b = Batch(np.pad(b.inputs, ((0, 0), (0, 32))), np.pad(b.targets, ((0, 0), (0, 32)), constant_values=-1),
+              b.n_targets, False, sample_ids=b.sample_ids)
     w = (b.targets >= 0).astype(np.float64)
     before = params.data.copy()
-    with adapter_off(params, targets):
-        graph.loss(b.inputs, b.targets, w)
+    with disabled_adapters(graph.lora.values()):
+        graph.loss(b.inputs, b.targets, w)                          # columns up to 32: a trimmed graph
         off = graph.losses.copy()
+    assert graph._trimmed_graphs and not any(a.disabled for a in graph.lora.values())
     np.testing.assert_array_equal(params.data, before)
     base = ParamBuffer(lora_specs(targets), np.float64)
     init_lora(base, targets, np.random.default_rng(9))                # a fresh adapter: B A = 0
-    fresh = Graph(cfg, FrozenBase(small_model), base, targets, 4, 8, "selective", 0.0, dtype=np.float64)
+    fresh = Graph(cfg, FrozenBase(small_model), base, targets, 4, 40, "selective", 0.0, dtype=np.float64)
     fresh.loss(b.inputs, b.targets, w)
     np.testing.assert_array_equal(off, fresh.losses)
     graph.loss(b.inputs, b.targets, w)
@@ -301,7 +307,7 @@ def test_dpo_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
         if backend is not cpu():
             params.to_device(backend)
         g = Graph(cfg, FrozenBase(model, backend), params, targets, 2, 6, backend=backend)
-        pref = Preference(FinetuneOptions(method="dpo", beta=0.5), params, targets)
+        pref = Preference(FinetuneOptions(method="dpo", beta=0.5))
         cache = np.full((1, 2), np.nan)
         loss = pref.step(g, b, cache, 1, 1, (0,))
         results.append((loss, cache, pref._rows[0], params.host(params.grad).copy()))

@@ -40,7 +40,7 @@ from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_s
                       head_floats, plan_bytes)
 from .head import LossHead, kept_head_bytes
 from .linear import LoraLinear
-from .lora import LoraTarget
+from .lora import Lora, LoraTarget
 from .params import ParamBuffer
 
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
@@ -62,7 +62,8 @@ class Graph(LoraLinear, LossHead, Forward):
         super().__init__(cfg, base, backend or cpu(), policy)
         xp = self.xp
         self.params = params
-        self.lora = {t.weight: t for t in targets}
+        # one Lora per adapted weight, shared with the trimmed graphs (their `disabled` switch too)
+        self.lora = {t.weight: Lora(t, params) for t in targets} if within is None else within.lora
         self.B, self.T, self.N = B, T, B * T
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
@@ -231,11 +232,10 @@ class Graph(LoraLinear, LossHead, Forward):
         dE = self.weight_grad("token_embd.weight")
         if dE is not None:
             self.backend.scatter_add(dE, tokens, dx)
-        t = self.lora.get("token_embd.weight")
+        t = self.adapter("token_embd.weight")
         if t is not None:
-            A, B = self.params[t.a], self.params[t.b]
-            self.params.grad_of(t.b)[...] += t.scale * (dx.T @ A[tokens])
-            self.backend.scatter_add(self.params.grad_of(t.a), tokens, t.scale * (dx @ B))
+            t.db[...] += t.scale * (dx.T @ t.a[tokens])
+            self.backend.scatter_add(t.da, tokens, t.scale * (dx @ t.b))
 
     def _qk_norm_rope_backward(self, dq4: np.ndarray, dk4: np.ndarray, a: LayerActs, cos, sin, p: str) -> None:
         """self.dqp, self.dkp = dL/d(q, k before their per-head norms) from dq4, dk4 = dL/d(q, k
@@ -258,7 +258,7 @@ class Graph(LoraLinear, LossHead, Forward):
 
     def _norm_trained(self, name: str) -> bool:
         """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
-        return self.weight_grad(name) is not None or name in self.lora
+        return self.weight_grad(name) is not None or self.adapter(name) is not None
 
     def _norm_dw(self, name: str) -> np.ndarray | None:
         """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
@@ -317,7 +317,7 @@ class Graph(LoraLinear, LossHead, Forward):
             return run(self, inputs, targets, weights, positions, segments)
         g = self._trimmed_graphs.get(T)
         if g is None:
-            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, list(self.lora.values()), self.B, T,
+            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, [a.target for a in self.lora.values()], self.B, T,
                                                 self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
                                                 policy=self.policy)
         g.dropout, g.reweight, g.observer = self.dropout, self.reweight, self.observer

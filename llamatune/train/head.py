@@ -94,7 +94,7 @@ class LossHead:
         else:
             xn, dxn, losses = self.xn, self.dxn, self.losses
         chunk = even_chunk(M, self.chunk)
-        t = self.lora.get("output.weight")
+        t = self.adapter("output.weight")
         target = self.weight_grad_to_write("output.weight") if backward else None
         dW, fresh = target if target is not None else (None, False)     # fresh: the first chunk writes it
         blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
@@ -112,8 +112,8 @@ class LossHead:
                 self._bf16_chunk(x, dx, losses[lo:hi], targets[lo:hi], weights[lo:hi], bf16_width, rows, backward)
                 continue
             if t is not None:
-                xa = x @ self.params[t.a].T                  # (n, r)
-                sxa, Bt = t.scale * xa, self.params[t.b]
+                xa = x @ t.a.T                               # (n, r)
+                sxa, Bt = t.scale * xa, t.b
             with self.products.shared_input(x):              # x rounded to bf16 once, not once a block
                 for vlo, vhi in blocks:
                     self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)

@@ -36,7 +36,7 @@ from ..kernels.bf16 import split_into, split_rows_into
 from ..kernels.dequant import dequantize
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..models.products import adapter_extension
-from .lora import LoraTarget
+from .lora import Lora
 
 
 def requantizable(qtype) -> bool:
@@ -47,9 +47,14 @@ def requantizable(qtype) -> bool:
 
 class LoraLinear:
     # ---------------------------------------------------------------- Forward's hooks
-    def adapter_pairs(self, name: str) -> list:
+    def adapter(self, name: str) -> Lora | None:
+        """The adapter of weight `name`, None where it has none or it is disabled."""
         t = self.lora.get(name)
-        return [] if t is None else [(self.params[t.a], self.params[t.b], t.scale)]
+        return None if t is None or t.disabled else t
+
+    def adapter_pairs(self, name: str) -> list:
+        t = self.adapter(name)
+        return [] if t is None else [(t.a, t.b, t.scale)]
 
     def scratch(self, rows: int, cols: int) -> np.ndarray:
         return self.tmp[: rows * cols].reshape(rows, cols)
@@ -57,10 +62,10 @@ class LoraLinear:
     def norm_weight(self, name: str) -> np.ndarray:
         """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
         w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
-        t = self.lora.get(name)
+        t = self.adapter(name)
         if t is None:
             return w
-        return w + t.scale * (self.params[t.b] @ self.params[t.a])[0]
+        return w + t.scale * (t.b @ t.a)[0]
 
     def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
         """The base matrix W (n_out, n_in) of a linear over N tokens, and whether its
@@ -69,26 +74,26 @@ class LoraLinear:
         N > max(n_out, n_in), where adding (r-factored) B A to W costs less than adding
         the adapter's (N, n_out) share to the product (and, in backward, its (N, n_in)
         share to dx). Either way the product is the same up to float rounding."""
-        t = self.lora.get(name)
+        t = self.adapter(name)
         if t is not None and self.policy.merge_aware and self.requantizes(name):      # f32 W, whatever the products
             return self.requantized(self.base.matrix(name), name, t), True
         W = self.weight(name, N)
         merge = (t is not None and self.policy.merge_adapters and self.dropout <= 0 and N > max(W.shape)
                  and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
         if merge:
-            W += self.xp.matmul(t.scale * self.params[t.b], self.params[t.a], out=self.scratch(*W.shape))
+            W += self.xp.matmul(t.scale * t.b, t.a, out=self.scratch(*W.shape))
         return W, merge
 
     def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
         """y += s (drop(x) A^T) B^T, keeping x A^T for the backward."""
-        t = self.lora.get(name)
+        t = self.adapter(name)
         if t is None:
             return
         mask = self.dropout_mask(name, x.shape)
         xa = self.xa[name]
-        self.xp.matmul(x if mask is None else x * mask, self.params[t.a].T, out=xa)
+        self.xp.matmul(x if mask is None else x * mask, t.a.T, out=xa)
         if not merged:
-            self.lora_ops.lora_forward(y, xa, self.params[t.b], t.scale, self.scratch(*y.shape))
+            self.lora_ops.lora_forward(y, xa, t.b, t.scale, self.scratch(*y.shape))
 
     # ---------------------------------------------------------------- the adapter in the product
     def adapter_in_product(self, name: str, N: int) -> bool:
@@ -96,7 +101,7 @@ class LoraLinear:
         (products.Products.adapted): the policy's choice (bf16 products of a frozen base,
         not merge-aware), a product over N tokens that runs in bf16, and no dropout (its
         mask multiplies the adapter's share of dx, which the product cannot)."""
-        return (self.policy.adapters_in_products and name in self.lora and self.policy.bf16_for(N)
+        return (self.policy.adapters_in_products and self.adapter(name) is not None and self.policy.bf16_for(N)
                 and self.dropout <= 0)
 
     def shared_extension(self, names: list[str], N: int) -> int:
@@ -107,19 +112,18 @@ class LoraLinear:
         """y = [bf16(x) | parts of s x A^T] [bf16(W) | parts of B]^T, keeping x A^T."""
         t = self.lora[name]
         xa = self.xa[name]
-        self.lora_ops.lora_xa(xa, x, self.params[t.a])
+        self.lora_ops.lora_xa(xa, x, t.a)
         W = self.base.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
-        split_into(W, self.params[t.b], x.shape[1], "b")
+        split_into(W, t.b, x.shape[1], "b")
         self.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
 
     def adapted_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, name: str,
                          accumulate: bool) -> None:
         """dA, dB +=; dx (=, or +=) [bf16(dy) | parts of s dy B] [bf16(W) ; parts of A]."""
         t = self.lora[name]
-        dxa = self.lora_ops.lora_grads(self.params.grad_of(t.a), self.params.grad_of(t.b), dy, x, self.xa[name],
-                                       self.params[t.b], t.scale)
+        dxa = self.lora_ops.lora_grads(t.da, t.db, dy, x, self.xa[name], t.b, t.scale)
         W = self.base.matrix_bf16_extended(name, rows=adapter_extension(t.rank))
-        split_rows_into(W, self.params[t.a], dy.shape[1], "b")
+        split_rows_into(W, t.a, dy.shape[1], "b")
         self.products.adapted(dx, dy, W, dxa, trans_b=False, accumulate=accumulate)
 
     def requantizes(self, name: str) -> bool:
@@ -127,14 +131,13 @@ class LoraLinear:
         t = getattr(self.base, "tensors", {}).get(name)
         return t is not None and requantizable(t.qtype)
 
-    def requantized(self, W: np.ndarray, name: str, t: LoraTarget) -> np.ndarray:
+    def requantized(self, W: np.ndarray, name: str, t: Lora) -> np.ndarray:
         """deq(Q(W + s B A)) in the graph's dtype (into W itself when it is the float32
         scratch): export-lora's plain merge of the adapter as it stands."""
         host = self.backend.to_host
         qtype = self.base.tensors[name].qtype
         merged = np.array(host(W), np.float32)                      # deq(W), as export-lora's _merge
-        merged += np.float32(t.scale) * (host(self.params[t.b]).astype(np.float32)
-                                         @ host(self.params[t.a]).astype(np.float32))
+        merged += np.float32(t.scale) * (host(t.b).astype(np.float32) @ host(t.a).astype(np.float32))
         Wq = dequantize(quantize(merged, qtype), qtype, merged.shape[1])
         if W.dtype == self.tmp.dtype:
             W[...] = self.backend.to_device(Wq)
@@ -170,11 +173,10 @@ class LoraLinear:
         g = self.weight_grad(name)
         if g is not None:
             g[...] += dw
-        t = self.lora.get(name)
+        t = self.adapter(name)
         if t is not None:
-            A, B = self.params[t.a], self.params[t.b]
-            self.params.grad_of(t.a)[...] += t.scale * self.xp.outer(B[0], dw)
-            self.params.grad_of(t.b)[...] += t.scale * (A @ dw)[None, :]
+            t.da[...] += t.scale * self.xp.outer(t.b[0], dw)
+            t.db[...] += t.scale * (t.a @ dw)[None, :]
 
     def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
                         accumulate: bool) -> None:
@@ -199,17 +201,16 @@ class LoraLinear:
         db = self.weight_grad(bias) if self.base.vector(bias) is not None else None
         if db is not None:                                         # qwen2's q/k/v biases
             db[...] += dy.sum(axis=0)
-        t = self.lora.get(name)
+        t = self.adapter(name)
         if t is not None:
             mask = self.dropout_mask(name, x.shape)
             self.lora_backward(t, dy, x if mask is None else x * mask, self.xa[name], None if merged else dx, mask)
 
-    def lora_backward(self, t: LoraTarget, dy, xd, xa, dx, mask=None) -> None:
+    def lora_backward(self, t: Lora, dy, xd, xa, dx, mask=None) -> None:
         """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
         dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
         dx None: the adapter was merged into the W of dy W, which gave that share)."""
-        self.lora_ops.lora_backward(self.params.grad_of(t.a), self.params.grad_of(t.b), dx, dy, xd, xa,
-                                    self.params[t.a], self.params[t.b], t.scale, self.scratch(*xd.shape), mask)
+        self.lora_ops.lora_backward(t.da, t.db, dx, dy, xd, xa, t.a, t.b, t.scale, self.scratch(*xd.shape), mask)
 
     def head_scratch(self, rows: int, cols: int) -> np.ndarray:
         return self.head_tmp[: rows * cols].reshape(rows, cols)

@@ -15,6 +15,7 @@ the base model.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +43,46 @@ class LoraTarget:
     @property
     def b(self) -> str:
         return self.weight + ".lora_b"
+
+
+class Lora:
+    """One linear's adapter in a training graph: y += s (x A^T) B^T, s = alpha / r, with A, B
+    and their gradients views of the flat ParamBuffer (taken at each use: the buffer may
+    move to a GPU after the graph is built). `disabled`: the linear runs as its base
+    alone, nothing added and no gradient (DPO's reference model: `disabled_adapters`)."""
+
+    def __init__(self, target: LoraTarget, params: ParamBuffer):
+        self.target, self.params, self.disabled = target, params, False
+        self.weight, self.kind, self.rank, self.scale = target.weight, target.kind, target.rank, target.scale
+
+    @property
+    def a(self):                                   # (r, n_in); token_embd (V, r)
+        return self.params[self.target.a]
+
+    @property
+    def b(self):                                   # (n_out, r); token_embd (C, r)
+        return self.params[self.target.b]
+
+    @property
+    def da(self):
+        return self.params.grad_of(self.target.a)
+
+    @property
+    def db(self):
+        return self.params.grad_of(self.target.b)
+
+
+@contextmanager
+def disabled_adapters(adapters):
+    """Every Lora of `adapters` switched off inside (the base model alone), back on after."""
+    adapters = list(adapters)
+    for a in adapters:
+        a.disabled = True
+    try:
+        yield
+    finally:
+        for a in adapters:
+            a.disabled = False
 
 
 def lora_targets(cfg: ModelConfig, ranks: dict[str, int], alpha: float, tied: bool) -> list[LoraTarget]:

@@ -18,8 +18,8 @@ logps/chosen, logps/rejected). They run on the training graph as it is:
       (2) the pair losses and dL/dlogp in float64 (`dpo_loss`, `orpo_loss`);
       (3) the head again with those weights, and the backward.
   Only the output head runs twice (on the answer tokens); evaluation is Graph.loss.
-  DPO's reference log-probabilities come from the same frozen base with the adapter off
-  (`adapter_off`: every LoRA B factor zeroed, so the adapter's term is exactly 0), once
+  DPO's reference log-probabilities come from the same frozen base with its adapters
+  switched off (`lora.disabled_adapters`: each linear runs its base alone), once
   per pair, the first time the pair is trained on; the cache is part of the batcher's
   state, so a checkpoint resumes with the very values.
 
@@ -31,13 +31,13 @@ plus the mean cross-entropy over every chosen-answer token of the step, its SFT 
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from ..errors import LlamatuneError
 from .data import Batch, Batcher, Samples
+from .lora import disabled_adapters
 from .validation import InOrder, Validator
 
 STATE_KEY = "reference"        # the reference cache's key in the batcher's state
@@ -87,22 +87,6 @@ def orpo_loss(lp_c, lp_r, beta: float) -> tuple[np.ndarray, np.ndarray, np.ndarr
     losses = -beta * log_sigmoid(log_odds)
     g = -beta * sigmoid(-log_odds)                            # dL/dlog_odds
     return losses, g / -em_c, g / em_r, log_odds
-
-
-# --------------------------------------------------------------------------- the reference
-@contextmanager
-def adapter_off(params, targets):
-    """The base model alone: every LoRA B factor (a view of the flat ParamBuffer) zeroed,
-    so that s (x A^T) B^T = 0 exactly and a dequantized W + s B A is W; restored bit for
-    bit on the way out. (One place: a graph flag may replace it.)"""
-    saved = [(params[t.b], params[t.b].copy()) for t in targets]
-    try:
-        for view, _ in saved:
-            view[...] = 0.0
-        yield
-    finally:
-        for view, value in saved:
-            view[...] = value
 
 
 # --------------------------------------------------------------------------- batches of pairs
@@ -195,10 +179,9 @@ class Scores:
 class Preference:
     """--method dpo / orpo: the micro-batch step, the loss of batches and the metrics."""
 
-    def __init__(self, opts, params, targets):
+    def __init__(self, opts):
         self.method, self.beta = opts.method, float(opts.beta)
         self.loss_type, self.smoothing = opts.loss_type, float(opts.label_smoothing)
-        self.params, self.targets = params, targets
         self.mean = self.method == "orpo" or self.loss_type == "ipo"    # length-averaged log-probabilities
         self._rows: list[np.ndarray] = []       # per pair of this step: metrics columns (see `_record`)
         self._new: list[tuple[int, list]] = []   # (pair, reference values) computed in this step
@@ -232,7 +215,7 @@ class Preference:
         rows, pairs, length = self._layout(b)
         missing = np.isnan(cache[pairs]).any(axis=1)
         if missing.any():
-            with adapter_off(self.params, self.targets):
+            with disabled_adapters(graph.lora.values()):
                 base = self._logp(self._token_losses(graph, b), rows, length)
             for k in np.flatnonzero(missing):
                 if np.isnan(cache[pairs[k]]).any():       # a pair twice in a batch: the first value

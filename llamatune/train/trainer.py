@@ -375,7 +375,7 @@ def write_plot(path: Path, quiet: bool) -> None:
 def preference(job: Job) -> Preference | None:
     """The objective of --method dpo / orpo (preference.py); None for sft."""
     method = getattr(job.opts, "method", "sft")
-    return None if method == "sft" else Preference(job.opts, job.params, job.targets)
+    return None if method == "sft" else Preference(job.opts)
 
 
 def run(job: Job, quiet: bool = False) -> TrainResult:
