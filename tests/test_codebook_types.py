@@ -1,0 +1,121 @@
+"""Base models whose matrices are MXFP4, IQ4_NL or IQ4_XS (the types of people's
+mixture-of-experts files): they load through the numba kernels (no fallback notice),
+infer exactly as the same model with those matrices dequantized by the gguf package
+and stored as F32, and export-lora merges into them, writing the merged matrices as
+F16 (the gguf package cannot quantize IQ4_NL or IQ4_XS, and llamatune has no MXFP4
+quantizer yet) with a note naming each."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from conftest import write_tiny_model
+from llamatune.commands.export import export_lora
+from llamatune.formats.adapter import LoraAdapter, expected_shapes, write_adapter
+from llamatune.formats.gguf_io import GGUFFile, tensor_out, write_gguf
+from llamatune.models.infer import Runner
+from llamatune.models.model import Model
+from llamatune.options import MergeOptions
+
+TYPES = [QType.MXFP4, QType.IQ4_NL, QType.IQ4_XS]
+KCFG = dict(n_embd=256, n_ff=512, head_dim=64, n_rot=64, n_head=4, n_head_kv=2, n_layer=1)  # rows of 256s
+KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def _nearest_codes(x, d):
+    """4-bit codes (n, 32) of IQ4_NL's table nearest x / d, packed as ggml packs them:
+    value j in the low nibble of byte j, value j + 16 in its high nibble."""
+    q = np.abs(x[:, :, None] - d[:, None, None] * KV_IQ4NL).argmin(-1).astype(np.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def iq4_blocks(w: np.ndarray, qtype: QType) -> np.ndarray:
+    """A simple round-to-nearest encoding of f32 rows in IQ4_NL or IQ4_XS blocks (test
+    data only: one scale from the block's largest value, the nearest code per value)."""
+    n_rows = w.shape[0]
+    x = w.reshape(-1, 32).astype(np.float32)
+    amax = np.abs(x).max(1)
+    if qtype == QType.IQ4_NL:
+        d = (amax / 127).astype(np.float16)
+        blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), _nearest_codes(x, d.astype(np.float32))], 1)
+        return blocks.reshape(n_rows, -1)
+    d = (amax.reshape(-1, 8).max(1) / (127 * 31)).astype(np.float16)                  # per 256
+    ls = np.clip(np.round(amax.reshape(-1, 8) / (127 * d.astype(np.float32)[:, None])), 0, 31).astype(np.int64) + 32
+    dl = d.astype(np.float32)[:, None] * (ls - 32).astype(np.float32)
+    qs = _nearest_codes(x, dl.reshape(-1)).reshape(-1, 128)
+    scales_h = sum(((ls[:, k] >> 4) & 3) << (2 * k) for k in range(8)).astype("<u2")
+    scales_l = ((ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)).astype(np.uint8)
+    blocks = np.concatenate([d.view(np.uint8).reshape(-1, 2), scales_h.view(np.uint8).reshape(-1, 2), scales_l, qs], 1)
+    return blocks.reshape(n_rows, -1)
+
+
+def encode(w: np.ndarray, qtype: QType) -> np.ndarray:
+    if qtype == QType.MXFP4:
+        return gguf.quants.quantize(w, qtype)
+    return iq4_blocks(w, qtype)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, tiny_vocab):
+    """{qtype: (model with the layer's matrices in qtype, its F32 twin)}."""
+    tmp = tmp_path_factory.mktemp("codebook")
+    f = GGUFFile(write_tiny_model(tmp / "base.gguf", tiny_vocab, **KCFG))
+    out = {}
+    for qtype in TYPES:
+        typed, twin = [], []
+        for n, t in f.tensors.items():
+            w = np.array(t.data, np.float32).reshape(t.shape)
+            if n.startswith("blk.") and w.ndim == 2:
+                raw = encode(w, qtype)
+                typed.append(tensor_out(n, raw, qtype))
+                twin.append(tensor_out(n, gguf.quants.dequantize(raw, qtype).reshape(w.shape)))
+            else:
+                typed.append(tensor_out(n, w))
+                twin.append(tensor_out(n, w))
+        paths = tmp / f"{qtype.name}.gguf", tmp / f"{qtype.name}-f32.gguf"
+        for p, tensors in zip(paths, (typed, twin)):
+            write_gguf(p, f.arch, f.kvs.values(), tensors)
+        out[qtype] = paths
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_model_infers_as_its_dequantized_twin(models, qtype, capsys):
+    path, twin = models[qtype]
+    model = Model(path)
+    assert "no fast kernel" not in capsys.readouterr().err
+    assert model.weights.layers[0].mats["ffn_down"].qtype == qtype
+    tokens = np.array([[1, 17, 42, 399, 5, 300, 7, 8]])
+    logits = Runner(model).forward(tokens)
+    want = Runner(Model(twin)).forward(tokens)
+    assert np.isfinite(logits).all()
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_export_merges_into_the_type_as_f16(models, tmp_path, qtype):
+    path, twin = models[qtype]
+    base = GGUFFile(path)
+    rng = np.random.default_rng(1)
+    adapter = LoraAdapter(base.arch, 8.0)
+    names = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
+    for n in names:
+        a_shape, b_shape = expected_shapes(n, base.tensors[n].shape, 4)
+        adapter.pairs[n] = (rng.normal(0, 0.1, a_shape).astype(np.float32), rng.normal(0, 0.1, b_shape).astype(np.float32))
+    write_adapter(tmp_path / "a.gguf", adapter)
+    report = export_lora(path, [(tmp_path / "a.gguf", 1.0)], tmp_path / "m.gguf",
+                         merge=MergeOptions(merge_method="plain"))
+    assert report.merged == {n: "F16" for n in names}
+    for n in names:
+        assert f"{n}: {qtype.name} cannot be re-quantized; written as F16" in report.notes
+    merged, f32 = GGUFFile(tmp_path / "m.gguf"), GGUFFile(twin)
+    for n, t in merged.tensors.items():
+        if n in names:
+            a, b = adapter.pairs[n]
+            want = np.array(f32.tensors[n].data).reshape(t.shape) + np.float32(2.0) * (b @ a)
+            np.testing.assert_array_equal(np.array(t.data), want.astype(np.float16))
+        else:
+            assert t.qtype == base.tensors[n].qtype
+            assert t.raw_rows().tobytes() == base.tensors[n].raw_rows().tobytes(), n
