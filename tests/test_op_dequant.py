@@ -76,7 +76,7 @@ def _special_halves():
                0x0400, 0x8400, 0x3C00, 0x3BFF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01,
                0x7DFF, 0x7E00, 0x7FFF, 0xFC01, 0xFE00, 0xFFFF]
     rng = np.random.default_rng(0)
-    return np.concatenate([special, rng.integers(0, 65536, 64 - len(special))]).astype(np.uint16)[None]
+    return np.concatenate([special, rng.integers(0, 65536, 64 - len(special))]).astype(np.uint16).reshape(1, 64)
 
 
 @pytest.mark.parametrize("b,halves", cases(cpu=[(np.arange(65536, dtype=np.uint16).reshape(128, 512),)],
