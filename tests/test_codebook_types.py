@@ -1,7 +1,7 @@
 """Base models whose matrices are MXFP4, IQ4_NL or IQ4_XS (the types of people's
 mixture-of-experts files): they load through the numba kernels (no fallback notice),
-infer exactly as the same model with those matrices dequantized by the gguf package
-and stored as F32, and export-lora merges into them, writing the merged matrices as
+infer and LoRA-train (f32 and bf16 products) exactly as the same model with those
+matrices dequantized by the gguf package and stored as F32, and export-lora merges into them, writing the merged matrices as
 F16 (the gguf package cannot quantize IQ4_NL or IQ4_XS, and llamatune has no MXFP4
 quantizer yet) with a note naming each."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from conftest import write_tiny_model
+from conftest import TEXT, write_tiny_model
 from llamatune.commands.export import export_lora
 from llamatune.formats.adapter import LoraAdapter, expected_shapes, write_adapter
 from llamatune.formats.gguf_io import GGUFFile, tensor_out, write_gguf
@@ -119,3 +119,28 @@ def test_export_merges_into_the_type_as_f16(models, tmp_path, qtype):
         else:
             assert t.qtype == base.tensors[n].qtype
             assert t.raw_rows().tobytes() == base.tensors[n].raw_rows().tobytes(), n
+
+
+@pytest.mark.parametrize("qtype,dtype", [(QType.MXFP4, "bf16")] + [    # 10-20 s each on two busy cores
+    pytest.param(q, d, marks=pytest.mark.slow) for q, d in [(QType.MXFP4, "f32"), (QType.IQ4_XS, "f32"),
+                                                            (QType.IQ4_XS, "bf16")]], ids=lambda v: getattr(v, "name", v))
+def test_lora_training_equals_its_dequantized_twin(models, tmp_path, qtype, dtype):
+    """Three LoRA steps on the model and on its F32 twin give the same losses, bit for
+    bit: in f32 the weights are the same floats; in bf16 the kernels' rounding on the
+    way out of the dequantization equals the twin's rounding of its floats."""
+    from llamatune.commands.finetune import finetune
+    from llamatune.kernels import bf16
+    from llamatune.options import FinetuneOptions
+    if dtype == "bf16" and bf16.unavailable_reason() is not None:
+        pytest.skip(f"bf16 products: {bf16.unavailable_reason()}")
+    (tmp_path / "train.txt").write_text(TEXT)
+    losses = []
+    for model in models[qtype]:
+        out = tmp_path / model.stem
+        res = finetune(FinetuneOptions(model_base=model, train_data=tmp_path / "train.txt", ctx=16, batch=2, lora_r=2,
+                                       adam_iter=3, save_every=0, warmup=1, lora_dropout=0.0, compute_dtype=dtype,
+                                       checkpoint_out=out / "chk-ITERATION.gguf",
+                                       lora_out=out / "adapter-ITERATION.gguf"), quiet=True)
+        losses.append(res.losses)
+    assert np.isfinite(losses[0]).all() and len(losses[0]) == 3
+    np.testing.assert_array_equal(losses[0], losses[1])
