@@ -1,9 +1,9 @@
 """Base models whose matrices are MXFP4, IQ4_NL or IQ4_XS (the types of people's
 mixture-of-experts files): they load through the numba kernels (no fallback notice),
 infer and LoRA-train (f32 and bf16 products) exactly as the same model with those
-matrices dequantized by the gguf package and stored as F32, and export-lora merges into them, writing the merged matrices as
-F16 (the gguf package cannot quantize IQ4_NL or IQ4_XS, and llamatune has no MXFP4
-quantizer yet) with a note naming each."""
+matrices dequantized by the gguf package and stored as F32, and export-lora merges into
+them: MXFP4 re-quantized to MXFP4, IQ4_NL and IQ4_XS (which the gguf package cannot
+quantize) written as F16 with a note naming each."""
 from __future__ import annotations
 
 import gguf
@@ -94,31 +94,63 @@ def test_model_infers_as_its_dequantized_twin(models, qtype, capsys):
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-def test_export_merges_into_the_type_as_f16(models, tmp_path, qtype):
-    path, twin = models[qtype]
-    base = GGUFFile(path)
+def _adapter(base: GGUFFile, names, path):
     rng = np.random.default_rng(1)
     adapter = LoraAdapter(base.arch, 8.0)
-    names = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
     for n in names:
         a_shape, b_shape = expected_shapes(n, base.tensors[n].shape, 4)
         adapter.pairs[n] = (rng.normal(0, 0.1, a_shape).astype(np.float32), rng.normal(0, 0.1, b_shape).astype(np.float32))
-    write_adapter(tmp_path / "a.gguf", adapter)
+    write_adapter(path, adapter)
+    return adapter
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_export_merges_into_the_type(models, tmp_path, qtype):
+    """The plain merge: MXFP4 re-quantized to MXFP4 (the gguf package's quantizer, ggml's
+    quantize_row_mxfp4_ref); IQ4_NL and IQ4_XS, which nothing here quantizes, written as
+    F16 with a note naming the tensor. Unmerged tensors keep their bytes."""
+    path, twin = models[qtype]
+    base = GGUFFile(path)
+    names = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
+    adapter = _adapter(base, names, tmp_path / "a.gguf")
     report = export_lora(path, [(tmp_path / "a.gguf", 1.0)], tmp_path / "m.gguf",
                          merge=MergeOptions(merge_method="plain"))
-    assert report.merged == {n: "F16" for n in names}
+    kept = qtype == QType.MXFP4
+    assert report.merged == {n: qtype.name if kept else "F16" for n in names}
     for n in names:
-        assert f"{n}: {qtype.name} cannot be re-quantized; written as F16" in report.notes
+        assert (f"{n}: {qtype.name} cannot be re-quantized; written as F16" in report.notes) != kept
     merged, f32 = GGUFFile(tmp_path / "m.gguf"), GGUFFile(twin)
     for n, t in merged.tensors.items():
         if n in names:
             a, b = adapter.pairs[n]
             want = np.array(f32.tensors[n].data).reshape(t.shape) + np.float32(2.0) * (b @ a)
-            np.testing.assert_array_equal(np.array(t.data), want.astype(np.float16))
+            if kept:
+                np.testing.assert_array_equal(t.raw_rows(), gguf.quants.quantize(want, qtype))
+            else:
+                np.testing.assert_array_equal(np.array(t.data), want.astype(np.float16))
         else:
             assert t.qtype == base.tensors[n].qtype
             assert t.raw_rows().tobytes() == base.tensors[n].raw_rows().tobytes(), n
+
+
+def test_export_compensated_merge_into_mxfp4(models, tmp_path):
+    """The default (compensated) merge into MXFP4, here without statistics: the type kept,
+    per block the base's code or a new one, whichever is closer, so nearer the merged
+    weights than the base; a zero adapter gives back the base's bytes."""
+    path, twin = models[QType.MXFP4]
+    base, f32 = GGUFFile(path), GGUFFile(twin)
+    name = "blk.0.ffn_down.weight"
+    adapter = _adapter(base, [name], tmp_path / "a.gguf")
+    export_lora(path, [(tmp_path / "a.gguf", 1.0)], tmp_path / "m.gguf")
+    t = GGUFFile(tmp_path / "m.gguf").tensors[name]
+    assert t.qtype == QType.MXFP4
+    a, b = adapter.pairs[name]
+    want = np.array(f32.tensors[name].data).reshape(t.shape) + np.float32(2.0) * (b @ a)
+    got = gguf.quants.dequantize(t.raw_rows(), QType.MXFP4).reshape(t.shape)
+    old = np.array(f32.tensors[name].data).reshape(t.shape)
+    assert np.square(got - want).sum() < np.square(old - want).sum()
+    export_lora(path, [(tmp_path / "a.gguf", 0.0)], tmp_path / "z.gguf")
+    assert GGUFFile(tmp_path / "z.gguf").tensors[name].raw_rows().tobytes() == base.tensors[name].raw_rows().tobytes()
 
 
 @pytest.mark.parametrize("qtype,dtype", [(QType.MXFP4, "bf16")] + [    # 10-20 s each on two busy cores
