@@ -176,3 +176,22 @@ def test_lora_training_equals_its_dequantized_twin(models, tmp_path, qtype, dtyp
         losses.append(res.losses)
     assert np.isfinite(losses[0]).all() and len(losses[0]) == 3
     np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_full_finetune_writes_mxfp4_back_as_mxfp4(models, tmp_path):
+    """A full finetune of an MXFP4 base writes every tensor in the base's type (its trained
+    MXFP4 matrices re-quantized, changed by the step), and the model it writes runs."""
+    from llamatune.commands.finetune import finetune
+    from llamatune.options import FinetuneOptions
+    path, _ = models[QType.MXFP4]
+    (tmp_path / "train.txt").write_text(TEXT)
+    finetune(FinetuneOptions(model_base=path, train_data=tmp_path / "train.txt", ctx=16, batch=2, adam_iter=1,
+                             save_every=0, warmup=1, fine_tune_type="full", adam_alpha=1e-3,
+                             checkpoint_out=tmp_path / "chk-ITERATION.gguf",
+                             model_out=tmp_path / "model-ITERATION.gguf"), quiet=True)
+    out = GGUFFile(next(tmp_path.glob("model-*.gguf")))
+    base = GGUFFile(path)
+    for n, t in base.tensors.items():
+        assert out.tensors[n].qtype == t.qtype, n
+    assert out.tensors["blk.0.ffn_down.weight"].raw_rows().tobytes() != base.tensors["blk.0.ffn_down.weight"].raw_rows().tobytes()
+    assert np.isfinite(Runner(Model(out.path)).forward(np.array([[1, 17, 42, 7]]))).all()
