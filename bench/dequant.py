@@ -2,7 +2,9 @@
 
 One (1536, 512) matrix, the largest of the finetune bench shape, per GGML type with a
 numba kernel, quantized by llamatune's own quantizer (so its scales are the normal
-floats of a real model, not random bits); F16 and BF16 are the matrix cast. Each
+floats of a real model, not random bits); F16 and BF16 are the matrix cast; MXFP4 is
+the gguf package's quantization; IQ4_NL and IQ4_XS, which nothing here quantizes, are
+random codes under normal scales (a 4-bit code's cost does not depend on its value). Each
 thread count runs in a fresh process with numba's thread count set before it loads.
 The rate is the best of --repeat expansions after one warm-up (compilation excluded):
 the least disturbed by other processes on a shared machine.
@@ -25,7 +27,7 @@ import time
 from children import rows_per_thread_count
 
 ROWS, COLS = 1536, 512
-TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
+TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,MXFP4,IQ4_NL,IQ4_XS"
 
 
 def data_of(name: str, x):
@@ -37,6 +39,16 @@ def data_of(name: str, x):
         return x.astype(np.float16).view(np.uint8)
     if name == "BF16":
         return (x.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    if name == "MXFP4":
+        import gguf
+        return gguf.quants.quantize(x, T.MXFP4)
+    if name in ("IQ4_NL", "IQ4_XS"):
+        from gguf import GGML_QUANT_SIZES
+        block, size = GGML_QUANT_SIZES[T[name]]
+        raw = np.random.default_rng(1).integers(0, 256, (x.shape[0], x.shape[1] // block, size), np.uint8)
+        d = np.abs(x).max() / 127 / (1 if name == "IQ4_NL" else 31)
+        raw[:, :, :2] = np.array([d], np.float16).view(np.uint8)
+        return raw.reshape(x.shape[0], -1)
     return quantize(x, T[name])
 
 

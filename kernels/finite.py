@@ -9,6 +9,9 @@ So a row is non-finite exactly when one of its float fields is: the f16 ``d`` (a
 ``m``/``dmin``) of each block of the quantized types, every value of F16/BF16/F32.
 The kernel reads only those fields and tests their exponent bits (all ones = inf
 or nan), so it touches 2-4 bytes per block instead of dequantizing 32-256 values.
+MXFP4 is the exception: its scale is a power of two, 2^(e-128) for the byte e (never
+inf or nan), and a value kv * 2^(e-128) (|kv| <= 12) overflows to inf exactly when
+|kv| >= 2^(256-e), possible only for e >= 253; the codes of those blocks are read.
 
 Reference: ``nonfinite_rows_ref`` dequantizes with the gguf package and applies
 ``np.isfinite``; the two agree row for row on every type in ``SCAN_TYPES``.
@@ -37,10 +40,12 @@ _FIELDS = {
     T.Q4_K: (_F16, (0, 2)),               # d, dmin, scales[12], qs[128]
     T.Q5_K: (_F16, (0, 2)),               # d, dmin, scales[12], qh[32], qs[128]
     T.Q6_K: (_F16, (208,)),               # ql[128], qh[64], scales[16], d
+    T.IQ4_NL: (_F16, (0,)),               # d, qs[16]
+    T.IQ4_XS: (_F16, (0,)),               # d, scales_h, scales_l[4], qs[128]
 }
 _OFFSETS = {t: np.asarray(offs, np.int64) for t, (_, offs) in _FIELDS.items()}
 
-SCAN_TYPES: frozenset[int] = frozenset(int(t) for t in _FIELDS)
+SCAN_TYPES: frozenset[int] = frozenset(int(t) for t in _FIELDS) | {int(T.MXFP4)}
 """GGML type ids the kernel scans; others are checked through the reference."""
 
 
@@ -92,6 +97,26 @@ def _nonfinite_rows(data, type_size, offsets, out):
         out[i] = bad
 
 
+_KV_MXFP4_ABS = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)   # |kvalues_mxfp4[q]| by q & 7
+
+
+@njit(cache=True, parallel=True)
+def _nonfinite_mxfp4_rows(data, out):
+    # block_mxfp4 (17 B): e, qs[16]; a value kv[q] * 2^(e-128) is inf exactly when
+    # |kv[q]| >= 2^(256-e): 8, 4, 2 for e = 253, 254, 255, none below
+    for i in prange(data.shape[0]):
+        row = data[i]
+        bad = False
+        for o in range(0, row.shape[0], 17):
+            e = np.int32(row[o])
+            if e >= 253:
+                limit = np.int32(1) << (256 - e)
+                for j in range(o + 1, o + 17):
+                    q = np.int32(row[j])
+                    bad |= _KV_MXFP4_ABS[q & 7] >= limit or _KV_MXFP4_ABS[(q >> 4) & 7] >= limit
+        out[i] = bad
+
+
 def nonfinite_rows_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
     """out[i] = row i of the tensor bytes `data` (C-contiguous uint8 (n_rows, row_bytes))
     holds a non-finite value once dequantized. `qtype` must be in SCAN_TYPES."""
@@ -106,7 +131,9 @@ def nonfinite_rows_into(data: np.ndarray, qtype: int, out: np.ndarray) -> None:
     if not (isinstance(out, np.ndarray) and out.dtype == np.bool_ and out.shape == (data.shape[0],)
             and out.flags.writeable):
         raise ValueError(f"out must be a writeable bool array of shape ({data.shape[0]},)")
-    if T(qtype) in (T.F16, T.BF16, T.F32):
+    if T(qtype) == T.MXFP4:
+        _nonfinite_mxfp4_rows(data, out)
+    elif T(qtype) in (T.F16, T.BF16, T.F32):
         _nonfinite_float_rows(data, _FIELDS[T(qtype)][0], out)
     else:
         _nonfinite_rows(data, type_size, _OFFSETS[T(qtype)], out)

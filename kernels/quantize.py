@@ -1,8 +1,10 @@
 """Quantization of float32 rows into GGUF blocks, for writing tensors in the base
 model's quant type.
 
-* F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1: dispatched to ``gguf.quants.quantize``
-  (gguf-py already mirrors llama.cpp's ``quantize_row_*_ref`` for these).
+* F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4: dispatched to ``gguf.quants.quantize``
+  (gguf-py already mirrors llama.cpp's ``quantize_row_*_ref`` for these; MXFP4's was
+  checked byte for byte against ``quantize_row_mxfp4_ref`` on 139264 blocks: normal,
+  tiny and huge scales, zero blocks, powers of two, 1 - 2^-24).
 * Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (gguf-py can only dequantize them): numba ports of
   llama.cpp's ``quantize_row_q{2,3,4,5,6}_K_ref`` and their helpers
   ``make_qkx2_quants`` / ``make_q3_quants`` / ``make_qx_quants`` (ggml/src/ggml-quants.c).
@@ -580,7 +582,7 @@ _K_KERNELS = {
     T.Q5_K: _quantize_q5_k,
     T.Q6_K: _quantize_q6_k,
 }
-_GGUF_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1})
+_GGUF_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4})
 
 QUANTIZABLE: frozenset = frozenset(_K_KERNELS) | _GGUF_TYPES
 """GGML types :func:`quantize` can produce (GGMLQuantizationType members, int-equal)."""

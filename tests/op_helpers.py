@@ -143,14 +143,17 @@ def random_segments(rng, B, T):
 SCALE_OFFSETS = {
     T.Q8_0: [0], T.Q4_0: [0], T.Q5_0: [0], T.Q4_1: [0, 2], T.Q5_1: [0, 2],
     T.Q2_K: [80, 82], T.Q3_K: [108], T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208],
+    T.IQ4_NL: [0], T.IQ4_XS: [0],
 }
+E8M0_OFFSETS = {T.MXFP4: 0}  # byte offset of the power-of-two scale byte (2^(e-128))
 FLOAT_TYPES = [T.F32, T.F16, T.BF16]
-ALL_TYPES = FLOAT_TYPES + list(SCALE_OFFSETS)
+ALL_TYPES = FLOAT_TYPES + list(SCALE_OFFSETS) + list(E8M0_OFFSETS)
 
 
 def random_tensor(qtype, n_rows, n_cols, seed=0):
     """Random bytes (n_rows, row_bytes); for quants the f16 scale fields get finite
-    values, including a few subnormals and signed zeros."""
+    values, including a few subnormals and signed zeros; MXFP4's scale bytes those of
+    a model's weights (2^-28 to 2^6) and the subnormal and smallest normal scales (0, 1, 2)."""
     rng = np.random.default_rng(seed + int(qtype))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     n_blocks = n_cols // block_size
@@ -160,6 +163,10 @@ def random_tensor(qtype, n_rows, n_cols, seed=0):
         flat = scales.reshape(-1)
         flat[:4] = np.array([0.0, -0.0, 6e-8, -3e-6], dtype=np.float16)  # zeros, subnormals
         data[:, :, off:off + 2] = scales.view(np.uint8).reshape(n_rows, n_blocks, 2)
+    if qtype in E8M0_OFFSETS:
+        e = rng.integers(100, 135, size=(n_rows, n_blocks), dtype=np.uint8)
+        e.reshape(-1)[:3] = [0, 1, 2]
+        data[:, :, E8M0_OFFSETS[qtype]] = e
     return data.reshape(n_rows, n_blocks * type_size)
 
 

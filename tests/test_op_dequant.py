@@ -1,6 +1,7 @@
 """dequant (kernels/dequant.py, kernels/cuda/dequant.py): every supported GGML type
 bit for bit against gguf.quants.dequantize on the CPU and CUDA kernels (plain and
-row gathers, every f16 bit pattern), the types without a kernel through gguf, the
+row gathers, every f16 bit pattern, every code under every scale of MXFP4, IQ4_NL and
+IQ4_XS), the types without a kernel through gguf, the
 reference models' tensors, the edges of the CUDA launch layout (one warp per
 256-value unit of a row, WARPS units per thread block: rows of a single block,
 partial units and thread blocks, many rows, row slices, repeated gathers, no write
@@ -36,8 +37,8 @@ def small_cols(qtype):
 
 @pytest.mark.parametrize("b", cases())
 def test_kernel_types(b):
-    """The CUDA kernels cover exactly the CPU kernels' types: the floats and the
-    legacy and K quants."""
+    """The CUDA kernels cover exactly the CPU kernels' types: the floats, the legacy
+    and K quants, MXFP4, IQ4_NL and IQ4_XS."""
     types = b.k.dequant.CUDA_TYPES if b.cuda else NUMBA_TYPES
     assert types == frozenset(int(t) for t in ALL_TYPES)
 
@@ -75,7 +76,7 @@ def _special_halves():
                0x0400, 0x8400, 0x3C00, 0x3BFF, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01,
                0x7DFF, 0x7E00, 0x7FFF, 0xFC01, 0xFE00, 0xFFFF]
     rng = np.random.default_rng(0)
-    return np.concatenate([special, rng.integers(0, 65536, 64 - len(special))]).astype(np.uint16)[None]
+    return np.concatenate([special, rng.integers(0, 65536, 64 - len(special))]).astype(np.uint16).reshape(1, 64)
 
 
 @pytest.mark.parametrize("b,halves", cases(cpu=[(np.arange(65536, dtype=np.uint16).reshape(128, 512),)],
@@ -88,6 +89,72 @@ def test_f16_bit_patterns(b, halves):
     b.k.dequant.dequantize_into(b.to(halves.view(np.uint8)), int(T.F16), out)
     np.testing.assert_array_equal(b.get(out).view(np.uint32),
                                   halves.view(np.float16).astype(np.float32).view(np.uint32))
+
+
+# ------------------------------------------------------------ every code and scale of the 4-bit codebook types
+
+KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float64)
+KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+CODES = (np.arange(16) | ((15 - np.arange(16)) << 4)).astype(np.uint8)  # every code in both nibbles
+FINITE_HALVES = np.array([0.0, -0.0, 6e-8, -6e-8, 6.1e-5, 1.0, -0.5, 65504.0, -65504.0, 3e-3, -7e-4,
+                          0.0123, 1e-6, -2.5e-5, 0.25, 17.0], np.float16)   # zeros, subnormals, extremes
+
+
+def nibble_values(kv):
+    """The 32 values of a block whose qs are CODES: low nibbles (j), then high (j + 16)."""
+    return np.concatenate([kv[CODES & 15], kv[CODES >> 4]])
+
+
+def mxfp4_every_scale():
+    """256 blocks, block e with scale byte e and every code; expected kv * 2^(e-128) (exact
+    in float64, rounded once: subnormal scales for e < 2, inf where it overflows)."""
+    data = np.concatenate([np.arange(256, dtype=np.uint8)[:, None], np.tile(CODES, (256, 1))], axis=1)
+    with np.errstate(over="ignore"):
+        want = (np.ldexp(nibble_values(KV_MXFP4)[None], np.arange(256)[:, None] - 128)).astype(np.float32)
+    return data.reshape(8, 32 * 17), want.reshape(8, 32 * 32)
+
+
+def iq4_nl_every_scale():
+    """16 blocks: d from FINITE_HALVES, every code; y = d * kv."""
+    data = np.concatenate([FINITE_HALVES.view(np.uint8).reshape(16, 2), np.tile(CODES, (16, 1))], axis=1)
+    want = FINITE_HALVES.astype(np.float32)[:, None] * nibble_values(KV_IQ4NL)[None]
+    return data.reshape(2, 8 * 18), want.reshape(2, 8 * 32)
+
+
+def iq4_xs_every_scale():
+    """8 super-blocks, super-block s: d = FINITE_HALVES[s], its sub-block k the 6-bit
+    scale ls = 8 s + k (all 64), every code; y = (d * (ls - 32)) * kv."""
+    blocks = np.zeros((8, 136), np.uint8)
+    want = np.zeros((8, 256), np.float32)
+    for s in range(8):
+        ls = 8 * s + np.arange(8)
+        blocks[s, 0:2] = FINITE_HALVES[s:s + 1].view(np.uint8)
+        blocks[s, 2:4] = np.array([sum(int((ls[k] >> 4) & 3) << (2 * k) for k in range(8))], "<u2").view(np.uint8)
+        blocks[s, 4:8] = (ls[0::2] & 15) | ((ls[1::2] & 15) << 4)
+        blocks[s, 8:] = np.tile(CODES, 8)
+        dl = np.float32(FINITE_HALVES[s]) * (ls - 32).astype(np.float32)
+        want[s] = (dl[:, None] * nibble_values(KV_IQ4NL)[None]).reshape(-1)
+    return blocks.reshape(2, 4 * 136), want.reshape(2, 1024)
+
+
+EVERY_SCALE = {T.MXFP4: mxfp4_every_scale, T.IQ4_NL: iq4_nl_every_scale, T.IQ4_XS: iq4_xs_every_scale}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")   # the CUDA simulator's numpy
+@pytest.mark.parametrize("b,qtype", cases(cpu=[(q,) for q in EVERY_SCALE], cuda=[(q,) for q in EVERY_SCALE]))
+def test_codebook_types_every_code_and_scale(b, qtype):
+    """Every 4-bit code under every scale (MXFP4: all 256 scale bytes, including the
+    subnormal ones and those that overflow to inf; IQ4_XS: all 64 sub-block scales;
+    IQ4_NL and IQ4_XS: f16 zeros, subnormals and extremes) against the formula of
+    ggml's dequantize_row_*, and bit for bit against gguf."""
+    data, want = EVERY_SCALE[qtype]()
+    out = b.nan(want.shape)
+    b.k.dequant.dequantize_into(b.to(data), int(qtype), out)
+    with np.errstate(over="ignore"):
+        expected = oracle(data, qtype, want.shape[1])
+    got = b.get(out)
+    assert_bit_equal(got, want)
+    assert_bit_equal(got, expected)
 
 
 def test_f16_all_bit_patterns():
@@ -258,7 +325,7 @@ def _cuda(qtype=T.Q8_0, rows=2, on_host=False):
     (_cuda(on_host=True), ValueError, "device array"),
     (_cuda(qtype=T.Q4_0), ValueError, "bytes"),
     (_cuda(rows=3), ValueError, "rows"),
-    (_cuda(qtype=T.IQ4_NL), ValueError, "no CUDA"),
+    (_cuda(qtype=T.IQ2_XXS), ValueError, "no CUDA"),
 ]))
 def test_argument_checks_raise(b, call, exc, match):
     with pytest.raises(exc, match=match):

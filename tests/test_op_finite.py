@@ -67,20 +67,29 @@ def test_poisoned_floats_agree_with_reference(qtype, value):
 
 
 def test_types_without_kernel_use_the_reference():
-    # IQ4_NL (18-byte blocks: f16 d, 16 bytes of 4-bit indices) has no kernel; row 1 gets d = nan
-    data = np.zeros((3, 2, 18), np.uint8)
+    # IQ2_XXS (66-byte blocks of 256: f16 d, 64 bytes of grid indices, signs and scales)
+    # has no kernel; row 1 gets d = nan
+    assert int(T.IQ2_XXS) not in SCAN_TYPES
+    data = np.zeros((3, 2, 66), np.uint8)
     data[:, :, 0:2] = np.array([0.5], np.float16).view(np.uint8)
     data[1, 1, 0:2] = np.array([np.nan], np.float16).view(np.uint8)
-    got = nonfinite_rows(data.reshape(3, 36), T.IQ4_NL, 64)
+    got = nonfinite_rows(data.reshape(3, 132), T.IQ2_XXS, 512)
     np.testing.assert_array_equal(got, [False, True, False])
 
 
-def test_argument_checks():
-    with pytest.raises(ValueError, match="no finite-scan kernel for GGML type F64"):
-        nonfinite_rows_into(np.zeros((1, 8), np.uint8), T.F64, np.empty(1, bool))
-    with pytest.raises(ValueError, match="C-contiguous 2-D uint8"):
-        nonfinite_rows_into(np.zeros((1, 8), np.float32), T.F32, np.empty(1, bool))
-    with pytest.raises(ValueError, match="not whole blocks of 34"):
-        nonfinite_rows_into(np.zeros((1, 35), np.uint8), T.Q8_0, np.empty(1, bool))
-    with pytest.raises(ValueError, match=r"out must be a writeable bool array of shape \(1,\)"):
-        nonfinite_rows_into(np.zeros((1, 34), np.uint8), T.Q8_0, np.empty(2, bool))
+def test_mxfp4_every_code_and_scale_byte():
+    """MXFP4's scale is 2^(e-128), never inf or nan; a value overflows only for scale
+    bytes e >= 253 with a large enough code: one block per (e, code) pair, a row each,
+    the code in the first high nibble and then in the last low nibble (the other codes 0)."""
+    e = np.repeat(np.arange(256, dtype=np.uint8), 16)
+    code = np.tile(np.arange(16, dtype=np.uint8), 256)
+    high, low = np.zeros((4096, 17), np.uint8), np.zeros((4096, 17), np.uint8)
+    high[:, 0], high[:, 1] = e, code << 4
+    low[:, 0], low[:, 16] = e, code
+    kv = np.abs(np.array([0, 1, 2, 3, 4, 6, 8, 12] * 2))
+    overflows = kv[code] * 2.0 ** (e.astype(np.int64) - 128) >= 2.0 ** 128
+    assert overflows.sum() == 4 + 8 + 12                 # e = 253: |kv| >= 8; 254: >= 4; 255: >= 2
+    for blocks in (high, low):
+        want = nonfinite_rows_ref(blocks, T.MXFP4, 32)
+        np.testing.assert_array_equal(want, overflows)
+        np.testing.assert_array_equal(kernel(blocks, T.MXFP4), want)

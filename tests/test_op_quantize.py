@@ -147,7 +147,7 @@ def test_fidelity_to_llama_quantize():
 
 
 # --------------------------------------------------------------- gguf dispatch
-@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1],
+@pytest.mark.parametrize("qtype", [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4],
                          ids=lambda t: t.name)
 def test_gguf_types_dispatch(qtype):
     x = rt_data()[:, :256]
@@ -160,9 +160,9 @@ def test_gguf_types_dispatch(qtype):
 
 def test_quantizable_and_errors():
     assert QUANTIZABLE == frozenset(K_TYPES) | {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1,
-                                                T.Q5_0, T.Q5_1}
+                                                T.Q5_0, T.Q5_1, T.MXFP4}
     x = np.zeros((2, 256), np.float32)
-    for bad in (T.IQ2_XXS, T.Q8_K, T.TQ1_0):
+    for bad in (T.IQ2_XXS, T.Q8_K, T.TQ1_0, T.IQ4_NL, T.IQ4_XS):
         with pytest.raises(ValueError, match=bad.name):
             quantize(x, bad)
     with pytest.raises(ValueError, match="Q4_K.*multiple of 256"):

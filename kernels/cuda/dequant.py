@@ -1,8 +1,8 @@
 """CUDA dequantization of GGUF tensor data to float32, bit for bit like the CPU
 kernels in ``llamatune.kernels.dequant`` (and so like ``gguf.quants.dequantize``).
 
-Launch layout. A row is cut into units of 256 values: one K-quant super-block,
-eight 32-value legacy blocks, or 256 plain floats. One warp dequantizes one unit;
+Launch layout. A row is cut into units of 256 values: one K-quant (or IQ4_XS) super-block,
+eight 32-value legacy (or IQ4_NL, MXFP4) blocks, or 256 plain floats. One warp dequantizes one unit;
 a thread block of ``WARPS`` warps (128 threads) covers ``WARPS`` consecutive units
 of one row: grid (n_rows, ceil(ceil(n_cols / 256) / WARPS)). Lane t of a warp
 computes values t, t+32, ..., t+224 of its unit, so at each of its eight stores
@@ -296,6 +296,59 @@ def _v_q6_k(src, o, i, a, b):
     return fmul(a, _f(q - 32))
 
 
+# ------------------------------------------------- 4-bit codebook types
+# y = kv[q] * d: a 4-bit code picks one of 16 integers (kept as float32, exact; a
+# global array, so a constant of the kernel), times its block's or sub-block's scale.
+_KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # e2m1 doubled
+_KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+@cuda.jit(device=True)
+def _s_mxfp4(src, o, e):
+    # block_mxfp4 (17 B): e(E8M0) qs[16];  d = 2^(e-128) by its bits (ggml_e8m0_to_fp32_half)
+    x = np.uint32(_b(src, o + 17 * e))
+    bits = (np.uint32(0x00200000) << x) if x < 2 else ((x - np.uint32(1)) << np.uint32(23))
+    return bits_to_f32(np.uint32(bits)), np.float32(0)
+
+
+@cuda.jit(device=True)
+def _v_mxfp4(src, o, i, a, b):
+    # y = kv[q] * d
+    l = i & 31
+    q = _nibble(_b(src, o + 17 * (i >> 5) + 1 + (l & 15)), l)
+    return fmul(_KV_MXFP4[np.uint32(q)], a)
+
+
+@cuda.jit(device=True)
+def _s_iq4_nl(src, o, e):
+    # block_iq4_nl (18 B): d(f16) qs[16]
+    return _f16(src, o + 18 * e), np.float32(0)
+
+
+@cuda.jit(device=True)
+def _v_iq4_nl(src, o, i, a, b):
+    # y = d * kv[q]
+    l = i & 31
+    q = _nibble(_b(src, o + 18 * (i >> 5) + 2 + (l & 15)), l)
+    return fmul(a, _KV_IQ4NL[np.uint32(q)])
+
+
+@cuda.jit(device=True)
+def _s_iq4_xs(src, o, e):
+    # block_iq4_xs (136 B): d(f16) scales_h(u16) scales_l[4] qs[128]; sub-block e's 6-bit
+    # scale: low 4 bits from scales_l[e/2] (nibble e%2), high 2 from bits 2e of scales_h
+    ls = ((_b(src, o + 4 + (e >> 1)) >> (4 * (e & 1))) & 0xF) | (((_u16(src, o + 2) >> (2 * e)) & 3) << 4)
+    return fmul(_f16(src, o), _f(ls - 32)), np.float32(0)
+
+
+@cuda.jit(device=True)
+def _v_iq4_xs(src, o, i, a, b):
+    # y = (d*(ls-32)) * kv[q];  sub-block i/32's codes at qs[16 (i/32)], as IQ4_NL
+    l = i & 31
+    q = _nibble(_b(src, o + 8 + 16 * (i >> 5) + (l & 15)), l)
+    return fmul(a, _KV_IQ4NL[np.uint32(q)])
+
+
 # qtype -> (value function, scale function, values per scale entry)
 _FNS = {int(t): f for t, f in {
     T.F32: (_v_f32, None, 32), T.F16: (_v_f16, None, 32), T.BF16: (_v_bf16, None, 32),
@@ -305,6 +358,8 @@ _FNS = {int(t): f for t, f in {
     T.Q2_K: (_v_q2_k, _s_q2_k, 16), T.Q3_K: (_v_q3_k, _s_q3_k, 16),
     T.Q4_K: (_v_q4_k, _s_q4_k, 32), T.Q5_K: (_v_q5_k, _s_q4_k, 32),
     T.Q6_K: (_v_q6_k, _s_q6_k, 16),
+    T.MXFP4: (_v_mxfp4, _s_mxfp4, 32), T.IQ4_NL: (_v_iq4_nl, _s_iq4_nl, 32),
+    T.IQ4_XS: (_v_iq4_xs, _s_iq4_xs, 32),
 }.items()}
 
 CUDA_TYPES: frozenset[int] = frozenset(_FNS)

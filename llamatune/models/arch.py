@@ -152,6 +152,29 @@ def _declared() -> tuple[str, ...]:
     return tuple(sorted(m.name for m in pkgutil.iter_modules(archs.__path__) if not m.name.startswith("_")))
 
 
+# general.architecture of llama.cpp's mixture-of-experts families (src/llama-arch.cpp, the
+# openai-moe of its first gpt-oss files too); a file of any other architecture whose
+# `{arch}.expert_count` is above 0 is one as well (Mixtral's architecture is `llama`)
+MOE_ARCHS = frozenset({
+    "afmoe", "arctic", "bailingmoe", "bailingmoe2", "bailingmoe3", "cohere2moe", "dbrx", "deepseek",
+    "deepseek2", "deepseek32", "deepseek4", "dots1", "ernie4_5-moe", "exaone-moe", "glm4moe", "gpt-oss",
+    "granitemoe", "grok", "grovemoe", "hunyuan-moe", "jamba", "lfm2moe", "llada-moe", "llama4",
+    "minimax-m2", "nemotron_h_moe", "olmoe", "openai-moe", "phimoe", "qwen2moe", "qwen35moe",
+    "qwen3moe", "qwen3next", "qwen3vlmoe", "smallthinker",
+})
+
+
+def check_dense(name: str, n_experts: int) -> None:
+    """Refuse a mixture-of-experts model (a family of MOE_ARCHS, or `n_experts`, the file's
+    `{arch}.expert_count`, above 0), in one line naming its architecture and the supported
+    ones: no architecture declared here has experts yet."""
+    if n_experts == 0 and name not in MOE_ARCHS:
+        return
+    experts = f" with {n_experts} experts" if n_experts else ""
+    raise LlamatuneError(f"architecture '{name}'{experts} is a mixture of experts; mixture-of-experts models "
+                         f"are not supported yet (supported: dense models of {', '.join(supported())})")
+
+
 def get_arch(name: str) -> Arch:
     """The declaration of architecture `name`; an error listing the supported ones otherwise."""
     if name not in _declared():

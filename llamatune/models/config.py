@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import LlamatuneError
 from ..formats.gguf_io import check_float, check_int, describe
-from .arch import Arch, get_arch
+from .arch import Arch, check_dense, get_arch
 
 MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
 
@@ -141,7 +141,9 @@ class ModelConfig:
         if not isinstance(arch, str):
             raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
                                  "expected a string")
+        n_experts = check_int(md.get(f"{arch}.expert_count", 0), 0, MAX_COUNT, f"{source}: metadata key '{arch}.expert_count'")
         try:
+            check_dense(arch, n_experts)
             spec = get_arch(arch)
         except LlamatuneError as e:
             raise LlamatuneError(f"{source}: {e}") from None
