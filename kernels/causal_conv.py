@@ -1,0 +1,182 @@
+"""The short causal depthwise convolution with SiLU of the gated delta-net layers
+(Qwen3.5, Qwen3-Next), forward and backward (numba CPU kernels + numpy references).
+
+    y[t, c] = sum_j w[c, j] x[t + j - (K - 1), c],   out = silu(y)     (K = 4 in the models)
+
+with x = 0 before the sequence (training), or the K - 1 inputs of a decode state.
+This is HF transformers' `causal_conv1d_fn` / `causal_conv1d_update` with
+activation "silu" (modeling_qwen3_5.py: F.conv1d with groups = channels, padding
+K - 1, the first T outputs), and llama.cpp's ggml_ssm_conv on the concatenation of
+the conv state and the new tokens, then ggml_silu (src/models/qwen35.cpp,
+delta-net-base.cpp `build_conv_state`). w (C, K) is HF's conv1d.weight (C, 1, K)
+squeezed, and the GGUF's ssm_conv1d (ne = [K, C]).
+
+Decoding: `state` (B, K - 1, C) holds the K - 1 inputs before x, oldest first (llama.cpp
+keeps the same K - 1 columns; HF keeps K); the forward reads it and then overwrites
+it with the last K - 1 inputs of [state | x], for the next call.
+
+The backward recomputes y (nothing saved): dy = dout * silu'(y),
+dx[s, c] = sum_j w[c, j] dy[s + K - 1 - j, c], dw[c, j] += sum_t dy[t, c] x[t + j - (K - 1), c].
+Gradient rule: dx overwritten, dw accumulated (+=), as rmsnorm's.
+"""
+
+import numpy as np
+from numba import njit, prange
+
+from ._checks import check_array
+from .vecmath import FASTMATH
+from .vecmath import expf as _exp
+
+_DW_ROWS = 128  # rows per dw task (each sums into its own row of a scratch, added in order)
+_DX_COLS = 64  # channels per dx task
+
+
+@njit(inline="always")
+def _source(x, state, b, s):
+    # row s of [state | x] along time, s = t + j - (K - 1) relative to x
+    return x[b, s] if s >= 0 else state[b, state.shape[1] + s]
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
+def _conv_kernel(out, x, wt, state, grad):
+    # grad False: out (B, T, C) = silu(y); grad True: out holds dout in, dy out.
+    # wt (K, C) = w^T; state (B, K - 1, C) the inputs before x (zeros in training)
+    B, T, C = x.shape
+    K = wt.shape[0]
+    for r in prange(B * T):
+        b, t = r // T, r % T
+        y = np.zeros(C, x.dtype)
+        for j in range(K):
+            src = _source(x, state, b, t + j - (K - 1))
+            for c in range(C):
+                y[c] += wt[j, c] * src[c]
+        row = out[b, t]
+        for c in range(C):
+            sg = 1 / (1 + _exp(-y[c]))
+            if grad:  # silu'(y) = sg (1 + y (1 - sg))
+                row[c] = row[c] * sg * (1 + y[c] * (1 - sg))
+            else:
+                row[c] = y[c] * sg
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _conv_dw_kernel(dw, dy, x, state):
+    # dw (C, K) += sum_t dy[t, c] x[t + j - (K - 1), c]: blocks of _DW_ROWS rows sum into
+    # their own float64 rows, added in block order (independent of the thread count)
+    B, T, C = x.shape
+    K = dw.shape[1]
+    n_blocks = (B * T + _DW_ROWS - 1) // _DW_ROWS
+    part = np.zeros((n_blocks, K, C))
+    for bi in prange(n_blocks):
+        acc = part[bi]
+        for r in range(bi * _DW_ROWS, min(B * T, bi * _DW_ROWS + _DW_ROWS)):
+            b, t = r // T, r % T
+            for j in range(K):
+                src = _source(x, state, b, t + j - (K - 1))
+                for c in range(C):
+                    acc[j, c] += dy[b, t, c] * src[c]
+    for bi in range(n_blocks):
+        for j in range(K):
+            for c in range(C):
+                dw[c, j] += part[bi, j, c]
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _conv_dx_kernel(d, wt):
+    # d (B, T, C): dy in, dx out, in place: dx[s] = sum_j wt[j] dy[s + K - 1 - j]; along
+    # time in increasing s, row s's dy is read before its dx is written and no later
+    # row needs it. Tasks are (batch row, block of _DX_COLS channels).
+    B, T, C = d.shape
+    K = wt.shape[0]
+    n_cols = (C + _DX_COLS - 1) // _DX_COLS
+    for task in prange(B * n_cols):
+        b, c0 = task // n_cols, (task % n_cols) * _DX_COLS
+        c1 = min(C, c0 + _DX_COLS)
+        acc = np.empty(c1 - c0, d.dtype)
+        for s in range(T):
+            for c in range(c0, c1):
+                acc[c - c0] = 0
+            for j in range(K):
+                u = s + K - 1 - j
+                if u < T:
+                    for c in range(c0, c1):
+                        acc[c - c0] += wt[j, c] * d[b, u, c]
+            for c in range(c0, c1):
+                d[b, s, c] = acc[c - c0]
+
+
+def _check(x, w, state, name_state="state"):
+    if not isinstance(x, np.ndarray) or x.ndim != 3 or x.dtype not in (np.float32, np.float64):
+        raise ValueError("causal_conv: x must be a 3-D float32 or float64 array (B, T, C)")
+    if not isinstance(w, np.ndarray) or w.ndim != 2 or w.shape[0] != x.shape[2] or w.shape[1] < 1:
+        got = f"{w.dtype} {w.shape}" if isinstance(w, np.ndarray) else type(w).__name__
+        raise ValueError(f"causal_conv: w must be a (C, K) array with C = {x.shape[2]}, got {got}")
+    B, T, C = x.shape
+    K = w.shape[1]
+    check_array("causal_conv", "x", x, (B, T, C), x.dtype)
+    check_array("causal_conv", "w", w, (C, K), x.dtype)
+    if state is not None:
+        check_array("causal_conv", name_state, state, (B, K - 1, C), x.dtype)
+    return B, T, C, K
+
+
+def _state_or_zeros(state, B, K, C, dtype):
+    return np.zeros((B, K - 1, C), dtype) if state is None else state
+
+
+def causal_conv_forward(out, x, w, state=None):
+    """out (B, T, C) = silu(causal depthwise conv of x (B, T, C) with w (C, K));
+    state: None (zeros before x) or (B, K - 1, C), read and then overwritten with the
+    last K - 1 inputs (decoding; module docstring)."""
+    B, T, C, K = _check(x, w, state)
+    check_array("causal_conv", "out", out, x.shape, x.dtype)
+    src = _state_or_zeros(state, B, K, C, x.dtype)
+    _conv_kernel(out, x, np.ascontiguousarray(w.T), src, False)
+    if state is not None and K > 1:
+        state[...] = np.concatenate([state, x], axis=1)[:, -(K - 1):]
+
+
+def causal_conv_backward(dx, dw, dout, x, w, state=None):
+    """dx (B, T, C) = dL/dx (overwritten); dw (C, K) += dL/dw; dout, x (B, T, C); w (C, K);
+    state: None (zeros before x, training) or (B, K - 1, C), the forward's state as it
+    was before the forward (read only)."""
+    B, T, C, K = _check(x, w, state)
+    for name, a, shape in (("dx", dx, x.shape), ("dw", dw, w.shape), ("dout", dout, x.shape)):
+        check_array("causal_conv", name, a, shape, x.dtype)
+    src = _state_or_zeros(state, B, K, C, x.dtype)
+    wt = np.ascontiguousarray(w.T)
+    dx[...] = dout
+    _conv_kernel(dx, x, wt, src, True)  # dx = dy
+    _conv_dw_kernel(dw, dx, x, src)
+    _conv_dx_kernel(dx, wt)
+
+
+# ----------------------------------------------------------------------------
+# numpy references: same arguments and contract as the kernels, no checks
+
+
+def _preact_ref(x, w, state):
+    B, T, C = x.shape
+    K = w.shape[1]
+    xx = np.concatenate([np.zeros((B, K - 1, C), x.dtype) if state is None else state, x], axis=1)
+    y = sum(w[:, j] * xx[:, j: j + T] for j in range(K))
+    return y, xx
+
+
+def causal_conv_forward_ref(out, x, w, state=None):
+    y, xx = _preact_ref(x, w, state)
+    out[...] = y / (1 + np.exp(-y))
+    if state is not None and w.shape[1] > 1:
+        state[...] = xx[:, -(w.shape[1] - 1):]
+
+
+def causal_conv_backward_ref(dx, dw, dout, x, w, state=None):
+    T, K = x.shape[1], w.shape[1]
+    y, xx = _preact_ref(x, w, state)
+    sg = 1 / (1 + np.exp(-y))
+    dy = dout * sg * (1 + y * (1 - sg))
+    dxx = np.zeros_like(xx)
+    for j in range(K):
+        dxx[:, j: j + T] += w[:, j] * dy
+        dw[:, j] += np.sum(dy * xx[:, j: j + T], axis=(0, 1))
+    dx[...] = dxx[:, K - 1:]
