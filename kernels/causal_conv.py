@@ -27,8 +27,7 @@ from ._checks import check_array
 from .vecmath import FASTMATH
 from .vecmath import expf as _exp
 
-_DW_ROWS = 128  # rows per dw task (each sums into its own row of a scratch, added in order)
-_DX_COLS = 64  # channels per dx task
+_ROWS = 64  # rows (time steps of one batch row) per task
 
 
 @njit(inline="always")
@@ -37,72 +36,87 @@ def _source(x, state, b, s):
     return x[b, s] if s >= 0 else state[b, state.shape[1] + s]
 
 
+@njit(inline="always")
+def _preact(y, x, wt, state, b, t):
+    # y (C,) = the convolution's output before the SiLU at (b, t)
+    K = wt.shape[0]
+    y[:] = 0
+    for j in range(K):
+        src = _source(x, state, b, t + j - (K - 1))
+        for c in range(y.shape[0]):
+            y[c] += wt[j, c] * src[c]
+
+
 @njit(cache=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _conv_kernel(out, x, wt, state, grad):
-    # grad False: out (B, T, C) = silu(y); grad True: out holds dout in, dy out.
-    # wt (K, C) = w^T; state (B, K - 1, C) the inputs before x (zeros in training)
+def _conv_forward_kernel(out, x, wt, state):
+    # out (B, T, C) = silu(y); wt (K, C) = w^T; state (B, K - 1, C) the inputs before x
+    B, T, C = x.shape
+    n_blocks = (T + _ROWS - 1) // _ROWS
+    for task in prange(B * n_blocks):
+        b, t0 = task // n_blocks, (task % n_blocks) * _ROWS
+        y = np.empty(C, x.dtype)
+        for t in range(t0, min(T, t0 + _ROWS)):
+            _preact(y, x, wt, state, b, t)
+            for c in range(C):
+                out[b, t, c] = y[c] / (1 + _exp(-y[c]))
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
+def _conv_dy_dw_kernel(d, dw, x, wt, state):
+    # d (B, T, C): dout in, dy = dout * silu'(y) out, silu'(y) = s (1 + y (1 - s)), s = sigmoid(y);
+    # dw (C, K) += sum_t dy[t, c] x[t + j - (K - 1), c]: each task sums its rows into its own
+    # float64 row of a scratch, and the rows are added in task order (independent of the
+    # thread count)
     B, T, C = x.shape
     K = wt.shape[0]
-    for r in prange(B * T):
-        b, t = r // T, r % T
-        y = np.zeros(C, x.dtype)
-        for j in range(K):
-            src = _source(x, state, b, t + j - (K - 1))
+    n_blocks = (T + _ROWS - 1) // _ROWS
+    part = np.zeros((B * n_blocks, K, C))
+    for task in prange(B * n_blocks):
+        b, t0 = task // n_blocks, (task % n_blocks) * _ROWS
+        y = np.empty(C, x.dtype)
+        acc = part[task]
+        for t in range(t0, min(T, t0 + _ROWS)):
+            _preact(y, x, wt, state, b, t)
             for c in range(C):
-                y[c] += wt[j, c] * src[c]
-        row = out[b, t]
-        for c in range(C):
-            sg = 1 / (1 + _exp(-y[c]))
-            if grad:  # silu'(y) = sg (1 + y (1 - sg))
-                row[c] = row[c] * sg * (1 + y[c] * (1 - sg))
-            else:
-                row[c] = y[c] * sg
-
-
-@njit(cache=True, parallel=True, fastmath=FASTMATH)
-def _conv_dw_kernel(dw, dy, x, state):
-    # dw (C, K) += sum_t dy[t, c] x[t + j - (K - 1), c]: blocks of _DW_ROWS rows sum into
-    # their own float64 rows, added in block order (independent of the thread count)
-    B, T, C = x.shape
-    K = dw.shape[1]
-    n_blocks = (B * T + _DW_ROWS - 1) // _DW_ROWS
-    part = np.zeros((n_blocks, K, C))
-    for bi in prange(n_blocks):
-        acc = part[bi]
-        for r in range(bi * _DW_ROWS, min(B * T, bi * _DW_ROWS + _DW_ROWS)):
-            b, t = r // T, r % T
+                sg = 1 / (1 + _exp(-y[c]))
+                d[b, t, c] = d[b, t, c] * sg * (1 + y[c] * (1 - sg))
             for j in range(K):
                 src = _source(x, state, b, t + j - (K - 1))
                 for c in range(C):
-                    acc[j, c] += dy[b, t, c] * src[c]
-    for bi in range(n_blocks):
+                    acc[j, c] += d[b, t, c] * src[c]
+    for task in range(B * n_blocks):
         for j in range(K):
             for c in range(C):
-                dw[c, j] += part[bi, j, c]
+                dw[c, j] += part[task, j, c]
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH)
 def _conv_dx_kernel(d, wt):
-    # d (B, T, C): dy in, dx out, in place: dx[s] = sum_j wt[j] dy[s + K - 1 - j]; along
-    # time in increasing s, row s's dy is read before its dx is written and no later
-    # row needs it. Tasks are (batch row, block of _DX_COLS channels).
+    # d (B, T, C): dy in, dx out, in place: dx[s] = sum_j wt[j] dy[s + K - 1 - j]. Each task
+    # goes along its block of rows in increasing s: row s's dy is read before its dx is
+    # written and no later row of the block needs it; the K - 1 rows after the block
+    # (another task's) are copied first (halo), as they may be overwritten meanwhile.
     B, T, C = d.shape
     K = wt.shape[0]
-    n_cols = (C + _DX_COLS - 1) // _DX_COLS
-    for task in prange(B * n_cols):
-        b, c0 = task // n_cols, (task % n_cols) * _DX_COLS
-        c1 = min(C, c0 + _DX_COLS)
-        acc = np.empty(c1 - c0, d.dtype)
-        for s in range(T):
-            for c in range(c0, c1):
-                acc[c - c0] = 0
+    n_blocks = (T + _ROWS - 1) // _ROWS
+    halo = np.zeros((B * n_blocks, max(K - 1, 1), C), d.dtype)
+    for task in range(B * n_blocks):
+        b, t1 = task // n_blocks, (task % n_blocks + 1) * _ROWS
+        for u in range(t1, min(T, t1 + K - 1)):
+            halo[task, u - t1] = d[b, u]
+    for task in prange(B * n_blocks):
+        b, t0 = task // n_blocks, (task % n_blocks) * _ROWS
+        t1 = min(T, t0 + _ROWS)
+        acc = np.empty(C, d.dtype)
+        for s in range(t0, t1):
+            acc[:] = 0
             for j in range(K):
                 u = s + K - 1 - j
                 if u < T:
-                    for c in range(c0, c1):
-                        acc[c - c0] += wt[j, c] * d[b, u, c]
-            for c in range(c0, c1):
-                d[b, s, c] = acc[c - c0]
+                    src = d[b, u] if u < t1 else halo[task, u - t1]
+                    for c in range(C):
+                        acc[c] += wt[j, c] * src[c]
+            d[b, s] = acc
 
 
 def _check(x, w, state, name_state="state"):
@@ -131,7 +145,7 @@ def causal_conv_forward(out, x, w, state=None):
     B, T, C, K = _check(x, w, state)
     check_array("causal_conv", "out", out, x.shape, x.dtype)
     src = _state_or_zeros(state, B, K, C, x.dtype)
-    _conv_kernel(out, x, np.ascontiguousarray(w.T), src, False)
+    _conv_forward_kernel(out, x, np.ascontiguousarray(w.T), src)
     if state is not None and K > 1:
         state[...] = np.concatenate([state, x], axis=1)[:, -(K - 1):]
 
@@ -146,8 +160,7 @@ def causal_conv_backward(dx, dw, dout, x, w, state=None):
     src = _state_or_zeros(state, B, K, C, x.dtype)
     wt = np.ascontiguousarray(w.T)
     dx[...] = dout
-    _conv_kernel(dx, x, wt, src, True)  # dx = dy
-    _conv_dw_kernel(dw, dx, x, src)
+    _conv_dy_dw_kernel(dx, dw, x, wt, src)  # dx = dy
     _conv_dx_kernel(dx, wt)
 
 

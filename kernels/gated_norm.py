@@ -39,27 +39,10 @@ def _forward_kernel(out, rstd, x, z, w, eps):
 
 
 @njit(cache=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _backward_kernel(dx, dz, dout, x, z, w, rstd):
-    # dx, dz (N, D) out; the rest in
-    N, D = x.shape
-    for n in prange(N):
-        r = rstd[n]
-        dot = r - r
-        for c in range(D):
-            sg = 1 / (1 + _exp(-z[n, c]))
-            dn = dout[n, c] * z[n, c] * sg
-            dot += dn * w[c] * x[n, c]
-            dz[n, c] = dout[n, c] * x[n, c] * r * w[c] * sg * (1 + z[n, c] * (1 - sg))
-            dx[n, c] = dn  # dn kept in dx until the row's dot is known
-        k = x.dtype.type(dot * r * r * r / D)
-        for c in range(D):
-            dx[n, c] = r * w[c] * dx[n, c] - k * x[n, c]
-
-
-@njit(cache=True, parallel=True, fastmath=FASTMATH, error_model="numpy")
-def _dw_kernel(dw, dout, x, z, rstd):
-    # dw (D,) += sum_n dout silu(z) x rstd, blocks of _DW_ROWS rows into their own float64
-    # rows, added in block order
+def _backward_kernel(dx, dz, dw, dout, x, z, w, rstd):
+    # dx, dz (N, D) out; dw (D,) +=; the rest in. Each task of _DW_ROWS rows sums its share
+    # of dw into its own float64 row of a scratch; the rows are added in task order
+    # (independent of the thread count)
     N, D = x.shape
     n_blocks = (N + _DW_ROWS - 1) // _DW_ROWS
     part = np.zeros((n_blocks, D))
@@ -67,8 +50,17 @@ def _dw_kernel(dw, dout, x, z, rstd):
         acc = part[bi]
         for n in range(bi * _DW_ROWS, min(N, bi * _DW_ROWS + _DW_ROWS)):
             r = rstd[n]
+            dot = r - r
             for c in range(D):
-                acc[c] += dout[n, c] * z[n, c] / (1 + _exp(-z[n, c])) * x[n, c] * r
+                sg = 1 / (1 + _exp(-z[n, c]))
+                dn = dout[n, c] * z[n, c] * sg
+                dot += dn * w[c] * x[n, c]
+                acc[c] += dn * x[n, c] * r
+                dz[n, c] = dout[n, c] * x[n, c] * r * w[c] * sg * (1 + z[n, c] * (1 - sg))
+                dx[n, c] = dn  # dn kept in dx until the row's dot is known
+            k = x.dtype.type(dot * r * r * r / D)
+            for c in range(D):
+                dx[n, c] = r * w[c] * dx[n, c] - k * x[n, c]
     for bi in range(n_blocks):
         for c in range(D):
             dw[c] += part[bi, c]
@@ -98,8 +90,7 @@ def gated_rmsnorm_backward(dx, dz, dw, dout, x, z, w, rstd):
                            ("dout", dout, (N, D)), ("x", x, (N, D)), ("z", z, (N, D)),
                            ("w", w, (D,)), ("rstd", rstd, (N,))):
         check_array("gated_norm", name, a, shape, x.dtype)
-    _dw_kernel(dw, dout, x, z, rstd)
-    _backward_kernel(dx, dz, dout, x, z, w, rstd)
+    _backward_kernel(dx, dz, dw, dout, x, z, w, rstd)
 
 
 # ----------------------------------------------------------------------------
