@@ -1,17 +1,18 @@
-"""The gated delta-net layer's kernels (kernels/deltanet.py, causal_conv.py, gated_norm.py):
+"""The gated delta-net layer's kernels (kernels/deltanet.py, causal_conv.py, gated_norm.py,
+deltanet_gates.py):
 the chunked delta rule against the step-by-step recurrence (its numpy reference, HF's
 order) in float64 to rounding and in float32 within a stated bound, with several
 chunks and a partial last one, both head orders and the options; the backward
 against the reference's backward through time; every backward (numba and reference)
 against float64 finite differences, g, beta and the initial state included; decoding
 step by step (state carried) against the full-sequence forward, for the delta rule
-and the convolution; the gated norm; the argument checks."""
+and the convolution; the gated norm and the gates g, beta; the argument checks."""
 import numpy as np
 import pytest
 from fdcheck import fd_check
 from op_helpers import F32, F64, FD_TOL, TOL32, impls, randn, zeros32
 
-from llamatune.kernels import causal_conv, deltanet, gated_norm
+from llamatune.kernels import causal_conv, deltanet, deltanet_gates, gated_norm
 
 TIGHT64 = dict(rtol=1e-12, atol=1e-12)  # float64: the two forms differ only in rounding
 # float32 chunked form against the float64 recurrence (same inputs): the UT transform's
@@ -328,5 +329,77 @@ def _dn(backward=False, decode=False, **over):
      r"gated_norm: rstd must be .* \(2,\)"),
 ])
 def test_argument_checks_raise(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------ the gates
+
+def gate_inputs(rng, N, H, dtype=F32):
+    """alpha (some past softplus's threshold of 20), b, a = -exp(A_log) < 0, dt_bias."""
+    alpha, b = 3 * randn(rng, N, H, dtype=dtype), 3 * randn(rng, N, H, dtype=dtype)
+    alpha[0, 0] = 25.0
+    a = -np.exp(randn(rng, H, dtype=dtype))
+    return alpha, b, a, randn(rng, H, dtype=dtype)
+
+
+def test_deltanet_gates_match_ref():
+    rng = np.random.default_rng(11)
+    alpha, b, a, dt = gate_inputs(rng, 40, 6)
+    dg, dbeta = randn(rng, 40, 6), randn(rng, 40, 6)
+    res = []
+    for fwd, bwd in ((deltanet_gates.deltanet_gates_forward, deltanet_gates.deltanet_gates_backward),
+                     (deltanet_gates.deltanet_gates_forward_ref, deltanet_gates.deltanet_gates_backward_ref)):
+        g, beta = np.full((40, 6), np.nan, F32), np.full((40, 6), np.nan, F32)
+        fwd(g, beta, alpha, b, a, dt)
+        dalpha, db = np.full((40, 6), np.nan, F32), np.full((40, 6), np.nan, F32)
+        da, ddt = np.ones(6, F32), np.ones(6, F32)  # accumulated
+        bwd(dalpha, db, da, ddt, dg, dbeta, alpha, b, a, dt)
+        res.append([g, beta, dalpha, db, da, ddt])
+    for x, y in zip(*res, strict=True):
+        np.testing.assert_allclose(x, y, **TOL32)
+    assert (res[0][0] <= 0).all()
+    np.testing.assert_allclose(res[0][0][0, 0], a[0] * (25 + dt[0]), rtol=1e-6)  # above the threshold
+
+
+@pytest.mark.parametrize("fns", impls(deltanet_gates, "deltanet_gates_forward", "deltanet_gates_backward"))
+def test_deltanet_gates_fd(fns):
+    forward, backward = fns
+    rng = np.random.default_rng(12)
+    alpha, b, a, dt = gate_inputs(rng, 5, 3, F64)
+    alpha[0, 0] = 1.0  # finite differences stay off the threshold's kink
+    dg, dbeta = randn(rng, 5, 3, dtype=F64), randn(rng, 5, 3, dtype=F64)
+
+    def loss(alpha, b, a, dt):
+        g, beta = np.zeros_like(alpha), np.zeros_like(alpha)
+        forward(g, beta, alpha, b, a, dt)
+        return np.sum(g * dg) + np.sum(beta * dbeta)
+
+    dalpha, db, da, ddt = np.zeros_like(alpha), np.zeros_like(b), np.zeros_like(a), np.zeros_like(dt)
+    backward(dalpha, db, da, ddt, dg, dbeta, alpha, b, a, dt)
+    fd_check(loss, dict(alpha=alpha, b=b, a=a, dt=dt), dict(alpha=dalpha, b=db, a=da, dt=ddt), **FD_TOL)
+
+
+def _gates(backward=False, **over):
+    arr = dict(alpha=zeros32(2, 3), b=zeros32(2, 3), a=zeros32(3), dt=zeros32(3), g=zeros32(2, 3),
+               beta=zeros32(2, 3), da=zeros32(3), ddt=zeros32(3))
+    arr.update(over)
+    if backward:
+        return lambda: deltanet_gates.deltanet_gates_backward(
+            zeros32(2, 3), zeros32(2, 3), arr["da"], arr["ddt"], zeros32(2, 3), zeros32(2, 3),
+            arr["alpha"], arr["b"], arr["a"], arr["dt"])
+    return lambda: deltanet_gates.deltanet_gates_forward(arr["g"], arr["beta"], arr["alpha"], arr["b"],
+                                                          arr["a"], arr["dt"])
+
+
+@pytest.mark.parametrize("call,match", [
+    (_gates(alpha=zeros32(6)), r"deltanet_gates: alpha must be a 2-D float32 or float64 array \(N, H\)"),
+    (_gates(b=np.zeros((2, 3))), r"deltanet_gates: b must be a C-contiguous float32 array of shape \(2, 3\)"),
+    (_gates(g=zeros32(3, 2)), r"deltanet_gates: g must be .* \(2, 3\)"),
+    (_gates(dt=zeros32(2)), r"deltanet_gates: dt_bias must be .* \(3,\)"),
+    (_gates(backward=True, a=None), r"deltanet_gates: a must be .* got NoneType"),
+    (_gates(backward=True, da=None), "deltanet_gates: da and ddt_bias go together"),
+])
+def test_gates_argument_checks_raise(call, match):
     with pytest.raises(ValueError, match=match):
         call()
