@@ -11,8 +11,10 @@ HF's `torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`,
 torch.autograd for the gradients of sum(out * dout) (+ sum(state * dstate)). HF's
 delta-rule functions and gated norm cast to float32; the check runs their source with
 those casts made float64 (inspect + exec in the module's namespace), so both sides
-agree to rounding; the gates are the layer's two lines without their .float() casts. Prints the largest relative difference per tensor; exits 1 when
-one exceeds --tol.
+agree to rounding; the gates are the layer's two lines without their .float() casts.
+Prints the largest relative difference per tensor; exits 1 when one exceeds --tol.
+Measured: every tensor within 9.4e-16 (the default T = 150: two chunks of 64 and a
+partial one).
 
 The kernels are called with HF's conventions: l2norm on, scale 1/sqrt(DK), grouped
 heads (value head h reads q/k head h // (NV / NK), HF's repeat_interleave).
