@@ -50,9 +50,13 @@ Forms:
   `_chunk_backward`). Gradients, all overwritten: dq, dk, dv, dg, dbeta, and the
   initial state's when one was given; the final state's gradient is an optional input.
 
+Packed rows (training): an optional `segments` (B, T) int32 gives each token's sample
+id, as attention's (contiguous runs, `attention.segment_starts`); each sample then
+runs from a zero state, as if alone (HF's FLA path does this with cu_seqlens).
 Work is dealt as attention's is (kernels/attention.py `_run_items`): one item per
-(batch row, q/k head) with the G value heads that read it, each on a worker thread
-with single-threaded BLAS, so dq and dk need no reduction across threads.
+(batch row, or sample of a packed row; q/k head) with the G value heads that read
+it, each on a worker thread with single-threaded BLAS, so dq and dk need no
+reduction across threads. A sample's last chunk is padded on its own.
 """
 
 import numba
@@ -60,7 +64,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
-from .attention import _run_items
+from .attention import _run_items, segment_starts
 
 CHUNK = 64  # steps per chunk of the parallel form (HF's and fla's chunk_size)
 L2NORM_EPS = 1e-6  # HF's l2norm eps; llama.cpp passes f_norm_rms_eps (1e-6 in Qwen3.5)
@@ -154,21 +158,22 @@ class _Item:
     qn, kn (N, C, DK) normalized (q scaled too), with rq, rk (Tp,) their factors
     (the l2 norms' reciprocals, scale included for q); v (G, N, C, DV); g, beta (G, N, C)."""
 
-    def __init__(self, q, k, v, g, beta, b, kh, hs, opts):
-        T, DK = q.shape[1], q.shape[3]
+    def __init__(self, q, k, v, g, beta, b, ts, kh, hs, opts):
+        # the steps ts (a slice) of batch row b
+        T, DK = ts.stop - ts.start, q.shape[3]
         C = opts.chunk
         N = max(1, -(-T // C))
         Tp, G, dt = N * C, len(hs), q.dtype
         self.T, self.N, self.C, self.G = T, N, C, G
         self.q0, self.k0 = np.zeros((Tp, DK), dt), np.zeros((Tp, DK), dt)
-        self.q0[:T], self.k0[:T] = q[b, :, kh], k[b, :, kh]
+        self.q0[:T], self.k0[:T] = q[b, ts, kh], k[b, ts, kh]
         self.rq, self.rk = _l2_factors(self.q0, opts), _l2_factors(self.k0, opts)
         self.rq *= opts.scale
         self.qn = (self.q0 * self.rq[:, None]).reshape(N, C, DK)
         self.kn = (self.k0 * self.rk[:, None]).reshape(N, C, DK)
-        self.v = _padded(v[b][:, hs].transpose(1, 0, 2), Tp).reshape(G, N, C, -1)
-        self.g = _padded(g[b][:, hs].T, Tp).reshape(G, N, C)
-        self.beta = _padded(beta[b][:, hs].T, Tp).reshape(G, N, C)
+        self.v = _padded(v[b, ts][:, hs].transpose(1, 0, 2), Tp).reshape(G, N, C, -1)
+        self.g = _padded(g[b, ts][:, hs].T, Tp).reshape(G, N, C)
+        self.beta = _padded(beta[b, ts][:, hs].T, Tp).reshape(G, N, C)
 
 
 def _padded(a, Tp):
@@ -358,34 +363,56 @@ def _check_state(name, a, B, NV, DK, DV, dtype, optional=True):
     check_array("deltanet", name, a, (B, NV, DK, DV), dtype)
 
 
+def _items(B, T, NK, segments, *states):
+    """[(b, ts, kh)]: the work items, a batch row's steps ts (a slice: the whole row, or one
+    sample of a packed row) and a q/k head. With segments, the states must be None."""
+    if segments is None:
+        runs = [(b, slice(0, T)) for b in range(B)]
+    else:
+        if any(s is not None for s in states):
+            raise ValueError("deltanet: segments (packed rows) start every sample from a zero state: "
+                             "no initial or final state")
+        try:
+            starts = segment_starts(segments, (B, T))
+        except ValueError as e:
+            raise ValueError(str(e).replace("attention:", "deltanet:")) from None
+        runs = []
+        for b in range(B):
+            cuts = [int(t) for t in np.flatnonzero(starts[b] == np.arange(T))] + [T]
+            runs += [(b, slice(t0, t1)) for t0, t1 in zip(cuts[:-1], cuts[1:])]
+    return [(b, ts, kh) for b, ts in runs for kh in range(NK)]
+
+
 def _value_heads(kh, NK, NV, tiled):
     """The value heads that read q/k head kh."""
     return np.arange(kh, NV, NK) if tiled else np.arange(kh * (NV // NK), (kh + 1) * (NV // NK))
 
 
-def deltanet_forward(out, state_out, q, k, v, g, beta, state_in=None, *, scale=None, l2norm=True,
-                     heads="grouped"):
+def deltanet_forward(out, state_out, q, k, v, g, beta, state_in=None, segments=None, *, scale=None,
+                     l2norm=True, heads="grouped"):
     """The gated delta rule over T steps, chunked (training and prefill).
 
     out (B, T, NV, DV); state_out: None or (B, NV, DK, DV), the final state (may be
     state_in itself); q, k (B, T, NK, DK); v (B, T, NV, DV); g, beta (B, T, NV);
-    state_in: None (zeros) or (B, NV, DK, DV); options in the module docstring.
+    state_in: None (zeros) or (B, NV, DK, DV); segments: None, or (B, T) int32 sample
+    ids of packed rows (training: the state starts from zeros at each sample; no
+    state_in or state_out); options in the module docstring.
     """
     B, T, NK, NV, DK, DV = _check_inputs(q, k, v, g, beta)
     check_array("deltanet", "out", out, v.shape, q.dtype)
     _check_state("state_out", state_out, B, NV, DK, DV, q.dtype)
     _check_state("state_in", state_in, B, NV, DK, DV, q.dtype)
     opts = _Options(q.dtype, DK, scale, l2norm, heads)
-    items = [(b, kh) for b in range(B) for kh in range(NK)]
+    items = _items(B, T, NK, segments, state_in, state_out)
 
     def work(ids):
         for i in ids:
-            b, kh = items[i]
+            b, ts, kh = items[i]
             hs = _value_heads(kh, NK, NV, opts.tiled)
-            it = _Item(q, k, v, g, beta, b, kh, hs, opts)
+            it = _Item(q, k, v, g, beta, b, ts, kh, hs, opts)
             s0 = np.zeros((len(hs), DK, DV), q.dtype) if state_in is None else state_in[b, hs]
             o, s = _chunk_forward(it, s0)
-            out[b][:, hs] = o.reshape(len(hs), -1, DV)[:, :T].transpose(1, 0, 2)
+            out[b, ts][:, hs] = o.reshape(len(hs), -1, DV)[:, : it.T].transpose(1, 0, 2)
             if state_out is not None:
                 state_out[b, hs] = s
 
@@ -393,11 +420,11 @@ def deltanet_forward(out, state_out, q, k, v, g, beta, state_in=None, *, scale=N
 
 
 def deltanet_backward(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, beta, state_in=None,
-                      dstate_out=None, *, scale=None, l2norm=True, heads="grouped"):
+                      dstate_out=None, segments=None, *, scale=None, l2norm=True, heads="grouped"):
     """Gradients of deltanet_forward, overwritten: dq, dk (B, T, NK, DK); dv (B, T, NV, DV);
     dg, dbeta (B, T, NV); dstate_in: None or (B, NV, DK, DV), the initial state's;
     dout (B, T, NV, DV); dstate_out: None (zero) or (B, NV, DK, DV), the final state's;
-    the forward's inputs and options.
+    the forward's inputs, segments and options.
     """
     B, T, NK, NV, DK, DV = _check_inputs(q, k, v, g, beta)
     for name, a, like in (("dq", dq, q), ("dk", dk, q), ("dv", dv, v), ("dg", dg, g),
@@ -406,24 +433,24 @@ def deltanet_backward(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, beta, 
     for name, a in (("dstate_in", dstate_in), ("state_in", state_in), ("dstate_out", dstate_out)):
         _check_state(name, a, B, NV, DK, DV, q.dtype)
     opts = _Options(q.dtype, DK, scale, l2norm, heads)
-    items = [(b, kh) for b in range(B) for kh in range(NK)]
+    items = _items(B, T, NK, segments, state_in, dstate_out, dstate_in)
 
     def work(ids):
         for i in ids:
-            b, kh = items[i]
+            b, ts, kh = items[i]
             hs = _value_heads(kh, NK, NV, opts.tiled)
-            G = len(hs)
-            it = _Item(q, k, v, g, beta, b, kh, hs, opts)
+            G, T = len(hs), ts.stop - ts.start
+            it = _Item(q, k, v, g, beta, b, ts, kh, hs, opts)
             zero = np.zeros((G, DK, DV), q.dtype)
             s0 = zero if state_in is None else state_in[b, hs]
             ds1 = zero if dstate_out is None else dstate_out[b, hs]
-            do = _padded(dout[b][:, hs].transpose(1, 0, 2), it.N * it.C).reshape(G, it.N, it.C, DV)
+            do = _padded(dout[b, ts][:, hs].transpose(1, 0, 2), it.N * it.C).reshape(G, it.N, it.C, DV)
             dqn, dkn, dvh, dgh, dbh, ds0 = _chunk_backward(it, s0, do, ds1)
-            dq[b, :, kh] = _l2_backward(dqn.reshape(-1, DK), it.q0, it.rq, opts.scale, opts.l2norm)[:T]
-            dk[b, :, kh] = _l2_backward(dkn.reshape(-1, DK), it.k0, it.rk, 1, opts.l2norm)[:T]
-            dv[b][:, hs] = dvh.reshape(G, -1, DV)[:, :T].transpose(1, 0, 2)
-            dg[b][:, hs] = dgh.reshape(G, -1)[:, :T].T
-            dbeta[b][:, hs] = dbh.reshape(G, -1)[:, :T].T
+            dq[b, ts, kh] = _l2_backward(dqn.reshape(-1, DK), it.q0, it.rq, opts.scale, opts.l2norm)[:T]
+            dk[b, ts, kh] = _l2_backward(dkn.reshape(-1, DK), it.k0, it.rk, 1, opts.l2norm)[:T]
+            dv[b, ts][:, hs] = dvh.reshape(G, -1, DV)[:, :T].transpose(1, 0, 2)
+            dg[b, ts][:, hs] = dgh.reshape(G, -1)[:, :T].T
+            dbeta[b, ts][:, hs] = dbh.reshape(G, -1)[:, :T].T
             if dstate_in is not None:
                 dstate_in[b, hs] = ds0
 
@@ -460,16 +487,27 @@ def _kv_head(h, NK, NV, heads):
     return h % NK if heads == "tiled" else h // (NV // NK)
 
 
-def deltanet_forward_ref(out, state_out, q, k, v, g, beta, state_in=None, *, scale=None, l2norm=True,
-                         heads="grouped"):
+def _firsts_ref(segments, B, T):
+    """(B, T) bool: token t starts a sample (a new run of ids; never t = 0 without segments)."""
+    first = np.zeros((B, T), bool)
+    if segments is not None:
+        first[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return first
+
+
+def deltanet_forward_ref(out, state_out, q, k, v, g, beta, state_in=None, segments=None, *, scale=None,
+                         l2norm=True, heads="grouped"):
     B, T, NK, _ = q.shape
     NV = v.shape[2]
     qn, kn, *_ = _normalized_ref(q, k, scale, l2norm)
+    first = _firsts_ref(segments, B, T)
     for b in range(B):
         for h in range(NV):
             kh = _kv_head(h, NK, NV, heads)
             S = np.zeros((q.shape[3], v.shape[3]), q.dtype) if state_in is None else state_in[b, h].copy()
             for t in range(T):
+                if first[b, t]:  # a new sample of a packed row
+                    S = np.zeros_like(S)
                 S = S * np.exp(g[b, t, h])
                 delta = beta[b, t, h] * (v[b, t, h] - S.T @ kn[b, t, kh])
                 S = S + np.outer(kn[b, t, kh], delta)
@@ -484,10 +522,11 @@ def deltanet_decode_ref(out, state, q, k, v, g, beta, *, scale=None, l2norm=True
 
 
 def deltanet_backward_ref(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, beta, state_in=None,
-                          dstate_out=None, *, scale=None, l2norm=True, heads="grouped"):
+                          dstate_out=None, segments=None, *, scale=None, l2norm=True, heads="grouped"):
     B, T, NK, DK = q.shape
     NV, DV = v.shape[2], v.shape[3]
     qn, kn, rq, rk, scale = _normalized_ref(q, k, scale, l2norm)
+    first = _firsts_ref(segments, B, T)
     dqn, dkn = np.zeros_like(q), np.zeros_like(k)
     for b in range(B):
         for h in range(NV):
@@ -495,6 +534,8 @@ def deltanet_backward_ref(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, be
             S = np.zeros((DK, DV), q.dtype) if state_in is None else state_in[b, h].copy()
             saved = []  # (S1 = decayed state, delta, S^T k) of each step
             for t in range(T):
+                if first[b, t]:
+                    S = np.zeros_like(S)
                 S1 = S * np.exp(g[b, t, h])
                 kv = S1.T @ kn[b, t, kh]
                 delta = beta[b, t, h] * (v[b, t, h] - kv)
@@ -515,6 +556,8 @@ def deltanet_backward_ref(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, be
                 dS = dS + np.outer(kn[b, t, kh], dkv)
                 dg[b, t, h] = np.sum(dS * S1)  # S1 = exp(g) S
                 dS = dS * np.exp(g[b, t, h])
+                if first[b, t]:  # the state before a sample's first token is not used
+                    dS = np.zeros_like(dS)
             if dstate_in is not None:
                 dstate_in[b, h] = dS
     for dx, x, dxn, r, c in ((dq, q, dqn, rq, scale), (dk, k, dkn, rk, 1)):

@@ -161,6 +161,58 @@ def test_deltanet_decode_step_by_step_equals_full_forward(heads, dtype, tol, mon
     np.testing.assert_allclose(state, full_state, **tol)
 
 
+# packed rows: runs of 1 to 5 tokens, ids out of order, a padding run (-1) at the end of row 0
+SEGMENTS = np.array([[4, 4, 4, 4, 4, 0, 7, 7, -1, -1, -1], [2, 9, 9, 9, 9, 9, 1, 1, 1, 3, 3]], np.int32)
+
+
+def run_packed(q, k, v, g, beta, dout, segments, fns=None, **opts):
+    """[out, dq, dk, dv, dg, dbeta] of packed rows (no states), NaN-prefilled."""
+    forward, backward = fns or (deltanet.deltanet_forward, deltanet.deltanet_backward)
+    out = np.full(v.shape, np.nan, q.dtype)
+    forward(out, None, q, k, v, g, beta, None, segments, **opts)
+    grads = [np.full(a.shape, np.nan, q.dtype) for a in (q, k, v, g, beta)]
+    backward(*grads, None, dout, q, k, v, g, beta, None, None, segments, **opts)
+    return [out, *grads]
+
+
+@pytest.mark.parametrize("chunk", [2, 64])
+@pytest.mark.parametrize("heads", ["grouped", "tiled"])
+def test_deltanet_packed_rows(heads, chunk, monkeypatch):
+    """Packed rows: each sample's outputs and gradients are those of the sample alone
+    (from a zero state), and the kernel agrees with the reference (float64)."""
+    monkeypatch.setattr(deltanet, "CHUNK", chunk)
+    rng = np.random.default_rng(14)
+    q, k, v, g, beta, _ = dn_inputs(rng, 2, 11, 2, 4, 3, 2)
+    dout = randn(rng, *v.shape, dtype=F64)
+    got = run_packed(q, k, v, g, beta, dout, SEGMENTS, heads=heads)
+    want = run_packed(q, k, v, g, beta, dout, SEGMENTS,
+                      (deltanet.deltanet_forward_ref, deltanet.deltanet_backward_ref), heads=heads)
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, **TIGHT64)
+    for b, t0, t1 in [(0, 0, 5), (0, 5, 6), (0, 6, 8), (0, 8, 11), (1, 0, 1), (1, 1, 6), (1, 9, 11)]:
+        part = [np.ascontiguousarray(a[b: b + 1, t0:t1]) for a in (q, k, v, g, beta, dout)]
+        alone = run_packed(*part, None, heads=heads)
+        for a, w in zip(got, alone, strict=True):
+            np.testing.assert_allclose(a[b: b + 1, t0:t1], w, **TIGHT64)
+
+
+@pytest.mark.parametrize("fns", impls(deltanet, "deltanet_forward", "deltanet_backward"))
+def test_deltanet_packed_rows_fd(fns, monkeypatch):
+    monkeypatch.setattr(deltanet, "CHUNK", 3)
+    rng = np.random.default_rng(15)
+    q, k, v, g, beta, _ = dn_inputs(rng, 2, 11, 1, 2, 3, 2)
+    dout = randn(rng, *v.shape, dtype=F64)
+
+    def loss(q, k, v, g, beta):
+        out = np.zeros_like(v)
+        fns[0](out, None, q, k, v, g, beta, None, SEGMENTS)
+        return np.sum(out * dout)
+
+    grads = run_packed(q, k, v, g, beta, dout, SEGMENTS, fns)[1:]
+    names = ["q", "k", "v", "g", "beta"]
+    fd_check(loss, dict(zip(names, (q, k, v, g, beta))), dict(zip(names, grads)), **FD_TOL)
+
+
 def test_deltanet_results_do_not_depend_on_threads():
     import numba
     rng = np.random.default_rng(5)
@@ -295,9 +347,9 @@ def test_gated_rmsnorm_fd(fns):
 def _dn(backward=False, decode=False, **over):
     """A call of the delta rule with small valid float32 arguments, some replaced."""
     shapes = dict(q=(1, 2, 1, 4), k=(1, 2, 1, 4), v=(1, 2, 2, 3), g=(1, 2, 2), beta=(1, 2, 2))
-    opts = {n: over.pop(n) for n in ("scale", "l2norm", "heads") if n in over}
+    opts = {n: over.pop(n) for n in ("scale", "l2norm", "heads", "segments") if n in over}
     a = {n: over.get(n, zeros32(*s)) for n, s in shapes.items()}
-    state = over.get("state", zeros32(1, 2, 4, 3))
+    state = over["state"] if "state" in over else zeros32(1, 2, 4, 3)
     out = over.get("out", zeros32(1, 2, 2, 3))
     ins = [a[n] for n in ("q", "k", "v", "g", "beta")]
     if decode:
@@ -321,6 +373,11 @@ def _dn(backward=False, decode=False, **over):
     (_dn(state=zeros32(1, 2, 3, 4)), r"deltanet: state_in must be .* \(1, 2, 4, 3\)"),
     (_dn(decode=True, state=None), r"deltanet: state must be .* got NoneType"),
     (_dn(backward=True, dg=zeros32(1, 2)), r"deltanet: dg must be .* \(1, 2, 2\)"),
+    (_dn(segments=np.zeros((1, 2), np.int32)),
+     "deltanet: segments .* start every sample from a zero state: no initial or final state"),
+    (_dn(segments=np.zeros((1, 2), np.int64), state=None),
+     r"deltanet: segments must be an int32 array of shape \(1, 2\)"),
+    (_dn(backward=True, segments=np.array([[1, 2]], np.int32)), "no initial or final state"),
     (_dn(scale=0.0), "deltanet: scale must be None or a finite number > 0, got 0.0"),
     (_dn(backward=True, scale=float("inf")), "deltanet: scale must be None or a finite number > 0"),
     (_dn(decode=True, heads="interleaved"), r"deltanet: heads must be one of \('grouped', 'tiled'\)"),
