@@ -277,6 +277,33 @@ def test_causal_conv_fd(fns, with_state):
     fd_check(loss, {"x": x, "w": w}, {"x": dx, "w": dw}, **FD_TOL)
 
 
+def test_causal_conv_packed_rows():
+    """A packed sample's outputs and gradients (dx; dw summed over the samples) equal the
+    sample alone, numba and reference; 70 rows per batch row: samples across row blocks."""
+    rng = np.random.default_rng(16)
+    T = 70
+    x, w = conv_inputs(rng, 2, T, 5, 4, F64)
+    dout = randn(rng, 2, T, 5, dtype=F64)
+    seg = np.repeat(np.array([[3, 1, 4, 6, 9, 2], [6, 5, 3, 8, 7, 9]], np.int32),
+                    [1, 2, 3, 30, 1, 33], axis=1)
+    cuts = [0, 1, 3, 6, 36, 37, T]
+    for fwd, bwd in ((causal_conv.causal_conv_forward, causal_conv.causal_conv_backward),
+                     (causal_conv.causal_conv_forward_ref, causal_conv.causal_conv_backward_ref)):
+        out, dx, dw = np.zeros_like(x), np.zeros_like(x), np.zeros_like(w)
+        fwd(out, x, w, None, seg)
+        bwd(dx, dw, dout, x, w, None, seg)
+        dw_alone = np.zeros_like(w)
+        for b in range(2):
+            for t0, t1 in zip(cuts[:-1], cuts[1:]):
+                xs, ds = np.ascontiguousarray(x[b: b + 1, t0:t1]), np.ascontiguousarray(dout[b: b + 1, t0:t1])
+                o, d = np.zeros_like(xs), np.zeros_like(xs)
+                fwd(o, xs, w)
+                bwd(d, dw_alone, ds, xs, w)
+                np.testing.assert_allclose(out[b: b + 1, t0:t1], o, **TIGHT64)
+                np.testing.assert_allclose(dx[b: b + 1, t0:t1], d, **TIGHT64)
+        np.testing.assert_allclose(dw, dw_alone, **TIGHT64)
+
+
 @pytest.mark.parametrize("fwd", [causal_conv.causal_conv_forward, causal_conv.causal_conv_forward_ref],
                          ids=["numba", "ref"])
 def test_causal_conv_decode_step_by_step_equals_full_forward(fwd):
@@ -390,6 +417,13 @@ def _dn(backward=False, decode=False, **over):
     (lambda: causal_conv.causal_conv_backward(zeros32(1, 2, 3), np.zeros((3, 4)), zeros32(1, 2, 3),
                                               zeros32(1, 2, 3), zeros32(3, 4)),
      "causal_conv: dw must be a C-contiguous float32"),
+    (lambda: causal_conv.causal_conv_forward(zeros32(1, 2, 3), zeros32(1, 2, 3), zeros32(3, 4),
+                                             zeros32(1, 3, 3), np.zeros((1, 2), np.int32)),
+     "causal_conv: segments .* take no state"),
+    (lambda: causal_conv.causal_conv_backward(zeros32(1, 2, 3), zeros32(3, 4), zeros32(1, 2, 3),
+                                              zeros32(1, 2, 3), zeros32(3, 4), None,
+                                              np.array([[1, 2, 1]], np.int32)),
+     r"causal_conv: segments must be an int32 array of shape \(1, 2\)"),
     (lambda: gated_norm.gated_rmsnorm_forward(zeros32(2, 3), zeros32(2), zeros32(6), zeros32(2, 3),
                                               zeros32(3), 1e-6),
      r"gated_norm: x must be a 2-D float32 or float64 array \(N, D\)"),
