@@ -10,8 +10,8 @@ Per value head h, a state S (DK, DV) runs along the sequence; at step t
 with q_t, k_t l2-normalized, q_t scaled by 1/sqrt(DK). This is the order of HF
 transformers' `torch_recurrent_gated_delta_rule` (modeling_qwen3_5.py) and of
 ggml's GATED_DELTA_NET op (ggml-cpu ops.cpp), which llama.cpp's qwen35/qwen3next
-graphs use (src/models/delta-net-base.cpp); ggml stores each state transposed,
-(DV, DK) row-major, and so this module stores it as HF does: (B, NV, DK, DV).
+graphs use (src/models/delta-net-base.cpp). ggml stores each state transposed,
+(DV, DK) row-major; this module stores it as HF does, (B, NV, DK, DV).
 
 Options (keyword arguments):
 * l2norm (True): q and k become x * rsqrt(sum(x^2) + 1e-6) first, HF's `l2norm` and
@@ -46,8 +46,8 @@ Forms:
   numba kernel (HF's export path does the same). The loop over chunks carries S.
   The backward recomputes all of it (nothing is saved between the passes but the
   inputs: memory grows linearly with T), then runs the loop in reverse for dS and
-  gets every other gradient from batched products (derivation in the comments of
-  `_chunk_backward`). Gradients, all overwritten: dq, dk, dv, dg, dbeta, and the
+  gets every other gradient from batched products (derivation in `_chunk_backward`'s
+  docstring). Gradients, all overwritten: dq, dk, dv, dg, dbeta, and the
   initial state's when one was given; the final state's gradient is an optional input.
 
 Packed rows (training): an optional `segments` (B, T) int32 gives each token's sample
@@ -57,9 +57,14 @@ Work is dealt as attention's is (kernels/attention.py `_run_items`): one item pe
 (batch row, or sample of a packed row; q/k head) with the G value heads that read
 it, each on a worker thread with single-threaded BLAS, so dq and dk need no
 reduction across threads. A sample's last chunk is padded on its own.
+
+Speed and memory (bench/deltanet.py, Qwen3.5-4B's shapes, 2 threads): forward +
+backward of the rule is 1.08x causal attention of the same width at ctx 2048
+(about a third of attention's FLOPs, in smaller products); at ctx 512, 2.9x. Working
+memory is per work item in flight, linear in T: 77 MB forward, 126 MB backward at
+ctx 2048 (padded head copies, (C, C) matrices and the states of every chunk).
 """
 
-import numba
 import numpy as np
 from numba import njit, prange
 
