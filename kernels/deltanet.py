@@ -56,13 +56,16 @@ runs from a zero state, as if alone (HF's FLA path does this with cu_seqlens).
 Work is dealt as attention's is (kernels/attention.py `_run_items`): one item per
 (batch row, or sample of a packed row; q/k head) with the G value heads that read
 it, each on a worker thread with single-threaded BLAS, so dq and dk need no
-reduction across threads. A sample's last chunk is padded on its own.
+reduction across threads. A sample's last chunk is padded on its own. An item runs
+in groups of at most GROUP_CHUNKS chunks (2048 steps), the state carried from one to
+the next (the backward first runs the groups but the last forward for the states
+between them), so its working memory stops growing with T past 2048 steps.
 
 Speed and memory (bench/deltanet.py, Qwen3.5-4B's shapes, 2 threads): forward +
 backward of the rule is 1.08x causal attention of the same width at ctx 2048
 (about a third of attention's FLOPs, in smaller products); at ctx 512, 2.9x. Working
-memory is per work item in flight, linear in T: 77 MB forward, 126 MB backward at
-ctx 2048 (padded head copies, (C, C) matrices and the states of every chunk).
+memory is per work item in flight, linear in T up to a group: 77 MB forward, 126 MB
+backward at ctx 2048 (padded head copies, (C, C) matrices and the states of every chunk).
 """
 
 import numpy as np
@@ -72,6 +75,7 @@ from ._checks import check_array
 from .attention import _run_items, segment_starts
 
 CHUNK = 64  # steps per chunk of the parallel form (HF's and fla's chunk_size)
+GROUP_CHUNKS = 32  # chunks an item processes at once: its working memory stops growing past 2048 steps
 L2NORM_EPS = 1e-6  # HF's l2norm eps; llama.cpp passes f_norm_rms_eps (1e-6 in Qwen3.5)
 HEAD_ORDERS = ("grouped", "tiled")
 
@@ -243,6 +247,11 @@ def _chunk_states(ia, s0):
     return states, vn
 
 
+def _final_state(it, s0):
+    """The state (G, DK, DV) after an item's steps, from state s0."""
+    return _chunk_states(_Intra(it), s0)[0][:, -1].copy()
+
+
 def _chunk_forward(it, s0):
     """out (G, N, C, DV) and the final state (G, DK, DV) of an item from state s0."""
     ia = _Intra(it)
@@ -333,7 +342,7 @@ def _l2_backward(dy, x, r, c, l2norm):
 
 
 class _Options:
-    """The options of one call, checked: scale (in q's dtype), l2norm, eps, tiled, chunk."""
+    """The options of one call, checked: scale (in q's dtype), l2norm, eps, tiled, chunk, group."""
 
     def __init__(self, dtype, DK, scale, l2norm, heads):
         if scale is None:
@@ -343,7 +352,8 @@ class _Options:
         if heads not in HEAD_ORDERS:
             raise ValueError(f"deltanet: heads must be one of {HEAD_ORDERS}, got {heads!r}")
         self.scale = np.dtype(dtype).type(scale)
-        self.l2norm, self.eps, self.tiled, self.chunk = bool(l2norm), L2NORM_EPS, heads == "tiled", CHUNK
+        self.l2norm, self.eps, self.tiled = bool(l2norm), L2NORM_EPS, heads == "tiled"
+        self.chunk, self.group = CHUNK, GROUP_CHUNKS
 
 
 def _check_inputs(q, k, v, g, beta):
@@ -388,6 +398,12 @@ def _items(B, T, NK, segments, *states):
     return [(b, ts, kh) for b, ts in runs for kh in range(NK)]
 
 
+def _groups(ts, opts):
+    """The steps ts (a slice) in runs of at most GROUP_CHUNKS chunks, in order."""
+    n = opts.group * opts.chunk
+    return [slice(t, min(ts.stop, t + n)) for t in range(ts.start, max(ts.stop, ts.start + 1), n)]
+
+
 def _value_heads(kh, NK, NV, tiled):
     """The value heads that read q/k head kh."""
     return np.arange(kh, NV, NK) if tiled else np.arange(kh * (NV // NK), (kh + 1) * (NV // NK))
@@ -414,10 +430,11 @@ def deltanet_forward(out, state_out, q, k, v, g, beta, state_in=None, segments=N
         for i in ids:
             b, ts, kh = items[i]
             hs = _value_heads(kh, NK, NV, opts.tiled)
-            it = _Item(q, k, v, g, beta, b, ts, kh, hs, opts)
-            s0 = np.zeros((len(hs), DK, DV), q.dtype) if state_in is None else state_in[b, hs]
-            o, s = _chunk_forward(it, s0)
-            out[b, ts][:, hs] = o.reshape(len(hs), -1, DV)[:, : it.T].transpose(1, 0, 2)
+            s = np.zeros((len(hs), DK, DV), q.dtype) if state_in is None else state_in[b, hs]
+            for gs in _groups(ts, opts):  # the state carried from group to group
+                it = _Item(q, k, v, g, beta, b, gs, kh, hs, opts)
+                o, s = _chunk_forward(it, s)
+                out[b, gs][:, hs] = o.reshape(len(hs), -1, DV)[:, : it.T].transpose(1, 0, 2)
             if state_out is not None:
                 state_out[b, hs] = s
 
@@ -444,20 +461,29 @@ def deltanet_backward(dq, dk, dv, dg, dbeta, dstate_in, dout, q, k, v, g, beta, 
         for i in ids:
             b, ts, kh = items[i]
             hs = _value_heads(kh, NK, NV, opts.tiled)
-            G, T = len(hs), ts.stop - ts.start
-            it = _Item(q, k, v, g, beta, b, ts, kh, hs, opts)
-            zero = np.zeros((G, DK, DV), q.dtype)
-            s0 = zero if state_in is None else state_in[b, hs]
-            ds1 = zero if dstate_out is None else dstate_out[b, hs]
-            do = _padded(dout[b, ts][:, hs].transpose(1, 0, 2), it.N * it.C).reshape(G, it.N, it.C, DV)
-            dqn, dkn, dvh, dgh, dbh, ds0 = _chunk_backward(it, s0, do, ds1)
-            dq[b, ts, kh] = _l2_backward(dqn.reshape(-1, DK), it.q0, it.rq, opts.scale, opts.l2norm)[:T]
-            dk[b, ts, kh] = _l2_backward(dkn.reshape(-1, DK), it.k0, it.rk, 1, opts.l2norm)[:T]
-            dv[b, ts][:, hs] = dvh.reshape(G, -1, DV)[:, :T].transpose(1, 0, 2)
-            dg[b, ts][:, hs] = dgh.reshape(G, -1)[:, :T].T
-            dbeta[b, ts][:, hs] = dbh.reshape(G, -1)[:, :T].T
+            zero = np.zeros((len(hs), DK, DV), q.dtype)
+            groups = _groups(ts, opts)
+            starts = [zero if state_in is None else state_in[b, hs]]  # the state entering each group
+            for gs in groups[:-1]:
+                starts.append(_final_state(_Item(q, k, v, g, beta, b, gs, kh, hs, opts), starts[-1]))
+            ds = zero if dstate_out is None else dstate_out[b, hs]
+            for gs, s0 in zip(groups[::-1], starts[::-1]):  # dS carried back from group to group
+                ds = group_backward(b, gs, kh, hs, s0, ds)
             if dstate_in is not None:
-                dstate_in[b, hs] = ds0
+                dstate_in[b, hs] = ds
+
+    def group_backward(b, gs, kh, hs, s0, ds1):
+        """The gradients of the steps gs of an item, written; returns dS entering them."""
+        G, T = len(hs), gs.stop - gs.start
+        it = _Item(q, k, v, g, beta, b, gs, kh, hs, opts)
+        do = _padded(dout[b, gs][:, hs].transpose(1, 0, 2), it.N * it.C).reshape(G, it.N, it.C, DV)
+        dqn, dkn, dvh, dgh, dbh, ds0 = _chunk_backward(it, s0, do, ds1)
+        dq[b, gs, kh] = _l2_backward(dqn.reshape(-1, DK), it.q0, it.rq, opts.scale, opts.l2norm)[:T]
+        dk[b, gs, kh] = _l2_backward(dkn.reshape(-1, DK), it.k0, it.rk, 1, opts.l2norm)[:T]
+        dv[b, gs][:, hs] = dvh.reshape(G, -1, DV)[:, :T].transpose(1, 0, 2)
+        dg[b, gs][:, hs] = dgh.reshape(G, -1)[:, :T].T
+        dbeta[b, gs][:, hs] = dbh.reshape(G, -1)[:, :T].T
+        return ds0
 
     _run_items(work, len(items))
 

@@ -52,14 +52,15 @@ def run_backward(fn, dout, dstate_out, q, k, v, g, beta, state_in, **opts):
 OPTIONS = [dict(), dict(heads="tiled"), dict(l2norm=False, scale=0.3), dict(heads="tiled", scale=0.7)]
 
 
-@pytest.mark.parametrize("chunk", [4, 64])
+@pytest.mark.parametrize("chunk,group", [(4, 32), (4, 2), (4, 1), (64, 32)])
 @pytest.mark.parametrize("opts", OPTIONS, ids=["default", "tiled", "raw-scale", "tiled-scale"])
 @pytest.mark.parametrize("shape", DN_SHAPES, ids=["gqa", "mha"])
-def test_deltanet_chunked_equals_recurrent_float64(shape, opts, chunk, monkeypatch):
+def test_deltanet_chunked_equals_recurrent_float64(shape, opts, chunk, group, monkeypatch):
     """Output, final state and every gradient of the chunked form against the step-by-step
-    reference, from a given state and from zeros (chunk 4: several chunks, a partial last one;
-    64: one partial chunk)."""
+    reference, from a given state and from zeros (chunk 4: several chunks, a partial last one,
+    in one group, in groups of two chunks and of one; 64: one partial chunk)."""
     monkeypatch.setattr(deltanet, "CHUNK", chunk)
+    monkeypatch.setattr(deltanet, "GROUP_CHUNKS", group)
     rng = np.random.default_rng(1)
     q, k, v, g, beta, s0 = dn_inputs(rng, *shape)
     dout, ds_out = randn(rng, *v.shape, dtype=F64), randn(rng, *s0.shape, dtype=F64)
@@ -114,8 +115,9 @@ def test_deltanet_float32_at_real_shape():
                          ids=["default", "tiled-raw"])
 def test_deltanet_fd(fns, opts, monkeypatch):
     """Finite differences through the delta rule: q, k, v, g, beta and the initial state,
-    with the final state in the loss too (chunks of 3 over T = 7)."""
+    with the final state in the loss too (chunks of 3 over T = 7, in groups of 2 chunks)."""
     monkeypatch.setattr(deltanet, "CHUNK", 3)
+    monkeypatch.setattr(deltanet, "GROUP_CHUNKS", 2)
     forward, backward = fns
     rng = np.random.default_rng(3)
     q, k, v, g, beta, s0 = dn_inputs(rng, 1, 7, 1, 2, 3, 2)
@@ -175,12 +177,13 @@ def run_packed(q, k, v, g, beta, dout, segments, fns=None, **opts):
     return [out, *grads]
 
 
-@pytest.mark.parametrize("chunk", [2, 64])
+@pytest.mark.parametrize("chunk,group", [(2, 1), (64, 32)])
 @pytest.mark.parametrize("heads", ["grouped", "tiled"])
-def test_deltanet_packed_rows(heads, chunk, monkeypatch):
+def test_deltanet_packed_rows(heads, chunk, group, monkeypatch):
     """Packed rows: each sample's outputs and gradients are those of the sample alone
     (from a zero state), and the kernel agrees with the reference (float64)."""
     monkeypatch.setattr(deltanet, "CHUNK", chunk)
+    monkeypatch.setattr(deltanet, "GROUP_CHUNKS", group)
     rng = np.random.default_rng(14)
     q, k, v, g, beta, _ = dn_inputs(rng, 2, 11, 2, 4, 3, 2)
     dout = randn(rng, *v.shape, dtype=F64)
