@@ -23,14 +23,16 @@ passes). Scratch that numba kernels allocate (the conv's and norm's dw partials)
 not seen. Attention's working memory is bounded by its score tiles (a block of 128
 queries against all keys, at most 4 MB a worker), linear in ctx; the delta rule's is
 its items' padded head copies, per-chunk matrices and chunk states, linear in ctx
-too and larger at these lengths. Each thread count runs in a fresh process.
+up to 2048 (an item runs in groups of 32 chunks) and larger than attention's at
+these lengths. Each thread count runs in a fresh process.
 
-Measured (2 cores of an Intel Xeon with AVX-512, shared with other jobs, load average 8-10 on 2 cores, so only
-the alternated ratios are meaningful; `--threads 2 --repeat 3`):
+Measured on 2 cores of an Intel Xeon with AVX-512 shared with other jobs (load average
+8-17 on the 2 cores), so only the alternated ratios mean something; two runs of
+`--threads 2 --repeat 3`, the second after the groups of 32 chunks:
       T   deltanet fwd+bwd ms   conv+norm   attention   ratio   MB fwd/bwd: deltanet  attention
-    512               1153.9        116.2       403.3    3.15            20 / 33     4 / 16
-   1024               2161.2        316.4      1320.1    1.88            39 / 62     8 / 26
-   2048               4812.3        484.1      4456.6    1.19            77 / 126    8 / 23
+    512        1153.9 /  741.6   116 /  85   403 / 241  3.15 / 3.43        20 / 33     4 / 16
+   1024        2161.2 / 1020.1   316 / 118  1320 / 631  1.88 / 1.80        39 / 62     8 / 26
+   2048        4812.3 / 3186.1   484 / 352  4457 / 2587 1.19 / 1.37        77 / 126    8 / 23
 
     python bench/deltanet.py [--threads 2] [--T 512,1024,2048] [--repeat 3] [--json]
 """

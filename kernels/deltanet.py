@@ -62,8 +62,8 @@ the next (the backward first runs the groups but the last forward for the states
 between them), so its working memory stops growing with T past 2048 steps.
 
 Speed and memory (bench/deltanet.py, Qwen3.5-4B's shapes, 2 threads): forward +
-backward of the rule is 1.08x causal attention of the same width at ctx 2048
-(about a third of attention's FLOPs, in smaller products); at ctx 512, 2.9x. Working
+backward of the rule is 1.08-1.23x causal attention of the same width at ctx 2048
+(about a third of attention's FLOPs, in smaller products); at ctx 512, 2.9-3.1x. Working
 memory is per work item in flight, linear in T up to a group: 77 MB forward, 126 MB
 backward at ctx 2048 (padded head copies, (C, C) matrices and the states of every chunk).
 """
