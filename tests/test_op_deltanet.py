@@ -133,32 +133,34 @@ def test_deltanet_fd(fns, opts, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,tol", [(F64, TIGHT64), (F32, TOL_DN32)], ids=["f64", "f32"])
-@pytest.mark.parametrize("heads", ["grouped", "tiled"])
-def test_deltanet_decode_step_by_step_equals_full_forward(heads, dtype, tol, monkeypatch):
+@pytest.mark.parametrize("opts", [dict(heads="grouped"), dict(heads="tiled"),
+                                  dict(heads="tiled", l2norm=False, scale=0.4)],
+                         ids=["grouped", "tiled", "tiled-raw-scale"])
+def test_deltanet_decode_step_by_step_equals_full_forward(opts, dtype, tol, monkeypatch):
     """Decoding one token at a time, the state carried from call to call, gives the
     full-sequence (chunked) forward's outputs and final state; so does a chunked prefill
     of the first tokens followed by decoding the rest; and the reference's decode."""
     monkeypatch.setattr(deltanet, "CHUNK", 4)
     rng = np.random.default_rng(4)
     q, k, v, g, beta, s0 = dn_inputs(rng, 2, 10, 2, 4, 8, 4, dtype)
-    full_out, full_state = run_forward(deltanet.deltanet_forward, q, k, v, g, beta, s0, heads=heads)
+    full_out, full_state = run_forward(deltanet.deltanet_forward, q, k, v, g, beta, s0, **opts)
     for decode in (deltanet.deltanet_decode, deltanet.deltanet_decode_ref):
         state = s0.copy()
         outs = []
         for t in range(10):
             o = np.full((2, 1, 4, 4), np.nan, dtype)
             step = [np.ascontiguousarray(a[:, t: t + 1]) for a in (q, k, v, g, beta)]
-            decode(o, state, *step, heads=heads)
+            decode(o, state, *step, **opts)
             outs.append(o)
         np.testing.assert_allclose(np.concatenate(outs, axis=1), full_out, **tol)
         np.testing.assert_allclose(state, full_state, **tol)
     prefill = [np.ascontiguousarray(a[:, :6]) for a in (q, k, v, g, beta)]
     rest = [np.ascontiguousarray(a[:, 6:]) for a in (q, k, v, g, beta)]
     state = s0.copy()
-    out6, _ = run_forward(deltanet.deltanet_forward, *prefill, state, heads=heads)
-    deltanet.deltanet_forward(out6, state, *prefill, state, heads=heads)  # state_out = state_in
+    out6, _ = run_forward(deltanet.deltanet_forward, *prefill, state, **opts)
+    deltanet.deltanet_forward(out6, state, *prefill, state, **opts)  # state_out = state_in
     out4 = np.full((2, 4, 4, 4), np.nan, dtype)
-    deltanet.deltanet_decode(out4, state, *rest, heads=heads)
+    deltanet.deltanet_decode(out4, state, *rest, **opts)
     np.testing.assert_allclose(np.concatenate([out6, out4], axis=1), full_out, **tol)
     np.testing.assert_allclose(state, full_state, **tol)
 
