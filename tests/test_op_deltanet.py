@@ -110,6 +110,30 @@ def test_deltanet_float32_at_real_shape():
         np.testing.assert_allclose(a, w, rtol=1e-4, atol=1e-5 * np.abs(w).max())
 
 
+def test_deltanet_tiled_heads_are_the_gguf_reordering_of_grouped():
+    """llama.cpp's convert_hf_to_gguf.py reorders the value heads from HF's grouped order
+    (the G heads of q/k head 0, then of head 1, ...) to the tiled order ggml broadcasts
+    (head p reads q/k head p % NK): GGUF head p is HF head (p % NK) * G + p // NK. The
+    tiled kernels on reordered heads give the grouped kernels' results, reordered."""
+    rng = np.random.default_rng(17)
+    NK, G = 3, 2
+    q, k, v, g, beta, s0 = dn_inputs(rng, 2, 9, NK, NK * G, 4, 3)
+    dout, ds_out = randn(rng, *v.shape, dtype=F64), randn(rng, *s0.shape, dtype=F64)
+    perm = np.arange(NK * G).reshape(NK, G).T.reshape(-1)  # GGUF head p <- HF head perm[p]
+    assert [perm[p] for p in range(NK * G)] == [(p % NK) * G + p // NK for p in range(NK * G)]
+    grouped = list(run_forward(deltanet.deltanet_forward, q, k, v, g, beta, s0))
+    grouped += run_backward(deltanet.deltanet_backward, dout, ds_out, q, k, v, g, beta, s0)
+    heads = [np.ascontiguousarray(a[:, :, perm]) for a in (v, g, beta, dout)]
+    st = [np.ascontiguousarray(a[:, perm]) for a in (s0, ds_out)]
+    tiled = list(run_forward(deltanet.deltanet_forward, q, k, *heads[:3], st[0], heads="tiled"))
+    tiled += run_backward(deltanet.deltanet_backward, heads[3], st[1], q, k, *heads[:3], st[0], heads="tiled")
+    out, state, dq, dk, dv, dg, dbeta, ds = grouped
+    want = [out[:, :, perm], state[:, perm], dq, dk, dv[:, :, perm], dg[:, :, perm], dbeta[:, :, perm],
+            ds[:, perm]]
+    for a, w in zip(tiled, want, strict=True):
+        np.testing.assert_allclose(a, w, **TIGHT64)
+
+
 @pytest.mark.parametrize("fns", impls(deltanet, "deltanet_forward", "deltanet_backward"))
 @pytest.mark.parametrize("opts", [dict(), dict(heads="tiled", l2norm=False, scale=0.6)],
                          ids=["default", "tiled-raw"])
