@@ -1,7 +1,8 @@
 """Correctness tools that verify rather than measure (bench/ holds the measurements):
 the reader fuzzer (`fuzz`, `fuzz_mutate`), the cross-checks against a local llama.cpp
 build (`llamacpp_crosscheck`, `arch_crosscheck`), llama.cpp's vocabulary suites
-(`vocab_suites`), the memory estimate against measured peaks (`memory_check`), and
+(`vocab_suites`), the memory estimate against measured peaks (`memory_check`), the
+gated delta-net kernels against HF transformers' own code (`deltanet_hf`), and
 the float64 numpy reference forward the tests and `arch_crosscheck` share
 (`arch_reference`).
 
