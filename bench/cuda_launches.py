@@ -183,11 +183,23 @@ def count_step(arch: str, B: int = 1, T: int = 6) -> Counter:
     return COUNT
 
 
+def quick_simulator() -> None:
+    """Hand the simulator's threads over every 50 us instead of every 5 ms, as the CUDA
+    tests run it (tests/conftest.py): the threads of a block meet at each syncthreads(),
+    and the qwen3 count took 31 s on two cores (111 s in a GPU machine's test run), 13 s
+    so. A thread switch inside the simulator's shared-array lookup can then hand two
+    threads two arrays (tests/conftest_cuda.py patches that for the tests): that changes
+    values, never what is launched, which is all this counts."""
+    import sys
+    sys.setswitchinterval(5e-5)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     ap.add_argument("--detail", action="store_true", help="every call site of the layer phases")
     args = ap.parse_args(argv)
+    quick_simulator()
     c = count_step(args.arch)
     kinds = ("kernel", "ufunc", "copy", "fill")
     print(f"{args.arch}: launches of one training step (1 layer, LoRA on every layer matrix, selective)")
