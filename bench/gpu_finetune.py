@@ -5,8 +5,9 @@ Every configuration runs in a fresh process (memory figures are its own):
   llamatune   random-weight GGUF base in Q4_K / Q8_0 (written once into --workdir by
               llamatune's own writer), LoRA r=8, alpha 8 on q,k,v,o,gate,up,down, AdamW with
               gradient clipping, checkpointing modes (--ckpt) layer / selective / none; --modes:
-              matmuls in fp32 (CuPy's default cuBLAS sgemm) and/or tf32 (CUPY_TF32=1, tensor
-              cores).
+              matmuls in fp32 (CuPy's default cuBLAS sgemm), tf32 (CUPY_TF32=1, tensor cores)
+              and/or bf16 (--compute-dtype bf16: the base dequantized to bf16, its products
+              through cublasGemmEx on tensor cores with float32 sums; the rest in TF32).
   torch+peft  transformers.LlamaForCausalLM of the same shape, random bf16 / fp32 weights (tf32:
               fp32 weights, TF32 matmuls), peft LoraConfig(r=8, lora_alpha=8, same targets),
               AdamW + clip_grad_norm_, its gradient checkpointing (each decoder layer's input
@@ -150,7 +151,8 @@ def run_llamatune(spec: dict) -> dict:
     from llamatune.options import FinetuneOptions
     from llamatune.train.params import ParamBuffer
     from llamatune.models.weights import FrozenBase
-    backend = get_backend("cuda", tf32=spec.get("tf32", False))   # sets CuPy's compute type either way
+    dtype = spec.get("compute_dtype", "f32")
+    backend = get_backend("cuda", tf32=spec.get("tf32", False) or dtype == "bf16")   # CuPy's compute type
     xp = backend.xp
     if backend.on_host:                       # the simulator: numpy arrays are the device memory
         sync, mem, gpu = (lambda: None), (lambda: (None, None)), "numba CUDA simulator (numpy)"
@@ -174,10 +176,11 @@ def run_llamatune(spec: dict) -> dict:
         try:                                  # llamatune has none)
             from llamatune.train.memory import Planner, device_runtime_bytes
             estimate = Planner(cfg, targets, base, device_runtime_bytes(backend), Path(spec["model"]).stat().st_size,
-                               model.dequantizer.nbytes, 0.0, device=True).estimate(B, T, spec["ckpt"]).total
+                               model.dequantizer.nbytes, 0.0, device=True,
+                               compute_dtype=dtype).estimate(B, T, spec["ckpt"]).total
         except ImportError:
             pass
-    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend)
+    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, compute_dtype=dtype)
     inputs, labels = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
     opts = FinetuneOptions(warmup=1)
@@ -195,7 +198,13 @@ def run_llamatune(spec: dict) -> dict:
     rng, (N, C, F) = np.random.default_rng(2), (B * T, cfg.n_embd, cfg.n_ff)
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
     out = xp.empty((N, F), np.float32)
-    rate = matmul_gflops(lambda: xp.matmul(a, wt.T, out=out), sync, 3 if backend.on_host else 20, 2 * N * C * F)
+    mm = lambda: xp.matmul(a, wt.T, out=out)  # noqa: E731
+    if dtype == "bf16":                       # the rate of the products' own bf16 kernel
+        a16, w16 = xp.empty(a.shape, np.uint16), xp.empty(wt.shape, np.uint16)
+        backend.ops.bf16.to_bf16(a16, a)
+        backend.ops.bf16.to_bf16(w16, wt)
+        mm = lambda: backend.ops.bf16.gemm_bf16(out, a16, w16.T)  # noqa: E731
+    rate = matmul_gflops(mm, sync, 3 if backend.on_host else 20, 2 * N * C * F)
     return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": graph.activation_bytes() / 2**30,
                   "estimate_gb": estimate and estimate / 2**30}
 
@@ -259,7 +268,8 @@ def run_child(spec: dict, env: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- driver
-MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}}       # and spec["tf32"]: get_backend sets the compute type
+MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}, "bf16": {"CUPY_TF32": "1"}}   # and spec: get_backend sets it
+MODE_DTYPE = {"fp32": "f32", "tf32": "tf32", "bf16": "bf16"}
 COLS = [("tok/s", "tokens_per_s", "8.1f"), ("step s", "step_s", "7.3f"), ("1st s", "first_step_s", "6.1f"),
         ("est GB", "estimate_gb", "6.2f"), ("alloc GB", "peak_alloc_gb", "8.2f"),
         ("driver GB", "peak_driver_used_gb", "9.2f"),
@@ -283,7 +293,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, help="samples per step (7b: 4, tiny: 2)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
     ap.add_argument("--types", help="llamatune base quant types (7b: q4_k,q8_0; tiny: q8_0)")
-    ap.add_argument("--modes", help="llamatune matmul precision: fp32 and/or tf32 (7b: fp32,tf32; tiny: fp32)")
+    ap.add_argument("--modes", help="llamatune matmul precision: fp32, tf32, bf16 (7b: fp32,tf32; tiny: fp32)")
     ap.add_argument("--ckpt", default="layer,none",
                     help="checkpointing modes: layer, selective, none (on = selective, off = none); "
                          "torch+peft runs layer (its gradient checkpointing) and none")
@@ -296,7 +306,7 @@ def main() -> None:
     a = ap.parse_args()
     modes = (a.modes or DEFAULTS[a.shape]["modes"]).split(",")
     if a.steps < 1 or any(m not in MODE_ENV for m in modes):
-        ap.error("--steps must be >= 1; --modes are fp32 and/or tf32")
+        ap.error("--steps must be >= 1; --modes are fp32, tf32, bf16")
     if a.one:
         spec = json.loads(a.one)
         try:
@@ -341,7 +351,7 @@ def main() -> None:
         for mode in modes:
             for ck in ckpts:
                 spec = dict(common, kind="llamatune", model=str(path), ckpt=ck, profile=a.profile,
-                            tf32=mode == "tf32")
+                            tf32=mode == "tf32", compute_dtype=MODE_DTYPE[mode])
                 r = run_child(spec, MODE_ENV[mode])
                 record(r, spec, impl="llamatune", weights=qtype, mode=mode)
                 if "profile" in r:

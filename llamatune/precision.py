@@ -5,6 +5,9 @@
            oneDNN (llamatune.kernels.bf16): on CPUs that multiply bf16 natively
            (AVX512_BF16, AMX), about twice the float32 rate or more.
     auto   bf16 where the CPU has avx512_bf16 or amx_bf16 and oneDNN loads, else f32.
+    tf32   a GPU only: float32 products on tensor cores in TF32 (--tf32 is its alias).
+On a GPU (`resolve_gpu`) bf16 products go through cuBLAS (kernels/cuda/bf16.py) and
+auto picks them from compute capability 8.0 on.
 
 `compute_dtype(requested)` resolves the choice and says why, in one line, for the
 start-up line; an explicit bf16 that cannot run is a LlamatuneError.
@@ -15,7 +18,7 @@ import os
 
 from .errors import LlamatuneError
 
-CHOICES = ("auto", "f32", "bf16")
+CHOICES = ("auto", "f32", "tf32", "bf16")
 BF16_SPIN = "100000"   # GOMP_SPINCOUNT where the products are likely oneDNN's bf16 ones (prepare_threads)
 
 
@@ -47,6 +50,8 @@ def compute_dtype(requested: str) -> tuple[str, str]:
                              f"(choose one of {', '.join(CHOICES)})")
     if requested == "f32":
         return "f32", "f32 products as asked"
+    if requested == "tf32":
+        raise LlamatuneError("--compute-dtype tf32: TF32 is a GPU's tensor-core mode (--device cuda)")
     from .kernels import bf16
     flags = bf16.cpu_bf16_flags()
     problem = None
@@ -62,15 +67,43 @@ def compute_dtype(requested: str) -> tuple[str, str]:
     return "f32", f"f32 products: {problem}"
 
 
-def resolve(requested: str, device: str = "cpu", trainable: bool = False) -> tuple[str, str]:
-    """compute_dtype for a run on `device` ("cpu" or a GPU backend's name): bf16 products
-    are the CPU's (a GPU runs f32 or --tf32), and weights that are all trained
-    (train-from-scratch, --fine-tune-type full) multiply in f32."""
+def resolve(requested: str, device: str = "cpu", trainable: bool = False,
+            capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """compute_dtype for a run on `device` ("cpu" or a GPU backend's name; a GPU's
+    compute `capability`, None where unknown: `resolve_gpu`); weights that are all
+    trained (train-from-scratch, --fine-tune-type full) multiply in f32 (tf32 on a GPU
+    where asked)."""
     if requested not in CHOICES:
         return compute_dtype(requested)                        # the error
-    if device != "cpu" or trainable:
-        why = "on a GPU (use --tf32 there)" if device != "cpu" else "for weights that are trained"
+    if device != "cpu":
+        return resolve_gpu(requested, capability, trainable)
+    if trainable and requested != "tf32":
         if requested == "bf16":
-            raise LlamatuneError(f"--compute-dtype bf16: bf16 products are for a frozen base on the CPU, not {why}")
-        return "f32", f"f32 products {why}"
+            raise LlamatuneError("--compute-dtype bf16: bf16 products are for a frozen base, not for weights "
+                                 "that are trained")
+        return "f32", "f32 products for weights that are trained"
     return compute_dtype(requested)
+
+
+def resolve_gpu(requested: str, capability: tuple[int, int] | None, trainable: bool) -> tuple[str, str]:
+    """A GPU's products: bf16 through cuBLAS with float32 sums (tensor cores from compute
+    capability 8.0, Ampere), tf32 (CuPy's float32 products in TF32), or f32. auto: bf16
+    for a frozen base on a GPU of capability 8.0 or newer, else f32 (also where the
+    capability is unknown: numba's CUDA simulator, inference)."""
+    cc = "" if capability is None else f" (compute capability {capability[0]}.{capability[1]})"
+    if trainable:
+        if requested == "bf16":
+            raise LlamatuneError("--compute-dtype bf16: bf16 products are for a frozen base, not for weights "
+                                 "that are trained")
+        return ("tf32", "tf32 products for weights that are trained") if requested == "tf32" else \
+            ("f32", "f32 products for weights that are trained")
+    if requested in ("f32", "tf32"):
+        return requested, f"{requested} products on the GPU as asked"
+    new_enough = capability is not None and tuple(capability) >= (8, 0)
+    if requested == "bf16":
+        if capability is not None and not new_enough:
+            raise LlamatuneError(f"--compute-dtype bf16: this GPU{cc} has no bf16 tensor cores (8.0 or newer)")
+        return "bf16", f"bf16 products on the GPU{cc}, float32 sums (cuBLAS) as asked"
+    if new_enough:
+        return "bf16", f"bf16 products on the GPU{cc}, float32 sums (cuBLAS)"
+    return "f32", f"f32 products on the GPU{cc or ' (capability unknown)'}: bf16 needs compute capability 8.0"

@@ -27,7 +27,7 @@ import os
 import sys
 
 _MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "geglu", "softcap", "attention",
-            "cross_entropy", "optim", "fused", "lora", "blas")
+            "cross_entropy", "optim", "fused", "lora", "blas", "bf16")
 
 __all__ = [*_MODULES, "is_available", "simulator_enabled", "numpy_compat", "launch_without_sync"]
 

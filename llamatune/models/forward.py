@@ -35,7 +35,7 @@ import numpy as np
 
 from ..backend import Backend
 from .config import ModelConfig
-from .products import Products
+from .products import make_products
 
 
 @dataclass
@@ -104,7 +104,7 @@ class Forward:
     def __init__(self, cfg: ModelConfig, base, backend: Backend, compute_dtype: str = "f32"):
         self.cfg, self.base, self.backend = cfg, base, backend
         self.xp, self.ops = backend.xp, backend.ops
-        self.products = Products(self.xp, compute_dtype)   # every product with a base weight
+        self.products = make_products(backend, compute_dtype)   # every product with a base weight
         self.lora_ops = self.products.lora_ops(self.ops.lora)   # the adapters' rank-r products
         self.attention = self.products.attention_ops(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)

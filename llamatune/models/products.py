@@ -185,6 +185,16 @@ class Products:
         return buf
 
 
+def make_products(backend, dtype: str = "f32"):
+    """The products of a graph on `backend` in compute dtype `dtype` (precision.resolve):
+    a GPU's bf16 ones through cuBLAS (kernels/cuda/bf16.py CudaBf16Products, the same
+    methods), or Products; tf32 is f32 here (CuPy's compute type: backend.set_tf32)."""
+    if dtype == "bf16" and backend.name == "cuda":
+        from ..kernels.cuda.bf16 import CudaBf16Products
+        return CudaBf16Products(backend.xp, backend.ops.bf16)
+    return Products(backend.xp, "f32" if dtype == "tf32" else dtype)
+
+
 def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool, extension: int = 0) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of

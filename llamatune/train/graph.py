@@ -64,12 +64,13 @@ class Graph(LoraLinear, LossHead, Forward):
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.dropout = lora_dropout
+        cpu_bf16 = self.products.dtype == "bf16" and self.backend.name == "cpu"   # (a GPU's keeps f32 activations)
         self.merge_lora = self.products.dtype == "f32"   # `matrix` may merge adapters into dequantized W
         #                                        (not in bf16: rounding W + s B A would lose the adapter's share)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
-                                bf16_saved=self.products.dtype == "bf16")
+                                bf16_saved=cpu_bf16)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
@@ -93,7 +94,7 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if (self.products.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
+        if (cpu_bf16 and kept_head_bytes(cfg, self.chunk) and within is None
                 and hasattr(base, "keep_bf16")):
             base.keep_bf16("output.weight")
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]

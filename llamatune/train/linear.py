@@ -101,7 +101,8 @@ class LoraLinear:
         share of dx, which the product cannot)."""
         return (self.adapters_in_products and name in self.lora and self.products.bf16_for(N)
                 and self.dropout <= 0 and not self.merge_aware
-                and hasattr(self.base, "matrix_bf16_extended"))     # FrozenBase: a frozen, dequantized base
+                and hasattr(self.base, "matrix_bf16_extended")      # FrozenBase: a frozen, dequantized base
+                and self.backend.name == "cpu")                     # oneDNN's products (a GPU adds it after)
 
     def shared_extension(self, names: list[str], N: int) -> int:
         return max((adapter_extension(self.lora[n].rank) for n in names if self.adapter_in_product(n, N)),

@@ -24,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from ..backend import cpu
+from ..backend import cpu, set_tf32
 from ..console import err, notice, out
 from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV
@@ -387,7 +387,10 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
-    o.compute_dtype, why = resolve_dtype(o.compute_dtype, backend.name, job.base.trainable)   # checkpoints record it
+    requested = "tf32" if getattr(o, "tf32", False) and o.compute_dtype == "auto" else o.compute_dtype   # --tf32
+    o.compute_dtype, why = resolve_dtype(requested, backend.name, job.base.trainable,
+                                         backend.capability)          # checkpoints record it
+    set_tf32(backend.xp, o.compute_dtype in ("tf32", "bf16"))         # a GPU's float32 products (nothing on numpy)
     if not quiet:
         err.print(f"compute: {why}")
     if backend.name != "cpu":
