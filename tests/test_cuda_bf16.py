@@ -119,3 +119,20 @@ def micro_model(tmp_path_factory, tiny_vocab):
     from conftest import write_tiny_model
     return write_tiny_model(tmp_path_factory.mktemp("cuda-bf16") / "micro.gguf", tiny_vocab, n_embd=16, n_ff=24,
                             head_dim=4, n_rot=4, n_layer=1)
+
+
+@pytest.mark.slow
+def test_finetune_with_bf16_products_on_the_cuda_backend(micro_model, tmp_path):
+    """The CLI's path: --device cuda --compute-dtype bf16 trains, says so on its start-up
+    line, and the checkpoint records bf16."""
+    from conftest import TEXT
+    from llamatune.commands.finetune import finetune
+    from llamatune.options import FinetuneOptions
+    from llamatune.train import checkpoint as ckpt
+    (tmp_path / "t.txt").write_text(TEXT)
+    res = finetune(FinetuneOptions(device="cuda", compute_dtype="bf16", model_base=micro_model,
+                                   train_data=tmp_path / "t.txt", ctx=6, batch=1, lora_r=2, warmup=1, adam_iter=2,
+                                   save_every=0, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
+                                   lora_out=tmp_path / "adapter-ITERATION.gguf"), quiet=True)
+    assert res.state.iteration == 2 and np.isfinite(res.losses).all()
+    assert ckpt.load(tmp_path / "chk-LATEST.gguf").options["compute_dtype"] == "bf16"
