@@ -50,8 +50,8 @@ def compute_dtype(requested: str) -> tuple[str, str]:
                              f"(choose one of {', '.join(CHOICES)})")
     if requested == "f32":
         return "f32", "f32 products as asked"
-    if requested == "tf32":
-        raise LlamatuneError("--compute-dtype tf32: TF32 is a GPU's tensor-core mode (--device cuda)")
+    if requested == "tf32":       # a GPU's tf32 run resumed here (an explicit one is refused with --device cpu)
+        return "f32", "f32 products: TF32 is a GPU's tensor-core mode"
     from .kernels import bf16
     flags = bf16.cpu_bf16_flags()
     problem = None

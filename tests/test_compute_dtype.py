@@ -35,8 +35,7 @@ def test_resolve_on_gpus_and_for_trained_weights():
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: this GPU \(compute capability 7.5\) has no "
                                              r"bf16 tensor cores \(8.0 or newer\)$"):
         precision.resolve("bf16", "cuda", capability=(7, 5))
-    with pytest.raises(LlamatuneError, match=r"^--compute-dtype tf32: TF32 is a GPU's tensor-core mode"):
-        precision.resolve("tf32", "cpu")
+    assert precision.resolve("tf32", "cpu") == ("f32", "f32 products: TF32 is a GPU's tensor-core mode")
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):
         precision.resolve("bf16", "cpu", trainable=True)
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):

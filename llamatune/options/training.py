@@ -235,6 +235,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if o.tf32 and o.device == "cpu":
         bad("--tf32 runs matmuls on a GPU's tensor cores: it needs --device cuda or auto")
+    if o.compute_dtype == "tf32" and o.device == "cpu":
+        bad("--compute-dtype tf32 runs matmuls on a GPU's tensor cores: it needs --device cuda or auto")
     if not o.adam_alpha > 0:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
     if o.data_format not in ("auto", "text", "chat", "completion"):
