@@ -22,9 +22,12 @@ matmul rate measured on this GPU in the same precision for an (N, C) x (C, F) pr
 On a GPU machine (CUDA 12 driver):
     pip install -e ".[cuda]"                   # numba-cuda[cu12], cupy-cuda12x
     pip install torch transformers peft        # optional baseline
-    python bench/gpu_finetune.py [--steps 5] [--ctx 512] [--batch 4] [--types q4_k,q8_0]
-        [--modes fp32,tf32] [--ckpt layer,selective,none] [--torch bf16,fp32] [--layers N] [--out results.json]
-        [--profile]
+    python bench/gpu_finetune.py [--shape 7b|llama3-8b] [--steps 5] [--ctx 512] [--batch 4] [--types q4_k,q8_0]
+        [--modes fp32,tf32,bf16] [--ckpt layer,selective,none] [--torch bf16,fp32] [--layers N]
+        [--out results.json] [--profile]
+The full sizes of #49: `--shape 7b --types q4_k --modes bf16 --ckpt layer` (ctx 512 x 4) and
+`--shape llama3-8b` (Llama-3-8B: vocabulary 128k, GQA 8; ctx 4096 x 1, Q4_K, bf16), PyTorch +
+PEFT bf16 beside each.
 Expected runtime (H100/H200, 16 cores): writing the 7B GGUFs takes ~5-10 min once (3.9 + 7.2 GB
 in --workdir); then ~1 min per configuration (load, JIT, 1 + 5 steps): ~15 min for the default
 8 llamatune + 4 torch runs. `--layers 4` is a quick check of a few minutes.
@@ -48,11 +51,15 @@ from pathlib import Path
 SHAPES = {
     "7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
                n_head=32, n_head_kv=32, head_dim=128, n_rot=128, norm_eps=1e-5),
+    # Llama-3-8B: vocabulary 128k, GQA 8 (its rope base; the bench's weights are random)
+    "llama3-8b": dict(arch="llama", n_vocab=128256, n_ctx_train=8192, n_embd=4096, n_layer=32, n_ff=14336,
+                      n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
     # simulator-sized (it runs ~1e3 dequantized values/s): Q8_0 blocks fit, Q4_K's 256 do not
     "tiny": dict(arch="llama", n_vocab=32, n_ctx_train=64, n_embd=32, n_layer=1, n_ff=32,
                  n_head=2, n_head_kv=1, head_dim=16, n_rot=16, norm_eps=1e-5),
 }
 DEFAULTS = {"7b": dict(ctx=512, batch=4, types="q4_k,q8_0", modes="fp32,tf32"),
+            "llama3-8b": dict(ctx=4096, batch=1, types="q4_k", modes="bf16"),
             "tiny": dict(ctx=4, batch=2, types="q8_0", modes="fp32")}
 R = 8
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -221,7 +228,8 @@ def run_torch(spec: dict) -> dict:
     hf = transformers.LlamaConfig(
         vocab_size=s["n_vocab"], hidden_size=s["n_embd"], intermediate_size=s["n_ff"], num_hidden_layers=s["n_layer"],
         num_attention_heads=s["n_head"], num_key_value_heads=s["n_head_kv"], max_position_embeddings=s["n_ctx_train"],
-        rms_norm_eps=s["norm_eps"], tie_word_embeddings=False, use_cache=False)
+        rms_norm_eps=s["norm_eps"], rope_theta=s.get("rope_freq_base", 10000.0), tie_word_embeddings=False,
+        use_cache=False)
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     with torch.device("cuda"):                  # random init on the GPU, straight in `dtype`
@@ -289,8 +297,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="7b")
     ap.add_argument("--layers", type=int, help="override the layer count (quick checks)")
-    ap.add_argument("--ctx", type=int, help="tokens per sample (7b: 512, tiny: 4)")
-    ap.add_argument("--batch", type=int, help="samples per step (7b: 4, tiny: 2)")
+    ap.add_argument("--ctx", type=int, help="tokens per sample (7b: 512, llama3-8b: 4096, tiny: 4)")
+    ap.add_argument("--batch", type=int, help="samples per step (7b: 4, llama3-8b: 1, tiny: 2)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
     ap.add_argument("--types", help="llamatune base quant types (7b: q4_k,q8_0; tiny: q8_0)")
     ap.add_argument("--modes", help="llamatune matmul precision: fp32, tf32, bf16 (7b: fp32,tf32; tiny: fp32)")
