@@ -26,6 +26,7 @@ __all__ = ["gemm", "gemm_bf16", "gemm_arrays", "bf16_to_f32_ref"]
 CUDA_R_32F, CUDA_R_16BF = 0, 14          # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                  # cublasComputeType_t: plain float32 sums
 CUBLAS_GEMM_DEFAULT = -1
+CUBLAS_POINTER_MODE_HOST = 0
 OP_N, OP_T = 0, 1
 
 
@@ -93,14 +94,15 @@ def _product(op, out, a, b, alpha, beta, in_dtype):
     else:
         first, second, m, n = (a, a_rows, lda), (b, b_rows, ldb), M, N
         op1, op2 = OP_T if a_rows else OP_N, OP_T if b_rows else OP_N
-    cupy = _cupy()
+    cublas, handle = _cublas(), _cupy().cuda.device.get_cublas_handle()
     kind = CUDA_R_16BF if in_dtype == np.uint16 else CUDA_R_32F
-    scalars = np.array([alpha, beta], np.float32)
-    _cublas().gemmEx(cupy.cuda.device.get_cublas_handle(), op1, op2, m, n, K,
-                     scalars.ctypes.data, first[0].data.ptr, kind, first[2],
-                     second[0].data.ptr, kind, second[2],
-                     scalars.ctypes.data + 4, out.data.ptr, CUDA_R_32F, ldc,
-                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+    scalars = np.array([alpha, beta], np.float32)        # host scalars, read by the call itself
+    cublas.setPointerMode(handle, CUBLAS_POINTER_MODE_HOST)   # as CuPy's own wrappers set it per call
+    cublas.gemmEx(handle, op1, op2, m, n, K,
+                  scalars.ctypes.data, first[0].data.ptr, kind, first[2],
+                  second[0].data.ptr, kind, second[2],
+                  scalars.ctypes.data + 4, out.data.ptr, CUDA_R_32F, ldc,
+                  CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
     return out
 
 
