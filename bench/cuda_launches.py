@@ -15,7 +15,7 @@ non-contiguous operand), not of a profiler's trace. Phases: embed, layer forward
 head (loss and its gradient), layer backward, embed backward.
 
     NUMBA_ENABLE_CUDASIM=1 python bench/cuda_launches.py [--arch llama|qwen3|gemma3] [--detail]
-        [--compute-dtype f32|bf16]
+        [--checkpointing layer|selective|none] [--compute-dtype f32|bf16]
 
 --detail lists every counted call site (file:line, kind, count) of the layer phases.
 Runs in about 10 s per architecture on one core (the simulator runs each thread in Python).
@@ -160,7 +160,7 @@ def build(path: Path, arch: str):
     return path
 
 
-def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32") -> Counter:
+def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32", mode: str = "selective") -> Counter:
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
     from llamatune.train.graph import Graph
@@ -176,7 +176,7 @@ def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32") ->
         params = ParamBuffer(lora_specs(targets))
         init_lora(params, targets, np.random.default_rng(1))
         params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, "selective", backend=backend,
+        g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, mode, backend=backend,
                   **({} if compute_dtype == "f32" else {"compute_dtype": compute_dtype}))
         for name, method in (("layer forward", "layer_forward"), ("layer backward", "_layer_backward"),
                              ("head", "loss_head"), ("embed", "embed"), ("embed backward", "_embed_backward")):
@@ -210,14 +210,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     ap.add_argument("--detail", action="store_true", help="every call site of the layer phases")
+    ap.add_argument("--checkpointing", default="selective", choices=("layer", "selective", "none"))
     ap.add_argument("--compute-dtype", default="f32", choices=("f32", "bf16"),
                     help="the base's products: float32, or bf16 (kernels/cuda/bf16.py)")
     args = ap.parse_args(argv)
     quick_simulator()
-    c = count_step(args.arch, compute_dtype=args.compute_dtype)
+    c = count_step(args.arch, compute_dtype=args.compute_dtype, mode=args.checkpointing)
     kinds = ("kernel", "ufunc", "copy", "fill")
-    print(f"{args.arch}: launches of one training step (1 layer, LoRA on every layer matrix, selective, "
-          f"{args.compute_dtype} products)")
+    print(f"{args.arch}: launches of one training step (1 layer, LoRA on every layer matrix, "
+          f"{args.checkpointing}, {args.compute_dtype} products)")
     print(f"{'phase':16}" + "".join(f"{k:>8}" for k in kinds) + f"{'total':>8}")
     for ph in ("embed", "layer forward", "head", "layer backward", "embed backward"):
         row = [c.counts[ph, k] for k in kinds]
