@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..backend import get_backend
+from ..backend import get_backend, set_tf32
 from ..formats.tensors import NonFiniteError
 from .infer import Runner
 from .model import Model
@@ -16,7 +16,8 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
     """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype."""
     from ..precision import resolve
     backend = get_backend(device)
-    dtype, why = resolve(compute_dtype, backend.name)
+    dtype, why = resolve(compute_dtype, backend.name)      # auto: f32 on a GPU (the CPU's digits)
+    set_tf32(backend.xp, dtype in ("tf32", "bf16"))      # a GPU's float32 products (nothing on numpy)
     try:
         model = Model(model_path, allow_nonfinite)
         loaded = None
