@@ -42,6 +42,16 @@ def test_to_bf16_bit_exact_with_the_cpus_reference():
     np.testing.assert_array_equal(b.get(block), host_bf16.to_bf16_ref(b.get(wide)[:, 20:32]))
 
 
+def test_to_bf16_rows_past_the_grid_loop(monkeypatch):
+    """More rows than the grid's y extent (65535 on a GPU; 2 here): each block loops over
+    rows gridDim.y apart."""
+    monkeypatch.setattr(b.k.bf16, "MAX_GRID_Y", 2)
+    x = np.random.default_rng(2).standard_normal((5, 40)).astype(np.float32)
+    out = u16((5, 40))
+    b.k.bf16.to_bf16(out, b.to(x))
+    np.testing.assert_array_equal(b.get(out), host_bf16.to_bf16_ref(x))
+
+
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q8_0, T.F16])
 def test_dequantize_straight_to_bf16(qtype):
     n_cols = 512 if qtype == T.Q4_K else 96          # two units of 256 values, or a partial one

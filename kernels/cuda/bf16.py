@@ -23,35 +23,34 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from ._common import bf16_bits, cdiv, check, check_ndim, cuda
+from ._common import bf16_bits, cdiv, check, check_ndim, cuda, row_threads
 from .blas import gemm_bf16
 
 __all__ = ["to_bf16", "gemm_bf16", "CudaBf16Products"]   # gemm_bf16: blas.py's, here for the backend's ops
 
-_THREADS = 256
+MAX_GRID_Y = 65535     # CUDA's limit on gridDim.y: more rows loop
 
 
 @cuda.jit
 def _to_bf16_kernel(out, x):
-    # grid-stride over the N * K values; out (N, K) uint16, x (N, K) float32, any strides
-    K = x.shape[1]
-    n = x.shape[0] * K
-    i = cuda.grid(1)
-    step = cuda.gridsize(1)
-    while i < n:
-        r = i // K
-        c = i - r * K
+    # grid (cdiv(K, threads), min(N, MAX_GRID_Y)), block threads: column c of rows
+    # blockIdx.y, + gridDim.y, ...; out (N, K) uint16, x (N, K) float32, any strides
+    c = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if c >= x.shape[1]:
+        return
+    r = cuda.blockIdx.y
+    while r < x.shape[0]:
         out[r, c] = bf16_bits(x[r, c])
-        i += step
+        r += cuda.gridDim.y
 
 
 def to_bf16(out, x) -> None:
     """out (N, K) uint16, C-contiguous = the bf16 bits of x (N, K) float32 (any strides)."""
     shape = check_ndim("bf16", "x", x, 2, np.float32)
     check("bf16", "out", out, shape, np.uint16)
-    n = shape[0] * shape[1]
-    if n:
-        _to_bf16_kernel[min(cdiv(n, _THREADS), 65535), _THREADS](out, x)
+    if shape[0] and shape[1]:
+        threads = row_threads(shape[1])            # a warp at least, 256 at most
+        _to_bf16_kernel[(cdiv(shape[1], threads), min(shape[0], MAX_GRID_Y)), threads](out, x)
 
 
 class CudaBf16Products:
