@@ -132,17 +132,24 @@ def micro_model(tmp_path_factory, tiny_vocab):
 
 
 @pytest.mark.slow
-def test_finetune_with_bf16_products_on_the_cuda_backend(micro_model, tmp_path):
-    """The CLI's path: --device cuda --compute-dtype bf16 trains, says so on its start-up
-    line, and the checkpoint records bf16."""
+def test_finetune_with_bf16_products_on_the_cuda_backend_resumes_on_a_cpu_without_bf16(micro_model, tmp_path,
+                                                                                      monkeypatch):
+    """The CLI's path: --device cuda --compute-dtype bf16 trains and the checkpoint records
+    bf16; a resume with auto on a CPU without native bf16 runs in f32 (what auto picks
+    there) instead of refusing, and its checkpoint records f32."""
     from conftest import TEXT
     from llamatune.commands.finetune import finetune
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
     (tmp_path / "t.txt").write_text(TEXT)
-    res = finetune(FinetuneOptions(device="cuda", compute_dtype="bf16", model_base=micro_model,
-                                   train_data=tmp_path / "t.txt", ctx=6, batch=1, lora_r=2, warmup=1, adam_iter=2,
-                                   save_every=0, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
-                                   lora_out=tmp_path / "adapter-ITERATION.gguf"), quiet=True)
+    common = dict(model_base=micro_model, train_data=tmp_path / "t.txt", ctx=6, batch=1, lora_r=2, warmup=1,
+                  save_every=0, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
+                  lora_out=tmp_path / "adapter-ITERATION.gguf")
+    res = finetune(FinetuneOptions(device="cuda", compute_dtype="bf16", adam_iter=2, **common), quiet=True)
     assert res.state.iteration == 2 and np.isfinite(res.losses).all()
     assert ckpt.load(tmp_path / "chk-LATEST.gguf").options["compute_dtype"] == "bf16"
+    monkeypatch.setattr(host_bf16, "cpu_bf16_flags", lambda *a: [])
+    res = finetune(FinetuneOptions(device="cpu", adam_iter=3, checkpoint_in=tmp_path / "chk-LATEST.gguf", **common),
+                   quiet=True)
+    assert res.state.iteration == 3 and np.isfinite(res.losses[-1])
+    assert ckpt.load(tmp_path / "chk-LATEST.gguf").options["compute_dtype"] == "f32"

@@ -76,6 +76,7 @@ class Job:
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
     val_samples: Samples | None = None          # validation samples (None: no validation)
     statistics: object = None                   # statistics.TrainingStats: imatrix sums of the forward (LoRA sft)
+    resumed_dtype: bool = False                 # opts.compute_dtype came from the checkpoint (auto asked)
 
     def checkpoint_extra(self) -> tuple[list, list]:
         """KVs and tensors a checkpoint keeps besides the parameters (the imatrix sums)."""
@@ -154,6 +155,21 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     return "\n".join(lines)
 
 
+def compute_dtype_of(job: Job, backend) -> tuple[str, str]:
+    """The run's compute dtype and why (precision.resolve): --compute-dtype, --tf32 for
+    auto, or the dtype a resumed checkpoint recorded; where this device cannot run that
+    one (a GPU's bf16 run resumed on a CPU without native bf16), what auto picks here."""
+    o = job.opts
+    requested = "tf32" if getattr(o, "tf32", False) and o.compute_dtype == "auto" else o.compute_dtype   # --tf32
+    try:
+        return resolve_dtype(requested, backend.name, job.base.trainable, backend.capability)
+    except LlamatuneError as e:
+        if not job.resumed_dtype:
+            raise
+        dtype, why = resolve_dtype("auto", backend.name, job.base.trainable, backend.capability)
+        return dtype, f"{why} (the checkpoint's {requested} cannot run here: {e})"
+
+
 def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
     o = job.opts
     path = o.checkpoint_in
@@ -165,6 +181,7 @@ def resume_or_init(job: Job, batcher: Batcher) -> ckpt.TrainState:
             raise LlamatuneError(f"{path}: was trained on a different base model than the one given")
         if o.compute_dtype == "auto" and "compute_dtype" in c.options:
             o.compute_dtype = c.options["compute_dtype"]     # a resume keeps the dtype it was saved with
+            job.resumed_dtype = True
         ckpt.check_frozen_options(c, o, ranks=distributed.current().size)
         c.load_into(job.params)
         if job.statistics is not None and not job.statistics.restore(c.file):
@@ -387,9 +404,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state = resume_or_init(job, batcher)          # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
-    requested = "tf32" if getattr(o, "tf32", False) and o.compute_dtype == "auto" else o.compute_dtype   # --tf32
-    o.compute_dtype, why = resolve_dtype(requested, backend.name, job.base.trainable,
-                                         backend.capability)          # checkpoints record it
+    o.compute_dtype, why = compute_dtype_of(job, backend)              # checkpoints record it
     set_tf32(backend.xp, o.compute_dtype in ("tf32", "bf16"))         # a GPU's float32 products (nothing on numpy)
     if not quiet:
         err.print(f"compute: {why}")
