@@ -21,6 +21,8 @@ kernel's Python code with numpy scalars, so a few helpers need two versions:
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from . import numpy_compat
@@ -133,7 +135,12 @@ def _contiguous(a) -> bool:
     may have any stride: numpy gives a new axis stride 0), the same for every kind of
     device array. numba's own flag (DeviceNDArray.is_c_contiguous) calls an array with a
     stride-0 axis of length 1 not contiguous where the simulator's numpy flag says it is,
-    so a check through it passed in the simulator and refused the view on a GPU."""
+    so a check through it passed in the simulator and refused the view on a GPU. CuPy's
+    and numpy's own flag (the simulator's arrays) follow numpy's rule: read as is (a
+    launch checks several arrays, and the rule in Python costs 1-2 us each)."""
+    flags = getattr(a, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):         # CuPy, numpy (not numba's dict)
+        return bool(flags.c_contiguous)
     strides = getattr(a, "strides", None)
     if strides is None:
         strides = a.__cuda_array_interface__.get("strides")
@@ -156,6 +163,9 @@ def is_device_array(a) -> bool:
     every launch)."""
     if isinstance(a, np.ndarray):
         return False
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(a, cupy.ndarray):     # before the interface: CuPy builds it per access
+        return True
     if hasattr(a, "__cuda_array_interface__"):
         return True
     return SIM and type(a).__name__ == "FakeCUDAArray"
@@ -207,12 +217,15 @@ def array_of(op: str, name: str, a):
     simulator the numpy memory behind its device array. Either way a numpy host array
     (or anything else) is refused, as check() refuses it: CuPy would copy it to the
     GPU and a result written there would never reach it."""
+    if not SIM:
+        import cupy
+        if isinstance(a, cupy.ndarray):
+            return a
     if not is_device_array(a):
         raise ValueError(f"{op}: {name} must be a device array, got {describe(a)}")
     if SIM:
         return np.asarray(getattr(a, "_ary", a))
-    import cupy
-    return a if isinstance(a, cupy.ndarray) else cupy.asarray(a)
+    return cupy.asarray(a)
 
 
 def blas_layout(op: str, name: str, a, dtype) -> tuple[bool, int]:
@@ -221,9 +234,14 @@ def blas_layout(op: str, name: str, a, dtype) -> tuple[bool, int]:
     wider array), or columns so (F order: a transposed view). Anything else (a view
     strided both ways, a wrong dtype or rank) is a ValueError on the simulator as on a
     GPU, where cuBLAS would misread it."""
-    if len(a.shape) != 2 or np.dtype(a.dtype) != np.dtype(dtype):
+    if len(a.shape) != 2 or a.dtype != dtype:
         raise ValueError(f"{op}: {name} must be a 2-D {np.dtype(dtype)} matrix, got {describe(a)}")
     rows, cols = a.shape
+    flags = a.flags                                      # CuPy's or numpy's: the common cases at once
+    if flags.c_contiguous:
+        return True, max(1, cols)
+    if flags.f_contiguous:
+        return False, max(1, rows)
     size = np.dtype(dtype).itemsize
     s0, s1 = (int(s) for s in a.strides)
     if (cols <= 1 or s1 == size) and (rows <= 1 or (s0 % size == 0 and s0 >= cols * size)):
