@@ -88,7 +88,16 @@ fi
 if has tests; then
 stage "CUDA tests (pytest -m cuda --slow)"
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")    # pytest-xdist where installed
-(cd tests && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
+TESTS=$REPO
+if [ -n "${PYTHONPATH:-}" ]; then
+  # the installed wheels: the tests run from a copy without the sources, whose llamatune/ (without
+  # kernels/) would shadow the wheel through pyproject's pythonpath "." (No module named
+  # 'llamatune.kernels'); ../shared of the copy is SHARED
+  TESTS=/tmp/llamatune-tests
+  rm -rf "$TESTS" && mkdir -p "$TESTS" && cp -r tests checks bench pyproject.toml "$TESTS"/
+  [ -d "$SHARED" ] && ln -sfn "$SHARED" "$(dirname "$TESTS")/shared"
+fi
+(cd "$TESTS/tests" && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
    --durations=10 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40)
 fi
 
