@@ -15,6 +15,7 @@ non-contiguous operand), not of a profiler's trace. Phases: embed, layer forward
 head (loss and its gradient), layer backward, embed backward.
 
     NUMBA_ENABLE_CUDASIM=1 python bench/cuda_launches.py [--arch llama|qwen3|gemma3] [--detail]
+        [--checkpointing layer|selective|none] [--compute-dtype f32|bf16]
 
 --detail lists every counted call site (file:line, kind, count) of the layer phases.
 Runs in about 10 s per architecture on one core (the simulator runs each thread in Python).
@@ -112,16 +113,26 @@ def install_kernel_counter() -> None:
         from llamatune.kernels.cuda import lora           # its cuBLAS products: one launch each
     except ImportError:                                   # an earlier llamatune (a baseline count)
         return
-    product = lora.gemm
+    count_calls(lora, "gemm")
+    try:
+        from llamatune.kernels.cuda import bf16           # the bf16 products' cublasGemmEx calls
+    except ImportError:
+        return
+    count_calls(bf16, "gemm_bf16")
 
-    def gemm(*args, **kwargs):
-        COUNT.add("ufunc", "gemm")
+
+def count_calls(module, name: str) -> None:
+    """Count each call of module.name as one launch (a cuBLAS product), not what it runs inside."""
+    product = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        COUNT.add("ufunc", name)
         COUNT.in_kernel += 1
         try:
             return product(*args, **kwargs)
         finally:
             COUNT.in_kernel -= 1
-    lora.gemm = gemm
+    setattr(module, name, counted)
 
 
 @contextlib.contextmanager
@@ -149,7 +160,7 @@ def build(path: Path, arch: str):
     return path
 
 
-def count_step(arch: str, B: int = 1, T: int = 6) -> Counter:
+def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32", mode: str = "selective") -> Counter:
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
     from llamatune.train.graph import Graph
@@ -165,7 +176,8 @@ def count_step(arch: str, B: int = 1, T: int = 6) -> Counter:
         params = ParamBuffer(lora_specs(targets))
         init_lora(params, targets, np.random.default_rng(1))
         params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, "selective", backend=backend)
+        g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, mode, backend=backend,
+                  **({} if compute_dtype == "f32" else {"compute_dtype": compute_dtype}))
         for name, method in (("layer forward", "layer_forward"), ("layer backward", "_layer_backward"),
                              ("head", "loss_head"), ("embed", "embed"), ("embed backward", "_embed_backward")):
             wrapped = getattr(g, method)
@@ -183,14 +195,30 @@ def count_step(arch: str, B: int = 1, T: int = 6) -> Counter:
     return COUNT
 
 
+def quick_simulator() -> None:
+    """Hand the simulator's threads over every 50 us instead of every 5 ms, as the CUDA
+    tests run it (tests/conftest.py): the threads of a block meet at each syncthreads(),
+    and the qwen3 count took 31 s on two cores (111 s in a GPU machine's test run), 13 s
+    so. A thread switch inside the simulator's shared-array lookup can then hand two
+    threads two arrays (tests/conftest_cuda.py patches that for the tests): that changes
+    values, never what is launched, which is all this counts."""
+    import sys
+    sys.setswitchinterval(5e-5)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", default="llama", choices=sorted(ARCHS))
     ap.add_argument("--detail", action="store_true", help="every call site of the layer phases")
+    ap.add_argument("--checkpointing", default="selective", choices=("layer", "selective", "none"))
+    ap.add_argument("--compute-dtype", default="f32", choices=("f32", "bf16"),
+                    help="the base's products: float32, or bf16 (kernels/cuda/bf16.py)")
     args = ap.parse_args(argv)
-    c = count_step(args.arch)
+    quick_simulator()
+    c = count_step(args.arch, compute_dtype=args.compute_dtype, mode=args.checkpointing)
     kinds = ("kernel", "ufunc", "copy", "fill")
-    print(f"{args.arch}: launches of one training step (1 layer, LoRA on every layer matrix, selective)")
+    print(f"{args.arch}: launches of one training step (1 layer, LoRA on every layer matrix, "
+          f"{args.checkpointing}, {args.compute_dtype} products)")
     print(f"{'phase':16}" + "".join(f"{k:>8}" for k in kinds) + f"{'total':>8}")
     for ph in ("embed", "layer forward", "head", "layer backward", "embed backward"):
         row = [c.counts[ph, k] for k in kinds]

@@ -88,7 +88,16 @@ fi
 if has tests; then
 stage "CUDA tests (pytest -m cuda --slow)"
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${WORKERS:-8}")    # pytest-xdist where installed
-(cd tests && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
+TESTS=$REPO
+if [ -n "${PYTHONPATH:-}" ]; then
+  # the installed wheels: the tests run from a copy without the sources, whose llamatune/ (without
+  # kernels/) would shadow the wheel through pyproject's pythonpath "." (No module named
+  # 'llamatune.kernels'); ../shared of the copy is SHARED
+  TESTS=/tmp/llamatune-tests
+  rm -rf "$TESTS" && mkdir -p "$TESTS" && cp -r tests checks bench pyproject.toml "$TESTS"/
+  [ -d "$SHARED" ] && ln -sfn "$SHARED" "$(dirname "$TESTS")/shared"
+fi
+(cd "$TESTS/tests" && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \
    --durations=10 2>&1 | tee "$OUT/pytest-cuda.log" | tail -40)
 fi
 
@@ -101,19 +110,19 @@ if has cli && [ -f "$SHARED/models/tiny-Q4_K_M.gguf" ]; then
         --ctx 256 --device $d 2>&1 | tail -2
     done
   done
-  stage "finetune 12 steps of tiny-Q4_K_M: cuda, cuda --tf32, cpu"
-  for d in cuda cuda-tf32 cpu; do
+  stage "finetune 12 steps of tiny-Q4_K_M: cuda in f32, tf32 and bf16 products, cpu in f32"
+  for d in cuda-f32 cuda-tf32 cuda-bf16 cpu-f32; do
     rm -rf "/tmp/ft-$d"; mkdir -p "/tmp/ft-$d"
     (cd "/tmp/ft-$d" && timeout 150 llamatune finetune --model-base "$SHARED/models/tiny-Q4_K_M.gguf" \
       --train-data "$SHARED/data/shakespeare-eval.txt" --lora-r 8 --ctx 64 --batch 4 --adam-iter 12 --seed 1 \
-      --device "${d%-tf32}" $([ "$d" = cuda-tf32 ] && echo --tf32) --lora-out "lora-$d.gguf" --save-every 0 \
-      > log.txt 2>&1; echo "$d: exit $?"; tail -4 log.txt)
+      --device "${d%-*}" --compute-dtype "${d#*-}" --lora-out "lora-$d.gguf" --save-every 0 \
+      > log.txt 2>&1; echo "$d: exit $?"; grep -E "^compute:" log.txt; tail -3 log.txt)
   done
   (cd /tmp && $PY - <<'EOF'
 import numpy as np
 from gguf import GGUFReader
-cpu = {t.name: np.array(t.data, np.float32) for t in GGUFReader("/tmp/ft-cpu/lora-cpu.gguf").tensors}
-for d in ("cuda", "cuda-tf32"):
+cpu = {t.name: np.array(t.data, np.float32) for t in GGUFReader("/tmp/ft-cpu-f32/lora-cpu-f32.gguf").tensors}
+for d in ("cuda-f32", "cuda-tf32", "cuda-bf16"):
     got = {t.name: np.array(t.data, np.float32) for t in GGUFReader(f"/tmp/ft-{d}/lora-{d}.gguf").tensors}
     worst = max((float(np.abs(got[n] - w).max() / (np.abs(w).max() + 1e-30)), n) for n, w in cpu.items())
     print(f"adapter {d} vs cpu after 12 steps: {len(cpu)} tensors, worst max|diff|/max|cpu| = {worst[0]:.2e} ({worst[1]})")
@@ -131,7 +140,7 @@ if has bench && [ -z "${NO_BENCH:-}" ]; then
       --workdir /tmp/gpu-bench --out "$OUT/gpu-bench-base.json" 2>&1 | grep -v "done, "
   fi
   stage "bench/gpu_finetune.py (7B-shaped layers)"
-  timeout "${BENCH_S:-300}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes fp32,tf32 --ckpt layer --torch bf16} \
+  timeout "${BENCH_S:-360}" $PY bench/gpu_finetune.py ${BENCH_ARGS:---layers 4 --steps 3 --types q4_k --modes bf16 --ckpt layer,selective,none --torch bf16} \
     --workdir /tmp/gpu-bench --out "$OUT/gpu-bench.json" 2>&1 | grep -v "done, "
 fi
 stage done

@@ -5,8 +5,9 @@ Every configuration runs in a fresh process (memory figures are its own):
   llamatune   random-weight GGUF base in Q4_K / Q8_0 (written once into --workdir by
               llamatune's own writer), LoRA r=8, alpha 8 on q,k,v,o,gate,up,down, AdamW with
               gradient clipping, checkpointing modes (--ckpt) layer / selective / none; --modes:
-              matmuls in fp32 (CuPy's default cuBLAS sgemm) and/or tf32 (CUPY_TF32=1, tensor
-              cores).
+              matmuls in fp32 (CuPy's default cuBLAS sgemm), tf32 (CUPY_TF32=1, tensor cores)
+              and/or bf16 (--compute-dtype bf16: the base dequantized to bf16, its products
+              through cublasGemmEx on tensor cores with float32 sums; the rest in TF32).
   torch+peft  transformers.LlamaForCausalLM of the same shape, random bf16 / fp32 weights (tf32:
               fp32 weights, TF32 matmuls), peft LoraConfig(r=8, lora_alpha=8, same targets),
               AdamW + clip_grad_norm_, its gradient checkpointing (each decoder layer's input
@@ -21,9 +22,12 @@ matmul rate measured on this GPU in the same precision for an (N, C) x (C, F) pr
 On a GPU machine (CUDA 12 driver):
     pip install -e ".[cuda]"                   # numba-cuda[cu12], cupy-cuda12x
     pip install torch transformers peft        # optional baseline
-    python bench/gpu_finetune.py [--steps 5] [--ctx 512] [--batch 4] [--types q4_k,q8_0]
-        [--modes fp32,tf32] [--ckpt layer,selective,none] [--torch bf16,fp32] [--layers N] [--out results.json]
-        [--profile]
+    python bench/gpu_finetune.py [--shape 7b|llama3-8b] [--steps 5] [--ctx 512] [--batch 4] [--types q4_k,q8_0]
+        [--modes fp32,tf32,bf16] [--ckpt layer,selective,none] [--torch bf16,fp32] [--layers N]
+        [--out results.json] [--profile]
+The full sizes of #49: `--shape 7b --types q4_k --modes bf16 --ckpt layer` (ctx 512 x 4) and
+`--shape llama3-8b` (Llama-3-8B: vocabulary 128k, GQA 8; ctx 4096 x 1, Q4_K, bf16), PyTorch +
+PEFT bf16 beside each.
 Expected runtime (H100/H200, 16 cores): writing the 7B GGUFs takes ~5-10 min once (3.9 + 7.2 GB
 in --workdir); then ~1 min per configuration (load, JIT, 1 + 5 steps): ~15 min for the default
 8 llamatune + 4 torch runs. `--layers 4` is a quick check of a few minutes.
@@ -47,11 +51,15 @@ from pathlib import Path
 SHAPES = {
     "7b": dict(arch="llama", n_vocab=32000, n_ctx_train=4096, n_embd=4096, n_layer=32, n_ff=11008,
                n_head=32, n_head_kv=32, head_dim=128, n_rot=128, norm_eps=1e-5),
+    # Llama-3-8B: vocabulary 128k, GQA 8 (its rope base; the bench's weights are random)
+    "llama3-8b": dict(arch="llama", n_vocab=128256, n_ctx_train=8192, n_embd=4096, n_layer=32, n_ff=14336,
+                      n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
     # simulator-sized (it runs ~1e3 dequantized values/s): Q8_0 blocks fit, Q4_K's 256 do not
     "tiny": dict(arch="llama", n_vocab=32, n_ctx_train=64, n_embd=32, n_layer=1, n_ff=32,
                  n_head=2, n_head_kv=1, head_dim=16, n_rot=16, norm_eps=1e-5),
 }
 DEFAULTS = {"7b": dict(ctx=512, batch=4, types="q4_k,q8_0", modes="fp32,tf32"),
+            "llama3-8b": dict(ctx=4096, batch=1, types="q4_k", modes="bf16"),
             "tiny": dict(ctx=4, batch=2, types="q8_0", modes="fp32")}
 R = 8
 TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -150,7 +158,8 @@ def run_llamatune(spec: dict) -> dict:
     from llamatune.options import FinetuneOptions
     from llamatune.train.params import ParamBuffer
     from llamatune.models.weights import FrozenBase
-    backend = get_backend("cuda", tf32=spec.get("tf32", False))   # sets CuPy's compute type either way
+    dtype = spec.get("compute_dtype", "f32")
+    backend = get_backend("cuda", tf32=spec.get("tf32", False) or dtype == "bf16")   # CuPy's compute type
     xp = backend.xp
     if backend.on_host:                       # the simulator: numpy arrays are the device memory
         sync, mem, gpu = (lambda: None), (lambda: (None, None)), "numba CUDA simulator (numpy)"
@@ -174,10 +183,11 @@ def run_llamatune(spec: dict) -> dict:
         try:                                  # llamatune has none)
             from llamatune.train.memory import Planner, device_runtime_bytes
             estimate = Planner(cfg, targets, base, device_runtime_bytes(backend), Path(spec["model"]).stat().st_size,
-                               model.dequantizer.nbytes, 0.0, device=True).estimate(B, T, spec["ckpt"]).total
+                               model.dequantizer.nbytes, 0.0, device=True,
+                               compute_dtype=dtype).estimate(B, T, spec["ckpt"]).total
         except ImportError:
             pass
-    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend)
+    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, compute_dtype=dtype)
     inputs, labels = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
     opts = FinetuneOptions(warmup=1)
@@ -195,7 +205,13 @@ def run_llamatune(spec: dict) -> dict:
     rng, (N, C, F) = np.random.default_rng(2), (B * T, cfg.n_embd, cfg.n_ff)
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
     out = xp.empty((N, F), np.float32)
-    rate = matmul_gflops(lambda: xp.matmul(a, wt.T, out=out), sync, 3 if backend.on_host else 20, 2 * N * C * F)
+    mm = lambda: xp.matmul(a, wt.T, out=out)  # noqa: E731
+    if dtype == "bf16":                       # the rate of the products' own bf16 kernel
+        a16, w16 = xp.empty(a.shape, np.uint16), xp.empty(wt.shape, np.uint16)
+        backend.ops.bf16.to_bf16(a16, a)
+        backend.ops.bf16.to_bf16(w16, wt)
+        mm = lambda: backend.ops.bf16.gemm_bf16(out, a16, w16.T)  # noqa: E731
+    rate = matmul_gflops(mm, sync, 3 if backend.on_host else 20, 2 * N * C * F)
     return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": graph.activation_bytes() / 2**30,
                   "estimate_gb": estimate and estimate / 2**30}
 
@@ -212,7 +228,8 @@ def run_torch(spec: dict) -> dict:
     hf = transformers.LlamaConfig(
         vocab_size=s["n_vocab"], hidden_size=s["n_embd"], intermediate_size=s["n_ff"], num_hidden_layers=s["n_layer"],
         num_attention_heads=s["n_head"], num_key_value_heads=s["n_head_kv"], max_position_embeddings=s["n_ctx_train"],
-        rms_norm_eps=s["norm_eps"], tie_word_embeddings=False, use_cache=False)
+        rms_norm_eps=s["norm_eps"], rope_theta=s.get("rope_freq_base", 10000.0), tie_word_embeddings=False,
+        use_cache=False)
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     with torch.device("cuda"):                  # random init on the GPU, straight in `dtype`
@@ -259,7 +276,8 @@ def run_child(spec: dict, env: dict) -> dict:
 
 
 # --------------------------------------------------------------------------- driver
-MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}}       # and spec["tf32"]: get_backend sets the compute type
+MODE_ENV = {"fp32": {}, "tf32": {"CUPY_TF32": "1"}, "bf16": {"CUPY_TF32": "1"}}   # and spec: get_backend sets it
+MODE_DTYPE = {"fp32": "f32", "tf32": "tf32", "bf16": "bf16"}
 COLS = [("tok/s", "tokens_per_s", "8.1f"), ("step s", "step_s", "7.3f"), ("1st s", "first_step_s", "6.1f"),
         ("est GB", "estimate_gb", "6.2f"), ("alloc GB", "peak_alloc_gb", "8.2f"),
         ("driver GB", "peak_driver_used_gb", "9.2f"),
@@ -279,11 +297,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="7b")
     ap.add_argument("--layers", type=int, help="override the layer count (quick checks)")
-    ap.add_argument("--ctx", type=int, help="tokens per sample (7b: 512, tiny: 4)")
-    ap.add_argument("--batch", type=int, help="samples per step (7b: 4, tiny: 2)")
+    ap.add_argument("--ctx", type=int, help="tokens per sample (7b: 512, llama3-8b: 4096, tiny: 4)")
+    ap.add_argument("--batch", type=int, help="samples per step (7b: 4, llama3-8b: 1, tiny: 2)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps after one warm-up step")
     ap.add_argument("--types", help="llamatune base quant types (7b: q4_k,q8_0; tiny: q8_0)")
-    ap.add_argument("--modes", help="llamatune matmul precision: fp32 and/or tf32 (7b: fp32,tf32; tiny: fp32)")
+    ap.add_argument("--modes", help="llamatune matmul precision: fp32, tf32, bf16 (7b: fp32,tf32; tiny: fp32)")
     ap.add_argument("--ckpt", default="layer,none",
                     help="checkpointing modes: layer, selective, none (on = selective, off = none); "
                          "torch+peft runs layer (its gradient checkpointing) and none")
@@ -296,7 +314,7 @@ def main() -> None:
     a = ap.parse_args()
     modes = (a.modes or DEFAULTS[a.shape]["modes"]).split(",")
     if a.steps < 1 or any(m not in MODE_ENV for m in modes):
-        ap.error("--steps must be >= 1; --modes are fp32 and/or tf32")
+        ap.error("--steps must be >= 1; --modes are fp32, tf32, bf16")
     if a.one:
         spec = json.loads(a.one)
         try:
@@ -341,7 +359,7 @@ def main() -> None:
         for mode in modes:
             for ck in ckpts:
                 spec = dict(common, kind="llamatune", model=str(path), ckpt=ck, profile=a.profile,
-                            tf32=mode == "tf32")
+                            tf32=mode == "tf32", compute_dtype=MODE_DTYPE[mode])
                 r = run_child(spec, MODE_ENV[mode])
                 record(r, spec, impl="llamatune", weights=qtype, mode=mode)
                 if "profile" in r:

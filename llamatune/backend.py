@@ -27,7 +27,7 @@ import numpy as np
 from .errors import LlamatuneError
 
 OPS = ("dequant", "rmsnorm", "rope", "attention", "swiglu", "geglu", "softcap", "cross_entropy",
-       "optim", "fused", "lora")
+       "optim", "fused", "lora", "bf16")
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,14 @@ class Backend:
     def gpu(self) -> bool:
         """Arrays live in a real GPU's memory (cuda, not the simulator)."""
         return self.name == "cuda" and not self.simulated
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """The GPU's compute capability (major, minor); None on the CPU and the simulator."""
+        if not self.gpu:
+            return None
+        cc = str(self.xp.cuda.Device().compute_capability)          # CuPy: "90" for 9.0
+        return int(cc[:-1]), int(cc[-1])
 
     @property
     def on_host(self) -> bool:

@@ -5,6 +5,9 @@
            oneDNN (llamatune.kernels.bf16): on CPUs that multiply bf16 natively
            (AVX512_BF16, AMX), about twice the float32 rate or more.
     auto   bf16 where the CPU has avx512_bf16 or amx_bf16 and oneDNN loads, else f32.
+    tf32   a GPU only: float32 products on tensor cores in TF32 (--tf32 is its alias).
+On a GPU (`resolve_gpu`) bf16 products go through cuBLAS (kernels/cuda/bf16.py) and
+auto picks them from compute capability 8.0 on.
 
 `compute_dtype(requested)` resolves the choice and says why, in one line, for the
 start-up line; an explicit bf16 that cannot run is a LlamatuneError. `policy(...)` makes,
@@ -22,7 +25,7 @@ from types import SimpleNamespace
 
 from .errors import LlamatuneError
 
-CHOICES = ("auto", "f32", "bf16")
+CHOICES = ("auto", "f32", "tf32", "bf16")
 BF16_MIN_ROWS = 16     # fewer rows (a decode step's one token) multiply in f32: oneDNN's bf16 kernels
 #                        run matrix-vector products slower than BLAS, and the weight's bf16 copy costs
 #                        as much as its f32 one
@@ -57,6 +60,8 @@ def compute_dtype(requested: str) -> tuple[str, str]:
                              f"(choose one of {', '.join(CHOICES)})")
     if requested == "f32":
         return "f32", "f32 products as asked"
+    if requested == "tf32":       # a GPU's tf32 run resumed here (an explicit one is refused with --device cpu)
+        return "f32", "f32 products: TF32 is a GPU's tensor-core mode"
     from .kernels import bf16
     flags = bf16.cpu_bf16_flags()
     problem = None
@@ -72,17 +77,21 @@ def compute_dtype(requested: str) -> tuple[str, str]:
     return "f32", f"f32 products: {problem}"
 
 
-def resolve(requested: str, device: str = "cpu", trainable: bool = False) -> tuple[str, str]:
-    """compute_dtype for a run on `device` ("cpu" or a GPU backend's name): bf16 products
-    are the CPU's (a GPU runs f32 or --tf32), and weights that are all trained
-    (train-from-scratch, --fine-tune-type full) multiply in f32."""
+def resolve(requested: str, device: str = "cpu", trainable: bool = False,
+            capability: tuple[int, int] | None = None) -> tuple[str, str]:
+    """compute_dtype for a run on `device` ("cpu" or a GPU backend's name; a GPU's
+    compute `capability`, None where unknown: `resolve_gpu`); weights that are all
+    trained (train-from-scratch, --fine-tune-type full) multiply in f32 (tf32 on a GPU
+    where asked)."""
     if requested not in CHOICES:
         return compute_dtype(requested)                        # the error
-    if device != "cpu" or trainable:
-        why = "on a GPU (use --tf32 there)" if device != "cpu" else "for weights that are trained"
+    if device != "cpu":
+        return resolve_gpu(requested, capability, trainable)
+    if trainable and requested != "tf32":
         if requested == "bf16":
-            raise LlamatuneError(f"--compute-dtype bf16: bf16 products are for a frozen base on the CPU, not {why}")
-        return "f32", f"f32 products {why}"
+            raise LlamatuneError("--compute-dtype bf16: bf16 products are for a frozen base, not for weights "
+                                 "that are trained")
+        return "f32", "f32 products for weights that are trained"
     return compute_dtype(requested)
 
 
@@ -91,8 +100,13 @@ class ComputePolicy:
     """How one run computes, decided once (`policy`) and handed to the forward, the
     training step, the memory plan and the runner.
 
-    dtype                 "f32" or "bf16": the frozen base's products (models/products.py)
+    dtype                 "f32", "tf32" (a GPU's float32 products on tensor cores) or
+                          "bf16": the frozen base's products (models/products.py)
     why                   the reason, one line (the start-up line)
+    device                "cpu" or "cuda": where the products run. The CPU's bf16 layout
+                          (oneDNN products, bf16 saved activations, the kept bf16 head,
+                          adapters inside the products: `host_bf16`) is the CPU's alone; a
+                          GPU's bf16 products go through cuBLAS on float32 activations
     bf16_min_rows         a product over fewer rows multiplies in f32 even with bf16
     merge_adapters        an adapter may be added into a dequantized f32 copy of its matrix
                           (W + s B A) where that costs less (not with bf16: the rounding
@@ -113,10 +127,23 @@ class ComputePolicy:
     merge_aware: bool = False
     attention_kernels: str = "backend"
     lora_kernels: str = "backend"
+    device: str = "cpu"
 
     def __post_init__(self):
-        if self.dtype not in ("f32", "bf16"):
-            raise ValueError(f"compute dtype {self.dtype!r}: f32 or bf16")
+        if self.dtype not in ("f32", "tf32", "bf16"):
+            raise ValueError(f"compute dtype {self.dtype!r}: f32, tf32 or bf16")
+        if self.dtype == "tf32" and self.device == "cpu":
+            raise ValueError("compute dtype tf32 is a GPU's")
+
+    @property
+    def host_bf16(self) -> bool:
+        """The CPU's bf16 layout: oneDNN products, bf16 saved activations, the kept bf16 head."""
+        return self.dtype == "bf16" and self.device == "cpu"
+
+    @property
+    def tensor_cores(self) -> bool:
+        """A GPU's float32 products run in TF32 (backend.set_tf32): with tf32, and beside bf16."""
+        return self.device != "cpu" and self.dtype in ("tf32", "bf16")
 
     def bf16_for(self, rows: int) -> bool:
         """Whether a product over `rows` tokens runs in bf16 (and wants its weight in bf16)."""
@@ -151,14 +178,40 @@ F32 = ComputePolicy()          # float32 throughout: the bit-exact paths (tests,
 
 
 def policy(requested: str = "f32", device: str = "cpu", trainable: bool = False,
-           merge_aware: bool = False) -> ComputePolicy:
-    """The run's ComputePolicy for --compute-dtype `requested` on `device` (`resolve`):
-    with bf16 products the adapters ride in them (but for merge-aware training, whose
-    matrices are the requantized merge in f32) and attention and the adapters' products
-    run on the bf16 / oneDNN kernels; with f32 products adapters may merge into
-    dequantized copies."""
-    dtype, why = resolve(requested, device, trainable)
-    bf16 = dtype == "bf16"
-    return ComputePolicy(dtype, why, merge_adapters=not bf16, adapters_in_products=bf16 and not merge_aware,
-                         merge_aware=merge_aware, attention_kernels="bf16" if bf16 else "backend",
-                         lora_kernels="onednn" if bf16 else "backend")
+           merge_aware: bool = False, capability: tuple[int, int] | None = None) -> ComputePolicy:
+    """The run's ComputePolicy for --compute-dtype `requested` on `device` (`resolve`; a
+    GPU's compute `capability`): with the CPU's bf16 products the adapters ride in them
+    (but for merge-aware training, whose matrices are the requantized merge in f32) and
+    attention and the adapters' products run on the bf16 / oneDNN kernels; a GPU's bf16
+    products (cuBLAS) take every product in bf16 and keep the backend's float32 kernels
+    beside them; with f32 (or tf32) products adapters may merge into dequantized copies."""
+    dtype, why = resolve(requested, device, trainable, capability)
+    bf16, host = dtype == "bf16", device == "cpu"
+    return ComputePolicy(dtype, why, bf16_min_rows=BF16_MIN_ROWS if host else 1, merge_adapters=not bf16,
+                         adapters_in_products=bf16 and host and not merge_aware, merge_aware=merge_aware,
+                         attention_kernels="bf16" if bf16 and host else "backend",
+                         lora_kernels="onednn" if bf16 and host else "backend", device=device)
+
+
+def resolve_gpu(requested: str, capability: tuple[int, int] | None, trainable: bool) -> tuple[str, str]:
+    """A GPU's products: bf16 through cuBLAS with float32 sums (tensor cores from compute
+    capability 8.0, Ampere), tf32 (CuPy's float32 products in TF32), or f32. auto: bf16
+    for a frozen base on a GPU of capability 8.0 or newer, else f32 (also where the
+    capability is unknown: numba's CUDA simulator, inference)."""
+    cc = "" if capability is None else f" (compute capability {capability[0]}.{capability[1]})"
+    if trainable:
+        if requested == "bf16":
+            raise LlamatuneError("--compute-dtype bf16: bf16 products are for a frozen base, not for weights "
+                                 "that are trained")
+        return ("tf32", "tf32 products for weights that are trained") if requested == "tf32" else \
+            ("f32", "f32 products for weights that are trained")
+    if requested in ("f32", "tf32"):
+        return requested, f"{requested} products on the GPU as asked"
+    new_enough = capability is not None and tuple(capability) >= (8, 0)
+    if requested == "bf16":
+        if capability is not None and not new_enough:
+            raise LlamatuneError(f"--compute-dtype bf16: this GPU{cc} has no bf16 tensor cores (8.0 or newer)")
+        return "bf16", f"bf16 products on the GPU{cc}, float32 sums (cuBLAS) as asked"
+    if new_enough:
+        return "bf16", f"bf16 products on the GPU{cc}, float32 sums (cuBLAS)"
+    return "f32", f"f32 products on the GPU{cc or ' (capability unknown)'}: bf16 needs compute capability 8.0"

@@ -144,10 +144,10 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
 
     dispatcher.get_current_device = lambda: _Dev()
 
-    from llamatune.kernels.cuda import (_common, attention, cross_entropy, dequant, fused, geglu, optim,
+    from llamatune.kernels.cuda import (_common, attention, bf16, cross_entropy, dequant, fused, geglu, optim,
                                         rmsnorm, rope, softcap, swiglu)
     assert not _common.SIM, "compile_all_ptx needs numba.cuda without the simulator"
-    f32, f64, i64, u8, b1 = t.float32, t.float64, t.int64, t.uint8, t.boolean
+    f32, f64, i64, u8, u16, b1 = t.float32, t.float64, t.int64, t.uint8, t.uint16, t.boolean
 
     def A(dt, nd, layout="C"):
         return t.Array(dt, nd, layout)
@@ -157,6 +157,9 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
         plain, gather = dequant._kernels(q)
         jobs.append((f"dequant {T(q).name}", plain, (A(u8, 2), A(f32, 2))))
         jobs.append((f"dequant gather {T(q).name}", gather, (A(u8, 2), A(i64, 1), A(f32, 2))))
+        plain, gather = dequant._kernels(q, bf16=True)
+        jobs.append((f"dequant bf16 {T(q).name}", plain, (A(u8, 2), A(u16, 2))))
+        jobs.append((f"dequant bf16 gather {T(q).name}", gather, (A(u8, 2), A(i64, 1), A(u16, 2))))
     jobs += [
         ("rmsnorm forward", rmsnorm._rmsnorm_forward_kernel,
          (A(f32, 2), A(f32, 1), A(f32, 2), A(f32, 1), f32)),
@@ -206,4 +209,5 @@ def compile_all_ptx(cc=(8, 0)) -> dict:
                  (A(f32, 3), A(f32, 3), A(f32, 3), A(f32, 3), A(i32, 2), i64, i64) + opts),
             ]
     jobs.append(("attention starts", attention._starts_kernel, (A(i32, 2), A(i32, 2))))
+    jobs.append(("bf16 rounding", bf16._to_bf16_kernel, (A(u16, 2), A(f32, 2, "A"))))
     return {name: compile_ptx(k.py_func, sig, cc=cc)[0] for name, k, sig in jobs}

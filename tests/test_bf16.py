@@ -379,7 +379,7 @@ def test_compute_dtype_without_cpu_support(monkeypatch):
     with pytest.raises(LlamatuneError, match="--compute-dtype bf16: this CPU has no native bf16"):
         compute_dtype("bf16")
     assert compute_dtype("f32") == ("f32", "f32 products as asked")
-    with pytest.raises(LlamatuneError, match="--compute-dtype: unknown value 'f16' .choose one of auto, f32, bf16."):
+    with pytest.raises(LlamatuneError, match="--compute-dtype: unknown value 'f16' .choose one of auto, f32, tf32, bf16."):
         compute_dtype("f16")
 
 

@@ -23,15 +23,28 @@ needs_bf16 = pytest.mark.skipif(not NATIVE, reason="this CPU has no native bf16 
 
 
 def test_resolve_on_gpus_and_for_trained_weights():
-    assert precision.resolve("auto", "cuda") == ("f32", "f32 products on a GPU (use --tf32 there)")
+    assert precision.resolve("auto", "cuda", capability=(9, 0)) == (
+        "bf16", "bf16 products on the GPU (compute capability 9.0), float32 sums (cuBLAS)")
+    assert precision.resolve("auto", "cuda", capability=(7, 5)) == (
+        "f32", "f32 products on the GPU (compute capability 7.5): bf16 needs compute capability 8.0")
+    assert precision.resolve("auto", "cuda") == (
+        "f32", "f32 products on the GPU (capability unknown): bf16 needs compute capability 8.0")
+    assert precision.resolve("bf16", "cuda")[0] == "bf16"            # the simulator: emulated products
+    assert precision.resolve("tf32", "cuda", capability=(9, 0)) == ("tf32", "tf32 products on the GPU as asked")
+    assert precision.resolve("auto", "cuda", trainable=True, capability=(9, 0))[0] == "f32"
+    assert precision.resolve("tf32", "cuda", trainable=True)[0] == "tf32"
     assert precision.resolve("auto", "cpu", trainable=True) == ("f32", "f32 products for weights that are trained")
     assert precision.resolve("f32") == ("f32", "f32 products as asked")
-    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: bf16 products are for a frozen base on the "
-                                             r"CPU, not on a GPU \(use --tf32 there\)$"):
-        precision.resolve("bf16", "cuda")
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: this GPU \(compute capability 7.5\) has no "
+                                             r"bf16 tensor cores \(8.0 or newer\)$"):
+        precision.resolve("bf16", "cuda", capability=(7, 5))
+    assert precision.resolve("tf32", "cpu") == ("f32", "f32 products: TF32 is a GPU's tensor-core mode")
     with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):
         precision.resolve("bf16", "cpu", trainable=True)
-    with pytest.raises(LlamatuneError, match=r"^--compute-dtype: unknown value 'bf8' \(choose one of auto, f32, bf16\)$"):
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype bf16: .* not for weights that are trained$"):
+        precision.resolve("bf16", "cuda", trainable=True)
+    with pytest.raises(LlamatuneError, match=r"^--compute-dtype: unknown value 'bf8' \(choose one of auto, f32, "
+                                             r"tf32, bf16\)$"):
         precision.resolve("bf8")
 
 

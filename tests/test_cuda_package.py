@@ -95,8 +95,9 @@ def test_kernels_compile_to_ptx_without_fma_in_dequant():
         pytest.skip(f"no CUDA compiler libraries to build PTX with: {res.stdout.strip()}")
     rows = [line.split(" | ") for line in res.stdout.strip().splitlines()]
     # dequant (plain, gather) per type; 19 elementwise, norm, loss and optimizer kernels;
-    # 6 fused ones; attention: softmax forward and backward x (plain, packed) x (plain, capped); starts
-    assert len(rows) == 2 * len(kc.dequant.CUDA_TYPES) + 19 + 6 + 9
+    # 6 fused ones; attention: softmax forward and backward x (plain, packed) x (plain, capped); starts;
+    # dequant straight to bf16 (plain, gather) per type and the bf16 rounding
+    assert len(rows) == 4 * len(kc.dequant.CUDA_TYPES) + 19 + 6 + 9 + 1
     for name, n_fma, n_mul in rows:
         if name.startswith("dequant"):
             assert n_fma == "0", name

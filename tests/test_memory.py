@@ -283,3 +283,22 @@ def test_free_memory_on_a_gpu_counts_cupys_unused_pool():
     gpu = SimpleNamespace(name="cuda", on_host=False, gpu=True, xp=xp)
     assert free_memory(gpu) == 5300
     assert device_runtime_bytes(gpu) == 7000
+
+
+def test_gpu_bf16_estimate_is_the_f32_one_with_bf16_copies(model):
+    """A GPU's bf16 products keep float32 activations (the plan is f32's), dequantize into
+    a bf16 scratch (half the f32 one) and keep bf16 copies of the widest operand and of
+    the shared input (memory.gpu_bf16_bytes)."""
+    from llamatune.train.buffers import grad_scratch, head_chunk, head_floats
+    from llamatune import precision
+    from llamatune.train.memory import gpu_bf16_bytes
+    host = planner(model)
+    args = (host.cfg, host.targets, host.base, 100 << 20, model.path.stat().st_size, model.dequantizer.nbytes, 0.0)
+    f32, b16 = Planner(*args, device=True), Planner(*args, device=True, policy=precision.policy("bf16", "cuda"))
+    cfg = model.config
+    for mode in ("none", "selective", "layer"):
+        a, b = f32.estimate(4, 64, mode), b16.estimate(4, 64, mode)
+        assert b.graph == a.graph
+        assert b.scratch == model.dequantizer.nbytes_bf16 == a.scratch // 2
+        chunk = head_chunk(256, head_floats(cfg), sum(n * m for n, m in grad_scratch(cfg, 256, mode).values()))
+        assert b.temporaries - a.temporaries == gpu_bf16_bytes(cfg, 256, chunk, host.base.head_rows) > 2 * 256 * cfg.n_ff

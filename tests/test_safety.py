@@ -257,6 +257,8 @@ def test_disk_full_with_a_failing_writer(work, monkeypatch):
     (FT + ["--max-bad-steps", "0"], "--max-bad-steps 0: must be at least 1", False),
     (FT + ["--epochs", "0"], "--epochs 0: must be at least 1 (or -1)", False),
     (FT + ["--tf32"], "--tf32 runs matmuls on a GPU's tensor cores: it needs --device cuda or auto", False),
+    (FT + ["--compute-dtype", "tf32"], "--compute-dtype tf32 runs matmuls on a GPU's tensor cores: it needs "
+     "--device cuda or auto", False),
     (["generate", "-m", "{model}", "-p", "x", "--temp", "nan"], "--temp nan: must be a finite number", True),
     (["generate", "-m", "{model}", "-p", "x", "-c", "0"], "-c/--ctx 0: must be at least 1", True),
     (["generate", "-m", "{model}", "-p", "x", "-n", "-2"], "-n/--n-predict -2: must be at least 0 (or -1)", False),

@@ -5,7 +5,8 @@ updates.
 One module per op family, named as its CPU twin in ``llamatune.kernels``:
 ``dequant``, ``rmsnorm``, ``rope``, ``swiglu``, ``geglu``, ``softcap``,
 ``attention``, ``cross_entropy``, ``optim``, and ``fused`` (chains of them in one
-launch) and ``lora`` (the adapter's products through cuBLAS). Each takes float32 device arrays (numba DeviceNDArray, CuPy arrays or
+launch), ``lora`` (the adapter's products through cuBLAS), ``blas`` (cublasGemmEx, float32
+or bf16 operands) and ``bf16`` (the base's bf16 products on tensor cores). Each takes float32 device arrays (numba DeviceNDArray, CuPy arrays or
 anything exporting ``__cuda_array_interface__``; numpy host arrays are refused),
 never allocates, and is checked against the numpy references of its CPU twin.
 
@@ -26,7 +27,7 @@ import os
 import sys
 
 _MODULES = ("dequant", "rmsnorm", "rope", "swiglu", "geglu", "softcap", "attention",
-            "cross_entropy", "optim", "fused", "lora")
+            "cross_entropy", "optim", "fused", "lora", "blas", "bf16")
 
 __all__ = [*_MODULES, "is_available", "simulator_enabled", "numpy_compat", "launch_without_sync"]
 

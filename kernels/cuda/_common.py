@@ -15,9 +15,13 @@ kernel's Python code with numpy scalars, so a few helpers need two versions:
   ``mul.rn.f32``, which ptxas never contracts. In the simulator it is the plain
   numpy float32 product (one rounding).
 * ``bits_to_f32(bits)``: reinterpret the low 32 bits of an integer as float32
-  (``__nv_int_as_float`` on the device, ``numpy.uint32.view`` in the simulator).
+  (``__nv_int_as_float`` on the device, ``numpy.uint32.view`` in the simulator), and
+  ``f32_to_bits(x)`` the other way (as a non-negative int64); ``bf16_bits(x)`` rounds
+  through it.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -49,6 +53,10 @@ if SIM:
     @cuda.jit(device=True)
     def bits_to_f32(bits):
         return np.uint32(bits & 0xFFFFFFFF).view(np.float32)
+
+    @cuda.jit(device=True)
+    def f32_to_bits(x):
+        return np.int64(np.float32(x).view(np.uint32))
 else:
     from numba.cuda import libdevice
 
@@ -59,6 +67,20 @@ else:
     @cuda.jit(device=True)
     def bits_to_f32(bits):
         return libdevice.int_as_float(np.int32(bits & 0xFFFFFFFF))
+
+    @cuda.jit(device=True)
+    def f32_to_bits(x):
+        return np.int64(libdevice.float_as_int(x)) & 0xFFFFFFFF
+
+
+@cuda.jit(device=True)
+def bf16_bits(x):
+    """float32 x as bf16 bits (uint16): round to nearest, ties to even; a NaN stays a
+    quiet NaN with its sign (kernels/bf16.py to_bf16_ref, the CPU's conversion)."""
+    u = f32_to_bits(x)
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16((u >> 16) | 0x40)
+    return np.uint16((u + 0x7FFF + ((u >> 16) & 1)) >> 16)
 
 
 @cuda.jit(device=True)
@@ -109,19 +131,29 @@ def cdiv(a: int, b: int) -> int:
 
 # --------------------------------------------------------------- argument checks
 def _contiguous(a) -> bool:
-    if hasattr(a, "is_c_contiguous"):  # numba DeviceNDArray / simulator FakeCUDAArray
-        return bool(a.is_c_contiguous())
-    flags = getattr(a, "flags", None)  # CuPy
-    if flags is not None:
+    """C-contiguous by numpy's rule, from the shape and strides alone (an axis of length 1
+    may have any stride: numpy gives a new axis stride 0), the same for every kind of
+    device array. numba's own flag (DeviceNDArray.is_c_contiguous) calls an array with a
+    stride-0 axis of length 1 not contiguous where the simulator's numpy flag says it is,
+    so a check through it passed in the simulator and refused the view on a GPU. CuPy's
+    and numpy's own flag (the simulator's arrays) follow numpy's rule: read as is (a
+    launch checks several arrays, and the rule in Python costs 1-2 us each)."""
+    flags = getattr(a, "flags", None)
+    if flags is not None and hasattr(flags, "c_contiguous"):         # CuPy, numpy (not numba's dict)
         return bool(flags.c_contiguous)
-    strides = a.__cuda_array_interface__.get("strides")
+    strides = getattr(a, "strides", None)
     if strides is None:
-        return True
-    expect, acc = [], np.dtype(a.dtype).itemsize
-    for n in reversed(a.shape):
-        expect.append(acc)
-        acc *= n
-    return tuple(reversed(expect)) == tuple(strides) or 0 in a.shape
+        strides = a.__cuda_array_interface__.get("strides")
+        if strides is None:
+            return True
+    expect = np.dtype(a.dtype).itemsize
+    for n, s in zip(reversed(tuple(a.shape)), reversed(tuple(strides))):
+        if n == 0:
+            return True
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
 
 
 def is_device_array(a) -> bool:
@@ -131,6 +163,9 @@ def is_device_array(a) -> bool:
     every launch)."""
     if isinstance(a, np.ndarray):
         return False
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(a, cupy.ndarray):     # before the interface: CuPy builds it per access
+        return True
     if hasattr(a, "__cuda_array_interface__"):
         return True
     return SIM and type(a).__name__ == "FakeCUDAArray"
@@ -171,3 +206,47 @@ def check_ndim(op: str, name: str, a, ndim: int, dtype) -> tuple:
                          f"got {describe(a)}")
     return tuple(a.shape)
 
+
+
+# --------------------------------------------------------------- cuBLAS operands
+def array_of(op: str, name: str, a):
+    """The array a library call (cuBLAS through CuPy, CuPy's own ops) takes for device
+    array `a`: on a GPU a zero-copy CuPy view of anything exporting
+    __cuda_array_interface__ (a numba DeviceNDArray included: CuPy's cuBLAS wrappers
+    read private attributes of their own arrays and fail on any other); under the
+    simulator the numpy memory behind its device array. Either way a numpy host array
+    (or anything else) is refused, as check() refuses it: CuPy would copy it to the
+    GPU and a result written there would never reach it."""
+    if not SIM:
+        import cupy
+        if isinstance(a, cupy.ndarray):
+            return a
+    if not is_device_array(a):
+        raise ValueError(f"{op}: {name} must be a device array, got {describe(a)}")
+    if SIM:
+        return np.asarray(getattr(a, "_ary", a))
+    return cupy.asarray(a)
+
+
+def blas_layout(op: str, name: str, a, dtype) -> tuple[bool, int]:
+    """(row-major, leading dimension in elements) of a 2-D `dtype` matrix as cuBLAS reads
+    it: rows of unit-stride elements a fixed stride apart (C order, or a column block of a
+    wider array), or columns so (F order: a transposed view). Anything else (a view
+    strided both ways, a wrong dtype or rank) is a ValueError on the simulator as on a
+    GPU, where cuBLAS would misread it."""
+    if len(a.shape) != 2 or a.dtype != dtype:
+        raise ValueError(f"{op}: {name} must be a 2-D {np.dtype(dtype)} matrix, got {describe(a)}")
+    rows, cols = a.shape
+    flags = a.flags                                      # CuPy's or numpy's: the common cases at once
+    if flags.c_contiguous:
+        return True, max(1, cols)
+    if flags.f_contiguous:
+        return False, max(1, rows)
+    size = np.dtype(dtype).itemsize
+    s0, s1 = (int(s) for s in a.strides)
+    if (cols <= 1 or s1 == size) and (rows <= 1 or (s0 % size == 0 and s0 >= cols * size)):
+        return True, (s0 // size if rows > 1 else max(1, cols))          # row-major
+    if (rows <= 1 or s0 == size) and (cols <= 1 or (s1 % size == 0 and s1 >= rows * size)):
+        return False, (s1 // size if cols > 1 else max(1, rows))         # column-major
+    raise ValueError(f"{op}: {name} {tuple(a.shape)} with strides {tuple(a.strides)} is neither row- nor "
+                     f"column-major with unit element stride: cuBLAS cannot read it")

@@ -45,7 +45,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import float32
 
-from ._common import SIM, bits_to_f32, cdiv, check, check_ndim, cuda, fmul, is_device_array
+from ._common import SIM, bf16_bits, bits_to_f32, cdiv, check, check_ndim, cuda, fmul, is_device_array
 
 QK_K = 256  # values per unit (a K-quant super-block)
 WARPS = 4  # units (warps) per thread block
@@ -367,7 +367,8 @@ CUDA_TYPES: frozenset[int] = frozenset(_FNS)
 
 
 # ------------------------------------------------------------------- kernels
-def _make_kernels(qtype: int):
+def _make_kernels(qtype: int, bf16: bool = False):
+    """(plain, gather) kernels of a type, writing float32 values or (bf16) their bf16 bits."""
     value, scale, sub = _FNS[qtype]
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
     unit_bytes = QK_K // block_size * type_size
@@ -409,13 +410,20 @@ def _make_kernels(qtype: int):
                 t = np.uint64(t0 + (k << (5 - sub_shift)))  # entry of i
                 v[k] = value(src, o, i, tab_a[t], tab_b[t])
             for k in range(8):
-                dst[np.uint64(j + 32 * k)] = v[k]
+                if bf16:
+                    dst[np.uint64(j + 32 * k)] = bf16_bits(v[k])
+                else:
+                    dst[np.uint64(j + 32 * k)] = v[k]
         else:  # the row's last, partial unit (legacy blocks, floats)
             for k in range(8):
                 if j + 32 * k < n:
                     i = 32 * k + lane
                     t = np.uint64(t0 + (k << (5 - sub_shift)))  # entry of i
-                    dst[np.uint64(j + 32 * k)] = value(src, o, i, tab_a[t], tab_b[t])
+                    x = value(src, o, i, tab_a[t], tab_b[t])
+                    if bf16:
+                        dst[np.uint64(j + 32 * k)] = bf16_bits(x)
+                    else:
+                        dst[np.uint64(j + 32 * k)] = x
 
     @cuda.jit
     def plain(data, out):
@@ -432,13 +440,13 @@ def _make_kernels(qtype: int):
     return plain, gather
 
 
-_KERNELS: dict[int, tuple] = {}
+_KERNELS: dict[tuple[int, bool], tuple] = {}
 
 
-def _kernels(qtype: int):
-    k = _KERNELS.get(qtype)
+def _kernels(qtype: int, bf16: bool = False):
+    k = _KERNELS.get((qtype, bf16))
     if k is None:
-        k = _KERNELS[qtype] = _make_kernels(qtype)
+        k = _KERNELS[qtype, bf16] = _make_kernels(qtype, bf16)
     return k
 
 
@@ -452,8 +460,9 @@ def _check(data, qtype, out, n_rows: int) -> int:
         raise ValueError(f"no CUDA dequantization kernel for GGML type {name}")
     shape = check_ndim("dequant", "data", data, 2, np.uint8)
     check("dequant", "data", data, shape, np.uint8)
-    out_shape = check_ndim("dequant", "out", out, 2, np.float32)
-    check("dequant", "out", out, out_shape, np.float32)
+    out_dtype = np.uint16 if is_device_array(out) and np.dtype(out.dtype) == np.uint16 else np.float32
+    out_shape = check_ndim("dequant", "out", out, 2, out_dtype)
+    check("dequant", "out", out, out_shape, out_dtype)
     block_size, type_size = GGML_QUANT_SIZES[T(qtype)]
     n_cols = out_shape[1]
     if n_cols % block_size != 0:
@@ -475,13 +484,14 @@ def dequantize_into(data, qtype: int, out) -> None:
     """out[i] = dequant(data[i]) for all rows, on the device.
 
     data: C-contiguous uint8 device array (n_rows, row_bytes) of whole rows;
-    out: C-contiguous float32 device array (n_rows, n_cols)."""
+    out: C-contiguous float32 device array (n_rows, n_cols), or uint16 for the values'
+    bf16 bits (each float32 value rounded to nearest even: the GPU's bf16 products)."""
     n_rows = data.shape[0] if is_device_array(data) and len(data.shape) == 2 else -1
     qtype = _check(data, qtype, out, n_rows)
     if out.shape[0] == 0 or out.shape[1] == 0:
         return
     grid, block = _grid(out)
-    _kernels(qtype)[0][grid, block](data, out)
+    _kernels(qtype, np.dtype(out.dtype) == np.uint16)[0][grid, block](data, out)
 
 
 def dequantize_rows_into(data, qtype: int, rows, out) -> None:
@@ -494,4 +504,4 @@ def dequantize_rows_into(data, qtype: int, rows, out) -> None:
     if out.shape[0] == 0 or out.shape[1] == 0:
         return
     grid, block = _grid(out)
-    _kernels(qtype)[1][grid, block](data, rows, out)
+    _kernels(qtype, np.dtype(out.dtype) == np.uint16)[1][grid, block](data, rows, out)

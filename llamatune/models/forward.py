@@ -36,7 +36,7 @@ import numpy as np
 from ..backend import Backend
 from ..precision import F32, ComputePolicy
 from .config import ModelConfig
-from .products import Products
+from .products import make_products
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Forward:
     def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32):
         self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
         self.xp, self.ops = backend.xp, backend.ops
-        self.products = Products(self.xp, policy)         # every product with a base weight
+        self.products = make_products(backend, policy)    # every product with a base weight
         self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
         self.attention = policy.attention(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)

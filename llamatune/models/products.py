@@ -44,7 +44,8 @@ class Products:
     def __init__(self, xp, policy: ComputePolicy = F32):
         if policy.dtype == "bf16" and xp is not np:
             raise ValueError("bf16 products run on the CPU (numpy arrays)")
-        self.xp, self.policy, self.dtype = xp, policy, policy.dtype
+        self.xp, self.policy = xp, policy
+        self.dtype = "bf16" if policy.dtype == "bf16" else "f32"   # tf32: float32 products (CuPy's compute type)
         # kept buffers, grown as needed: the operands' bf16 copies, and a contiguous product
         # for a strided `out`
         self._flat = {k: np.empty(0, np.uint16) for k in ("a", "w", "x")} | {"out": np.empty(0, np.float32)}
@@ -156,6 +157,16 @@ class Products:
         buf = self._buffer(operand, x.shape)
         bf16.to_bf16(buf, x)
         return buf
+
+
+def make_products(backend, policy: ComputePolicy = F32):
+    """The products of a graph on `backend` under `policy`: a GPU's bf16 ones through
+    cuBLAS (kernels/cuda/bf16.py CudaBf16Products, the same methods), or Products; tf32
+    is float32 here (CuPy's compute type: backend.set_tf32)."""
+    if policy.dtype == "bf16" and backend.name == "cuda":
+        from ..kernels.cuda.bf16 import CudaBf16Products
+        return CudaBf16Products(backend.xp, backend.ops.bf16)
+    return Products(backend.xp, policy)
 
 
 def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool, extension: int = 0) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..backend import get_backend
+from ..backend import get_backend, set_tf32
 from ..formats.tensors import NonFiniteError
 from ..precision import policy
 from .infer import Runner
@@ -17,7 +17,8 @@ def make_runner(model_path: Path, adapters: list[tuple[str, float]] = (), device
     """`adapters`: (GGUF adapter path, user scale) pairs; `compute_dtype` as --compute-dtype,
     resolved here into the runner's ComputePolicy (`runner.policy.why` says why)."""
     backend = get_backend(device)
-    compute = policy(compute_dtype, backend.name)
+    compute = policy(compute_dtype, backend.name)     # no capability: auto is f32 on a GPU (the CPU's digits)
+    set_tf32(backend.xp, compute.tensor_cores)        # a GPU's float32 products (nothing on numpy)
     try:
         model = Model(model_path, allow_nonfinite)
         loaded = None

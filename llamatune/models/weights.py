@@ -37,7 +37,7 @@ class FrozenBase:
         self.rope_freqs = w.rope_freqs            # host arrays: rope caches are built on the host
         self.rope_long, self.rope_short = w.rope_long, w.rope_short
         self._raw: dict[str, object] = {}         # cuda: tensor name -> device copy of the stored bytes
-        self._scratch = None
+        self._scratch = self._scratch_bf16 = None
         self._kept_bf16: dict[str, np.ndarray] = {}   # name -> the whole matrix in bf16 (`keep_bf16`)
 
     def _device_raw(self, name: str):
@@ -76,14 +76,32 @@ class FrozenBase:
 
     def matrix_rows_bf16(self, name: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
         """Rows lo:hi (all by default) of a matrix dequantized straight to bf16 bits
-        (uint16, host memory: the bf16 products are the CPU's), valid until the next call
-        (or rows of its whole bf16 copy, `keep_bf16`)."""
+        (uint16, on the backend's device), valid until the next call (or rows of its
+        whole bf16 copy, `keep_bf16`)."""
         t = self.tensors[name]
         hi = t.n_rows if hi is None else hi
         kept = self._kept_bf16.get(name)
         if kept is not None:
             return kept[lo:hi]
+        if self.backend.name != "cpu":
+            return self._device_rows_bf16(name, t, lo, hi)
         return self.model.dequantizer.block_bf16(t, lo, hi)
+
+    def _device_rows_bf16(self, name: str, t, lo: int, hi: int):
+        """Rows lo:hi of a matrix as bf16 bits in a device scratch (a GPU's bf16 products):
+        dequantized straight to bf16 by the CUDA kernels, rounded from F32 data, or (types
+        without a kernel) dequantized on the host and uploaded."""
+        ops = self.backend.ops
+        if self._scratch_bf16 is None:
+            self._scratch_bf16 = self.backend.xp.empty(self.model.dequantizer.size, np.uint16)
+        out = self._scratch_bf16[: (hi - lo) * t.n_cols].reshape(hi - lo, t.n_cols)
+        if t.qtype == QType.F32:
+            ops.bf16.to_bf16(out, self._device_raw(name)[lo:hi])
+        elif t.qtype in ops.dequant.CUDA_TYPES:
+            ops.dequant.dequantize_into(self._device_raw(name)[lo:hi], t.qtype, out)
+        else:
+            out[...] = self.backend.to_device(self.model.dequantizer.block_bf16(t, lo, hi))
+        return out
 
     def matrix_bf16_extended(self, name: str, cols: int = 0, rows: int = 0) -> np.ndarray:
         """A whole matrix dequantized to bf16 at the top left of a (n_rows + rows,

@@ -64,10 +64,12 @@ class TrainOptions:
     use_checkpointing: Optional[bool] = opt(None, "Old spelling: on = --checkpointing selective, off = --checkpointing none (used only when --checkpointing is auto).", G_MEM)
     threads: int = opt(0, "CPU threads for kernels (0: all cores).", G_MEM, flags=("-t",))
     device: str = opt("cpu", "cpu, cuda or auto.", G_MEM)
-    tf32: bool = opt(False, "GPU only: matmuls in TF32 on tensor cores (inputs rounded to 10 mantissa bits, float32 sums): about 3.4x faster steps on an H100 (7B-shaped layers), results no longer equal the CPU's.", G_MEM)
+    tf32: bool = opt(False, "GPU only: the same as --compute-dtype tf32 (float32 matmuls in TF32 on tensor cores: inputs rounded to 10 mantissa bits, float32 sums; results no longer equal the CPU's).", G_MEM)
     compute_dtype: str = opt("auto", "The frozen base's products: f32, bf16 (bf16 inputs, float32 sums, through "
-                             "oneDNN: about twice the f32 rate on CPUs with AVX512_BF16 or AMX; adapters, optimizer, "
-                             "norms and loss stay f32), or auto (bf16 where the CPU has it natively, else f32). "
+                             "oneDNN: about twice the f32 rate on CPUs with AVX512_BF16 or AMX; on a GPU through "
+                             "cuBLAS on tensor cores; adapters, optimizer, norms and loss stay f32), tf32 (a GPU's "
+                             "float32 products in TF32), or auto (bf16 where the CPU has it natively or the GPU's "
+                             "compute capability is 8.0 or newer, else f32). "
                              "A checkpoint records the choice and a resume keeps it.", G_MEM, frozen=True)
     checkpointing: str = opt("auto", "What backward recomputes: layer (keep each layer's input, recompute the layer), selective (keep matmul outputs, recompute norms and SwiGLU), none (keep everything), auto (the fastest whose memory estimate fits).", G_MEM)
     dry_run: bool = opt(False, "Load the model and data, print the memory each --checkpointing mode needs, "
@@ -233,6 +235,8 @@ def validate(o: TrainOptions) -> None:
         bad(f"--device {o.device!r}: choose cpu, cuda or auto")
     if o.tf32 and o.device == "cpu":
         bad("--tf32 runs matmuls on a GPU's tensor cores: it needs --device cuda or auto")
+    if o.compute_dtype == "tf32" and o.device == "cpu":
+        bad("--compute-dtype tf32 runs matmuls on a GPU's tensor cores: it needs --device cuda or auto")
     if not o.adam_alpha > 0:
         bad(f"--adam-alpha {o.adam_alpha}: must be positive")
     if o.data_format not in ("auto", "text", "chat", "completion"):

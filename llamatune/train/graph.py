@@ -56,8 +56,8 @@ class Graph(LoraLinear, LossHead, Forward):
         """`within`: a graph of the same batch and longer rows whose memory this one uses
         (its `_trimmed` views, for micro-batches whose last columns have no target).
         `policy`: the run's compute policy (precision.policy); bf16 products are a frozen
-        base's (trained weights multiply in float32: policy(trainable=True) is f32)."""
-        if policy.dtype != "f32" and base.trainable:
+        base's (trained weights multiply in float32, or TF32 on a GPU: policy(trainable=True))."""
+        if policy.dtype == "bf16" and base.trainable:
             raise ValueError("bf16 products are for a frozen base: trained weights multiply in float32")
         super().__init__(cfg, base, backend or cpu(), policy)
         xp = self.xp
@@ -71,7 +71,7 @@ class Graph(LoraLinear, LossHead, Forward):
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
-                                bf16_saved=policy.dtype == "bf16")
+                                bf16_saved=policy.host_bf16)   # (a GPU's bf16 keeps f32 activations)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
@@ -95,7 +95,7 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if (policy.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
+        if (policy.host_bf16 and kept_head_bytes(cfg, self.chunk) and within is None
                 and hasattr(base, "keep_bf16")):
             base.keep_bf16("output.weight")
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]

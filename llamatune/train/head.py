@@ -36,7 +36,8 @@ KEPT_HEAD_BLOCK = 4096  # vocabulary columns per product where the head's bf16 c
 class LossHead:
     def blocked_head(self, n: int, adapter, dW) -> bool:
         """Whether a chunk of n tokens goes through `_bf16_chunk` (`blocked_head`)."""
-        return self.products.bf16_for(n) and blocked_head(self.cfg, adapter is not None, dW is not None)
+        return (self.policy.host_bf16 and self.products.bf16_for(n)         # the CPU's blocked kernels
+                and blocked_head(self.cfg, adapter is not None, dW is not None))
 
     def bf16_head_width(self) -> int:
         """Vocabulary columns per product of `_bf16_chunk`: the dequantization scratch's

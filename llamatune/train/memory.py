@@ -148,6 +148,16 @@ def temporaries_bytes(cfg, B: int, T: int, dropout: float, device: bool = False)
     return n
 
 
+def gpu_bf16_bytes(cfg, N: int, chunk: int, head_rows: int) -> int:
+    """Bytes of the bf16 operand copies a GPU's bf16 products keep (kernels/cuda/bf16.py
+    CudaBf16Products): the rounded activation of the widest product (N tokens x a layer
+    matrix's widest side, or the head's chunk x its block of logit gradient) and the
+    shared normed input (N x n_embd)."""
+    from ..models.arch import layer_matrix_shapes
+    widest = max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(max(o, i) for o, i in layer_matrix_shapes(cfg)))
+    return 2 * (max(N * widest, chunk * head_rows) + N * cfg.n_embd)
+
+
 class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
@@ -159,10 +169,15 @@ class Planner:
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
-                           bf16_saved=self.policy.dtype == "bf16")
+                           bf16_saved=self.policy.host_bf16)
         temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
         scratch = self.scratch_bytes
-        if self.policy.dtype == "bf16":                  # the products' bf16 copies (models/products.py)
+        if self.policy.dtype == "bf16" and self.device:   # a GPU's: f32 activations, bf16 operand copies
+            chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
+            temporaries += gpu_bf16_bytes(self.cfg, B * T, chunk, self.base.head_rows)
+            if scratch:                                  # weights dequantized straight to bf16, not to f32
+                scratch = self.base.model.dequantizer.nbytes_bf16
+        if self.policy.host_bf16:                        # the products' bf16 copies (models/products.py)
             chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
             adapted = any(t.kind == "output" for t in self.targets)
             extension = self.extension()

@@ -17,14 +17,14 @@ import signal
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
 
 import numpy as np
 
-from ..backend import cpu
+from ..backend import cpu, set_tf32
 from ..console import err, notice, out
 from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV
@@ -153,6 +153,24 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     if state:
         lines.append(f"  trained values (in each runtime above): {state}")
     return "\n".join(lines)
+
+
+def policy_of(job: Job, backend, requested: str) -> ComputePolicy:
+    """The run's compute policy (precision.policy) for the --compute-dtype `requested`
+    (--tf32 stands for tf32 where auto is asked; `resume_or_init` gives the dtype a
+    resumed checkpoint recorded); where this device cannot run a checkpoint's dtype (a
+    GPU's bf16 run resumed on a CPU without native bf16), what auto picks here."""
+    o = job.opts
+    if getattr(o, "tf32", False) and requested == "auto":
+        requested = "tf32"
+    args = (backend.name, job.base.trainable, getattr(o, "merge_aware", False), backend.capability)
+    try:
+        return compute_policy(requested, *args)
+    except LlamatuneError as e:
+        if o.compute_dtype != "auto" or requested == "auto":       # asked for, not a checkpoint's
+            raise
+        chosen = compute_policy("auto", *args)
+        return replace(chosen, why=f"{chosen.why} (the checkpoint's {requested} cannot run here: {e})")
 
 
 def resume_or_init(job: Job, batcher: Batcher) -> tuple[ckpt.TrainState, str]:
@@ -391,7 +409,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state, requested = resume_or_init(job, batcher)   # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
-    policy = compute_policy(requested, backend.name, job.base.trainable, getattr(o, "merge_aware", False))
+    policy = policy_of(job, backend, requested)       # checkpoints record it
+    set_tf32(backend.xp, policy.tensor_cores)         # a GPU's float32 products (nothing on numpy)
     if not quiet:
         err.print(f"compute: {policy.why}")
     if backend.name != "cpu":
