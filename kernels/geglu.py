@@ -33,20 +33,9 @@ from numba import njit, prange
 
 from ._checks import check_gate
 from .dequant import _get, _kept
+from .scalar import gelu, gelu_grad, gelu_tanh_arg
 from .vecmath import tanhf
 
-# float32 constants keep float32 maths in float32 and promote exactly under float64
-_HALF = np.float32(0.5)
-_ONE = np.float32(1.0)
-_SQRT_2_OVER_PI = np.float32(0.79788456080286535587989211986876)  # ggml's SQRT_2_OVER_PI
-_COEF_A = np.float32(0.044715)  # ggml's GELU_COEF_A
-_COEF_3A = np.float32(3 * 0.044715)  # d/dx of x * (1 + A x^2)
-
-
-@njit(inline="always")
-def _tanh_of(x):
-    # t = tanh(sqrt(2/pi) x (1 + 0.044715 x^2)), ggml_gelu_f32's operation order
-    return tanhf(_SQRT_2_OVER_PI * x * (_ONE + _COEF_A * x * x))
 
 
 @njit(cache=True, parallel=True)
@@ -56,7 +45,7 @@ def _geglu_forward_kernel(h, g, u, g16, u16):
     for n in prange(N):
         for f in range(F):
             x = _kept(g16, (n, f), _get(g, (n, f)))
-            h[n, f] = _HALF * x * (_ONE + _tanh_of(x)) * _kept(u16, (n, f), _get(u, (n, f)))
+            h[n, f] = gelu(x, tanhf(gelu_tanh_arg(x))) * _kept(u16, (n, f), _get(u, (n, f)))
 
 
 @njit(cache=True, parallel=True)
@@ -66,12 +55,10 @@ def _geglu_backward_kernel(dg, du, dh, g, u):
     for n in prange(N):
         for f in range(F):
             x = _get(g, (n, f))
-            t = _tanh_of(x)
+            t = tanhf(gelu_tanh_arg(x))
             d = dh[n, f]
-            dgelu = _HALF * (_ONE + t) + _HALF * x * (_ONE - t * t) * _SQRT_2_OVER_PI * (
-                _ONE + _COEF_3A * x * x)
-            dg[n, f] = d * _get(u, (n, f)) * dgelu
-            du[n, f] = d * (_HALF * x * (_ONE + t))
+            dg[n, f] = d * _get(u, (n, f)) * gelu_grad(x, t)
+            du[n, f] = d * gelu(x, t)
 
 
 def geglu_forward(h, g, u, g16=None, u16=None):

@@ -20,24 +20,21 @@ Scalars are applied in float64 and each result is rounded to the array dtype on 
 import numpy as np
 from numba import njit, prange
 
+from .scalar import adamw_step, sgd_step
+
 
 @njit(cache=True, parallel=True)
 def _adamw_kernel(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2):
     # p, g, m, v (n,); bc1 = 1 - beta1^t, bc2 = 1 - beta2^t
     for i in prange(p.shape[0]):
-        gi = g[i]
-        mi = beta1 * m[i] + (1.0 - beta1) * gi
-        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi
-        m[i] = mi
-        v[i] = vi
-        p[i] -= lr * ((mi / bc1) / (np.sqrt(vi / bc2) + eps) + weight_decay * p[i])
+        p[i], m[i], v[i] = adamw_step(p[i], g[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay, bc1, bc2)
 
 
 @njit(cache=True, parallel=True)
 def _sgd_kernel(p, g, lr, weight_decay):
     # p, g (n,)
     for i in prange(p.shape[0]):
-        p[i] -= lr * (g[i] + weight_decay * p[i])
+        p[i] = sgd_step(p[i], g[i], lr, weight_decay)
 
 
 @njit(cache=True, parallel=True)
@@ -69,15 +66,20 @@ def _check_flat(**arrays):
                              f"of shape {first.shape[:1]}, got {got}")
 
 
-def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t):
-    """AdamW step t (>= 1) in place on p, m, v (n,), from gradient g (n,)."""
-    _check_flat(p=p, g=g, m=m, v=v)
+def adamw_bias_corrections(beta1, beta2, t) -> tuple[float, float]:
+    """(1 - beta1^t, 1 - beta2^t) of AdamW step t; ValueError unless t is an integer
+    >= 1 and both betas lie in [0, 1). Shared with the CUDA kernels."""
     if int(t) != t or t < 1:
         raise ValueError(f"optim: adamw step t must be an integer >= 1, got {t}")
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"optim: adamw betas must lie in [0, 1), got {beta1}, {beta2}")
-    bc1 = 1.0 - beta1 ** int(t)
-    bc2 = 1.0 - beta2 ** int(t)
+    return 1.0 - beta1 ** int(t), 1.0 - beta2 ** int(t)
+
+
+def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t):
+    """AdamW step t (>= 1) in place on p, m, v (n,), from gradient g (n,)."""
+    _check_flat(p=p, g=g, m=m, v=v)
+    bc1, bc2 = adamw_bias_corrections(beta1, beta2, t)
     _adamw_kernel(p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
                   float(weight_decay), bc1, bc2)
 

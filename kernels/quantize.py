@@ -163,26 +163,34 @@ def _qk_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl):
     return D, this_scale, this_min
 
 
+@njit(cache=True, inline="always")
+def _qk_start(nmax, x, w, L, mn, mx, use_mad):
+    """The levels 0..nmax of the block's own range [mn, mx]: (scale, their weighted
+    error, sum w |diff| with use_mad, else sum w diff^2, in index order); L filled."""
+    iscale = f32(nmax) / (mx - mn)
+    scale = f32(1) / iscale
+    err = f32(0)
+    for i in range(x.shape[0]):
+        l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
+        L[i] = l
+        diff = scale * f32(l) + mn - x[i]
+        err += w[i] * (abs(diff) if use_mad else diff * diff)
+    return scale, err
+
+
 @njit(cache=True)
 def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
     """make_qkx2_quants: asymmetric levels 0..nmax, x ~ scale*L - the_min; a scan
     over nstep+1 trial inverse scales with a weighted least-squares (scale, min)
-    fit each. Returns (scale, the_min); L filled."""
+    fit each. Returns (scale, the_min); L filled. With use_mad false it is also
+    make_qkx3_quants with weights (quantize_weighted)."""
     n = x.shape[0]
     mn, mx, sum_w, sum_x = _qk_stats(x, w)
     if mx == mn:
         L[:n] = 0
         return f32(0), -mn
     fnmax = f32(nmax)
-    iscale = fnmax / (mx - mn)
-    scale = f32(1) / iscale
-    best_error = f32(0)
-    for i in range(n):
-        l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
-        L[i] = l
-        diff = scale * f32(l) + mn - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_error += w[i] * diff
+    scale, best_error = _qk_start(nmax, x, w, L, mn, mx, use_mad)
     if nstep < 1:
         return scale, -mn
     for step in range(nstep + 1):
@@ -202,8 +210,7 @@ def _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, use_mad):
             cur_error = f32(0)
             for i in range(n):
                 diff = this_scale * f32(Laux[i]) + this_min - x[i]
-                diff = abs(diff) if use_mad else diff * diff
-                cur_error += w[i] * diff
+                cur_error += w[i] * (abs(diff) if use_mad else diff * diff)
             if cur_error < best_error:
                 L[:n] = Laux[:n]
                 best_error = cur_error
@@ -329,6 +336,91 @@ def _pack_scale_min_k4(j, ls, lm, y, o):
         y[o + j] |= (lm >> 4) << 6
 
 
+# ------------------------------------------------- block tails (shared with quantize_weighted)
+@njit(cache=True, inline="always")
+def _q2_k_levels(xb, y, L, hd, d, hm, dmin):
+    """The end of a Q2_K block once its 4-bit scales (low nibbles) and mins (high) are
+    in y[0:16]: d, dmin (half bits hd, hm; values d, dmin) at y[80:84], the levels 0..3
+    requantized with the rounded scales and packed into qs at y[16:80]."""
+    _put_f16(y, 80, hd)
+    _put_f16(y, 82, hm)
+    for j in range(16):
+        dl = d * f32(y[j] & 0xF)
+        if dl == 0:
+            continue
+        ml = dmin * f32(y[j] >> 4)
+        for i in range(16):
+            L[16 * j + i] = max(0, min(3, _nearest_int((xb[16 * j + i] + ml) / dl)))
+    _pack_2bit(L, y, 16)
+
+
+@njit(cache=True, inline="always")
+def _put_q3_k_scale(y, j, l):
+    # 6-bit scale l (0..63) of sub-block j: low nibble in byte 96+j (j < 8, else the high
+    # nibble of byte 96+j-8), top 2 bits in byte 104 + j%4 at bits 2*(j//4); y[96:108] zeroed first
+    if j < 8:
+        y[96 + j] = l & 0xF
+    else:
+        y[96 + j - 8] |= (l & 0xF) << 4
+    y[104 + j % 4] |= (l >> 4) << (2 * (j // 4))
+
+
+@njit(cache=True, inline="always")
+def _q3_k_levels(xb, y, L, hd, d_all):
+    """The end of a Q3_K block once its 6-bit scales are in y[96:108]: d at y[108:110],
+    the levels -4..3 requantized with the rounded scales, their bit 2 into hmask
+    (y[0:32]) and the low 2 bits into qs (y[32:96])."""
+    _put_f16(y, 108, hd)
+    for j in range(16):
+        sc = (np.int64(y[96 + j]) & 0xF) if j < 8 else (np.int64(y[96 + j - 8]) >> 4)
+        sc = (sc | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        dl = d_all * f32(sc)
+        if dl == 0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = max(-4, min(3, _nearest_int(xb[16 * j + i] / dl))) + 4
+    y[:32] = 0
+    for j in range(QK_K):
+        if L[j] > 3:
+            y[j % 32] |= 1 << (j // 32)
+            L[j] -= 4
+    _pack_2bit(L, y, 32)
+
+
+@njit(cache=True, inline="always")
+def _k45_levels(xb, y, L, nmax, hd, d, hm, dmin):
+    """The end of a Q4_K / Q5_K block's front half once its 6-bit scales and mins are
+    at y[4:16]: d, dmin at y[0:4], the levels 0..nmax requantized with the rounded ones."""
+    _put_f16(y, 0, hd)
+    _put_f16(y, 2, hm)
+    for j in range(8):
+        sc, m = _scale_min_k4(j, y, 4)
+        dl = d * f32(sc)
+        if dl == 0:
+            continue
+        ml = dmin * f32(m)
+        for i in range(32):
+            L[32 * j + i] = max(0, min(nmax, _nearest_int((xb[32 * j + i] + ml) / dl)))
+
+
+@njit(cache=True, inline="always")
+def _pack_q45_k(L, y, nmax):
+    # Q4_K (nmax 15): qs[128] at y[16:], 64-value chunk c has L[64c..64c+31] in the low
+    # nibbles and L[64c+32..64c+63] in the high nibbles of bytes 32c..32c+31.
+    # Q5_K (nmax 31): qh[32] at y[16:48] (bit 4 of value 64c+l at bit 2c of byte l, of
+    # 64c+32+l at bit 2c+1), then the low 4 bits as Q4_K's qs at y[48:]
+    o = 16
+    if nmax == 31:
+        o = 48
+        y[16:48] = 0
+        for c in range(4):
+            for l in range(32):
+                y[16 + l] |= ((L[64 * c + l] >> 4) << (2 * c)) | ((L[64 * c + l + 32] >> 4) << (2 * c + 1))
+    for c in range(4):
+        for l in range(32):
+            y[o + 32 * c + l] = (L[64 * c + l] & 0xF) | ((L[64 * c + l + 32] & 0xF) << 4)
+
+
 # ------------------------------------------------------------------ K-quant rows
 @njit(cache=True, parallel=True)
 def _quantize_q2_k(x, out):
@@ -370,66 +462,36 @@ def _quantize_q2_k(x, out):
                 hm, dmin = _fp16(max_min / f32(15))
             else:
                 hm, dmin = _fp16(f32(0))
-            _put_f16(y, 80, hd)
-            _put_f16(y, 82, hm)
-            for j in range(16):
-                dl = d * f32(y[j] & 0xF)
-                if dl == 0:
-                    continue
-                ml = dmin * f32(y[j] >> 4)
-                for i in range(16):
-                    L[16 * j + i] = max(0, min(3, _nearest_int((xb[16 * j + i] + ml) / dl)))
-            _pack_2bit(L, y, 16)
+            _q2_k_levels(xb, y, L, hd, d, hm, dmin)
+
+
+@njit(cache=True, inline="always")
+def _q3_k_block(xb, y, L, scales):
+    # block_q3_K (110 B): hmask[32] (bit 2 of each quant: value j in byte j%32,
+    # bit j//32), qs[64] (low 2 bits), scales[12] (16 6-bit scales+32: low nibbles in
+    # bytes 0-7, top 2 bits in bytes 8-11), d (f16);  y = d*(sc-32)*(q-4)
+    for j in range(16):
+        scales[j] = _make_q3_quants(4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
+    max_scale = _abs_max(scales)[1]
+    y[96:108] = 0
+    if max_scale != 0:
+        iscale = f32(-32) / max_scale
+        for j in range(16):
+            # C stores nearest_int into an int8_t before clamping
+            l = np.int64(np.int8(_nearest_int(iscale * scales[j]) & 0xFF))
+            _put_q3_k_scale(y, j, max(-32, min(31, l)) + 32)
+        hd, d_all = _fp16(f32(1) / iscale)
+    else:
+        hd, d_all = _fp16(f32(0))
+    _q3_k_levels(xb, y, L, hd, d_all)
 
 
 @njit(cache=True, parallel=True)
 def _quantize_q3_k(x, out):
-    # block_q3_K (110 B): hmask[32] (bit 2 of each quant: value j in byte j%32,
-    # bit j//32), qs[64] (low 2 bits), scales[12] (16 6-bit scales+32: low nibbles in
-    # bytes 0-7, top 2 bits in bytes 8-11), d (f16);  y = d*(sc-32)*(q-4)
     for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        scales = np.empty(16, np.float32)
+        L, scales = np.empty(QK_K, np.int64), np.empty(16, np.float32)
         for b in range(x.shape[1] // QK_K):
-            xb = x[r, b * QK_K:(b + 1) * QK_K]
-            y = out[r, b * 110:(b + 1) * 110]
-            max_scale = f32(0)
-            amax = f32(0)
-            for j in range(16):
-                scales[j] = _make_q3_quants(4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
-                if abs(scales[j]) > amax:
-                    amax = abs(scales[j])
-                    max_scale = scales[j]
-            y[96:108] = 0
-            if max_scale != 0:
-                iscale = f32(-32) / max_scale
-                for j in range(16):
-                    # C stores nearest_int into an int8_t before clamping
-                    l = np.int64(np.int8(_nearest_int(iscale * scales[j]) & 0xFF))
-                    l = max(-32, min(31, l)) + 32
-                    if j < 8:
-                        y[96 + j] = l & 0xF
-                    else:
-                        y[96 + j - 8] |= (l & 0xF) << 4
-                    y[96 + 8 + j % 4] |= (l >> 4) << (2 * (j // 4))
-                hd, d_all = _fp16(f32(1) / iscale)
-            else:
-                hd, d_all = _fp16(f32(0))
-            _put_f16(y, 108, hd)
-            for j in range(16):
-                sc = (np.int64(y[96 + j]) & 0xF) if j < 8 else (np.int64(y[96 + j - 8]) >> 4)
-                sc = (sc | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-                dl = d_all * f32(sc)
-                if dl == 0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = max(-4, min(3, _nearest_int(xb[16 * j + i] / dl))) + 4
-            y[:32] = 0
-            for j in range(QK_K):
-                if L[j] > 3:
-                    y[j % 32] |= 1 << (j // 32)
-                    L[j] -= 4
-            _pack_2bit(L, y, 32)
+            _q3_k_block(x[r, b * QK_K:(b + 1) * QK_K], out[r, b * 110:(b + 1) * 110], L, scales)
 
 
 @njit(cache=True, inline="always")
@@ -461,70 +523,34 @@ def _qkx_block_45(xb, y, L, Laux, weights, scales, mins, nmax, rmin, nstep):
         _pack_scale_min_k4(j, ls, lm, y, 4)
     hd, d = _fp16(max_scale / f32(63))
     hm, dmin = _fp16(max_min / f32(63))
-    _put_f16(y, 0, hd)
-    _put_f16(y, 2, hm)
-    for j in range(8):
-        sc, m = _scale_min_k4(j, y, 4)
-        dl = d * f32(sc)
-        if dl == 0:
-            continue
-        ml = dmin * f32(m)
-        for i in range(32):
-            L[32 * j + i] = max(0, min(nmax, _nearest_int((xb[32 * j + i] + ml) / dl)))
+    _k45_levels(xb, y, L, nmax, hd, d, hm, dmin)
 
 
 @njit(cache=True, parallel=True)
-def _quantize_q4_k(x, out):
-    # block_q4_K (144 B): d, dmin (f16), scales[12] (8 6-bit scale/min pairs,
-    # get_scale_min_k4 packing), qs[128]: 64-value chunk c has sub-block 2c in the
-    # low nibbles and 2c+1 in the high nibbles of bytes 32c..32c+31
+def _quantize_q45_k(x, out, nmax, rmin, nstep):
+    # block_q4_K (nmax 15, 144 B): d, dmin (f16), scales[12] (8 6-bit scale/min pairs,
+    # get_scale_min_k4 packing), qs[128] (_pack_q4_k); block_q5_K (nmax 31, 176 B): the
+    # same, qh[32] between scales and qs (_pack_q5_k)
+    type_size = 144 if nmax == 15 else 176
     for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        Laux = np.empty(32, np.int64)
-        weights = np.empty(32, np.float32)
-        mins = np.empty(8, np.float32)
-        scales = np.empty(8, np.float32)
+        L, Laux = np.empty(QK_K, np.int64), np.empty(32, np.int64)
+        weights, scales, mins = np.empty(32, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
-            y = out[r, b * 144:(b + 1) * 144]
-            _qkx_block_45(xb, y, L, Laux, weights, scales, mins, 15, f32(-1.0), 20)
-            for c in range(4):
-                for l in range(32):
-                    y[16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + l + 32] << 4)
-
-
-@njit(cache=True, parallel=True)
-def _quantize_q5_k(x, out):
-    # block_q5_K (176 B): d, dmin, scales[12] as Q4_K, qh[32] (bit 4 of value
-    # 64c+l at bit 2c of byte l, of value 64c+32+l at bit 2c+1), qs[128] as Q4_K
-    for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        Laux = np.empty(32, np.int64)
-        weights = np.empty(32, np.float32)
-        mins = np.empty(8, np.float32)
-        scales = np.empty(8, np.float32)
-        for b in range(x.shape[1] // QK_K):
-            xb = x[r, b * QK_K:(b + 1) * QK_K]
-            y = out[r, b * 176:(b + 1) * 176]
-            _qkx_block_45(xb, y, L, Laux, weights, scales, mins, 31, f32(-0.5), 15)
-            y[16:48] = 0
-            for c in range(4):
-                for l in range(32):
-                    l1 = L[64 * c + l]
-                    l2 = L[64 * c + l + 32]
-                    if l1 > 15:
-                        l1 -= 16
-                        y[16 + l] |= 1 << (2 * c)
-                    if l2 > 15:
-                        l2 -= 16
-                        y[16 + l] |= 2 << (2 * c)
-                    y[48 + 32 * c + l] = l1 | (l2 << 4)
+            y = out[r, b * type_size:(b + 1) * type_size]
+            _qkx_block_45(xb, y, L, Laux, weights, scales, mins, nmax, rmin, nstep)
+            _pack_q45_k(L, y, nmax)
 
 
 @njit(cache=True, inline="always")
-def _q6_k_block(xb, y, L, scales, max_scale):
+def _q6_k_block(xb, y, L, scales):
     # the rest of a Q6_K block once its 16 sub-block scales are chosen (shared with
-    # quantize_weighted): the int8 scales, the 6-bit values, their layout (see _quantize_q6_k)
+    # quantize_weighted): the int8 scales, the 6-bit values, their layout (see _quantize_q6_k);
+    # all zero where the largest |scale| is below GROUP_MAX_EPS
+    max_abs_scale, max_scale = _abs_max(scales)
+    if max_abs_scale < GROUP_MAX_EPS:
+        y[:] = 0
+        return
     iscale = f32(-128) / max_scale
     hd, d = _fp16(f32(1) / iscale)
     _put_f16(y, 208, hd)
@@ -556,31 +582,22 @@ def _quantize_q6_k(x, out):
     # its low nibble in ql[64h + l + 32*(k&1)] (high nibble if k>=2) and its top
     # bits in qh[32h + l] at bit 2k.
     for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        scales = np.empty(16, np.float32)
+        L, scales = np.empty(QK_K, np.int64), np.empty(16, np.float32)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
             y = out[r, b * 210:(b + 1) * 210]
-            max_scale = f32(0)
-            max_abs_scale = f32(0)
             for j in range(16):
                 scales[j] = _make_qx_quants(32, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
-                if abs(scales[j]) > max_abs_scale:
-                    max_abs_scale = abs(scales[j])
-                    max_scale = scales[j]
-            if max_abs_scale < GROUP_MAX_EPS:
-                y[:] = 0
-                continue
-            _q6_k_block(xb, y, L, scales, max_scale)
+            _q6_k_block(xb, y, L, scales)
 
 
 # --------------------------------------------------------------------- Python API
-_K_KERNELS = {
-    T.Q2_K: _quantize_q2_k,
-    T.Q3_K: _quantize_q3_k,
-    T.Q4_K: _quantize_q4_k,
-    T.Q5_K: _quantize_q5_k,
-    T.Q6_K: _quantize_q6_k,
+_K_KERNELS = {          # type: (kernel, its arguments after x and out)
+    T.Q2_K: (_quantize_q2_k, ()),
+    T.Q3_K: (_quantize_q3_k, ()),
+    T.Q4_K: (_quantize_q45_k, (15, f32(-1.0), 20)),
+    T.Q5_K: (_quantize_q45_k, (31, f32(-0.5), 15)),
+    T.Q6_K: (_quantize_q6_k, ()),
 }
 _GGUF_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4})
 
@@ -609,17 +626,24 @@ def quantize(data: np.ndarray, qtype) -> np.ndarray:
         raise ValueError(f"cannot quantize to {_type_name(qtype)}: supported types are "
                          + ", ".join(sorted(t.name for t in QUANTIZABLE)))
     qtype = T(qtype)
+    data, row_bytes = checked_rows(data, qtype)
+    if qtype in _K_KERNELS:
+        out = np.empty((data.shape[0], row_bytes), dtype=np.uint8)
+        kernel, params = _K_KERNELS[qtype]
+        if out.size:
+            kernel(data, out, *params)
+        return out
+    q = np.ascontiguousarray(_gguf_quantize(data, qtype))
+    return q.view(np.uint8).reshape(data.shape[0], row_bytes)
+
+
+def checked_rows(data: np.ndarray, qtype: T) -> tuple[np.ndarray, int]:
+    """(data as C-contiguous float32 rows, the bytes of one quantized row); raises
+    ValueError, naming the type, unless data is 2-D with rows a whole number of blocks."""
     data = np.ascontiguousarray(data, dtype=np.float32)
     if data.ndim != 2:
         raise ValueError(f"{qtype.name}: expected a 2-D (n_rows, n_cols) array, got shape {data.shape}")
-    n_rows, n_cols = data.shape
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if n_cols % block_size:
-        raise ValueError(f"{qtype.name}: row length {n_cols} is not a multiple of {block_size}")
-    if qtype in _K_KERNELS:
-        out = np.empty((n_rows, n_cols // block_size * type_size), dtype=np.uint8)
-        if out.size:
-            _K_KERNELS[qtype](data, out)
-        return out
-    q = np.ascontiguousarray(_gguf_quantize(data, qtype))
-    return q.view(np.uint8).reshape(n_rows, n_cols // block_size * type_size)
+    if data.shape[1] % block_size:
+        raise ValueError(f"{qtype.name}: row length {data.shape[1]} is not a multiple of {block_size}")
+    return data, data.shape[1] // block_size * type_size

@@ -22,11 +22,12 @@ sigma2 instead of computing it from the (partial) row passed in.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T
 from numba import njit, prange
 
-from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4, _put_f16,
-                       _q6_k_block, _qk_fit, _qk_stats, _scale_min_k4, quantize)
+from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _k45_levels, _make_qkx2_quants, _nearest_int, _pack_q45_k,
+                       _pack_scale_min_k4, _put_f16, _put_q3_k_scale, _q2_k_levels, _q3_k_levels, _q6_k_block, _qk_fit,
+                       _qk_start, _qk_stats, checked_rows, quantize)
 
 __all__ = ["WEIGHTED", "quantize_weighted"]
 
@@ -105,55 +106,12 @@ def _make_qx_quants_w(nmax, x, L, qw, iscales, sumlx, suml2):
 
 
 @njit(cache=True, inline="always")
-def _qkx3_start(nmax, x, w, L, mn, mx):
-    """The levels of the block's own range: (scale, their weighted squared error); L filled."""
-    iscale = f32(nmax) / (mx - mn)
-    scale = f32(1) / iscale
-    best_mad = f32(0)
-    for i in range(x.shape[0]):
-        l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
-        L[i] = l
-        diff = scale * f32(l) + mn - x[i]
-        best_mad += w[i] * (diff * diff)
-    return scale, best_mad
-
-
-@njit(cache=True)
 def _make_qkx3_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep):
     """make_qkx3_quants with weights and use_mad=false: asymmetric levels 0..nmax,
     x ~ scale*L - the_min, nstep+1 trial scales each refit by weighted least squares.
-    Returns (scale, the_min); L filled."""
-    n = x.shape[0]
-    mn, mx, sum_w, sum_x = _qk_stats(x, w)
-    if mx <= mn:
-        L[:n] = 0
-        return f32(0), -mn
-    fnmax = f32(nmax)
-    scale, best_mad = _qkx3_start(nmax, x, w, L, mn, mx)
-    for step in range(nstep + 1):
-        iscale = (rmin + rdelta * f32(step) + fnmax) / (mx - mn)
-        sum_l = f32(0)
-        sum_l2 = f32(0)
-        sum_xl = f32(0)
-        for i in range(n):
-            l = max(0, min(nmax, _nearest_int(iscale * (x[i] - mn))))
-            Laux[i] = l
-            fl = f32(l)
-            sum_l += w[i] * fl
-            sum_l2 += w[i] * fl * fl
-            sum_xl += w[i] * fl * x[i]
-        D, this_scale, this_min = _qk_fit(sum_w, sum_x, sum_l, sum_l2, sum_xl)
-        if D > 0:
-            mad = f32(0)
-            for i in range(n):
-                diff = this_scale * f32(Laux[i]) + this_min - x[i]
-                mad += w[i] * (diff * diff)
-            if mad < best_mad:
-                L[:n] = Laux[:n]
-                best_mad = mad
-                scale = this_scale
-                mn = this_min
-    return scale, -mn
+    Returns (scale, the_min); L filled. With weights it is make_qkx2_quants (C tests
+    max <= min where that tests max == min: the same, as min <= max or either is NaN)."""
+    return _make_qkx2_quants(nmax, x, w, L, Laux, rmin, rdelta, nstep, False)
 
 
 @njit(cache=True)
@@ -176,8 +134,8 @@ def _make_qkx3_quants_2(nmax, xa, wa, La, xb, wb, Lb, Lt, Laux, rmin, rdelta, ns
         sb, mb = _make_qkx3_quants(nmax, xb, wb, Lb, Laux, rmin, rdelta, nstep)
         return sa, ma, sb, mb
     fnmax = f32(nmax)
-    scale_a, best_a = _qkx3_start(nmax, xa, wa, La, mna, mxa)
-    scale_b, best_b = _qkx3_start(nmax, xb, wb, Lb, mnb, mxb)
+    scale_a, best_a = _qk_start(nmax, xa, wa, La, mna, mxa, False)
+    scale_b, best_b = _qk_start(nmax, xb, wb, Lb, mnb, mxb, False)
     for step in range(nstep + 1):
         iscale_a = (rmin + rdelta * f32(step) + fnmax) / (mxa - mna)
         iscale_b = (rmin + rdelta * f32(step) + fnmax) / (mxb - mnb)
@@ -302,190 +260,118 @@ def _row_sigma2(x, r, row_sigma2):
     return _sum_sq(x[r]) / f32(x.shape[1])
 
 
-# ------------------------------------------------------------------ legacy types
-@njit(cache=True, parallel=True)
-def _quantize_q4_0_w(x, qw, row_sigma2, out):
-    # block_q4_0 (18 B): d (f16), qs[16]: value j in the low nibble of byte j, j+16 high
-    for r in prange(x.shape[0]):
-        t0, t1, t2 = _qx_scratch()
-        L = np.empty(32, np.int64)
-        weight = np.empty(32, np.float32)
-        sigma2 = _row_sigma2(x, r, row_sigma2)
-        for b in range(x.shape[1] // 32):
-            xb = x[r, 32 * b:32 * b + 32]
-            y = out[r, 18 * b:18 * b + 18]
-            for j in range(32):
-                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
-            hd, _ = _fp16(_make_qx_quants_w(8, xb, L, weight, t0, t1, t2))
-            _put_f16(y, 0, hd)
-            for j in range(16):
-                y[2 + j] = L[j] | (L[j + 16] << 4)
-
-
-@njit(cache=True, parallel=True)
-def _quantize_q4_1_w(x, qw, row_sigma2, out):
-    # block_q4_1 (20 B): d, m (f16), qs[16] as Q4_0;  y = d*q + m
-    for r in prange(x.shape[0]):
-        L = np.empty(32, np.int64)
-        Laux = np.empty(32, np.int64)
-        weight = np.empty(32, np.float32)
-        sigma2 = _row_sigma2(x, r, row_sigma2)
-        for b in range(x.shape[1] // 32):
-            xb = x[r, 32 * b:32 * b + 32]
-            y = out[r, 20 * b:20 * b + 20]
-            for j in range(32):
-                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
-            d, the_min = _make_qkx3_quants(15, xb, weight, L, Laux, f32(-0.9), f32(0.05), 36)
-            hd, _ = _fp16(d)
-            hm, _ = _fp16(-the_min)
-            _put_f16(y, 0, hd)
-            _put_f16(y, 2, hm)
-            for j in range(16):
-                y[4 + j] = L[j] | (L[j + 16] << 4)
+@njit(cache=True, inline="always")
+def _imatrix_weights(weight, qw, sigma2, x):
+    # weight_i = qw_i * sqrt(sigma2 + x_i^2): llama.cpp's weights for every type but Q6_K
+    for i in range(x.shape[0]):
+        weight[i] = qw[i] * f32(np.sqrt(sigma2 + x[i] * x[i]))
 
 
 @njit(cache=True, inline="always")
-def _pack_q5(L, y, o):
-    # qh (u32 little-endian at y[o:o+4]): bit 4 of value j at bit j; qs[16] at y[o+4:]
-    qh = np.int64(0)
+def _k_weights(weights, sw, qwb, xb, sigma2, n_sub):
+    """A K-quant super-block's weights (QK_K,) from its importances qwb, and their
+    sums over each of its n_sub sub-blocks (sw), in index order."""
+    _imatrix_weights(weights, qwb, sigma2, xb)
+    size = QK_K // n_sub
+    for j in range(n_sub):
+        s = f32(0)
+        for l in range(size):
+            s += weights[size * j + l]
+        sw[j] = s
+
+
+@njit(cache=True, inline="always")
+def _k_scratch(n_sub):
+    """A row's scratch for a K-quant of n_sub sub-blocks: levels L (QK_K,), Laux (one
+    sub-block), Lt (two sub-blocks, float32), the sub-block scales' and mins' levels Ls, Lm,
+    the weights (QK_K,) and their sub-block sums sw, the sub-block scales and mins."""
+    size = QK_K // n_sub
+    return (np.empty(QK_K, np.int64), np.empty(size, np.int64), np.empty(2 * size, np.float32),
+            np.empty(n_sub, np.int64), np.empty(n_sub, np.int64), np.empty(QK_K, np.float32),
+            np.empty(n_sub, np.float32), np.empty(n_sub, np.float32), np.empty(n_sub, np.float32))
+
+
+# ------------------------------------------------------------------ legacy types
+@njit(cache=True, inline="always")
+def _pack_legacy(L, y, o, five_bit):
+    # Q5_0 / Q5_1 (five_bit): qh (u32 little-endian at y[o:o+4], bit 4 of value j at
+    # bit j), then qs[16]; Q4_0 / Q4_1: qs[16] at y[o:]. qs: the low 4 bits of value j
+    # in the low nibble of byte j, of value j+16 in its high nibble
+    if five_bit:
+        qh = np.int64(0)
+        for j in range(32):
+            qh |= ((L[j] & 0x10) >> 4) << j
+        for k in range(4):
+            y[o + k] = (qh >> (8 * k)) & 0xFF
+        o += 4
     for j in range(16):
-        y[o + 4 + j] = (L[j] & 0xF) | ((L[j + 16] & 0xF) << 4)
-        qh |= ((L[j] & 0x10) >> 4) << j
-        qh |= ((L[j + 16] & 0x10) >> 4) << (j + 16)
-    for k in range(4):
-        y[o + k] = (qh >> (8 * k)) & 0xFF
+        y[o + j] = (L[j] & 0xF) | ((L[j + 16] & 0xF) << 4)
 
 
 @njit(cache=True, parallel=True)
-def _quantize_q5_0_w(x, qw, row_sigma2, out):
-    # block_q5_0 (22 B): d (f16), qh[4], qs[16]
+def _quantize_legacy_w(x, qw, row_sigma2, out, nmax, with_min):
+    # quantize_row_q4_0_impl (nmax 8, block 18 B: d (f16), qs[16]), q4_1_impl (nmax 15,
+    # 20 B: d, m (f16), qs[16]; y = d*q + m), q5_0_impl (nmax 16, 22 B: d, qh[4], qs[16]),
+    # q5_1_impl (nmax 31, 24 B: d, m, qh[4], qs[16]); the types with a min fit it by
+    # make_qkx3_quants, the others by make_qx_quants
+    type_size = out.shape[1] // (x.shape[1] // 32)
     for r in prange(x.shape[0]):
         t0, t1, t2 = _qx_scratch()
-        L = np.empty(32, np.int64)
-        weight = np.empty(32, np.float32)
+        L, Laux, weight = np.empty(32, np.int64), np.empty(32, np.int64), np.empty(32, np.float32)
         sigma2 = _row_sigma2(x, r, row_sigma2)
         for b in range(x.shape[1] // 32):
             xb = x[r, 32 * b:32 * b + 32]
-            y = out[r, 22 * b:22 * b + 22]
-            for j in range(32):
-                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
-            hd, _ = _fp16(_make_qx_quants_w(16, xb, L, weight, t0, t1, t2))
-            _put_f16(y, 0, hd)
-            _pack_q5(L, y, 2)
-
-
-@njit(cache=True, parallel=True)
-def _quantize_q5_1_w(x, qw, row_sigma2, out):
-    # block_q5_1 (24 B): d, m (f16), qh[4], qs[16]
-    for r in prange(x.shape[0]):
-        L = np.empty(32, np.int64)
-        Laux = np.empty(32, np.int64)
-        weight = np.empty(32, np.float32)
-        sigma2 = _row_sigma2(x, r, row_sigma2)
-        for b in range(x.shape[1] // 32):
-            xb = x[r, 32 * b:32 * b + 32]
-            y = out[r, 24 * b:24 * b + 24]
-            for j in range(32):
-                weight[j] = qw[32 * b + j] * f32(np.sqrt(sigma2 + xb[j] * xb[j]))
-            d, the_min = _make_qkx3_quants(31, xb, weight, L, Laux, f32(-0.9), f32(0.05), 36)
-            hd, _ = _fp16(d)
-            hm, _ = _fp16(-the_min)
-            _put_f16(y, 0, hd)
-            _put_f16(y, 2, hm)
-            _pack_q5(L, y, 4)
+            y = out[r, type_size * b:type_size * (b + 1)]
+            _imatrix_weights(weight, qw[32 * b:32 * b + 32], sigma2, xb)
+            if with_min:
+                d, the_min = _make_qkx3_quants(nmax, xb, weight, L, Laux, f32(-0.9), f32(0.05), 36)
+                _put_f16(y, 2, _fp16(-the_min)[0])
+            else:
+                d = _make_qx_quants_w(nmax, xb, L, weight, t0, t1, t2)
+            _put_f16(y, 0, _fp16(d)[0])
+            _pack_legacy(L, y, 4 if with_min else 2, nmax >= 16)
 
 
 # ------------------------------------------------------------------------ K-quants
 @njit(cache=True, parallel=True)
 def _quantize_q2_k_w(x, qw, row_sigma2, out):
-    # quantize_row_q2_K_impl; block layout as _quantize_q2_k
+    # quantize_row_q2_K_impl; block layout as quantize._quantize_q2_k
     for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        Laux = np.empty(16, np.int64)
-        Ls = np.empty(16, np.int64)
-        Lm = np.empty(16, np.int64)
-        weight = np.empty(16, np.float32)
-        sw = np.empty(16, np.float32)
-        mins = np.empty(16, np.float32)
-        scales = np.empty(16, np.float32)
+        L, Laux, Lt, Ls, Lm, weights, sw, scales, mins = _k_scratch(16)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
             y = out[r, b * 84:(b + 1) * 84]
-            sigma2 = _sum_sq(xb) / f32(QK_K)
+            _k_weights(weights, sw, qw[b * QK_K:(b + 1) * QK_K], xb, _sum_sq(xb) / f32(QK_K), 16)
             for j in range(16):
-                sw[j] = f32(0)
-                for l in range(16):
-                    weight[l] = qw[QK_K * b + 16 * j + l] * f32(np.sqrt(sigma2 + xb[16 * j + l] * xb[16 * j + l]))
-                for l in range(16):
-                    sw[j] += weight[l]
+                a = 16 * j
                 scales[j], mins[j] = _make_qkx3_quants(
-                    3, xb[16 * j:16 * j + 16], weight, L[16 * j:16 * j + 16], Laux, f32(-0.9), f32(0.05), 36)
-            dm = _make_qp_quants(15, scales, Ls, sw)
-            mm = _make_qp_quants(15, mins, Lm, sw)
-            hd, dm = _fp16(dm)
-            hm, mm = _fp16(mm)
-            _put_f16(y, 80, hd)
-            _put_f16(y, 82, hm)
+                    3, xb[a:a + 16], weights[a:a + 16], L[a:a + 16], Laux, f32(-0.9), f32(0.05), 36)
+            hd, dm = _fp16(_make_qp_quants(15, scales, Ls, sw))
+            hm, mm = _fp16(_make_qp_quants(15, mins, Lm, sw))
             for j in range(16):
                 y[j] = (Ls[j] | (Lm[j] << 4)) & 0xFF
-            for j in range(16):
-                d = dm * f32(y[j] & 0xF)
-                if d == 0:
-                    continue
-                m = mm * f32(y[j] >> 4)
-                for i in range(16):
-                    L[16 * j + i] = max(0, min(3, _nearest_int((xb[16 * j + i] + m) / d)))
-            _pack_2bit(L, y, 16)
+            _q2_k_levels(xb, y, L, hd, dm, hm, mm)
 
 
 @njit(cache=True, parallel=True)
 def _quantize_q3_k_w(x, qw, row_sigma2, out):
-    # quantize_row_q3_K_impl; block layout as _quantize_q3_k
+    # quantize_row_q3_K_impl; block layout as quantize._quantize_q3_k
     for r in prange(x.shape[0]):
         t0, t1, t2 = _qx_scratch()
-        L = np.empty(QK_K, np.int64)
-        Ls = np.empty(16, np.int64)
-        weight = np.empty(16, np.float32)
-        sw = np.empty(16, np.float32)
-        scales = np.empty(16, np.float32)
+        L, Laux, Lt, Ls, Lm, weights, sw, scales, mins = _k_scratch(16)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
             y = out[r, b * 110:(b + 1) * 110]
-            sigma2 = f32(2) * _sum_sq(xb) / f32(QK_K)
+            _k_weights(weights, sw, qw[b * QK_K:(b + 1) * QK_K], xb, f32(2) * _sum_sq(xb) / f32(QK_K), 16)
             for j in range(16):
-                for l in range(16):
-                    weight[l] = qw[QK_K * b + 16 * j + l] * f32(np.sqrt(sigma2 + xb[16 * j + l] * xb[16 * j + l]))
-                sumw = f32(0)
-                for l in range(16):
-                    sumw += weight[l]
-                sw[j] = sumw
-                scales[j] = _make_qx_quants_w(4, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16], weight, t0, t1, t2)
+                a = 16 * j
+                scales[j] = _make_qx_quants_w(4, xb[a:a + 16], L[a:a + 16], weights[a:a + 16], t0, t1, t2)
             y[96:108] = 0
             d_block = _make_qx_quants_w(32, scales, Ls, sw, t0, t1, t2)
             for j in range(16):
-                l = Ls[j]
-                if j < 8:
-                    y[96 + j] = l & 0xF
-                else:
-                    y[96 + j - 8] |= (l & 0xF) << 4
-                l >>= 4
-                y[104 + j % 4] |= (l << (2 * (j // 4))) & 0xFF
+                _put_q3_k_scale(y, j, Ls[j])
             hd, d_all = _fp16(d_block)
-            _put_f16(y, 108, hd)
-            for j in range(16):
-                sc = (np.int64(y[96 + j]) & 0xF) if j < 8 else (np.int64(y[96 + j - 8]) >> 4)
-                sc = (sc | (((np.int64(y[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-                dl = d_all * f32(sc)
-                if dl == 0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = max(-4, min(3, _nearest_int(xb[16 * j + i] / dl))) + 4
-            y[:32] = 0
-            for j in range(QK_K):
-                if L[j] > 3:
-                    y[j % 32] |= 1 << (j // 32)
-                    L[j] -= 4
-            _pack_2bit(L, y, 32)
+            _q3_k_levels(xb, y, L, hd, d_all)
 
 
 @njit(cache=True, inline="always")
@@ -493,14 +379,7 @@ def _qkx3_block_45(xb, qwb, y, L, Laux, Lt, Ls, Lm, weights, sw, scales, mins, n
     """Front half of quantize_row_q4_K_impl / q5_K_impl: per 32-value sub-block
     make_qkx3_quants with weights qw*sqrt(sigma2 + x^2), 6-bit scales and mins by
     make_qp_quants packed at y[4:16], d/dmin at y[0:4], then L requantized."""
-    sigma2 = f32(2) * _sum_sq(xb) / f32(QK_K)
-    for j in range(8):
-        for l in range(32):
-            weights[32 * j + l] = qwb[32 * j + l] * f32(np.sqrt(sigma2 + xb[32 * j + l] * xb[32 * j + l]))
-        sumw = f32(0)
-        for l in range(32):
-            sumw += weights[32 * j + l]
-        sw[j] = sumw
+    _k_weights(weights, sw, qwb, xb, f32(2) * _sum_sq(xb) / f32(QK_K), 8)
     for j in range(0, 8, 2):
         a, b, c = 32 * j, 32 * j + 32, 32 * j + 64
         scales[j], mins[j], scales[j + 1], mins[j + 1] = _make_qkx3_quants_2(
@@ -517,100 +396,45 @@ def _qkx3_block_45(xb, qwb, y, L, Laux, Lt, Ls, Lm, weights, sw, scales, mins, n
         _pack_scale_min_k4(j, ls, lm, y, 4)
     hd, d = _fp16(d_block)
     hm, dmin = _fp16(m_block)
-    _put_f16(y, 0, hd)
-    _put_f16(y, 2, hm)
-    for j in range(8):
-        sc, m = _scale_min_k4(j, y, 4)
-        dl = d * f32(sc)
-        if dl == 0:
-            continue
-        ml = dmin * f32(m)
-        for i in range(32):
-            L[32 * j + i] = max(0, min(nmax, _nearest_int((xb[32 * j + i] + ml) / dl)))
+    _k45_levels(xb, y, L, nmax, hd, d, hm, dmin)
 
 
 @njit(cache=True, parallel=True)
-def _quantize_q4_k_w(x, qw, row_sigma2, out):
-    # quantize_row_q4_K_impl; block layout as _quantize_q4_k
+def _quantize_q45_k_w(x, qw, row_sigma2, out, nmax):
+    # quantize_row_q4_K_impl (nmax 15) / q5_K_impl (nmax 31); block layouts as
+    # quantize._quantize_q45_k
+    type_size = 144 if nmax == 15 else 176
     for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        Laux = np.empty(32, np.int64)
-        Lt = np.empty(64, np.float32)
-        Ls = np.empty(8, np.int64)
-        Lm = np.empty(8, np.int64)
-        weights = np.empty(QK_K, np.float32)
-        sw = np.empty(8, np.float32)
-        mins = np.empty(8, np.float32)
-        scales = np.empty(8, np.float32)
+        L, Laux, Lt, Ls, Lm, weights, sw, scales, mins = _k_scratch(8)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
-            y = out[r, b * 144:(b + 1) * 144]
-            _qkx3_block_45(xb, qw[b * QK_K:(b + 1) * QK_K], y, L, Laux, Lt, Ls, Lm, weights, sw, scales, mins, 15)
-            for c in range(4):
-                for l in range(32):
-                    y[16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + l + 32] << 4)
-
-
-@njit(cache=True, parallel=True)
-def _quantize_q5_k_w(x, qw, row_sigma2, out):
-    # quantize_row_q5_K_impl; block layout as _quantize_q5_k
-    for r in prange(x.shape[0]):
-        L = np.empty(QK_K, np.int64)
-        Laux = np.empty(32, np.int64)
-        Lt = np.empty(64, np.float32)
-        Ls = np.empty(8, np.int64)
-        Lm = np.empty(8, np.int64)
-        weights = np.empty(QK_K, np.float32)
-        sw = np.empty(8, np.float32)
-        mins = np.empty(8, np.float32)
-        scales = np.empty(8, np.float32)
-        for b in range(x.shape[1] // QK_K):
-            xb = x[r, b * QK_K:(b + 1) * QK_K]
-            y = out[r, b * 176:(b + 1) * 176]
-            _qkx3_block_45(xb, qw[b * QK_K:(b + 1) * QK_K], y, L, Laux, Lt, Ls, Lm, weights, sw, scales, mins, 31)
-            y[16:48] = 0
-            for c in range(4):
-                for l in range(32):
-                    l1 = L[64 * c + l]
-                    l2 = L[64 * c + l + 32]
-                    if l1 > 15:
-                        l1 -= 16
-                        y[16 + l] |= 1 << (2 * c)
-                    if l2 > 15:
-                        l2 -= 16
-                        y[16 + l] |= 2 << (2 * c)
-                    y[48 + 32 * c + l] = l1 | (l2 << 4)
+            y = out[r, b * type_size:(b + 1) * type_size]
+            _qkx3_block_45(xb, qw[b * QK_K:(b + 1) * QK_K], y, L, Laux, Lt, Ls, Lm, weights, sw, scales, mins, nmax)
+            _pack_q45_k(L, y, nmax)
 
 
 @njit(cache=True, parallel=True)
 def _quantize_q6_k_w(x, qw, row_sigma2, out):
-    # quantize_row_q6_K_impl (weights = qw as they are); block layout as _quantize_q6_k
+    # quantize_row_q6_K_impl (weights = qw as they are); block layout as quantize._quantize_q6_k
     for r in prange(x.shape[0]):
         t0, t1, t2 = _qx_scratch()
-        L = np.empty(QK_K, np.int64)
-        scales = np.empty(16, np.float32)
+        L, scales = np.empty(QK_K, np.int64), np.empty(16, np.float32)
         for b in range(x.shape[1] // QK_K):
             xb = x[r, b * QK_K:(b + 1) * QK_K]
             y = out[r, b * 210:(b + 1) * 210]
-            max_scale = f32(0)
-            max_abs_scale = f32(0)
             for j in range(16):
-                scales[j] = _make_qx_quants_w(32, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16],
-                                              qw[b * QK_K + 16 * j:b * QK_K + 16 * j + 16], t0, t1, t2)
-                if abs(scales[j]) > max_abs_scale:
-                    max_abs_scale = abs(scales[j])
-                    max_scale = scales[j]
-            if max_abs_scale < GROUP_MAX_EPS:
-                y[:] = 0
-                continue
-            _q6_k_block(xb, y, L, scales, max_scale)
+                a = b * QK_K + 16 * j
+                scales[j] = _make_qx_quants_w(32, xb[16 * j:16 * j + 16], L[16 * j:16 * j + 16], qw[a:a + 16],
+                                              t0, t1, t2)
+            _q6_k_block(xb, y, L, scales)
 
 
 # --------------------------------------------------------------------- Python API
-_KERNELS = {
-    T.Q4_0: _quantize_q4_0_w, T.Q4_1: _quantize_q4_1_w, T.Q5_0: _quantize_q5_0_w,
-    T.Q5_1: _quantize_q5_1_w, T.Q2_K: _quantize_q2_k_w, T.Q3_K: _quantize_q3_k_w,
-    T.Q4_K: _quantize_q4_k_w, T.Q5_K: _quantize_q5_k_w, T.Q6_K: _quantize_q6_k_w,
+_KERNELS = {            # type: (kernel, its arguments after x, qw, row_sigma2 and out)
+    T.Q4_0: (_quantize_legacy_w, (8, False)), T.Q4_1: (_quantize_legacy_w, (15, True)),
+    T.Q5_0: (_quantize_legacy_w, (16, False)), T.Q5_1: (_quantize_legacy_w, (31, True)),
+    T.Q2_K: (_quantize_q2_k_w, ()), T.Q3_K: (_quantize_q3_k_w, ()), T.Q4_K: (_quantize_q45_k_w, (15,)),
+    T.Q5_K: (_quantize_q45_k_w, (31,)), T.Q6_K: (_quantize_q6_k_w, ()),
 }
 WEIGHTED: frozenset = frozenset(_KERNELS)
 """Types with an importance-weighted quantizer (all others ignore the weights, as in llama.cpp)."""
@@ -630,13 +454,8 @@ def quantize_weighted(data: np.ndarray, qtype, quant_weights: np.ndarray | None,
     if quant_weights is None or qtype not in WEIGHTED:
         return quantize(data, qtype)
     qtype = T(qtype)
-    data = np.ascontiguousarray(data, dtype=np.float32)
-    if data.ndim != 2:
-        raise ValueError(f"{qtype.name}: expected a 2-D (n_rows, n_cols) array, got shape {data.shape}")
+    data, row_bytes = checked_rows(data, qtype)
     n_rows, n_cols = data.shape
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    if n_cols % block_size:
-        raise ValueError(f"{qtype.name}: row length {n_cols} is not a multiple of {block_size}")
     qw = np.ascontiguousarray(quant_weights, dtype=np.float32)
     if qw.shape != (n_cols,):
         raise ValueError(f"{qtype.name}: {qw.shape[0] if qw.ndim == 1 else qw.shape} importance "
@@ -645,7 +464,8 @@ def quantize_weighted(data: np.ndarray, qtype, quant_weights: np.ndarray | None,
         raise ValueError(f"{qtype.name}: importance weights must be finite and non-negative")
     sig = np.full(n_rows, -1.0, np.float32) if row_sigma2 is None else \
         np.ascontiguousarray(row_sigma2, dtype=np.float32).reshape(n_rows)
-    out = np.empty((n_rows, n_cols // block_size * type_size), dtype=np.uint8)
+    out = np.empty((n_rows, row_bytes), dtype=np.uint8)
+    kernel, params = _KERNELS[qtype]
     if out.size:
-        _KERNELS[qtype](data, qw, sig, out)
+        kernel(data, qw, sig, out, *params)
     return out

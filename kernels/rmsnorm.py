@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
+from .scalar import inv_rms
 from .vecmath import FASTMATH
 
 # Rows per dw task: each task sums its rows into its own row of a scratch.
@@ -45,7 +46,7 @@ def _rmsnorm_forward_kernel(out, rstd, x, w, eps):
                     ss += x[n, c] * x[n, c]
                 rstd[n] = ss / C  # the mean, rounded to x's dtype by the store
         for n in range(n0, min(N, n0 + 4)):
-            rstd[n] = np.float32(1.0) / np.sqrt(rstd[n] + eps)  # 1.0f/sqrtf(mean+eps)
+            rstd[n] = inv_rms(rstd[n], eps)  # 1.0f/sqrtf(mean+eps)
             r = rstd[n]
             for c in range(C):
                 out[n, c] = x[n, c] * r * w[c]  # (x*scale)*w, the rms_norm then the mul

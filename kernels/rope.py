@@ -24,6 +24,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._checks import check_array
+from .scalar import rotate
 
 ROPE_NORM = 0
 ROPE_NEOX = 2
@@ -64,15 +65,11 @@ def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
             if neox:  # pairs (i, i + half)
                 for i in range(half):
                     c, s = cs[i], sn[i] * sg
-                    x0, x1 = xr[i], xr[i + half]  # read both before writing: in place is safe
-                    orow[i] = x0 * c - x1 * s
-                    orow[i + half] = x0 * s + x1 * c
+                    orow[i], orow[i + half] = rotate(xr[i], xr[i + half], c, s)  # both read first
             else:  # adjacent pairs (2i, 2i + 1)
                 for i in range(half):
                     c, s = cs[i], sn[i] * sg
-                    x0, x1 = xr[2 * i], xr[2 * i + 1]
-                    orow[2 * i] = x0 * c - x1 * s
-                    orow[2 * i + 1] = x0 * s + x1 * c
+                    orow[2 * i], orow[2 * i + 1] = rotate(xr[2 * i], xr[2 * i + 1], c, s)
             for d in range(n_rot, D):  # pass-through dims (a no-op when in place)
                 orow[d] = xr[d]
 

@@ -18,6 +18,7 @@ from numba import njit, prange
 
 from ._checks import check_gate
 from .dequant import _get, _kept
+from .scalar import silu, swiglu_dg
 from .vecmath import expf
 
 # A float32 one keeps float32 maths in float32 and promotes exactly under float64.
@@ -32,7 +33,7 @@ def _swiglu_forward_kernel(out, g, u, g16, u16):
     for n in prange(N):
         for f in range(F):
             x = _kept(g16, (n, f), _get(g, (n, f)))
-            out[n, f] = x / (_ONE + expf(-x)) * _kept(u16, (n, f), _get(u, (n, f)))
+            out[n, f] = silu(x, expf(-x)) * _kept(u16, (n, f), _get(u, (n, f)))
 
 
 @njit(cache=True, parallel=True)
@@ -44,7 +45,7 @@ def _swiglu_backward_kernel(dg, du, dout, g, u):
             x = _get(g, (n, f))
             s = _ONE / (_ONE + expf(-x))  # sigmoid(g)
             d = dout[n, f]
-            dg[n, f] = d * _get(u, (n, f)) * s * (_ONE + x * (_ONE - s))
+            dg[n, f] = swiglu_dg(d, _get(u, (n, f)), x, s)
             du[n, f] = d * x * s
 
 

@@ -116,6 +116,14 @@ def block_max(buf, tid, val):
     return res
 
 
+@cuda.jit(device=True)
+def thread_element(a):
+    """(n, f) of the element of the 2-D array a that this thread of a 1-D grid owns
+    (flat index over a's N*F values); n >= N for a thread past the end."""
+    idx = cuda.grid(1)
+    return idx // a.shape[1], idx % a.shape[1]
+
+
 def row_threads(n: int) -> int:
     """Threads per block for a kernel that reduces rows of n values: the next power
     of two >= n, clamped to [32, MAX_THREADS] (a whole warp at least)."""
@@ -197,6 +205,18 @@ def check_gate(op: str, arrays: dict) -> tuple:
     for name, a in arrays.items():
         check(op, name, a, shape, np.float32)
     return shape
+
+
+GATE_THREADS = 256
+"""Threads per block of the elementwise gate kernels (one thread per element)."""
+
+
+def launch_gate(op: str, kernel, arrays: dict) -> None:
+    """Check the operands of an elementwise gate (check_gate) and launch kernel, one
+    thread per element (thread_element), on the arrays in their order."""
+    N, F = check_gate(op, arrays)
+    if N * F:
+        kernel[cdiv(N * F, GATE_THREADS), GATE_THREADS](*arrays.values())
 
 
 def check_ndim(op: str, name: str, a, ndim: int, dtype) -> tuple:

@@ -26,13 +26,12 @@ bit where the order of the block reduction is the same, and with the CPU to roun
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from ..rope import table_shape
-from .rmsnorm import _rmsnorm_dw_kernel
-from ._common import MAX_THREADS, block_sum, cdiv, check, check_ndim, cuda, float64, row_threads
+from .rmsnorm import _rmsnorm_dw_kernel, norm_dw_column, norm_dx_row, norm_row, sum_squares
+from .rope import rotate_pair
+from ._common import MAX_THREADS, cdiv, check, check_ndim, cuda, float64, row_threads
 
 ROPE_NORM = 0
 ROPE_NEOX = 2
@@ -45,17 +44,10 @@ __all__ = ["rope_qk_forward", "rope_qk_backward", "qk_norm_rope_forward", "qk_no
 
 # ------------------------------------------------------------------ rope of q and k
 @cuda.jit(device=True)
-def _rotate_pair(out, x, b, t, h, j, cos, sin, half, neox, inverse):
-    # rotate pair j of row (b, t, h): reads both values before writing (out may be x)
-    cb = b if cos.shape[0] > 1 else 0
-    c = cos[cb, t, j]
-    s = -sin[cb, t, j] if inverse else sin[cb, t, j]
-    i0 = j if neox else 2 * j
-    i1 = j + half if neox else 2 * j + 1
-    x0 = x[b, t, h, i0]
-    x1 = x[b, t, h, i1]
-    out[b, t, h, i0] = x0 * c - x1 * s
-    out[b, t, h, i1] = x0 * s + x1 * c
+def _token(row, x):
+    # (b, t, h) of head row `row` of x (B, T, H, D), rows in (b, t, h) order
+    bt = row // x.shape[2]
+    return bt // x.shape[1], bt % x.shape[1], row % x.shape[2]
 
 
 @cuda.jit
@@ -69,16 +61,13 @@ def _rope_qk_kernel(q, k, cos, sin, n_rot, neox, inverse):
     if idx >= nq + B * T * NKV * half:
         return
     a = q
-    H = NH
     if idx >= nq:
         a = k
-        H = NKV
         idx -= nq
     j = idx % half
     row = idx // half
-    h = row % H
-    bt = row // H
-    _rotate_pair(a, a, bt // T, bt % T, h, j, cos, sin, half, neox, inverse)
+    b, t, h = _token(row, a)
+    rotate_pair(a[b, t, h], a[b, t, h], cos, sin, b, t, j, n_rot, neox, inverse)
 
 
 def _tables(x_shape, cos, sin, n_rot):
@@ -122,76 +111,50 @@ def rope_qk_backward(dq, dk, cos, sin, n_rot, mode) -> None:
 
 # ------------------------------------------------------------------ per-head norm, then rope
 @cuda.jit(device=True)
-def _norm_rope_row(buf, tid, y, rstd, x, w, row, H, T, cos, sin, eps, n_rot, neox):
-    # row of x (B, T, H, D): y = rope(x * r * w), r = rstd[row]; y may not alias x
-    D = x.shape[3]
-    h = row % H
-    bt = row // H
-    b = bt // T
-    t = bt % T
-    ss = 0.0
-    for c in range(tid, D, cuda.blockDim.x):
-        xc = x[b, t, h, c]
-        ss += xc * xc
-    ss = block_sum(buf, tid, ss)
-    mean = np.float32(ss / D)
-    r = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
-    if tid == 0:
+def _norm_rope_row(buf, y, rstd, x, w, row, cos, sin, eps, n_rot, neox):
+    # head row `row` of x (B, T, H, D): y = rope(x * r * w), r = rstd[row] saved; y may not alias x
+    b, t, h = _token(row, x)
+    r = norm_row(buf, y[b, t, h], x[b, t, h], w, sum_squares(x[b, t, h]), eps)
+    if cuda.threadIdx.x == 0:
         rstd[row] = r
-    for c in range(tid, D, cuda.blockDim.x):
-        y[b, t, h, c] = x[b, t, h, c] * r * w[c]
     cuda.syncthreads()                       # the row is normed; pairs cross threads
-    for j in range(tid, n_rot // 2, cuda.blockDim.x):
-        _rotate_pair(y, y, b, t, h, j, cos, sin, n_rot // 2, neox, False)
+    for j in range(cuda.threadIdx.x, n_rot // 2, cuda.blockDim.x):
+        rotate_pair(y[b, t, h], y[b, t, h], cos, sin, b, t, j, n_rot, neox, False)
 
 
 @cuda.jit
 def _qk_norm_rope_kernel(q, rstd_q, qp, wq, k, rstd_k, kp, wk, cos, sin, eps, n_rot, neox):
     # grid NQ + NK head rows (q's, then k's), block row_threads(D)
+    # (a call per side: choosing the arrays instead made every access a generic-address one)
     buf = cuda.shared.array(MAX_THREADS, float64)
-    tid = cuda.threadIdx.x
-    T = qp.shape[1]
     row = cuda.blockIdx.x
     NQ = rstd_q.shape[0]
     if row < NQ:
-        _norm_rope_row(buf, tid, q, rstd_q, qp, wq, row, qp.shape[2], T, cos, sin, eps, n_rot, neox)
+        _norm_rope_row(buf, q, rstd_q, qp, wq, row, cos, sin, eps, n_rot, neox)
     else:
-        _norm_rope_row(buf, tid, k, rstd_k, kp, wk, row - NQ, kp.shape[2], T, cos, sin, eps, n_rot, neox)
+        _norm_rope_row(buf, k, rstd_k, kp, wk, row - NQ, cos, sin, eps, n_rot, neox)
 
 
 @cuda.jit(device=True)
-def _norm_rope_dx_row(buf, tid, dx, dy, x, w, rstd, row, H, T, cos, sin, n_rot, neox):
-    # dy (B, T, H, D) rotated back in place, then dx = the norm's dx of the row
-    D = x.shape[3]
-    h = row % H
-    bt = row // H
-    b = bt // T
-    t = bt % T
-    for j in range(tid, n_rot // 2, cuda.blockDim.x):
-        _rotate_pair(dy, dy, b, t, h, j, cos, sin, n_rot // 2, neox, True)
+def _norm_rope_dx_row(buf, dx, dy, x, w, rstd, row, cos, sin, n_rot, neox):
+    # head row `row` of dy (B, T, H, D) rotated back in place, then dx = the norm's dx of the row
+    b, t, h = _token(row, x)
+    for j in range(cuda.threadIdx.x, n_rot // 2, cuda.blockDim.x):
+        rotate_pair(dy[b, t, h], dy[b, t, h], cos, sin, b, t, j, n_rot, neox, True)
     cuda.syncthreads()
-    r = rstd[row]
-    dot = 0.0
-    for c in range(tid, D, cuda.blockDim.x):
-        dot += dy[b, t, h, c] * w[c] * x[b, t, h, c]
-    dot = block_sum(buf, tid, dot)
-    kk = dot * r * r * r / D
-    for c in range(tid, D, cuda.blockDim.x):
-        dx[b, t, h, c] = r * w[c] * dy[b, t, h, c] - kk * x[b, t, h, c]
+    norm_dx_row(buf, dx[b, t, h], dy[b, t, h], x[b, t, h], w, rstd[row], False)
 
 
 @cuda.jit
 def _qk_norm_rope_dx_kernel(dqp, dq, qp, wq, rstd_q, dkp, dk, kp, wk, rstd_k, cos, sin, n_rot, neox):
+    # grid NQ + NK head rows (q's, then k's), block row_threads(D)
     buf = cuda.shared.array(MAX_THREADS, float64)
-    tid = cuda.threadIdx.x
-    T = qp.shape[1]
     row = cuda.blockIdx.x
     NQ = rstd_q.shape[0]
     if row < NQ:
-        _norm_rope_dx_row(buf, tid, dqp, dq, qp, wq, rstd_q, row, qp.shape[2], T, cos, sin, n_rot, neox)
+        _norm_rope_dx_row(buf, dqp, dq, qp, wq, rstd_q, row, cos, sin, n_rot, neox)
     else:
-        _norm_rope_dx_row(buf, tid, dkp, dk, kp, wk, rstd_k, row - NQ, kp.shape[2], T, cos, sin, n_rot,
-                          neox)
+        _norm_rope_dx_row(buf, dkp, dk, kp, wk, rstd_k, row - NQ, cos, sin, n_rot, neox)
 
 
 @cuda.jit
@@ -201,16 +164,9 @@ def _qk_norm_dw_kernel(dwq, dwk, dq, qp, rstd_q, dk, kp, rstd_k):
     c = cuda.grid(1)
     D = qp.shape[1]
     if c < D:
-        acc = 0.0
-        for n in range(qp.shape[0]):
-            acc += dq[n, c] * qp[n, c] * rstd_q[n]
-        dwq[c] += acc
+        norm_dw_column(dwq, dq, qp, rstd_q, c)
     elif c < 2 * D:
-        c -= D
-        acc = 0.0
-        for n in range(kp.shape[0]):
-            acc += dk[n, c] * kp[n, c] * rstd_k[n]
-        dwk[c] += acc
+        norm_dw_column(dwk, dk, kp, rstd_k, c - D)
 
 
 def _check_norm_rope(q_side: dict, k_side: dict, qp, kp, cos, sin, n_rot, mode):
@@ -264,21 +220,15 @@ def qk_norm_rope_backward(dqp, dwq, dq, qp, wq, rstd_q, dkp, dwk, dk, kp, wk, rs
 def _add_rmsnorm_kernel(out, rstd, s, x, w, eps):
     # grid N, block row_threads(C): s += x, then out = s * rstd * w (as rmsnorm's forward)
     n = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    C = x.shape[1]
     buf = cuda.shared.array(MAX_THREADS, float64)
     ss = 0.0
-    for c in range(tid, C, cuda.blockDim.x):
+    for c in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
         v = s[n, c] + x[n, c]
         s[n, c] = v
         ss += v * v
-    ss = block_sum(buf, tid, ss)
-    mean = np.float32(ss / C)
-    r = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
-    if tid == 0:
+    r = norm_row(buf, out[n], s[n], w, ss, eps)   # each thread rereads the s[n, c] it wrote
+    if cuda.threadIdx.x == 0:
         rstd[n] = r
-    for c in range(tid, C, cuda.blockDim.x):
-        out[n, c] = s[n, c] * r * w[c]
 
 
 def add_rmsnorm_forward(out, rstd, s, x, w, eps) -> None:
@@ -298,17 +248,8 @@ def add_rmsnorm_forward(out, rstd, s, x, w, eps) -> None:
 def _rmsnorm_dx_add_kernel(dx, dout, x, w, rstd):
     # grid N, block row_threads(C): dx += the norm's dx (rmsnorm._rmsnorm_dx_kernel's maths)
     n = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    C = x.shape[1]
     buf = cuda.shared.array(MAX_THREADS, float64)
-    r = rstd[n]
-    dot = 0.0
-    for c in range(tid, C, cuda.blockDim.x):
-        dot += dout[n, c] * w[c] * x[n, c]
-    dot = block_sum(buf, tid, dot)
-    k = dot * r * r * r / C
-    for c in range(tid, C, cuda.blockDim.x):
-        dx[n, c] += r * w[c] * dout[n, c] - k * x[n, c]
+    norm_dx_row(buf, dx[n], dout[n], x[n], w, rstd[n], True)
 
 
 def rmsnorm_backward_add(dx, dw, dout, x, w, rstd, scratch) -> None:

@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from ..optim import adamw_bias_corrections
+from ..scalar import adamw_step, sgd_step
 from ._common import MAX_THREADS, block_sum, cdiv, check, check_ndim, cuda, float64
 
 _THREADS = 256
@@ -37,19 +39,14 @@ __all__ = ["NORM_BUF", "adamw_update", "sgd_update", "global_norm_sq", "scale_in
 def _adamw_kernel(p, g, m, v, lr, beta1, beta2, eps, weight_decay, bc1, bc2):
     i = cuda.grid(1)
     if i < p.shape[0]:
-        gi = g[i]
-        mi = beta1 * m[i] + (1.0 - beta1) * gi
-        vi = beta2 * v[i] + (1.0 - beta2) * gi * gi
-        m[i] = mi
-        v[i] = vi
-        p[i] -= lr * ((mi / bc1) / (math.sqrt(vi / bc2) + eps) + weight_decay * p[i])
+        p[i], m[i], v[i] = adamw_step(p[i], g[i], m[i], v[i], lr, beta1, beta2, eps, weight_decay, bc1, bc2)
 
 
 @cuda.jit
 def _sgd_kernel(p, g, lr, weight_decay):
     i = cuda.grid(1)
     if i < p.shape[0]:
-        p[i] -= lr * (g[i] + weight_decay * p[i])
+        p[i] = sgd_step(p[i], g[i], lr, weight_decay)
 
 
 @cuda.jit
@@ -109,12 +106,7 @@ def _grid(n):
 def adamw_update(p, g, m, v, lr, beta1, beta2, eps, weight_decay, t) -> None:
     """AdamW step t (>= 1) in place on p, m, v (n,) from gradient g (n,)."""
     n = _check_flat(p=p, g=g, m=m, v=v)
-    if int(t) != t or t < 1:
-        raise ValueError(f"optim: adamw step t must be an integer >= 1, got {t}")
-    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"optim: adamw betas must lie in [0, 1), got {beta1}, {beta2}")
-    bc1 = 1.0 - beta1 ** int(t)
-    bc2 = 1.0 - beta2 ** int(t)
+    bc1, bc2 = adamw_bias_corrections(beta1, beta2, t)
     if n:
         _adamw_kernel[_grid(n)](p, g, m, v, float(lr), float(beta1), float(beta2), float(eps),
                                 float(weight_decay), bc1, bc2)

@@ -14,10 +14,9 @@ numpy references are ``llamatune.kernels.rmsnorm``).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
+from ..scalar import inv_rms
 from ._common import (MAX_THREADS, block_sum, cdiv, check, check_ndim, cuda, float64,
                       row_threads)
 
@@ -26,53 +25,77 @@ __all__ = ["rmsnorm_forward", "rmsnorm_backward"]
 _DW_THREADS = 128
 
 
+# ------------------------------------------------ one row or column (shared with the fused kernels)
+@cuda.jit(device=True)
+def sum_squares(x):
+    # this thread's share of sum(x^2) over the row x (1-D view): float32 squares
+    # widened and summed in float64, as ggml
+    ss = 0.0
+    for c in range(cuda.threadIdx.x, x.shape[0], cuda.blockDim.x):
+        xc = x[c]
+        ss += xc * xc
+    return ss
+
+
+@cuda.jit(device=True)
+def norm_row(buf, out, x, w, ss, eps):
+    # out = x * r * w over the row x (1-D views; out may be x), r = rstd of the row whose
+    # threads' sums of squares are ss; returns r. buf: the block's float64 shared scratch
+    C = x.shape[0]
+    r = inv_rms(np.float32(block_sum(buf, cuda.threadIdx.x, ss) / C), eps)
+    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+        out[c] = x[c] * r * w[c]
+    return r
+
+
+@cuda.jit(device=True)
+def norm_dx_row(buf, dx, dout, x, w, r, accumulate):
+    # dx (=, or += with accumulate) r*w*dout - (dot*r^3/C)*x over the row (1-D views),
+    # dot = sum(dout*w*x) in float64; dx may not alias dout or x
+    C = x.shape[0]
+    dot = 0.0
+    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+        dot += dout[c] * w[c] * x[c]
+    k = block_sum(buf, cuda.threadIdx.x, dot) * r * r * r / C
+    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+        v = r * w[c] * dout[c] - k * x[c]
+        dx[c] = dx[c] + v if accumulate else v
+
+
+@cuda.jit(device=True)
+def norm_dw_column(dw, dout, x, rstd, c):
+    # dw[c] += sum_n dout[n, c] * x[n, c] * rstd[n], in float64, rows in order
+    acc = 0.0
+    for n in range(x.shape[0]):
+        acc += dout[n, c] * x[n, c] * rstd[n]
+    dw[c] += acc
+
+
+# ------------------------------------------------------------------ the kernels
 @cuda.jit
 def _rmsnorm_forward_kernel(out, rstd, x, w, eps):
     # grid N, block row_threads(C); out, x (N, C), rstd (N,), w (C,), eps float32
     n = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    C = x.shape[1]
     buf = cuda.shared.array(MAX_THREADS, float64)
-    ss = 0.0
-    for c in range(tid, C, cuda.blockDim.x):
-        xc = x[n, c]
-        ss += xc * xc  # float32 product widened, as ggml
-    ss = block_sum(buf, tid, ss)
-    mean = np.float32(ss / C)
-    r = np.float32(1.0) / np.float32(math.sqrt(mean + eps))
-    if tid == 0:
+    r = norm_row(buf, out[n], x[n], w, sum_squares(x[n]), eps)
+    if cuda.threadIdx.x == 0:
         rstd[n] = r
-    for c in range(tid, C, cuda.blockDim.x):
-        out[n, c] = x[n, c] * r * w[c]
 
 
 @cuda.jit
 def _rmsnorm_dx_kernel(dx, dout, x, w, rstd):
     # grid N, block row_threads(C); dx may not alias dout (the dw kernel reads it after)
     n = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    C = x.shape[1]
     buf = cuda.shared.array(MAX_THREADS, float64)
-    r = rstd[n]
-    dot = 0.0
-    for c in range(tid, C, cuda.blockDim.x):
-        dot += dout[n, c] * w[c] * x[n, c]
-    dot = block_sum(buf, tid, dot)
-    k = dot * r * r * r / C
-    for c in range(tid, C, cuda.blockDim.x):
-        dx[n, c] = r * w[c] * dout[n, c] - k * x[n, c]
+    norm_dx_row(buf, dx[n], dout[n], x[n], w, rstd[n], False)
 
 
 @cuda.jit
 def _rmsnorm_dw_kernel(dw, dout, x, rstd):
     # grid ceil(C / _DW_THREADS); thread = column: dw[c] += sum_n dout*x*rstd
     c = cuda.grid(1)
-    N, C = x.shape
-    if c < C:
-        acc = 0.0
-        for n in range(N):
-            acc += dout[n, c] * x[n, c] * rstd[n]
-        dw[c] += acc
+    if c < x.shape[1]:
+        norm_dw_column(dw, dout, x, rstd, c)
 
 
 def _shape(x):

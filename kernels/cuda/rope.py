@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..rope import table_shape
+from ..scalar import rotate
 from ._common import cdiv, check, check_ndim, cuda
 
 ROPE_NORM = 0
@@ -24,6 +25,17 @@ ROPE_NEOX = 2
 _THREADS = 128
 
 __all__ = ["ROPE_NORM", "ROPE_NEOX", "rope_forward", "rope_backward"]
+
+
+@cuda.jit(device=True)
+def rotate_pair(out, x, cos, sin, b, t, j, n_rot, neox, inverse):
+    # pair j of the head row x (1-D view) of token (b, t) rotated into out (may be x:
+    # both values are read before either is written); shared with the fused kernels
+    cb = b if cos.shape[0] > 1 else 0
+    s = -sin[cb, t, j] if inverse else sin[cb, t, j]
+    i0 = j if neox else 2 * j
+    i1 = j + n_rot // 2 if neox else 2 * j + 1
+    out[i0], out[i1] = rotate(x[i0], x[i1], cos[cb, t, j], s)
 
 
 @cuda.jit
@@ -43,15 +55,7 @@ def _rope_kernel(out, x, cos, sin, n_rot, neox, inverse):
     t = bt % T
     b = bt // T
     if j < half:
-        cb = b if cos.shape[0] > 1 else 0
-        c = cos[cb, t, j]
-        s = -sin[cb, t, j] if inverse else sin[cb, t, j]
-        i0 = j if neox else 2 * j
-        i1 = j + half if neox else 2 * j + 1
-        x0 = x[b, t, h, i0]
-        x1 = x[b, t, h, i1]
-        out[b, t, h, i0] = x0 * c - x1 * s
-        out[b, t, h, i1] = x0 * s + x1 * c
+        rotate_pair(out[b, t, h], x[b, t, h], cos, sin, b, t, j, n_rot, neox, inverse)
     else:
         d = n_rot + (j - half)
         out[b, t, h, d] = x[b, t, h, d]

@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from ._common import cdiv, check_gate, cuda
+from ..scalar import silu, swiglu_dg
+from ._common import cuda, launch_gate, thread_element
 
-_THREADS = 256
 _ONE = np.float32(1.0)
 
 __all__ = ["swiglu_forward", "swiglu_backward"]
@@ -26,40 +26,28 @@ __all__ = ["swiglu_forward", "swiglu_backward"]
 @cuda.jit
 def _swiglu_forward_kernel(out, g, u):
     # out, g, u (N, F)
-    N, F = g.shape
-    idx = cuda.grid(1)
-    if idx < N * F:
-        n = idx // F
-        f = idx % F
+    n, f = thread_element(g)
+    if n < g.shape[0]:
         x = g[n, f]
-        e = np.float32(math.exp(-x))
-        out[n, f] = x / (_ONE + e) * u[n, f]
+        out[n, f] = silu(x, np.float32(math.exp(-x))) * u[n, f]
 
 
 @cuda.jit
 def _swiglu_backward_kernel(dg, du, dout, g, u):
-    N, F = g.shape
-    idx = cuda.grid(1)
-    if idx < N * F:
-        n = idx // F
-        f = idx % F
+    n, f = thread_element(g)
+    if n < g.shape[0]:
         x = g[n, f]
-        uu = u[n, f]
+        s = _ONE / (_ONE + np.float32(math.exp(-x)))  # sigmoid(g)
         d = dout[n, f]
-        s = _ONE / (_ONE + np.float32(math.exp(-x)))
-        dg[n, f] = d * uu * s * (_ONE + x * (_ONE - s))
+        dg[n, f] = swiglu_dg(d, u[n, f], x, s)    # u read before dg is written
         du[n, f] = d * x * s
 
 
 def swiglu_forward(out, g, u) -> None:
     """out (N, F) = silu(g) * u; g, u (N, F); float32 device arrays."""
-    N, F = check_gate("swiglu", dict(out=out, g=g, u=u))
-    if N * F:
-        _swiglu_forward_kernel[cdiv(N * F, _THREADS), _THREADS](out, g, u)
+    launch_gate("swiglu", _swiglu_forward_kernel, dict(out=out, g=g, u=u))
 
 
 def swiglu_backward(dg, du, dout, g, u) -> None:
     """dg, du (N, F) = dL/dg, dL/du (overwritten); dout, g, u (N, F)."""
-    N, F = check_gate("swiglu", dict(dg=dg, du=du, dout=dout, g=g, u=u))
-    if N * F:
-        _swiglu_backward_kernel[cdiv(N * F, _THREADS), _THREADS](dg, du, dout, g, u)
+    launch_gate("swiglu", _swiglu_backward_kernel, dict(dg=dg, du=du, dout=dout, g=g, u=u))
