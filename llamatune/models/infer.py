@@ -111,6 +111,8 @@ class Runner(Forward):
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
         V, R = self.cfg.n_vocab, self.base.head_rows
+        if self.decoding and self.quantized_rows("output.weight", 0, None) is not None:
+            R = V                                 # on its blocks: no scratch to fit, one product
         if self.observer is not None:
             self.observer("output.weight", x)
         logits = self.xp.empty((x.shape[0], V), np.float32)
