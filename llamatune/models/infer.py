@@ -8,12 +8,14 @@ norm adapters skipped) and the full logits. Nothing is kept for a backward: one 
 of activations serves every layer and the residual stream is updated in place.
 Matmuls run on one weight at a time dequantized into a scratch buffer
 (weights.FrozenBase), the output head in row blocks; the final norm and gemma2's
-logit soft-cap as llama.cpp's graph.
+logit soft-cap as llama.cpp's graph. A decode step (one token for each of up to 16
+sequences, on the CPU) multiplies the quantized weights on their blocks instead, with
+8-bit activations as llama.cpp does (kernels/qdot.py, `Runner.quantized_rows`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -46,8 +48,18 @@ class KVCache:
         return self.k[0].shape[1]
 
 
+class QuantizedRows(NamedTuple):
+    """Rows of a base matrix left in their GGUF blocks, for kernels/qdot.py."""
+    data: np.ndarray      # (n_rows, row_bytes) uint8
+    qtype: int
+
+
 class Runner(Forward):
     """Runs the forward pass of one model (optionally with runtime adapters)."""
+
+    quantized_decode = True   # decode steps (one token for each of at most QDOT_MAX_ROWS sequences, on
+    QDOT_MAX_ROWS = 16        # the CPU) multiply quantized weights on their blocks, as llama.cpp (qdot.py)
+    decoding = False          # whether the forward under way is such a step
 
     def __init__(self, model: Model, adapters: RuntimeAdapters | None = None, backend: Backend | None = None,
                  policy: ComputePolicy = F32):
@@ -62,6 +74,31 @@ class Runner(Forward):
     def adapter_pairs(self, name: str) -> list:
         return self.adapters.get(name, ())
 
+    # ---------------------------------------------------- decode steps on the quantized blocks
+    def quantized_rows(self, name: str, lo: int, hi: int | None) -> QuantizedRows | None:
+        """Rows lo:hi of base matrix `name` in their blocks where this decode step multiplies
+        them there (kernels/qdot.py has the type); None: the dequantized path."""
+        from ..kernels.qdot import QDOT_TYPES
+        t = self.base.tensors[name]
+        if not self.decoding or int(t.qtype) not in QDOT_TYPES:
+            return None
+        return QuantizedRows(t.raw_rows()[lo:hi], int(t.qtype))
+
+    def weight(self, name: str, N: int):
+        q = self.quantized_rows(name, 0, None)
+        return super().weight(name, N) if q is None else q
+
+    def weight_rows(self, name: str, lo: int, hi: int, N: int):
+        q = self.quantized_rows(name, lo, hi)
+        return super().weight_rows(name, lo, hi, N) if q is None else q
+
+    def base_product(self, y, x, W) -> None:
+        if isinstance(W, QuantizedRows):
+            from ..kernels.qdot import qdot_into
+            qdot_into(y, x, W.data, W.qtype)
+            return
+        super().base_product(y, x, W)
+
     def kv(self, i: int, k, v):
         """Append layer i's keys and values (B, T, NKV, HS) to the cache; attend over all of it."""
         c, n = self.cache, self.n_past
@@ -75,6 +112,8 @@ class Runner(Forward):
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
         V, R = self.cfg.n_vocab, self.base.head_rows
+        if self.decoding and self.quantized_rows("output.weight", 0, None) is not None:
+            R = V                                 # on its blocks: no scratch to fit, one product
         if self.observer is not None:
             self.observer("output.weight", x)
         logits = self.xp.empty((x.shape[0], V), np.float32)
@@ -107,6 +146,8 @@ class Runner(Forward):
             cos, sin = rope_cache(cfg, self.base, np.arange(n_past, n_past + T, dtype=np.int64), context, rope)
             self.ropes.append((self.backend.to_device(cos), self.backend.to_device(sin)))
         self.cache, self.n_past = cache, n_past
+        self.decoding = (self.quantized_decode and cache is not None and T == 1 and B <= self.QDOT_MAX_ROWS
+                         and self.backend.name == "cpu")
         acts = {k: xp.empty(s, np.float32) for k, s in act_shapes(cfg, B, T).items()}
         a = LayerActs.of(acts.get)                    # one set for every layer; x is updated in place
         self.xn, self.h = xp.empty((N, cfg.n_embd), np.float32), xp.empty((N, cfg.n_ff), np.float32)
