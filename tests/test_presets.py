@@ -84,7 +84,7 @@ def test_unknown_and_foreign_preset_names():
     with pytest.raises(LlamatuneError, match=r"scratch-small\.toml: unknown option\(s\) embd, head, head_kv"):
         build_options(FinetuneOptions, {}, presets.resolve("scratch-small", FinetuneOptions))
     r = CliRunner().invoke(app, ["finetune", "--config", "nope"])
-    assert r.exit_code == 1 and r.output.count("\n") == 1 and "error: --config nope: no such preset" in r.output
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and "error: --config nope: no such preset" in r.output
 
 
 def build_wheel(dest: Path) -> Path:
