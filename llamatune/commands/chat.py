@@ -10,7 +10,6 @@ text that may be the start of it is held back until it is known not to be.
 """
 from __future__ import annotations
 
-import codecs
 from typing import Callable
 
 from ..models.chat_template import ChatTemplate
@@ -64,12 +63,21 @@ def complete_text(tok, ids: list[int]) -> str:
     still to come, or never: a stream that stops there)."""
     text = tok.decode(ids)
     if text.endswith("\ufffd") and ids:
-        tail = b"".join(tok.token_to_bytes(i) for i in ids[-4:])     # a UTF-8 sequence is at most 4 bytes
-        pending = codecs.getincrementaldecoder("utf-8")()
-        pending.decode(tail)
-        if pending.getstate()[0]:
+        tail = b"".join(tok.token_to_bytes(i) for i in ids[-4:])[-4:]    # a UTF-8 sequence is at most 4 bytes
+        if _incomplete(tail):
             text = text[:-1]
     return text
+
+
+def _incomplete(tail: bytes) -> bool:
+    """True when `tail` ends inside a UTF-8 sequence: its last lead byte announces more
+    bytes than follow it."""
+    for back in range(1, min(len(tail), 4) + 1):
+        b = tail[-back]
+        if b & 0xC0 != 0x80:                       # not a continuation byte: a lead (or ASCII) byte
+            need = 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4 if b >> 3 == 0b11110 else 1
+            return back < need
+    return False
 
 
 def stream_ids(tok, token_ids, write: Callable[[str], None], stop: str | None = None) -> str:

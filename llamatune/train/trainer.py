@@ -211,7 +211,7 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, data_state: dic
     return files
 
 
-CHECKPOINT_STATE_BYTES = 4096       # a checkpoint's state KVs (counters, data, guard, validation): a bound
+CHECKPOINT_STATE_BYTES = 1024       # a checkpoint's state KVs (counters, data order, guard, validation)
 
 
 def checkpoint_bytes(job: Job) -> int:
