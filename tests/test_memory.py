@@ -151,7 +151,7 @@ def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypa
     monkeypatch.setattr(Graph, "step", lambda *a, **k: steps.append(1))
     args = ["finetune", "--model-base", str(tmp_path / "m.gguf"), "--train-data", str(tmp_path / "d.txt"), "-c", "32",
             "-b", "2", "--checkpoint-out", str(tmp_path / "out/c-ITERATION.gguf"),
-            "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--dry-run"]
+            "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--output-dir", str(tmp_path / "out"), "--dry-run"]
     made = []
 
     class Seen(Planner):                                              # the run's own planner

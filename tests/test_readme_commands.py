@@ -9,8 +9,9 @@ spans that start with `llamatune `, continuation lines (`\\`) joined, trailing
 by name:
   - a model (`-m`, `--model-base`, `--model`, MODEL.gguf, M): a tiny llama this test
     writes, with a 1024-token context (the presets' windows fit) and a ChatML template;
-  - `adapter-LATEST.gguf` / `adapter.gguf`, `chk-LATEST.gguf`, `metrics.jsonl`: the
-    files of a 2-step finetune of that model, run first;
+  - `adapter-LATEST.gguf` / `adapter.gguf`, `chk-LATEST.gguf`, `metrics.jsonl` (in any
+    folder): the files of a 2-step finetune of that model, run first;
+  - a file of the checkout (`llamatune/assets/chat-sample.jsonl`): itself;
   - `*.jsonl` training data: conversations (chats.jsonl) or preference pairs
     (pairs.jsonl: configs/pairs-example.jsonl);
   - text (`*.txt`, TEXT, T): the quickstart's Shakespeare sample; `chats.txt`: samples
@@ -118,8 +119,10 @@ def substitute(command: str, d: Path) -> list[str]:
         before = words[i - 1] if i else ""
         if before in model_flags or w in ("MODEL.gguf", "M"):
             w = str(d / "model.gguf")
-        elif w in files:
-            w = str(d / files[w])
+        elif (REPO / w).is_file():                  # a file of the checkout (the built-in samples)
+            w = str(REPO / w)
+        elif Path(w).name in files:                 # a run's file, in any folder
+            w = str(d / files[Path(w).name])
         elif w.endswith(".txt") or w in ("TEXT", "T"):
             w = str(d / "text.txt")
         out.append(w)

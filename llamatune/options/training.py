@@ -400,4 +400,5 @@ def schedule_steps(o: TrainOptions) -> tuple[int, int, str]:
         steps["cos_decay_steps"] = room - (steps["warmup"] if "warmup" in scaled else 0)
     names = " and ".join(f"--{k.replace('_', '-')} {before[k]} -> {steps[k]}" for k in scaled)
     return steps["warmup"], steps["cos_decay_steps"], (
-        f"schedule: {names}, scaled to the run's {o.adam_iter} steps (give them to keep them)")
+        f"schedule: {names}, scaled to the run's {o.adam_iter} steps (give them to keep them, and to keep one "
+        "schedule across resumes with other --adam-iter)")
