@@ -35,6 +35,7 @@ from .errors import LlamatuneError
 from .options import cli_flag
 
 ITERATION = "ITERATION"
+PLOT_LABEL = "--metrics-out (its plot)"     # the loss plot: redrawn from the metrics, never an earlier run's data
 
 
 @dataclass(frozen=True)
@@ -188,7 +189,7 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     if opts.metrics_out is None:                    # the default log beside the checkpoints
         outputs.append(Out("--metrics-out", metrics))
     if opts.plot:
-        outputs.append(Out("--metrics-out (its plot)", metrics.with_suffix(".png")))
+        outputs.append(Out(PLOT_LABEL, metrics.with_suffix(".png")))
     return inputs, outputs
 
 
@@ -212,7 +213,7 @@ def check_new_run(opts) -> None:
     if opts.overwrite or resume:
         return
     _, outputs = training_paths(opts)
-    found = [o.concrete() for o in outputs if "(its plot)" not in o.label and os.path.lexists(o.concrete())]
+    found = [o.concrete() for o in outputs if o.label != PLOT_LABEL and os.path.lexists(o.concrete())]
     if not found:
         return
     latest = Path(str(opts.checkpoint_out).replace(ITERATION, opts.fn_latest))

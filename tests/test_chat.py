@@ -34,7 +34,10 @@ def test_chat_turn_is_greedy_generation_after_the_generation_prompt(tiny_model):
     prompt = template.prompt_tokens([{"role": "system", "content": "Be kind."},
                                      {"role": "user", "content": "hello there"}])
     ids = list(generate_ids(Runner(model), prompt, 6, temp=0, n_ctx=256, stop=model.tokenizer.eog_ids))
-    assert answer == model.tokenizer.decode(ids) == "".join(got) and len(ids) > 0
+    text = model.tokenizer.decode(ids)
+    if text.endswith("\ufffd"):                    # the answer stopped inside a character: not written
+        text = text[:-1]
+    assert answer == text == "".join(got) and len(ids) > 0
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant"]
     assert chat.messages[-1]["content"] == answer
     r = run("chat", "-m", tiny_model, "--chat-template", "chatml", "-s", "Be kind.", "-p", "hello there",

@@ -196,7 +196,8 @@ def not_a_model(f: GGUFFile) -> str | None:
         return ("a llama.cpp 2023 train-text-from-scratch checkpoint, not a model: make a model of it with "
                 "convert-checkpoint --to model")
     if gtype == "imatrix" or any(n.endswith(".in_sum2") for n in f.tensors):
-        return "an importance matrix (imatrix), not a model: it goes to export-lora --imatrix (or llama-quantize --imatrix)"
+        return ("an importance matrix (imatrix), not a model: it goes to export-lora --imatrix (or llama-quantize "
+                "--imatrix)")
     if not f.tensors:
         return ("a vocabulary-only GGUF (no weights), not a model: it goes to tokenize -m or train-from-scratch "
                 "--vocab-model")

@@ -221,7 +221,7 @@ def checkpoint_bytes(job: Job) -> int:
     tensors = [(s.name, len(s.shape), 4 * math.prod(s.shape)) for s in p.specs]
     if p.has_moments:
         width = 2 if p.m.dtype == np.uint16 else 4
-        tensors += [("optimizer.adam.first_moments", 1, width * p.size), ("optimizer.adam.second_moments", 1, width * p.size)]
+        tensors += [(f"optimizer.adam.{which}_moments", 1, width * p.size) for which in ("first", "second")]
     meta = kv_nbytes(job.model_kvs) + len(ckpt.options_json(o)) + CHECKPOINT_STATE_BYTES
     return gguf_nbytes(meta, tensors) + job.checkpoint_extra_bytes
 
@@ -410,8 +410,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     o.compute_dtype, why = resolve_dtype(o.compute_dtype, backend.name, job.base.trainable)   # checkpoints record it
     if not quiet:
         err.print(f"compute: {why}")
-        if schedule_steps(o)[2]:
-            err.print(schedule_steps(o)[2])        # warmup and decay fitted to a shorter run
+        note = schedule_steps(o)[2]
+        if note:
+            err.print(note)                        # warmup and decay fitted to a shorter run
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
     est = memory_estimate(job, backend, quiet)
@@ -446,7 +447,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     first_seconds = 0.0                            # training time when the first step ended
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
-    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size, every=o.progress_every) as show, np.errstate(over="ignore", invalid="ignore"), \
+    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size, every=o.progress_every) as show, \
+            np.errstate(over="ignore", invalid="ignore"), \
             metrics, resume_hint(o, state) as saves:
         if validator is not None and state.iteration == 0:
             with clock.paused():
