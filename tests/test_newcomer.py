@@ -240,12 +240,16 @@ class _ByteTok:
 def test_chat_stream_never_writes_half_a_character():
     """Defect 8: `chat` printed U+FFFD in the middle of multi-byte characters: the bytes of
     a character split across tokens are held back until whole, and dropped when the
-    stream ends inside one."""
+    stream ends inside one or another byte breaks it off."""
     from llamatune.commands.chat import stream_ids
     text = "né 你好 🎉"
     got = []
     assert stream_ids(_ByteTok(), iter(text.encode()), got.append) == text
     assert "".join(got) == text and not any("\ufffd" in g for g in got)
+    got = []
+    broken = b"ok \xe4\xbd x \xf0\x9f\x8e\x89"   # a sequence broken off by an ASCII byte never completes
+    assert stream_ids(_ByteTok(), iter(broken), got.append) == "ok  x 🎉"
+    assert not any("\ufffd" in g for g in got)
     got = []
     cut = "ok 🎉".encode()[:-2]                  # the stream stops inside the emoji
     assert stream_ids(_ByteTok(), iter(cut), got.append) == "ok "

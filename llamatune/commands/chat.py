@@ -58,15 +58,18 @@ def _held(text: str, stop: str | None) -> int:
 
 
 def complete_text(tok, ids: list[int]) -> str:
-    """The decoded text of `ids` without the replacement character that stands for an
-    incomplete UTF-8 sequence at its end (the rest of a character split across tokens,
-    still to come, or never: a stream that stops there)."""
+    """The decoded text of `ids` without the replacement characters that stand for bytes
+    that are not (yet) a character: an incomplete UTF-8 sequence at the end (the rest of a
+    character split across tokens, still to come, or never: a stream that stops there),
+    and sequences a sampled token broke off (byte tokens of a small model), which can
+    never complete. A U+FFFD the model wrote as such (its bytes EF BF BD) stays."""
     text = tok.decode(ids)
-    if text.endswith("\ufffd") and ids:
-        tail = b"".join(tok.token_to_bytes(i) for i in ids[-4:])[-4:]    # a UTF-8 sequence is at most 4 bytes
-        if _incomplete(tail):
-            text = text[:-1]
-    return text
+    if "\ufffd" not in text or not ids:
+        return text
+    raw = b"".join(tok.token_to_bytes(i) for i in ids)
+    if b"\xef\xbf\xbd" not in raw:
+        return text.replace("\ufffd", "")
+    return text[:-1] if text.endswith("\ufffd") and _incomplete(raw[-4:]) else text
 
 
 def _incomplete(tail: bytes) -> bool:
@@ -83,7 +86,8 @@ def _incomplete(tail: bytes) -> bool:
 def stream_ids(tok, token_ids, write: Callable[[str], None], stop: str | None = None) -> str:
     """Write the decoded text of a token stream as it grows and return it. The bytes of a
     character split across tokens are held back until it is whole (and dropped if the
-    stream ends first), so no replacement character is ever written in its place; with
+    stream ends first or they can never complete: complete_text), so no replacement
+    character is ever written in its place; with
     `stop`, the text ends before its first occurrence of `stop` (the stream is left
     there), and an end that may begin it is not written yet."""
     out: list[int] = []
