@@ -2,7 +2,8 @@
 
 Nothing heavy is imported at module level (numpy, numba, gguf load inside the
 commands), so `llamatune --help` answers at once. A `LlamatuneError` becomes one
-line on stderr and exit code 1; Ctrl-C exits 130.
+line on stderr and exit code 1 (a `UsageError`, as the parser's own errors: 2);
+Ctrl-C exits 130.
 """
 from __future__ import annotations
 
@@ -12,25 +13,44 @@ import time
 
 import typer
 
-from .help import App
+from .help import USAGE_EXIT, App, Group
 
 app = App(
     name="llamatune",
+    cls=Group,
     help="LoRA-finetune GGUF llama-family models (quantized ones too) on a CPU or an NVIDIA GPU, and hand the result back to llama.cpp.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from llamatune import __version__
+        print(f"llamatune {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _top(version: bool = typer.Option(False, "--version", "-V", callback=_version, is_eager=True,
+                                      help="Print the version and exit.")) -> None:
+    """LoRA-finetune GGUF llama-family models (quantized ones too) on a CPU or an NVIDIA GPU, and hand the
+    result back to llama.cpp."""
 
 
 def friendly_errors(fn):
     """Turn user errors into one clear line and a non-zero exit, never a traceback."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from llamatune.errors import LlamatuneError
+        from llamatune.errors import LlamatuneError, UsageError
         try:
             return fn(*args, **kwargs)
+        except UsageError as e:
+            print(f"error: {_rank()}{e}", file=sys.stderr)
+            _end_job(USAGE_EXIT)
         except LlamatuneError as e:
             print(f"error: {_rank()}{e}", file=sys.stderr)
             _end_job(1)

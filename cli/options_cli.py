@@ -22,6 +22,15 @@ def _base_type(hint: Any) -> Any:
     return args[0] if typing.get_origin(hint) is typing.Union and args else hint
 
 
+METAVARS = {Path: "<path>", int: "<int>", float: "<float>", str: "<str>"}   # never a Python type (list[Path])
+
+
+def _metavar(t: Any) -> str | None:
+    """The help's value placeholder: a list option shows its items' one (it is repeatable)."""
+    item = typing.get_args(t)[0] if typing.get_origin(t) is list else t
+    return METAVARS.get(item)
+
+
 def _show(value: Any) -> str:
     return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
@@ -44,8 +53,10 @@ def _parameter(f: dataclasses.Field, hint: Any, prefix: str = "", **override) ->
     default = None if f.default is dataclasses.MISSING else f.default
     shown = "" if meta.get("required") or default is None or is_list or meta.get("switch") \
         else f" [default: {_show(default)}]"
+    shown += " [required]" if meta.get("needed") else ""      # given here or in a preset: checked after both
     info = typer.Option(... if meta.get("required") else None, *decls, help=meta["help"] + shown,
-                        rich_help_panel=meta.get("group"), show_default=False)
+                        rich_help_panel=meta.get("group"), show_default=False,
+                        metavar=None if t is bool else _metavar(t))
     annotation = List[typing.get_args(t)[0]] if is_list else t if meta.get("required") else Optional[t]
     return inspect.Parameter(prefix + f.name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation)
 
@@ -81,11 +92,13 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[..., Non
     (another options class, {field name: metadata override}) whose named fields the
     command also takes; then `run(borrowed_options, options)`."""
     from llamatune import presets
-    from llamatune.options import build_options
+    from llamatune.errors import LlamatuneError, UsageError
+    from llamatune.options import build_options, check_needed
     params = []
     if preset:
         params.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[Path],
-                                        default=typer.Option(None, "--config", help="Preset of options: a shipped "
+                                        default=typer.Option(None, "--config", metavar="<name|path>",
+                                                             help="Preset of options: a shipped "
                                                              f"preset's name ({presets.names(cls)}; `--config list` "
                                                              "describes them) or a TOML file; command-line options "
                                                              "override it.",
@@ -104,9 +117,13 @@ def add_options_command(app: typer.Typer, name: str, cls, run: Callable[..., Non
         if config is not None and str(config) == presets.LIST:
             print(presets.listing(cls))
             return
-        if config is not None:
-            config = presets.resolve(config, cls)       # a shipped preset's name, or a path
-        opts = build_options(cls, _values(kwargs, cls, own), config)
+        try:                                       # a wrong value or preset is a usage error (exit 2)
+            if config is not None:
+                config = presets.resolve(config, cls)       # a shipped preset's name, or a path
+            opts = build_options(cls, _values(kwargs, cls, own), config)
+            check_needed(opts)
+        except LlamatuneError as e:
+            raise UsageError(str(e)) from None
         if config is not None:                     # no output may overwrite the preset
             from llamatune.outputs import check_training_paths
             check_training_paths(opts, config)

@@ -13,6 +13,11 @@ class LlamatuneError(Exception):
     """A user-facing error: one clear line, no traceback."""
 
 
+class UsageError(LlamatuneError):
+    """A command line the command cannot run: an unknown or missing option, a value out of
+    range, a preset that does not fit. Exit code 2, as the parser's own errors."""
+
+
 def listed(problems: list[str], shown: int = 3) -> str:
     """The first `shown` problems and how many more: a file made for another model has
     a problem per tensor, and one readable line beats hundreds of clauses."""

@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 
 from .console import notice
 from .errors import LlamatuneError
-from .outputs import ITERATION, Out, check_training_paths, training_paths
+from .outputs import ITERATION, Out, check_new_run, check_training_paths, training_paths
 
 NOT_SUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
 
@@ -186,11 +186,16 @@ def hold(outputs: Iterable[Out], command: str, enabled: bool = True) -> Iterator
         locks.release()
 
 
-def hold_training(opts, command: str, enabled: bool = True):
+@contextmanager
+def hold_training(opts, command: str, enabled: bool = True) -> Iterator[None]:
     """`hold` for a training command's outputs (outputs.training_paths), after
-    check_training_paths, so that a path that cannot be written is reported as such.
+    check_training_paths, so that a path that cannot be written is reported as such;
+    then, holding them (another run that holds them is named first), check_new_run.
     A --dry-run writes nothing and takes no lock."""
     if not enabled or opts.dry_run:
-        return hold((), command, enabled=False)
+        yield
+        return
     check_training_paths(opts)
-    return hold(training_paths(opts)[1], command)
+    with hold(training_paths(opts)[1], command):
+        check_new_run(opts)
+        yield

@@ -12,6 +12,14 @@ Pairs in `may_share` are allowed to coincide: `--checkpoint-in chk-LATEST.gguf` 
 `--checkpoint-out chk-ITERATION.gguf` is the normal resume (the input is memory-mapped
 and outputs are replaced by atomic rename, so the old file stays intact while read).
 `check_free_space` refuses a run whose first save would not fit on the disk.
+
+A training run's outputs (`check_training_paths`) follow three more rules:
+  * `place_outputs`: its relative output names (the `*_out` options, the metrics log)
+    are placed in --output-dir;
+  * a folder an output goes to must exist, but for --output-dir itself (created);
+  * `check_new_run`, once the run holds its locks: a run that starts afresh (nothing to
+    resume) refuses to replace an earlier run's LATEST files unless --overwrite.
+`prune_saves` keeps the newest --save-total-limit numbered saves.
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ from .errors import LlamatuneError
 from .options import cli_flag
 
 ITERATION = "ITERATION"
+PLOT_LABEL = "--metrics-out (its plot)"     # the loss plot: redrawn from the metrics, never an earlier run's data
 
 
 @dataclass(frozen=True)
@@ -132,6 +141,30 @@ def check_paths(inputs: Iterable[tuple[str, Path | None]], outputs: Iterable[Out
             raise LlamatuneError(problem)
 
 
+def place_outputs(opts) -> None:
+    """--output-dir: each relative output path of a training run (the `*_out` options,
+    the metrics log) is made relative to it, once (a second call changes nothing)."""
+    from dataclasses import fields
+    if getattr(opts, "_outputs_placed", False):
+        return
+    folder = Path(opts.output_dir)
+    for f in fields(opts):
+        value = getattr(opts, f.name)
+        if f.name.endswith("_out") and isinstance(value, Path) and not value.is_absolute():
+            setattr(opts, f.name, folder / value)
+    opts._outputs_placed = True
+
+
+def _missing_folder(outputs: Iterable[Out], made: Path) -> str | None:
+    """An output whose folder does not exist, unless it is `made` (--output-dir, created)."""
+    for out in outputs:
+        folder = _resolve(out.concrete().parent)
+        if not folder.exists() and folder != _resolve(made):
+            return (f"{out.label} {out.path}: folder {out.concrete().parent} does not exist (create it, or give "
+                    "a name inside --output-dir)")
+    return None
+
+
 def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Path | None]], list[Out]]:
     """Inputs and outputs of a training command, from its option fields: a path option
     named `*_out` is an output (ITERATION forms included), every other one an input;
@@ -143,7 +176,7 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     unwritten = opts.unwritten_outputs() if hasattr(opts, "unwritten_outputs") else ()
     for f in fields(opts):
         value = getattr(opts, f.name)
-        if "Path" not in str(f.type) or value is None or f.name in unwritten:
+        if "Path" not in str(f.type) or value is None or f.name in unwritten or f.name == "output_dir":
             continue
         if f.name.endswith("_out"):
             outputs.append(Out(cli_flag(f), Path(value), opts.fn_latest))
@@ -156,14 +189,58 @@ def training_paths(opts, preset: Path | None = None) -> tuple[list[tuple[str, Pa
     if opts.metrics_out is None:                    # the default log beside the checkpoints
         outputs.append(Out("--metrics-out", metrics))
     if opts.plot:
-        outputs.append(Out("--metrics-out (its plot)", metrics.with_suffix(".png")))
+        outputs.append(Out(PLOT_LABEL, metrics.with_suffix(".png")))
     return inputs, outputs
 
 
 def check_training_paths(opts, preset: Path | None = None) -> None:
-    """check_paths for a training command; resuming from a checkpoint output is allowed."""
+    """check_paths for a training command, its outputs placed in --output-dir first;
+    resuming from a checkpoint output is allowed; every output's folder must exist, but
+    --output-dir's own."""
+    place_outputs(opts)
     inputs, outputs = training_paths(opts, preset)
     check_paths(inputs, outputs, may_share=[("--checkpoint-in", "--checkpoint-out")])
+    problem = _missing_folder(outputs, Path(opts.output_dir))
+    if problem:
+        raise LlamatuneError(problem)
+
+
+def check_new_run(opts) -> None:
+    """Refuse a run that starts afresh (no --checkpoint-in to resume) where an earlier run
+    left its LATEST files (or the metrics log), unless --overwrite: one line naming them,
+    with the --checkpoint-in that resumes that run."""
+    resume = opts.checkpoint_in is not None and Path(opts.checkpoint_in).exists()
+    if opts.overwrite or resume:
+        return
+    _, outputs = training_paths(opts)
+    found = [o.concrete() for o in outputs if o.label != PLOT_LABEL and os.path.lexists(o.concrete())]
+    if not found:
+        return
+    latest = Path(str(opts.checkpoint_out).replace(ITERATION, opts.fn_latest))
+    how = f"resume it with --checkpoint-in {latest}, " if latest.exists() else ""
+    names = ", ".join(str(p) for p in found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    raise LlamatuneError(f"{names}: an earlier run's files, which this new run would replace: {how}give "
+                         "--overwrite to start over, or choose another --output-dir")
+
+
+def prune_saves(files: Iterable[Path], iteration: int, keep: int) -> list[Path]:
+    """--save-total-limit: for each file of the save at `iteration` whose name holds that
+    number (chk-40.gguf, adapter-40.gguf, adapter-40.imatrix.gguf), delete the files of
+    the same name with other numbers (earlier saves, this run's or an earlier one's) but
+    the newest `keep`; LATEST and BEST names hold no number and stay. Returns the deleted."""
+    if keep <= 0:
+        return []
+    gone = []
+    for path in files:
+        parts = re.split(rf"(?<!\d){iteration}(?!\d)", path.name)
+        if len(parts) != 2:
+            continue
+        rx = re.compile(re.escape(parts[0]) + r"(\d+)" + re.escape(parts[1]) + r"\Z")
+        numbered = sorted((int(m.group(1)), p) for p in path.parent.iterdir() if (m := rx.match(p.name)))
+        for _, old in numbered[:-keep]:
+            old.unlink(missing_ok=True)
+            gone.append(old)
+    return gone
 
 
 def check_free_space(needs: Iterable[tuple[Path, int]]) -> None:

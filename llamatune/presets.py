@@ -48,11 +48,17 @@ def description(path: Path) -> str:
     return first.lstrip("#").strip() if first.startswith("#") else ""
 
 
-def listing(cls) -> str:
-    """`--config list`: one line per preset of this command, name and description."""
+def listing(cls, columns: int = 80) -> str:
+    """`--config list`: each preset of this command, name and description, the
+    description wrapped under itself to stay within `columns`."""
+    import textwrap
     found = presets(cls)
     width = max(map(len, found), default=0)
-    return "\n".join(f"{name:<{width}}  {description(p)}" for name, p in found.items())
+    rows = []
+    for name, p in found.items():
+        lines = textwrap.wrap(description(p), max(columns - width - 2, 20), break_on_hyphens=False) or [""]
+        rows += [f"{name:<{width}}  {lines[0]}"] + [" " * (width + 2) + line for line in lines[1:]]
+    return "\n".join(rows)
 
 
 def resolve(value: str | Path, cls) -> Path:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Callable, Iterator
 
 from rich.progress import (
@@ -42,6 +43,9 @@ class _TrainDisplay:
         self.last = (loss, lr, gnorm, tps)
         if self.progress is None:
             return
+        self.progress.update(self.task, completed=state.iteration, status=self.status(state, loss, lr, gnorm, tps))
+
+    def status(self, state, loss: float, lr: float, gnorm: float, tps: float) -> str:
         skipped = (state.guard or {}).get("bad_total", 0)      # steps the divergence guard skipped
         fields = [] if self.compact else [f"epoch {state.epoch}"]
         fields += [f"skipped {skipped}"] if skipped else []
@@ -51,8 +55,7 @@ class _TrainDisplay:
         v = state.validation
         if v is not None and v.last_loss is not None:
             fields += [f"val {v.last_loss:.4f}"]
-        status = (" " if self.compact else "  ").join(fields)
-        self.progress.update(self.task, completed=state.iteration, status=status)
+        return (" " if self.compact else "  ").join(fields)
 
     def refresh(self, state) -> None:
         if self.last is not None:
@@ -63,18 +66,47 @@ class _TrainDisplay:
             self.progress.console.print(text, markup=False, highlight=False)
 
 
+class _LogDisplay(_TrainDisplay):
+    """The training display when stderr is not a terminal (a log file, a batch job): a
+    plain line every `every` seconds (0: every step) and at the last step, as tqdm
+    writes to logs; a live bar would show there only at the end."""
+
+    def __init__(self, total: int, ranks: int, every: float):
+        super().__init__(None, None, ranks, compact=False)
+        self.total, self.every, self.started = total, every, time.monotonic()
+        self.shown = float("-inf")
+
+    def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
+        self.last = (loss, lr, gnorm, tps)
+        now = time.monotonic()
+        if now - self.shown < self.every and state.iteration < self.total:
+            return
+        self.shown = now
+        elapsed = int(now - self.started)
+        err.print(f"train {state.iteration}/{self.total} {self.status(state, loss, lr, gnorm, tps)}  "
+                  f"elapsed {elapsed // 60}:{elapsed % 60:02d}", markup=False, highlight=False, soft_wrap=True)
+
+    def line(self, text: str) -> None:
+        err.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
 WIDE_CONSOLE = 140       # columns the full training line needs
 
 
 @contextlib.contextmanager
-def train_progress(total: int, start: int, quiet: bool = False, ranks: int = 1) -> Iterator[_TrainDisplay]:
+def train_progress(total: int, start: int, quiet: bool = False, ranks: int = 1,
+                   every: float = 30.0) -> Iterator[_TrainDisplay]:
     """Training display: iteration bar with epoch, loss, its moving average, lr, gradient norm,
     tokens/s (in total and per rank when data-parallel over `ranks` MPI ranks), validation
     loss, elapsed and ETA. On a console narrower than WIDE_CONSOLE (80 columns when output is
     not a terminal) the bar, epoch, lr, gradient norm and elapsed time are left out, so that
-    the rest fits on the line uncut (metrics.jsonl has them all)."""
+    the rest fits on the line uncut (metrics.jsonl has them all). When stderr is not a
+    terminal: a whole line every `every` seconds instead (_LogDisplay)."""
     if quiet:
         yield _TrainDisplay(None, None)
+        return
+    if not err.is_terminal:
+        yield _LogDisplay(total, ranks, every)
         return
     compact = err.width < WIDE_CONSOLE
     bar, elapsed = ((), ()) if compact else ((BarColumn(bar_width=24),), (TimeElapsedColumn(),))

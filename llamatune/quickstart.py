@@ -47,7 +47,7 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
                            pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,
                            save_every=0, checkpoint_out=workdir / "chat-chk-ITERATION.gguf",
                            lora_out=workdir / "chat-adapter-ITERATION.gguf",
-                           metrics_out=workdir / "chat-metrics.jsonl")
+                           metrics_out=workdir / "chat-metrics.jsonl", overwrite=True)
     runner = make_runner(base)
     tok = runner.model.tokenizer
     tokens, targets = preview(load_dataset(opts.train_data, tok, opts), tok.bos_id, 1)[0]
@@ -60,7 +60,7 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     runner = make_runner(base, [(str(adapter), 1.0)])
     chat = Chat(runner, load_template(tok, "chatml"), sampling=Sampling(n_predict=30, temp=0, ctx=chat_ctx))
     question = "What is the weather like today?"
-    out.print(f"   llamatune chat -m {base.name} --lora {adapter.name} --chat-template chatml -p {question!r}")
+    out.print(f"   llamatune chat -m {base} --lora {adapter} --chat-template chatml -p {question!r}")
     sys.stdout.write("   ")
     chat.say(question, sys.stdout.write)
     sys.stdout.write("\n")
@@ -105,7 +105,7 @@ def _tour(workdir: Path) -> None:
                                adam_alpha=3e-3, save_every=0, outtype="q8_0",
                                checkpoint_out=workdir / "scratch-chk-ITERATION.gguf",
                                model_out=workdir / "base-ITERATION.Q8_0.gguf",
-                               metrics_out=workdir / "scratch-metrics.jsonl")
+                               metrics_out=workdir / "scratch-metrics.jsonl", overwrite=True)
     train_from_scratch(base_opts)
     base = workdir / "base-LATEST.Q8_0.gguf"
 
@@ -114,14 +114,14 @@ def _tour(workdir: Path) -> None:
                                   lora_r=8, adam_iter=60, warmup=5, cos_decay_steps=60, adam_alpha=3e-3,
                                   save_every=20, checkpoint_out=workdir / "chk-ITERATION.gguf",
                                   lora_out=workdir / "adapter-ITERATION.gguf",
-                                  metrics_out=workdir / "finetune-metrics.jsonl"))
+                                  metrics_out=workdir / "finetune-metrics.jsonl", overwrite=True))
     adapter = workdir / "adapter-LATEST.gguf"
     out.print(f"   loss {ft.losses[0]:.3f} -> {ft.losses[-1]:.3f} in {len(ft.losses)} steps "
               f"({ft.tokens_per_second:,.0f} tokens/s)")
 
     tuned = make_runner(base, [(str(adapter), 1.0)])
     prompt = "HELENA."
-    out.print(f"\n[bold]3. generate[/bold] with the adapter (llamatune generate -m {base.name} --lora {adapter.name}):")
+    out.print(f"\n[bold]3. generate[/bold] with the adapter (llamatune generate -m {base} --lora {adapter}):")
     sys.stdout.write(prompt)
     stream_text(tuned, prompt, generate(tuned, prompt, 40, temp=0.7, seed=1), sys.stdout.write)
     sys.stdout.write("\n")

@@ -79,7 +79,8 @@ def test_compiled_and_cached_kernels_train_the_same_bits(tmp_path, tiny_model, t
         p = subprocess.run([sys.executable, "-m", "llamatune.cli.main", "finetune", "--model-base", str(tiny_model),
                             "--train-data", str(tmp_path / "train.txt"), "-c", "16", "-b", "2", "--adam-iter", "2",
                             "--lora-r", "2", "--save-every", "0", "--lora-out", str(out),
-                            "--checkpoint-out", str(tmp_path / f"chk-{run}-ITERATION.gguf")],
+                            "--checkpoint-out", str(tmp_path / f"chk-{run}-ITERATION.gguf"),
+                            "--metrics-out", str(tmp_path / f"metrics-{run}.jsonl")],
                            capture_output=True, text=True, env=env, timeout=600)
         assert p.returncode == 0, p.stderr[-2000:]
         adapters.append(tensors(out))

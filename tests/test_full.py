@@ -341,15 +341,15 @@ def test_full_finetune_with_bf16_moments_trains_close_to_f32_and_resumes_exactly
     runs = {}
     for name, moments, iters in (("f32", "f32", 6), ("bf16", "bf16", 6), ("half", "bf16", 3)):
         d = tmp_path / name
-        d.mkdir()
-        runs[name] = finetune(options(d, tiny_model, adam_iter=iters, adam_moments=moments,
+        d.mkdir()                               # the decay given: a 3-step run's schedule is the 6-step one's
+        runs[name] = finetune(options(d, tiny_model, adam_iter=iters, adam_moments=moments, cos_decay_steps=6,
                                            compute_dtype="f32"), quiet=True)
     np.testing.assert_allclose(runs["bf16"].losses, runs["f32"].losses, rtol=1e-2)
     c = ckpt.load(tmp_path / "bf16" / "chk-LATEST.gguf")
     assert c.options["adam_moments"] == "bf16"
     assert c.file.tensors["optimizer.adam.first_moments"].qtype == QType.BF16       # stored as they are
     res = finetune(options(tmp_path / "half", tiny_model, adam_iter=6, adam_moments="bf16", compute_dtype="f32",
-                                checkpoint_in=tmp_path / "half" / "chk-LATEST.gguf"), quiet=True)
+                                cos_decay_steps=6, checkpoint_in=tmp_path / "half" / "chk-LATEST.gguf"), quiet=True)
     assert res.state.iteration == 6
     a, b = (GGUFFile(tmp_path / d / "model-LATEST.gguf") for d in ("bf16", "half"))
     for name, t in a.tensors.items():

@@ -71,8 +71,11 @@ def import_graph(roots: dict[str, Path] | None = None) -> dict[str, set[str]]:
 
 
 def layer(module: str) -> int | None:
-    """Index in ORDER; None for the core modules (llamatune/*.py) and the kernels."""
+    """Index in ORDER; None for the core modules (llamatune/*.py) and the kernels.
+    llamatune.__main__ (`python -m llamatune`) is the command line's other entry: cli's."""
     parts = module.split(".")
+    if parts[1:] == ["__main__"]:
+        return ORDER.index("cli")
     return ORDER.index(parts[1]) if len(parts) > 1 and parts[1] in ORDER else None
 
 

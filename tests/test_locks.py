@@ -219,6 +219,6 @@ def test_two_real_runs_race_for_one_output_set(tmp_path, tiny_model):
     assert ".chk-LATEST.lock" in lock_files(tmp_path)            # left behind by kill -9, held by nobody
     o = FinetuneOptions(model_base=tiny_model, train_data=tmp_path / "train.txt", ctx=16, batch=2, lora_r=2,
                         adam_iter=1, save_every=0, plot=False, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
-                        lora_out=tmp_path / "adapter-ITERATION.gguf")
+                        lora_out=tmp_path / "adapter-ITERATION.gguf", overwrite=True)     # starts over
     assert finetune(o, quiet=True).state.iteration == 1
     assert lock_files(tmp_path) == []

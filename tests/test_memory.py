@@ -151,7 +151,7 @@ def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypa
     monkeypatch.setattr(Graph, "step", lambda *a, **k: steps.append(1))
     args = ["finetune", "--model-base", str(tmp_path / "m.gguf"), "--train-data", str(tmp_path / "d.txt"), "-c", "32",
             "-b", "2", "--checkpoint-out", str(tmp_path / "out/c-ITERATION.gguf"),
-            "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--dry-run"]
+            "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--output-dir", str(tmp_path / "out"), "--dry-run"]
     made = []
 
     class Seen(Planner):                                              # the run's own planner
@@ -174,8 +174,10 @@ def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypa
     assert lines[1:4] == [f"  {e['layer'].describe()}  fits", f"  {e['selective'].describe()}  fits",
                           f"  {e['none'].describe()}  does not fit"]
     assert re.fullmatch(r"  available [\d.]+ GiB: --checkpointing auto picks selective", lines[4])
-    assert re.fullmatch(r"  each save writes [\d.]+ MiB: c-ITERATION.gguf [\d.]+ MiB, c-LATEST.gguf [\d.]+ MiB, "
-                        r"a-ITERATION.gguf [\d.]+ MiB, a-LATEST.gguf [\d.]+ MiB", lines[5])
+    size = r"[\d.]+ [KM]iB"
+    assert re.fullmatch(rf"  each save writes {size}: c-ITERATION.gguf {size}, c-LATEST.gguf {size}, "
+                        rf"a-ITERATION.gguf {size}, a-LATEST.gguf {size}, a-ITERATION.imatrix.gguf {size}, "
+                        rf"a-LATEST.imatrix.gguf {size}", lines[5])
     assert steps == [] and sorted(f.name for f in tmp_path.iterdir()) == ["d.txt", "m.gguf"]
     free["bytes"] = e["layer"].added - 1
     r = CliRunner().invoke(app, args + ["--checkpointing", "none"])

@@ -115,6 +115,6 @@ def test_generated_command_builds_its_options():
 ])
 def test_options_are_checked_before_anything_loads(args, message):
     r = CliRunner().invoke(app, args)
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     assert r.output.count("\n") == 1
     assert re.search(message, r.output), r.output

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -425,18 +426,21 @@ def test_progress_line_shows_the_validation_loss():
 
 @pytest.mark.parametrize("width", [80, 200])
 def test_training_line_fits_the_console(monkeypatch, width):
-    """An 80-column console (the width of output that is not a terminal) gets the compact
-    line, uncut; a wide one the full line with the bar, epoch, lr and gradient norm."""
+    """An 80-column terminal gets the compact line, uncut; a wide one the full line with
+    the bar, epoch, lr and gradient norm. (Output that is not a terminal gets timed lines:
+    tests/test_newcomer.py.)"""
     from io import StringIO
     from rich.console import Console
     from llamatune import progress
-    console = Console(file=StringIO(), width=width)
+    console = Console(file=StringIO(), width=width, force_terminal=True, color_system=None)
     monkeypatch.setattr(progress, "err", console)
     with progress.train_progress(1000, 0) as show:
         state = ckpt.TrainState(iteration=1000, epoch=12, loss_ema=2.3456,
                                 validation=ValidationState(2.5, 3, 1, 2.75, 999, 0))
         show(state, 2.0123, 1.5e-4, 12.345, 123456.0)
-    last = [line for line in console.file.getvalue().splitlines() if line.startswith("train")][-1]
+    shown = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line.split("\r")[-1])       # the live bar's final state
+             for line in console.file.getvalue().splitlines()]
+    last = [line for line in shown if line.startswith("train")][-1]
     assert "…" not in last and len(last) <= width
     for part in ("1000/1000", "loss 2.0123 (avg 2.3456)", "123,456 tok/s", "val 2.7500", "eta"):
         assert part in last

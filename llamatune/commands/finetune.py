@@ -9,16 +9,17 @@ adapter in llama.cpp's `--lora` format and beside it the imatrix of the training
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..backend import get_backend
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
-from ..formats.gguf_io import kv
-from ..formats.imatrix import beside, write_imatrix
+from ..formats.gguf_io import gguf_nbytes, kv
+from ..formats.imatrix import COUNTS, SUMS, beside, write_imatrix
 from ..locks import hold_training
-from ..models.model import Model
+from ..models.model import Model, check_is_model
 from ..models.weights import FrozenBase
 from ..options import FinetuneOptions
 from ..outputs import check_training_paths
@@ -29,7 +30,7 @@ from ..train.inputs import check_packing, read_training_text, train_and_validati
 from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
-from ..train.statistics import TrainingStats
+from ..train.statistics import PREFIX, TrainingStats
 from ..train.trainer import Job, TrainResult, run
 
 
@@ -74,14 +75,30 @@ def build_job(o: FinetuneOptions) -> Job:
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
-    imatrix_bytes = 0 if stats is None else 2**16 + sum(4 * t.n_cols + 512 for n, t in model.file.tensors.items()
-                                                         if n.startswith("blk.") and len(t.shape) == 2)
+    sizes = _output_bytes(o, model, params, stats is not None)
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes + merge_extra, backend=backend, model_path=model.path,
-               output_size=(o.lora_out, 4 * params.size + 2**16 + imatrix_bytes), val_samples=val_samples,
-               statistics=stats)
+               output_size=sizes[0], val_samples=val_samples, statistics=stats, side_outputs=sizes[1],
+               checkpoint_extra_bytes=sizes[2])
+
+
+ADAPTER_META_BYTES = 1024          # an adapter's or imatrix's metadata (types, alpha, base name, datasets)
+
+
+def _output_bytes(o: FinetuneOptions, model: Model, params: ParamBuffer, imatrix: bool):
+    """What a save writes besides the checkpoint: (the adapter's template, its bytes), the
+    imatrix files beside it [(template, bytes)], and the bytes of the imatrix sums a
+    checkpoint keeps (statistics.py); every tensor f32."""
+    adapter = gguf_nbytes(ADAPTER_META_BYTES, [(s.name, len(s.shape), 4 * math.prod(s.shape)) for s in params.specs])
+    if not imatrix:
+        return (o.lora_out, adapter), [], 0
+    inputs = [(n, t.n_cols) for n, t in model.file.tensors.items() if n.startswith("blk.") and len(t.shape) == 2]
+    sums = [(n + SUMS, 2, 4 * cols) for n, cols in inputs]
+    file = gguf_nbytes(ADAPTER_META_BYTES, sums + [(n + COUNTS, 2, 4) for n, _ in inputs])
+    in_checkpoint = gguf_nbytes(0, [(PREFIX + n, d, b) for n, d, b in sums]) + 64 * len(inputs)
+    return (o.lora_out, adapter), [(o.imatrix_out or beside(o.lora_out), file)], in_checkpoint
 
 
 def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
@@ -106,5 +123,7 @@ def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:
 
 def finetune(o: FinetuneOptions, quiet: bool = False) -> TrainResult:
     world = distributed.setup(o)          # join an MPI job first: only rank 0 prints while loading
+    if o.model_base is not None and Path(o.model_base).is_file():
+        check_is_model(o.model_base)      # an adapter or checkpoint passed as the model says so, before path checks
     with hold_training(o, "finetune", world.is_root):     # before loading: another run may hold the outputs
         return run(build_job(o), quiet=quiet)

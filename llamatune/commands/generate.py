@@ -43,6 +43,8 @@ def stream_text(runner: Runner, prompt: str, token_ids: Iterator[int], write: Ca
         write(text[shown:])
         shown = len(text)
     text = tok.decode(prefix + out)[len(base):]
+    if text.endswith("\ufffd"):         # the stream ended inside a character: its bytes are not text
+        text = text[:-1]
     if len(text) > shown:
         write(text[shown:])
     return out

@@ -434,6 +434,31 @@ def write_error(path: str | os.PathLike, e: OSError) -> LlamatuneError:
     return LlamatuneError(f"{path}: cannot write ({problem}); any earlier version of it is left as it was")
 
 
+ALIGNMENT = 32                       # GGUF's default data alignment, as write_gguf leaves it
+
+
+def kv_nbytes(kvs: Iterable[KV]) -> int:
+    """Bytes the metadata `kvs` take in a GGUF header (strings as their UTF-8, numbers
+    at most 8 bytes: an upper bound within a few bytes a key)."""
+    def value(v: Any) -> int:
+        if isinstance(v, str):
+            return 8 + len(v.encode("utf-8"))
+        if isinstance(v, (list, tuple)):
+            return 12 + sum(value(x) for x in v)
+        return 8
+    return sum(8 + len(k.key) + 4 + value(k.value) for k in kvs)
+
+
+def gguf_nbytes(meta_bytes: int, tensors: Iterable[tuple[str, int, int]]) -> int:
+    """Size of a GGUF file holding metadata of `meta_bytes` (kv_nbytes, plus the
+    architecture) and `tensors` as (name, number of dimensions, data bytes): the header,
+    each tensor's info, and the data, each tensor padded to ALIGNMENT."""
+    pad = lambda n: -(-n // ALIGNMENT) * ALIGNMENT          # noqa: E731
+    tensors = list(tensors)
+    infos = sum(8 + len(name) + 4 + 8 * ndim + 4 + 8 for name, ndim, _ in tensors)
+    return pad(24 + 64 + meta_bytes + infos) + sum(pad(n) for _, _, n in tensors)
+
+
 def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: Iterable[TensorOut]) -> None:
     """Write a GGUF file atomically. `general.architecture` comes from `arch`; any
     `general.architecture` in `kvs` is ignored. Tensors are streamed one by one."""

@@ -181,6 +181,38 @@ class Dequantizer:
         return out
 
 
+def not_a_model(f: GGUFFile) -> str | None:
+    """What a GGUF that is not a model is, and the option it belongs to (None for a model)."""
+    gtype, ttype = f.get("general.type"), f.get("training.type")
+    if gtype == "adapter":
+        return "a LoRA adapter, not a model: pass it with --lora, the model it was trained on with -m"
+    if gtype == "llamatune-checkpoint":
+        return ("a llamatune training checkpoint, not a model: resume its run with --checkpoint-in, or write its "
+                "adapter (or model) with convert-checkpoint")
+    if ttype == "finetune_lora":
+        return ("a llama.cpp 2023 finetune checkpoint, not a model: convert it with convert-checkpoint (--to "
+                "checkpoint, then resume with --checkpoint-in; or --to gguf-adapter)")
+    if ttype == "train_model":
+        return ("a llama.cpp 2023 train-text-from-scratch checkpoint, not a model: make a model of it with "
+                "convert-checkpoint --to model")
+    if gtype == "imatrix" or any(n.endswith(".in_sum2") for n in f.tensors):
+        return ("an importance matrix (imatrix), not a model: it goes to export-lora --imatrix (or llama-quantize "
+                "--imatrix)")
+    if not f.tensors:
+        return ("a vocabulary-only GGUF (no weights), not a model: it goes to tokenize -m or train-from-scratch "
+                "--vocab-model")
+    return None
+
+
+def check_is_model(path: str | Path | GGUFFile) -> None:
+    """Refuse, in one line saying what the file is, a GGUF passed as a model that is an
+    adapter, a checkpoint, an imatrix or a vocabulary (not_a_model)."""
+    f = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    problem = not_a_model(f)
+    if problem:
+        raise LlamatuneError(f"{f.path}: is {problem}")
+
+
 class Model:
     """A loaded GGUF model. Weights are memory-mapped; nothing is copied to f32.
     Every weight is checked for inf/nan (an error unless `allow_nonfinite`)."""
@@ -188,9 +220,8 @@ class Model:
     def __init__(self, path: str | Path | GGUFFile, allow_nonfinite: bool = False):
         self.file = path if isinstance(path, GGUFFile) else GGUFFile(path)     # (a file already read: kept)
         self.path = self.file.path
+        check_is_model(self.file)
         self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
-        if self.file.get("general.type", "model") == "adapter":
-            raise LlamatuneError(f"{self.path}: is a LoRA adapter, not a model (pass it with --lora)")
         self.weights = load_weights(self.file, self.config)
         check_finite(self.path, self._used_tensors(), allow_nonfinite)
         self.dequantizer = Dequantizer(self.weights)

@@ -11,13 +11,15 @@ command line > preset file > default here.
 from .commands import (LORA_HELP, LORA_SCALED_HELP, PREVIEW_FINETUNE_OPTIONS, ChatOptions, ChatSampling,
                        ConvertOptions, ExportOptions, MergeOptions, GenerateOptions, PerplexityOptions, PlotOptions, PreviewOptions,
                        QuickstartOptions, RunOptions, SamplingOptions, TokenizeOptions, scaled_adapters)
-from .fields import build_options, check_number, cli_flag, load_preset, opt, option_fields
-from .training import (CHECKPOINTING, G_CKPT, G_DATA, G_IO, G_LORA, G_MEM, G_MODEL, G_OPT, G_SCHED, G_VAL, SEED,
-                       FinetuneOptions, ScratchOptions, TrainOptions, special_tokens, validate)
+from .fields import build_options, check_needed, check_number, cli_flag, load_preset, opt, option_fields
+from .training import (CHECKPOINTING, COS_DECAY_STEPS, G_CKPT, G_DATA, G_IO, G_LORA, G_MEM, G_MODEL, G_OPT, G_SCHED,
+                       G_VAL, SEED, WARMUP, FinetuneOptions, ScratchOptions, TrainOptions, schedule_steps,
+                       special_tokens, validate)
 
 __all__ = ["LORA_HELP", "LORA_SCALED_HELP", "PREVIEW_FINETUNE_OPTIONS", "ChatOptions", "ChatSampling",
            "ConvertOptions", "ExportOptions", "MergeOptions", "GenerateOptions", "PerplexityOptions", "PlotOptions", "PreviewOptions",
            "QuickstartOptions", "RunOptions", "SamplingOptions", "TokenizeOptions", "scaled_adapters",
-           "build_options", "check_number", "cli_flag", "load_preset", "opt", "option_fields",
-           "CHECKPOINTING", "G_CKPT", "G_DATA", "G_IO", "G_LORA", "G_MEM", "G_MODEL", "G_OPT", "G_SCHED", "G_VAL",
+           "build_options", "check_needed", "check_number", "cli_flag", "load_preset", "opt", "option_fields",
+           "CHECKPOINTING", "COS_DECAY_STEPS", "WARMUP", "schedule_steps",
+           "G_CKPT", "G_DATA", "G_IO", "G_LORA", "G_MEM", "G_MODEL", "G_OPT", "G_SCHED", "G_VAL",
            "SEED", "FinetuneOptions", "ScratchOptions", "TrainOptions", "special_tokens", "validate"]

@@ -14,14 +14,17 @@ from ..errors import LlamatuneError
 
 
 def opt(default: Any, help: str, group: str | None, *, flags: tuple[str, ...] = (), frozen: bool = False,
-        names: tuple[str, ...] = (), switch: bool = False, required: bool = False, argument: bool = False):
+        names: tuple[str, ...] = (), switch: bool = False, required: bool = False, argument: bool = False,
+        needed: bool = False):
     """A field with CLI metadata. `frozen` options must not change when resuming.
     `flags`: short or extra spellings beside --field-name; `names`: the whole list of
     spellings instead; `switch`: a plain on-flag (no --no- twin); `required`: must be
-    given; `argument`: positional. `group` None: the help's plain "Options" section.
+    given; `needed`: must be given, on the command line or in a preset (checked after
+    both are read; marked [required] in the help as `required` is); `argument`:
+    positional. `group` None: the help's plain "Options" section.
     A list default is copied for each instance."""
     meta = {"help": help, "group": group, "flags": flags, "frozen": frozen, "names": names, "switch": switch,
-            "required": required, "argument": argument}
+            "required": required, "argument": argument, "needed": needed}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -90,6 +93,14 @@ def build_options(cls, cli_values: dict[str, Any], preset: Path | None = None):
     if hasattr(opts, "check"):            # each class range-checks its own values
         opts.check()
     return opts
+
+
+def check_needed(opts) -> None:
+    """Every `needed` option has a value (from the command line or a preset)."""
+    missing = [cli_flag(f) for f in fields(opts) if f.metadata.get("needed") and getattr(opts, f.name) is None]
+    if missing:
+        raise LlamatuneError(f"missing option {', '.join(missing)} (give it on the command line or in the "
+                             "--config preset)")
 
 
 def check_number(flag: str, value, lo=None, hi=None, *, lo_open: bool = False, hi_open: bool = False,

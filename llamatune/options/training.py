@@ -20,6 +20,7 @@ METHODS, LOSS_TYPES = ("sft", "dpo", "orpo"), ("sigmoid", "ipo")     # --method,
 G_FULL = "Full finetune"
 
 
+WARMUP, COS_DECAY_STEPS = 100, 1000        # --warmup, --cos-decay-steps when not given (schedule_steps)
 CHECKPOINTING = ("auto", "layer", "selective", "none")   # --checkpointing, auto first
 SEED = 1                     # --seed of every command: training and sampling
 
@@ -27,10 +28,17 @@ SEED = 1                     # --seed of every command: training and sampling
 @dataclass
 class TrainOptions:
     """Options shared by `finetune` and `train-from-scratch`."""
-    train_data: Optional[Path] = opt(None, "Training text (UTF-8).", G_IO)
+    train_data: Optional[Path] = opt(None, "Training data: UTF-8 text, or JSONL / JSON rows (conversations, "
+                                     "prompt/completion, preference pairs; see --data-format).", G_IO, needed=True)
+    output_dir: Path = opt(Path("."), "Folder of the run's checkpoints, outputs, metrics and plot: the relative "
+                           "output names below are placed in it (it is created if missing; the folder of any "
+                           "other output must exist).", G_IO)
+    overwrite: bool = opt(False, "Start a new run in a folder that holds an earlier run's LATEST files, replacing "
+                          "them (without it, such a run is refused: resume it with --checkpoint-in).", G_IO,
+                          switch=True)
     # ---- data
     ctx: int = opt(128, "Context length of each training sample, in tokens.", G_DATA, flags=("-c",), frozen=True)
-    batch: int = opt(8, "Samples per micro-batch.", G_DATA, flags=("-b",), frozen=True)
+    batch: int = opt(8, "Samples per micro-batch.", G_DATA, flags=("-b", "--batch-size"), frozen=True)
     sample_start: str = opt("", "Text that starts each sample (e.g. '<s>'); empty: every token position starts one.", G_DATA, frozen=True)
     include_sample_start: bool = opt(False, "Keep the sample-start text inside the samples.", G_DATA, frozen=True)
     escape: bool = opt(False, "Process escapes (\\n, \\t, \\\\, ...) in --sample-start.", G_DATA, frozen=True)
@@ -43,9 +51,10 @@ class TrainOptions:
     seed: int = opt(SEED, "Random seed (initialization, shuffling, dropout).", G_DATA, frozen=True)
     # ---- optimizer
     optimizer: str = opt("adamw", "adamw or sgd.", G_OPT, frozen=True)
-    adam_iter: int = opt(256, "Number of optimizer steps (iterations) to run in total.", G_OPT)
+    adam_iter: int = opt(256, "Number of optimizer steps (iterations) to run in total.", G_OPT,
+                         flags=("--max-steps", "--iters"))
     epochs: int = opt(-1, "Stop after this many epochs over the data (-1: no limit).", G_OPT)
-    adam_alpha: float = opt(1e-3, "Learning rate.", G_OPT)
+    adam_alpha: float = opt(1e-3, "Learning rate.", G_OPT, flags=("--learning-rate", "--lr"))
     adam_min_alpha: float = opt(0.0, "Learning rate floor, warmup included.", G_OPT)
     adam_beta1: float = opt(0.9, "AdamW beta1.", G_OPT)
     adam_beta2: float = opt(0.999, "AdamW beta2.", G_OPT)
@@ -55,8 +64,10 @@ class TrainOptions:
     adam_gclip: float = opt(1.0, "Clip the global gradient norm to this value (0: off).", G_OPT)
     grad_acc: int = opt(1, "Gradient accumulation: micro-batches per optimizer step.", G_OPT, frozen=True)
     # ---- schedule
-    warmup: int = opt(100, "Linear warmup steps.", G_SCHED)
-    cos_decay_steps: int = opt(1000, "Cosine decay steps after warmup.", G_SCHED)
+    warmup: Optional[int] = opt(None, f"Linear warmup steps (default: {WARMUP}, scaled down with "
+                                f"--cos-decay-steps's default to fit a shorter run).", G_SCHED)
+    cos_decay_steps: Optional[int] = opt(None, f"Cosine decay steps after warmup (default: {COS_DECAY_STEPS}, "
+                                         "scaled down with --warmup's default to fit a shorter run).", G_SCHED)
     cos_decay_min: float = opt(0.1, "Cosine decay floor, as a fraction of the learning rate.", G_SCHED)
     enable_restart: bool = opt(False, "Restart the cosine decay when it ends.", G_SCHED)
     cos_decay_restart: float = opt(1.1, "Each restart's length is the previous one times this.", G_SCHED)
@@ -79,6 +90,8 @@ class TrainOptions:
     checkpoint_out: Path = opt(Path("chk-ITERATION.gguf"), "Checkpoint file name; ITERATION becomes the step number.", G_CKPT)
     fn_latest: str = opt("LATEST", "Replacement for ITERATION in the always-current copy of each output.", G_CKPT)
     save_every: int = opt(10, "Save checkpoint and outputs every N steps (0: only at the end).", G_CKPT)
+    save_total_limit: int = opt(0, "Keep only the newest N numbered checkpoints and outputs (0: keep all); the "
+                                "LATEST and BEST ones are always kept.", G_CKPT)
     # ---- divergence guard (optimizer group)
     spike_threshold: float = opt(4.0, "Skip a step whose loss exceeds this factor times the mean of the last 16 "
                                  "healthy losses (non-finite loss or gradient norm: always skipped).", G_OPT)
@@ -90,6 +103,8 @@ class TrainOptions:
     save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
     early_stop: int = opt(0, "Stop after this many evaluations without a lower validation loss (0: never).", G_VAL)
     metrics_out: Optional[Path] = opt(None, "JSON-lines log of every step and evaluation (default: metrics.jsonl beside the checkpoints).", G_VAL)
+    progress_every: float = opt(30.0, "When output is not a terminal (a log file, a batch job): a progress line "
+                                "every N seconds (0: every step).", G_VAL)
     plot: bool = opt(True, "At the end, draw the metrics as a PNG beside them (needs matplotlib, the 'plot' extra).", G_VAL)
     # ---- data parallelism (distributed.py)
     mpi: bool = opt(True, "Data-parallel training across the ranks of an MPI launch (mpiexec, srun); --no-mpi ignores the MPI environment.", G_MEM)
@@ -119,7 +134,8 @@ class TrainOptions:
 @dataclass
 class FinetuneOptions(TrainOptions):
     """`llamatune finetune`: LoRA on a frozen (quantized) base model."""
-    model_base: Optional[Path] = opt(None, "Base model GGUF (any supported quant type; never modified).", G_IO)
+    model_base: Optional[Path] = opt(None, "Base model GGUF (any supported quant type; never modified).", G_IO,
+                                     flags=("-m",), needed=True)
     lora_out: Path = opt(Path("adapter-ITERATION.gguf"), "LoRA adapter output (llama.cpp --lora format).", G_IO)
     imatrix_out: Optional[Path] = opt(None, "Importance matrix of the training data (llama.cpp's imatrix GGUF: the "
                                       "base weights' input statistics, collected by the forward passes), written "
@@ -133,7 +149,8 @@ class FinetuneOptions(TrainOptions):
                             "forward and again in backward (counted in the memory estimate's scratch).", G_LORA,
                             frozen=True)
     lora_r: int = opt(4, "Default LoRA rank for every adapted tensor.", G_LORA, frozen=True)
-    lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA, frozen=True)
+    lora_alpha: Optional[float] = opt(None, "LoRA alpha; scale = alpha/r (default: alpha = r, scale 1).", G_LORA,
+                                      frozen=True)
     lora_dropout: float = opt(0.0, "Dropout probability on the adapter input (as PEFT).", G_LORA, frozen=True)
     rank_wq: Optional[int] = opt(None, "Rank for attn_q (default --lora-r; 0: no adapter).", G_LORA, frozen=True)
     rank_wk: Optional[int] = opt(None, "Rank for attn_k.", G_LORA, frozen=True)
@@ -320,8 +337,12 @@ def _validate_numbers(o: TrainOptions) -> None:
     check_number("--adam-decay", o.adam_decay, 0)
     check_number("--adam-decay-min-ndim", o.adam_decay_min_ndim, 0)
     check_number("--adam-gclip", o.adam_gclip, 0)
-    check_number("--warmup", o.warmup, 0)
-    check_number("--cos-decay-steps", o.cos_decay_steps, 0)
+    if o.warmup is not None:
+        check_number("--warmup", o.warmup, 0)
+    if o.cos_decay_steps is not None:
+        check_number("--cos-decay-steps", o.cos_decay_steps, 0)
+    check_number("--save-total-limit", o.save_total_limit, 0)
+    check_number("--progress-every", o.progress_every, 0)
     check_number("--cos-decay-min", o.cos_decay_min, 0, 1)
     check_number("--cos-decay-restart", o.cos_decay_restart, 1)
     check_number("--threads", o.threads, 0)
@@ -361,3 +382,27 @@ def special_tokens(o: ScratchOptions) -> tuple[str, ...]:
             raise LlamatuneError(f"--special-tokens {o.special_tokens!r}: give distinct tokens without spaces, "
                                  "separated by commas")
     return toks
+
+
+def schedule_steps(o: TrainOptions) -> tuple[int, int, str]:
+    """(warmup, cosine decay steps, note) as the run uses them. A value given (not None)
+    is kept; the defaults (WARMUP, COS_DECAY_STEPS) of those not given are scaled down
+    together, to fill what the given ones leave of --adam-iter, when warmup and decay
+    would outlast the run (a 4-step run would otherwise end at 4 % of the learning
+    rate, still warming up). `note`: one line saying so ("" when nothing was scaled)."""
+    given = {"warmup": o.warmup, "cos_decay_steps": o.cos_decay_steps}
+    steps = {k: v if v is not None else d for (k, v), d in zip(given.items(), (WARMUP, COS_DECAY_STEPS))}
+    scaled = [k for k, v in given.items() if v is None]
+    if sum(steps.values()) <= o.adam_iter or not scaled:
+        return steps["warmup"], steps["cos_decay_steps"], ""
+    room = max(o.adam_iter - sum(v for k, v in steps.items() if k not in scaled), 0)
+    total = sum(steps[k] for k in scaled)
+    before = dict(steps)
+    for k in scaled:
+        steps[k] = round(steps[k] * room / total)
+    if "cos_decay_steps" in scaled:                 # together they fill the room exactly
+        steps["cos_decay_steps"] = room - (steps["warmup"] if "warmup" in scaled else 0)
+    names = " and ".join(f"--{k.replace('_', '-')} {before[k]} -> {steps[k]}" for k in scaled)
+    return steps["warmup"], steps["cos_decay_steps"], (
+        f"schedule: {names}, scaled to the run's {o.adam_iter} steps (give them to keep them, and to keep one "
+        "schedule across resumes with other --adam-iter)")

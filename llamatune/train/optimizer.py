@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from ..backend import cpu
-from ..options import TrainOptions
+from ..options import TrainOptions, schedule_steps
 from .params import ParamBuffer
 
 
@@ -35,15 +35,17 @@ def cosine_decay_restart(step: int, decay_steps: int, minimum: float, mult: floa
 
 
 def schedule(step: int, o: TrainOptions) -> float:
-    """Multiplier in [0, 1] for optimizer step `step` (0-based)."""
-    if step < o.warmup:
-        return (step + 1) / o.warmup
-    if o.cos_decay_steps <= 0:
+    """Multiplier in [0, 1] for optimizer step `step` (0-based); warmup and decay lengths
+    as options.schedule_steps fits them to the run."""
+    warmup, decay, _ = schedule_steps(o)
+    if step < warmup:
+        return (step + 1) / warmup
+    if decay <= 0:
         return 1.0
-    s = step - o.warmup
+    s = step - warmup
     if o.enable_restart:
-        return cosine_decay_restart(s, o.cos_decay_steps, o.cos_decay_min, o.cos_decay_restart)
-    return cosine_decay(s, o.cos_decay_steps, o.cos_decay_min)
+        return cosine_decay_restart(s, decay, o.cos_decay_min, o.cos_decay_restart)
+    return cosine_decay(s, decay, o.cos_decay_min)
 
 
 def learning_rate(step: int, o: TrainOptions) -> float:

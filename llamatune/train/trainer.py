@@ -27,10 +27,10 @@ import numpy as np
 from ..backend import cpu, set_tf32
 from ..console import err, notice, out
 from ..errors import Interrupted, LlamatuneError
-from ..formats.gguf_io import KV
+from ..formats.gguf_io import KV, gguf_nbytes, kv_nbytes
 from ..models.config import ModelConfig
-from ..options import TrainOptions
-from ..outputs import check_free_space, metrics_path
+from ..options import TrainOptions, schedule_steps
+from ..outputs import check_free_space, metrics_path, prune_saves
 from ..precision import ComputePolicy
 from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
@@ -77,6 +77,8 @@ class Job:
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
     val_samples: Samples | None = None          # validation samples (None: no validation)
     statistics: object = None                   # statistics.TrainingStats: imatrix sums of the forward (LoRA sft)
+    side_outputs: list[tuple[Path, int]] = field(default_factory=list)   # (template, bytes) written with each output
+    checkpoint_extra_bytes: int = 0             # what checkpoint_extra adds to a checkpoint once the run has counted
 
     def checkpoint_extra(self) -> tuple[list, list]:
         """KVs and tensors a checkpoint keeps besides the parameters (the imatrix sums)."""
@@ -148,11 +150,15 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
     else:
         lines.append(f"  {'' if have is None else f'available {gib(have)}: '}{why} {chosen.mode}")
     total = sum(n for _, n in saves)
-    lines.append(f"  each save writes {total / 2**20:,.1f} MiB: " + ", ".join(f"{p.name} {n / 2**20:,.1f} MiB"
-                                                                           for p, n in saves))
+    lines.append(f"  each save writes {file_size(total)}: " + ", ".join(f"{p.name} {file_size(n)}" for p, n in saves))
     if state:
         lines.append(f"  trained values (in each runtime above): {state}")
     return "\n".join(lines)
+
+
+def file_size(n: int) -> str:
+    """Bytes as MiB, or KiB below 1 MiB."""
+    return f"{n / 2**20:,.1f} MiB" if n >= 2**20 else f"{n / 2**10:,.0f} KiB"
 
 
 def policy_of(job: Job, backend, requested: str) -> ComputePolicy:
@@ -223,21 +229,33 @@ def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, policy: Compute
     if latest != out:
         ckpt.copy_atomic(out, latest)
         files.append(latest)
+    prune_saves(files, state.iteration, o.save_total_limit)     # --save-total-limit
     return files
 
 
+CHECKPOINT_STATE_BYTES = 1024       # a checkpoint's state KVs (counters, data order, guard, validation)
+
+
+def checkpoint_bytes(job: Job) -> int:
+    """A checkpoint's size (ckpt.save): the f32 parameters, both Adam moments (f32 or
+    bf16; none for SGD), what checkpoint_extra adds, and the metadata."""
+    p, o = job.params, job.opts
+    tensors = [(s.name, len(s.shape), 4 * math.prod(s.shape)) for s in p.specs]
+    if p.has_moments:
+        width = 2 if p.m.dtype == np.uint16 else 4
+        tensors += [(f"optimizer.adam.{which}_moments", 1, width * p.size) for which in ("first", "second")]
+    meta = kv_nbytes(job.model_kvs) + len(ckpt.options_json(o)) + CHECKPOINT_STATE_BYTES
+    return gguf_nbytes(meta, tensors) + job.checkpoint_extra_bytes
+
+
 def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
-    """(path, bytes) of each file a save at `iteration` writes: the checkpoint holds the
-    parameters and both Adam moments (f32; none for SGD) plus metadata; outputs as the job says."""
+    """(path, bytes) of each file a save at `iteration` writes: the checkpoint
+    (checkpoint_bytes), the outputs and the files beside them, as the job says, each also
+    under the LATEST name."""
     o = job.opts
-    meta = 2**20 + sum(len(repr(item.value)) for item in job.model_kvs)
-    arrays = 3 if job.params.has_moments else 1                # parameters (and moments)
-    sizes = [(ckpt.iteration_path(o.checkpoint_out, iteration), arrays * 4 * job.params.size + meta),
-             (ckpt.iteration_path(o.checkpoint_out, o.fn_latest), arrays * 4 * job.params.size + meta)]
-    if job.output_size is not None:
-        template, nbytes = job.output_size
-        sizes += [(ckpt.iteration_path(template, iteration), nbytes),
-                  (ckpt.iteration_path(template, o.fn_latest), nbytes)]
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, tag), checkpoint_bytes(job)) for tag in (iteration, o.fn_latest)]
+    for template, nbytes in ([job.output_size] if job.output_size is not None else []) + job.side_outputs:
+        sizes += [(ckpt.iteration_path(template, tag), nbytes) for tag in (iteration, o.fn_latest)]
     return list(dict(sizes).items())              # a name without ITERATION is one file, written once
 
 
@@ -263,6 +281,7 @@ def recomputed_loss(graph: Graph, batches: list, seed: int, step: int, pref=None
 
 
 def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
+    """`loss`: the loss of step state.iteration, as metrics.jsonl logs it."""
     return f"saved iteration {state.iteration}: loss {loss:.4f} -> " + ", ".join(str(p) for p in files[:2])
 
 
@@ -318,16 +337,17 @@ def resume_hint(o, state: ckpt.TrainState):
 
 
 def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
-               batches: list, bad: str | None, show, pref=None) -> list[Path]:
+               batches: list, bad: str | None, show, pref=None, step_loss: float = float("nan")) -> list[Path]:
     """Save the end of the run if the last step's batches still give a sane loss after
-    its update (no later step will verify it); else leave LATEST at the last healthy save."""
+    its update (no later step will verify it); else leave LATEST at the last healthy save.
+    `step_loss`: the last step's loss, as logged, for the saved line."""
     loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1, pref)
     if bad or not guard.healthy(loss):
         show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
                   + "; LATEST keeps the last healthy save")
         return []
     files = save_all(job, state, batcher, graph.policy)
-    show.line(saved_line(state, loss, files))
+    show.line(saved_line(state, step_loss, files))
     return files
 
 
@@ -413,6 +433,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     set_tf32(backend.xp, policy.tensor_cores)         # a GPU's float32 products (nothing on numpy)
     if not quiet:
         err.print(f"compute: {policy.why}")
+        note = schedule_steps(o)[2]
+        if note:
+            err.print(note)                        # warmup and decay fitted to a shorter run
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
     est = memory_estimate(job, backend, policy, quiet)
@@ -446,7 +469,8 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     first_seconds = 0.0                            # training time when the first step ended
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
-    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size) as show, np.errstate(over="ignore", invalid="ignore"), \
+    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size, every=o.progress_every) as show, \
+            np.errstate(over="ignore", invalid="ignore"), \
             metrics, resume_hint(o, state) as saves:
         if validator is not None and state.iteration == 0:
             with clock.paused():
@@ -479,7 +503,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                 with clock.paused():
                     files = save_all(job, state, batcher, policy, data_state)
                 saves.iteration = state.iteration
-                show.line(saved_line(state, loss, files))
+                show.line(saved_line(state, logged, files))       # the loss logged at state.iteration
                 pending = False
             if job.statistics is not None and bad:         # a skipped step's inputs are not counted
                 job.statistics.discard()
@@ -502,6 +526,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
                     first_seconds = clock.seconds()
             show(state, loss, lr, gnorm, len(losses) * tokens_per_step / max(clock.seconds(), 1e-9))
             metrics.step(state, loss, lr, gnorm, n_targets, extra)
+            logged = loss
             done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
             if validator is not None and validator.due(state.iteration, done):
                 with clock.paused():
@@ -512,7 +537,7 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
             if done:
                 with clock.paused():
                     last = final_save(job, state, batcher, graph, guard, batches, bad, show,
-                                      pref and (pref, batcher.reference))
+                                      pref and (pref, batcher.reference), step_loss=loss)
                 if last:
                     files, saves.iteration = last, state.iteration
                 break
