@@ -24,7 +24,7 @@ import numpy as np
 
 from ..kernels import dequant
 
-ROWS = 256
+ROWS = 64
 TOKEN_EMBD = "token_embd.weight"
 
 
