@@ -31,7 +31,9 @@ text), and per block the base's own code wherever it is at least as close to the
 merged weight. Given neither, the training data the first adapter records
 (train/recorded.py) is the calibration text while its sha256 matches: a sample of
 --calibration-chunks x --calibration-ctx tokens, rendered as training rendered it, in
-windows of the training --ctx. Where the file is gone or was edited, the imatrix
+windows of --calibration-ctx (rows of a shorter training --ctx follow one another, as
+the text does; windows of the training --ctx of 128 kept 85 % of the KL shift on
+Qwen2.5-Coder-0.5B Q4_K_M where 512 kept CAL512). Where the file is gone or was edited, the imatrix
 `finetune` wrote beside the adapter (adapter-N.imatrix.gguf for adapter-N.gguf) is
 used when it exists, and the output ends with a warning. Without statistics that
 is round to nearest keeping the base's blocks that are as close (a zero adapter gives
@@ -68,7 +70,8 @@ from ..train.recorded import recorded_data
 
 TOKEN_EMBD = "token_embd.weight"
 KEPT_LOW = 0.5       # a merge that keeps less of the adapter's update than this ends with a warning
-# what the merge with finetune's imatrix alone loses (Qwen2.5-Coder-0.5B, docs/performance.md)
+# what the merge with finetune's imatrix alone loses: on Qwen2.5-Coder-0.5B at Q4_0 (40 steps of Shakespeare,
+# llama-perplexity --kl-divergence) it kept 48 % of the KL shift, calibrated on the training text 93.5 %
 FALLBACK_LOSS = "much less of the adapter in 4-bit types (at Q4_0 about half of it: 48 % of the KL shift, not 93 %)"
 
 # One adapter term for one weight: (A, B, s) as in the module docstring.
@@ -237,7 +240,7 @@ def _statistics(loaded: list[tuple[LoraAdapter, float]], options: MergeOptions,
                               f"{loaded[0][0].path.name}'s record)")
         notice(f"calibration: {report.calibration}")
         return None, _Sample(str(record.path), lambda tok: recorded_windows(
-            record, tok, options.calibration_chunks * options.calibration_ctx))
+            record, tok, options.calibration_chunks * options.calibration_ctx, options.calibration_ctx))
     source = _training_imatrix(loaded)
     if source is not None:
         report.calibration = f"the imatrix finetune wrote beside {loaded[0][0].path.name}: {source}"

@@ -13,7 +13,7 @@ finetune writes into the adapter (GGUF KVs llama.cpp does not read and ignores):
 `recorded_data` reads them back, `check` says what no longer matches (a file moved,
 deleted or edited), and `calibration_windows` renders a sample of the file through the
 training pipeline (datasets.py / data.py: the same template, masks aside, the same
-preference rows) into windows of the training --ctx.
+preference rows) into windows (export-lora: of --calibration-ctx tokens).
 """
 from __future__ import annotations
 
@@ -108,18 +108,19 @@ def render_options(record: RecordedData):
     return dataclasses.replace(FinetuneOptions(), **{k: v for k, v in record.render.items() if k in known})
 
 
-def calibration_windows(record: RecordedData, tokenizer, n_tokens: int) -> np.ndarray:
+def calibration_windows(record: RecordedData, tokenizer, n_tokens: int, width: int | None = None) -> np.ndarray:
     """About n_tokens tokens of the recorded data (at least one window), rendered as the
-    run rendered them, as windows (n, T) of the training --ctx T. Raw text: its first
-    tokens, each window starting with BOS as the batcher's rows do; rows (conversations,
-    completions, preference pairs with both answers): rows drawn in a seeded random
-    order, each rendered and cut at --ctx + 1 as in training, following one another."""
+    run rendered them, as windows (n, width) (default: the training --ctx). Raw text: its
+    first tokens, each window starting with BOS as the batcher's rows do; rows
+    (conversations, completions, preference pairs with both answers): rows drawn in a
+    seeded random order, each rendered and cut at --ctx + 1 as in training, following
+    one another."""
     o = render_options(record)
     source = str(record.path)
     text = read_text(record.path, "training data")
     is_text = o.method not in PAIR_METHODS and detect_format(text, o.data_format, record.path) == "text"
     stream = (_text_stream if is_text else _rows_stream)(text, tokenizer, o, source, n_tokens)
-    width = min(o.ctx, len(stream))
+    width = min(width or o.ctx, len(stream))
     n = max(1, min(n_tokens // width, len(stream) // width))
     windows = stream[: n * width].astype(np.int64).reshape(n, width).copy()
     if is_text and not o.sample_start and tokenizer.bos_id is not None:
