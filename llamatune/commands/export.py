@@ -31,9 +31,10 @@ text), and per block the base's own code wherever it is at least as close to the
 merged weight. Given neither, the training data the first adapter records
 (train/recorded.py) is the calibration text while its sha256 matches: a sample of
 --calibration-chunks x --calibration-ctx tokens, rendered as training rendered it, in
-windows of --calibration-ctx (rows of a shorter training --ctx follow one another, as
-the text does; windows of the training --ctx of 128 kept 85 % of the KL shift on
-Qwen2.5-Coder-0.5B Q4_K_M where 512 kept CAL512). Where the file is gone or was edited, the imatrix
+windows of --calibration-ctx, as --calibration-data (rows of a shorter training --ctx
+follow one another, as the text does; windows of a training --ctx of 128 kept 85 % of
+the KL shift on Qwen2.5-Coder-0.5B Q4_K_M, docs/performance.md). Where the file is gone
+or was edited, the imatrix
 `finetune` wrote beside the adapter (adapter-N.imatrix.gguf for adapter-N.gguf) is
 used when it exists, and the output ends with a warning. Without statistics that
 is round to nearest keeping the base's blocks that are as close (a zero adapter gives
