@@ -139,14 +139,18 @@ def _generate(o) -> None:
 
 
 def _export_lora(o) -> None:
-    from llamatune.console import out
+    from llamatune.console import notice, out
     from llamatune.commands.export import export_lora as run_export
     report = run_export(o.model_base, o.adapters(), o.output, o.outtype, o)
     types = sorted(set(report.merged.values()))
     out.print(f"merged {report.n_merged} tensors ({', '.join(types) or 'none'}), copied {report.n_copied} unchanged"
               + (f", converted {report.n_converted}" if report.n_converted else "") + f" -> {report.path}")
+    if report.survival:
+        out.print(report.survival)
     if report.modelfile is not None:
         out.print(f"Ollama: ollama create NAME -f {report.modelfile}")
+    for line in report.warnings:                  # last: what the merge lost, and what to do
+        notice(f"warning: {line}")
 
 
 def _convert_checkpoint(o) -> None:

@@ -28,10 +28,18 @@ weighted quantizer on the input columns' mean x^2 (from --imatrix or
 --calibration-data), GPTQ-style error compensation through each input's second
 moment (from --calibration-data only; Calibration runs the base + adapters over the
 text), and per block the base's own code wherever it is at least as close to the
-merged weight. Given neither, the imatrix `finetune` wrote beside the first adapter
-(adapter-N.imatrix.gguf for adapter-N.gguf) is used when it exists. Without statistics that
+merged weight. Given neither, the training data the first adapter records
+(train/recorded.py) is the calibration text while its sha256 matches: a sample of
+--calibration-chunks x --calibration-ctx tokens, rendered as training rendered it, in
+windows of --calibration-ctx, as --calibration-data (rows of a shorter training --ctx
+follow one another, as the text does; windows of a training --ctx of 128 kept 85 % of
+the KL shift on Qwen2.5-Coder-0.5B Q4_K_M, docs/performance.md). Where the file is gone
+or was edited, the imatrix
+`finetune` wrote beside the adapter (adapter-N.imatrix.gguf for adapter-N.gguf) is
+used when it exists, and the output ends with a warning. Without statistics that
 is round to nearest keeping the base's blocks that are as close (a zero adapter gives
-back the base's bytes).
+back the base's bytes). After the merge, models/survival.py says what of the adapters
+the merged tensors kept, with a warning when that is nothing or too little.
 """
 from __future__ import annotations
 
@@ -53,11 +61,19 @@ from ..kernels import dequant
 from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..locks import hold
+from ..models.survival import Survival
 from ..models.writer import FILE_TYPE, out_type, parse_outtype
 from ..options import MergeOptions
 from ..outputs import Out, check_paths
+from ..train.recorded import calibration_windows as recorded_windows
+from ..train.recorded import check as check_recorded
+from ..train.recorded import recorded_data
 
 TOKEN_EMBD = "token_embd.weight"
+KEPT_LOW = 0.5       # a merge that keeps less of the adapter's update than this ends with a warning
+# what the merge with finetune's imatrix alone loses: on Qwen2.5-Coder-0.5B at Q4_0 (40 steps of Shakespeare,
+# llama-perplexity --kl-divergence) it kept 48 % of the KL shift, calibrated on the training text 93.5 %
+FALLBACK_LOSS = "much less of the adapter in 4-bit types (at Q4_0 about half of it: 48 % of the KL shift, not 93 %)"
 
 # One adapter term for one weight: (A, B, s) as in the module docstring.
 Delta = tuple[np.ndarray, np.ndarray, float]
@@ -75,6 +91,9 @@ class ExportReport:
     n_calibration_passes: int = 0
     modelfile: Path | None = None
     imatrix: Path | None = None   # the training imatrix found beside an adapter (without --imatrix)
+    calibration: str = ""         # which statistics the merge used, from which file (the start line)
+    survival: str = ""            # models/survival.py's summary line
+    warnings: list[str] = field(default_factory=list)   # each ends the output as one line
 
     @property
     def n_merged(self) -> int:
@@ -113,14 +132,7 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     loaded = _load_adapters(base, adapters, out)
     report = ExportReport(out, notes=_set_differences(loaded))
     imatrix = None
-    source = options.imatrix
-    if source is None and options.calibration_data is None and options.merge_method == "compensated":
-        source = _training_imatrix(loaded)
-        if source is not None:
-            notice(f"using the imatrix that finetune wrote beside {loaded[0][0].path.name}: {source} "
-                   "(per-column weights only; --calibration-data TEXT, e.g. the training text, also carries "
-                   "rounding errors across columns and keeps much more of the adapter at 4 bits)")
-            report.imatrix = source
+    source, recorded = _statistics(loaded, options, report)
     if source is not None:
         imatrix = read_imatrix(source)
         check_against(imatrix, Path(source), {n: t.n_cols for n, t in base.tensors.items()})
@@ -138,15 +150,18 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     if options.merge_method == "compensated":
         blocky = [t.name for t in base.tensors.values() if t.name in deltas and t.name != TOKEN_EMBD
                   and len(t.shape) == 2 and _is_block_type(out_type(t, target, True, lambda _: None))]
-        if options.calibration_data is not None and blocky:
-            requant.calibration = _calibrate(base, loaded, options, blocky, progress)
-            requant.imatrix = requant.calibration.imatrix(str(options.calibration_data))
+        sample = recorded if options.calibration_data is None else _text_sample(options)
+        if sample is not None and blocky:
+            requant.calibration = _calibrate(base, loaded, options, blocky, progress, sample)
+            requant.imatrix = requant.calibration.imatrix(sample.name)
             if options.imatrix_out is not None:
                 write_imatrix(options.imatrix_out, requant.imatrix, base.arch)
         report.statistics = ("calibration" if requant.calibration else "imatrix" if imatrix else "none")
         if report.statistics == "none" and blocky:
             report.notes.append("no --calibration-data or --imatrix: merged blocks are rounded to nearest, keeping "
                                 "each base block that is as close (give one for an output-aware merge)")
+    survival = Survival(metric={"calibration": "the calibration's inputs", "imatrix": "the imatrix"}.get(
+        report.statistics, "the weights alone"))
 
     tensors: list[TensorOut] = []
     problems: list[str] = []
@@ -167,7 +182,8 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
             report.n_converted += 1
         else:
             report.merged[t.name] = qtype.name
-        tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype, requant)))
+        tensors.append(TensorOut(t.name, t.shape, qtype, partial(_merge, t, merge or [], qtype, requant,
+                                                                  survival if merge else None)))
     if problems:
         raise LlamatuneError("cannot export: " + listed(problems))
     for note in report.notes:
@@ -175,6 +191,7 @@ def _export(model_base: str | Path, adapters: list[tuple[str | Path, float]], ou
     write_gguf(out, base.arch, _metadata(base, target), tensors)
     if requant.calibration is not None:
         report.n_calibration_passes = requant.calibration.n_passes
+    _survived(report, survival)
     if options.ollama is not None:
         report.modelfile = write_modelfile(options.ollama, out, base.get("tokenizer.chat_template"))
     return report
@@ -200,11 +217,57 @@ def _load_adapters(base: GGUFFile, adapters: list[tuple[str | Path, float]],
     return loaded
 
 
+def _statistics(loaded: list[tuple[LoraAdapter, float]], options: MergeOptions,
+                report: ExportReport) -> tuple[Path | None, "_Sample | None"]:
+    """Which statistics the compensated merge uses, said in one line before the work:
+    --imatrix; --calibration-data; else the training data the first adapter records
+    (train/recorded.py) when it is there unchanged, sampled and rendered as training
+    rendered it; else the imatrix finetune wrote beside the adapter, with a warning to
+    end the output when recorded data is gone or was edited. Returns (the imatrix file
+    to read, the recorded sample to calibrate on)."""
+    if options.merge_method != "compensated":
+        return None, None
+    if options.imatrix is not None:
+        report.calibration = f"the importance matrix --imatrix {options.imatrix}"
+    elif options.calibration_data is not None:
+        report.calibration = f"--calibration-data {options.calibration_data}"
+    if report.calibration:
+        notice(f"statistics: {report.calibration}")
+        return options.imatrix, None
+    record = recorded_data(GGUFFile(loaded[0][0].path))
+    problem = None if record is None else check_recorded(record)
+    if record is not None and problem is None:
+        report.calibration = (f"the training data {record.path}, as finetune rendered it (its sha256 matches "
+                              f"{loaded[0][0].path.name}'s record)")
+        notice(f"calibration: {report.calibration}")
+        return None, _Sample(str(record.path), lambda tok: recorded_windows(
+            record, tok, options.calibration_chunks * options.calibration_ctx, options.calibration_ctx))
+    source = _training_imatrix(loaded)
+    if source is not None:
+        report.calibration = f"the imatrix finetune wrote beside {loaded[0][0].path.name}: {source}"
+        notice(f"statistics: {report.calibration} (per-column weights only)")
+        report.imatrix = source
+    if record is not None:
+        used = "finetune's imatrix only" if source is not None else "no statistics (rounded to nearest)"
+        report.warnings.append(f"{problem}: merged with {used}, which keeps {FALLBACK_LOSS}; for the full merge "
+                               f"pass --calibration-data with the training data (it was {record.path})")
+    return source, None
+
+
 def _training_imatrix(loaded: list[tuple[LoraAdapter, float]]) -> Path | None:
     """The imatrix finetune writes beside the first adapter (adapter-N.imatrix.gguf),
     when it exists; None otherwise (then: the merge without statistics)."""
     path = beside(loaded[0][0].path)
     return path if path.is_file() else None
+
+
+def _survived(report: ExportReport, survival: Survival) -> None:
+    """The summary line of what the merge kept, and its warning (before the others)."""
+    types = ", ".join(sorted({q for q in report.merged.values() if _is_block_type(QType[q])})) or "the output type"
+    report.survival = survival.summary(types)
+    warning = survival.warning(KEPT_LOW, types)
+    if warning is not None:
+        report.warnings.insert(0, warning)
 
 
 def _set_differences(loaded: list[tuple[LoraAdapter, float]]) -> list[str]:
@@ -232,18 +295,25 @@ def _can_dequantize(t: Tensor) -> bool:
         return False
 
 
-def _merge(t: Tensor, deltas: list[Delta], qtype: QType, requant: "_Requant") -> np.ndarray:
+def _merge(t: Tensor, deltas: list[Delta], qtype: QType, requant: "_Requant",
+           survival: Survival | None = None) -> np.ndarray:
     """deq(W) + sum_i s_i · delta_i in f32 (rows, cols), encoded as `qtype`.
-    Called by the writer when it reaches `t`: one tensor is in memory at a time."""
+    Called by the writer when it reaches `t`: one tensor is in memory at a time.
+    `survival` measures what of the deltas the codes kept."""
     w = dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols)       # fresh (rows, cols) f32; norms (1, C)
     for a, b, s in deltas:
         # token_embd: A (V, r), B (C, r) -> (V, C); others (incl. norms): B (n_out, r) @ A (r, n_in)
         w += np.float32(s) * (a @ b.T if t.name == TOKEN_EMBD else b @ a)
     if qtype == QType.F32:
-        return w
-    if not deltas or not _is_block_type(qtype) or requant.method == "plain":
-        return quantize(w, qtype)
-    return requant(t, w, qtype)
+        out = w
+    elif not deltas or not _is_block_type(qtype) or requant.method == "plain":
+        out = quantize(w, qtype)
+    else:
+        out = requant(t, w, qtype)
+    if survival is not None:
+        h, qw = requant.metric(t.name)
+        survival.add(t, deltas, out, qtype, _is_block_type(qtype), h, qw)
+    return out
 
 
 _FLOAT_TYPES = frozenset({QType.F32, QType.F16, QType.BF16})
@@ -260,11 +330,18 @@ class _Requant:
         self.method, self.imatrix = method, imatrix
         self.calibration = None
         self._factors: dict[str, np.ndarray] = {}      # input key -> U, this layer's (q/k/v share one)
+        self._metric: tuple[str, object, object] = ("", None, None)   # the last weight's (name, H, qw)
+
+    def metric(self, name: str) -> tuple[object, np.ndarray | None]:
+        """(H or its diagonal blocks, mean x^2 per column) the last call used for weight
+        `name`, each None when it had none."""
+        return self._metric[1:] if self._metric[0] == name else (None, None)
 
     def __call__(self, t: Tensor, w: np.ndarray, qtype: QType) -> np.ndarray:
         base = t.raw_rows() if t.qtype == qtype else None          # the base's codes: kept where as close
         qw = None if self.imatrix is None or t.name == TOKEN_EMBD else self.imatrix.importance(t.name)
         found = self.calibration.hessian(t.name) if self.calibration is not None else None
+        self._metric = (t.name, None if found is None else found[1], qw)
         if found is not None:
             key, h = found
             if key not in self._factors:
@@ -280,29 +357,47 @@ class _Requant:
         return quantize_compensated(w, qtype, u, qw, base, overwrite=True)    # w: _merge's own
 
 
+@dataclass
+class _Sample:
+    """Calibration text: its name (the imatrix's dataset) and its windows for a tokenizer."""
+    name: str
+    windows: object        # tokenizer -> (n, T) token ids
+
+
+def _text_sample(merge: MergeOptions) -> _Sample:
+    """--calibration-data: the text's first windows (models/calibration.py)."""
+    from ..models.calibration import calibration_windows
+    path = Path(merge.calibration_data)
+
+    def windows(tokenizer):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise LlamatuneError(f"{path}: calibration text is not UTF-8") from None
+        return calibration_windows(tokenizer, text, merge.calibration_ctx, merge.calibration_chunks, str(path))
+    return _Sample(str(path), windows)
+
+
 def _calibrate(base: GGUFFile, loaded: list[tuple[LoraAdapter, float]], merge: MergeOptions,
-               ordered: list[str], progress):
-    """Run the base + adapters (applied at run time, norms aside) over the calibration text."""
-    from ..models.calibration import Calibration, calibration_windows
+               ordered: list[str], progress, sample: _Sample | None = None):
+    """Run the base + adapters (applied at run time, norms aside) over the sample's windows
+    (by default those of --calibration-data)."""
+    from ..models.calibration import Calibration
     from ..models.infer import Runner
     from ..models.model import Model
     from ..precision import policy
-    path = Path(merge.calibration_data)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise LlamatuneError(f"{path}: calibration text is not UTF-8") from None
     model = Model(base)
     runtime = RuntimeAdapters()
     for adapter, user_scale in loaded:
         for name, (a, b) in adapter.pairs.items():
             if not is_norm(name):
                 runtime.add(name, a, b, adapter.scale(name, user_scale))
-    windows = calibration_windows(model.tokenizer, text, merge.calibration_ctx, merge.calibration_chunks, str(path))
+    windows = (sample or _text_sample(merge)).windows(model.tokenizer)
     compute = policy("auto")       # statistics need no f32 products: bf16 where the CPU has it
-    # four windows a forward: the second moments' products get K = 4 x 512 (+20 % rate)
+    # forwards of 4 x --calibration-ctx tokens (4 windows of 512: the second moments' products get K = 2048)
+    batch = max(1, 4 * merge.calibration_ctx // windows.shape[1])
     return Calibration(Runner(model, runtime, policy=compute), windows, ordered, merge.calibration_memory << 20,
-                       batch=4, progress=progress, bf16=compute.dtype == "bf16", block=merge.calibration_block)
+                       batch=batch, progress=progress, bf16=compute.dtype == "bf16", block=merge.calibration_block)
 
 
 def _metadata(base: GGUFFile, target: QType | None) -> list[KV]:

@@ -30,6 +30,7 @@ from ..train.inputs import check_packing, read_training_text, train_and_validati
 from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from ..train.params import ParamBuffer
+from ..train.recorded import data_kvs
 from ..train.statistics import PREFIX, TrainingStats
 from ..train.trainer import Job, TrainResult, run
 
@@ -63,13 +64,15 @@ def build_job(o: FinetuneOptions) -> Job:
     if o.method == "sft":
         stats = TrainingStats(backend.xp, Path(o.train_data).name, o.ctx)
 
+    data = data_kvs(o)                                # the adapter records its training data (export-lora)
+
     def write_outputs(tag: str) -> list[Path]:
         path = ckpt.iteration_path(o.lora_out, tag)
         if stats is not None:
             imatrix = ckpt.iteration_path(o.imatrix_out or beside(o.lora_out), tag)
             write_imatrix(imatrix, stats.imatrix(), cfg.arch)
         write_adapter(path, to_adapter(params, targets, cfg.arch, alpha),
-                      extra=[kv("adapter.lora.base_model", model.path.name)])
+                      extra=[kv("adapter.lora.base_model", model.path.name)] + data)
         return [path] + ([imatrix] if stats is not None else [])
 
     ranks = o.ranks()

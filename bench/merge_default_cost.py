@@ -1,0 +1,113 @@
+"""Benchmark: export-lora's default merge (calibrated on the training data the adapter
+records) against the plain merge, at Llama-2-7B tensor shapes (#52: at most 2x).
+
+The model is Llama-2-7B-shaped with --layers of its 32 layers (random Q4_K blocks,
+real_size.py's generator; the llama SPM vocabulary of --vocab so that text tokenizes);
+the adapter is random, rank 8 on q, k, v, o, gate, up and down of every layer, and
+records --data as its training data (train/recorded.py, --ctx as the training
+context). Each export runs in a fresh process (`llamatune export-lora -m M --lora A
+-o OUT [--merge-method plain]`), plain and default alternating for --rounds rounds.
+Both costs grow with the layers (the calibration's forward and passes per layer, the
+quantizers per matrix; what does not, the embedding copy and the tokenizer, is small
+beside a layer), so the ratio at a few layers is the ratio at 32.
+
+    python bench/merge_default_cost.py --vocab shared/vocab/ggml-vocab-llama-spm.gguf \
+        --data shared/data/shakespeare.txt [--layers 2] [--ctx 128] [--rounds 2] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from real_size import SHAPES, random_q4_k  # bench/ is sys.path[0] when run as a script
+
+R = 8
+TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def build_model(path: Path, vocab: Path, n_layer: int) -> None:
+    from gguf import GGMLQuantizationType as QType
+    from llamatune.formats.gguf_io import GGUFFile, TensorOut, kv, write_gguf
+    from llamatune.models.config import ModelConfig
+    from llamatune.models.writer import tensor_names
+    shape = dict(SHAPES["llama2-7b"], n_layer=n_layer)
+    cfg = ModelConfig(**shape)
+    voc = GGUFFile(vocab)
+    tokenizer = [item for key, item in voc.kvs.items() if key.startswith("tokenizer.")]
+    n_vocab = len(voc.get("tokenizer.ggml.tokens"))
+    cfg = ModelConfig(**dict(shape, n_vocab=n_vocab))
+    tensors = []
+    for i, (name, s) in enumerate(tensor_names(cfg).items()):
+        if len(s) == 1:
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s: np.ones(s, np.float32)))
+        else:
+            tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k(s, i)))
+    kvs = [kv("general.type", "model"), kv("general.name", f"random llama2-7b, {n_layer} layers")]
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 14)] + tokenizer
+    write_gguf(path, cfg.arch, kvs, tensors)
+
+
+def build_adapter(path: Path, model: Path, data: Path, ctx: int) -> None:
+    from llamatune.formats.adapter import LoraAdapter, expected_shapes, write_adapter
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.options import FinetuneOptions
+    from llamatune.train.recorded import data_kvs
+    f = GGUFFile(model)
+    rng = np.random.default_rng(0)
+    adapter = LoraAdapter(f.arch, float(R))
+    for name, t in f.tensors.items():
+        if name.startswith("blk.") and name.split(".")[2] in TARGETS:
+            a_shape, b_shape = expected_shapes(name, t.shape, R)
+            adapter.pairs[name] = (rng.normal(0, 0.02, a_shape).astype(np.float32),
+                                   rng.normal(0, 0.002, b_shape).astype(np.float32))
+    write_adapter(path, adapter, extra=data_kvs(FinetuneOptions(train_data=data, ctx=ctx)))
+
+
+def export(model: Path, adapter: Path, out: Path, threads: int, plain: bool) -> tuple[float, str]:
+    cmd = [str(Path(sys.executable).with_name("llamatune")), "export-lora", "-m", str(model), "--lora", str(adapter),
+           "-o", str(out)] + (["--merge-method", "plain"] if plain else [])
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), NUMBA_NUM_THREADS=str(threads),
+               OPENBLAS_NUM_THREADS=str(threads))
+    start = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"export failed: {r.stderr[-2000:]}")
+    return time.perf_counter() - start, r.stderr + r.stdout
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--vocab", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-merge-cost"))
+    a = ap.parse_args()
+    a.workdir.mkdir(parents=True, exist_ok=True)
+    model, adapter = a.workdir / f"7b-{a.layers}l.Q4_K.gguf", a.workdir / "adapter.gguf"
+    if not model.exists():
+        build_model(model, a.vocab, a.layers)
+    build_adapter(adapter, model, a.data, a.ctx)
+    times = {"plain": [], "default": []}
+    for r in range(a.rounds):
+        for kind in ("plain", "default"):
+            s, log = export(model, adapter, a.workdir / f"{kind}.gguf", a.threads, kind == "plain")
+            times[kind].append(s)
+            print(f"round {r + 1} {kind}: {s:.1f} s", flush=True)
+            if r == 0:
+                print("  " + "\n  ".join(line for line in log.splitlines() if line.strip()), flush=True)
+    p, d = np.median(times["plain"]), np.median(times["default"])
+    print(f"{a.layers} layers of Llama-2-7B, Q4_K, r {R}: plain {p:.1f} s, default {d:.1f} s (median of "
+          f"{a.rounds}): {d / p:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
