@@ -95,13 +95,22 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if (policy.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None
-                and hasattr(base, "keep_bf16")):
-            base.keep_bf16("output.weight")
+        if policy.dtype == "bf16" and kept_head_bytes(cfg, self.chunk) and within is None:
+            base.keep_bf16("output.weight")                # bf16: a frozen base (FrozenBase)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
+        self._rope_tables(base, buf, T, dtype, within)
+        self.buffers = buf                             # name -> array, as planned
+        self.ropes = self.rope_rows                    # the step's tables, per rope set
+        self.segments = None
+        self.step_key = (0,)
+
+    def _rope_tables(self, base, buf: dict, T: int, dtype, within: "Graph | None") -> None:
+        """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
+        graph's: the first rows of the graph it is within), and their f32 host copies."""
+        xp, cfg = self.xp, self.cfg
         if within is None:                             # per rope set: f32 cache; 0..T-1 tables
             self.rope_host, self.rope_rows = [], []
             for j, rope in enumerate(cfg.rope_sets):
@@ -117,10 +126,6 @@ class Graph(LoraLinear, LossHead, Forward):
             self.rope_host = within.rope_host
             self.rope_rows = [(c[:T], s[:T]) for c, s in within.rope_rows]
             buf |= {k: v[:T] for k, v in within.buffers.items() if k.startswith("rope_")}
-        self.buffers = buf                             # name -> array, as planned
-        self.ropes = self.rope_rows                    # the step's tables, per rope set
-        self.segments = None
-        self.step_key = (0,)
 
     def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
         """The gate's float32 inputs before the layer keeps them as bf16: the backward's
