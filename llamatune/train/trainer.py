@@ -38,14 +38,13 @@ from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batcher, Samples, describe
-from .graph import Graph
+from .graph import Graph, compile_kernels
 from .guard import Guard
 from .lora import LoraTarget
 from .memory import (
     FASTEST_FIRST,
     Estimate,
     Planner,
-    compile_kernels,
     device_runtime_bytes,
     free_memory,
     gib,
