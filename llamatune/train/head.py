@@ -133,14 +133,8 @@ class LossHead:
         gradient in place, then dW (written whole when `fresh`, else added to) and dx."""
         cfg, xp, C, n = self.cfg, self.xp, self.cfg.n_embd, x.shape[0]
         logits = self.logits[:n]
-        if t is not None:
-            xa = x @ t.a.T                                   # (n, r)
-            sxa, Bt = t.scale * xa, t.b
-        with self.products.shared_input(x):                  # x rounded to bf16 once, not once a block
-            for vlo, vhi in blocks:
-                self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)
-                if t is not None:
-                    logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(n, vhi - vlo))
+        xa = None if t is None else x @ t.a.T                # (n, r)
+        self.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)], self.head_scratch)
         if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if not backward:                                     # the step's kernel: the same losses bit for bit
