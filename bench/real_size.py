@@ -122,7 +122,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     from llamatune.models.weights import FrozenBase
     from llamatune.train.graph import Graph
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.memory import Planner, compile_kernels, measure_runtime, peak_resident_bytes
+    from llamatune.train.graph import compile_kernels
+    from llamatune.train.memory import Planner, measure_runtime, peak_resident_bytes
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step
     from llamatune.options import FinetuneOptions

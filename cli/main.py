@@ -177,7 +177,7 @@ def _chat(o) -> None:
 
 def _plot(o) -> None:
     from llamatune.console import out
-    from llamatune.train.plot import plot_metrics
+    from llamatune.plot import plot_metrics
     out.print(f"wrote {plot_metrics(o.metrics, o.output or o.metrics.with_suffix('.png'), o.smooth, o.log_y, o.title)}")
 
 

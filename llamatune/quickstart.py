@@ -75,19 +75,10 @@ def run(workdir: Path) -> None:
         _tour(workdir)
 
 
-def _tour(workdir: Path) -> None:
-    """run once the work directory is checked and locked."""
-    import sys
-
+def _split_sample(workdir: Path) -> tuple[str, int]:
+    """The sample text and where its last 25 % begin (at a paragraph): the first part
+    written for train-from-scratch, the rest for the finetune."""
     from .formats.gguf_io import write_error
-    from .models.runner import make_runner
-    from .options import FinetuneOptions, ScratchOptions
-    from .commands.export import export_lora
-    from .commands.finetune import finetune
-    from .commands.generate import generate, stream_text
-    from .commands.perplexity import perplexity
-    from .commands.scratch import train_from_scratch
-
     text = sample_text()
     cut = int(len(text) * 0.75)
     cut = text.rindex("\n\n", 0, cut) + 2
@@ -97,7 +88,22 @@ def _tour(workdir: Path) -> None:
         (workdir / "finetune-text.txt").write_text(text[cut:], encoding="utf-8")
     except OSError as e:
         raise write_error(workdir, e) from None
+    return text, cut
 
+
+def _tour(workdir: Path) -> None:
+    """run once the work directory is checked and locked."""
+    import sys
+
+    from .models.runner import make_runner
+    from .options import FinetuneOptions, ScratchOptions
+    from .commands.export import export_lora
+    from .commands.finetune import finetune
+    from .commands.generate import generate, stream_text
+    from .commands.perplexity import perplexity
+    from .commands.scratch import train_from_scratch
+
+    text, cut = _split_sample(workdir)
     out.print("[bold]1. train-from-scratch[/bold]: a 4-layer llama on the first 75 % of the sample")
     base_opts = ScratchOptions(train_data=workdir / "base-text.txt", vocab_size=2048,
                                special_tokens="<|im_start|>,<|im_end|>", embd=128, head=4, head_kv=2,

@@ -224,7 +224,7 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch
     from numba.core.registry import CPUDispatcher
     from conftest import write_tiny_model
     from llamatune.backend import cpu
-    from llamatune.train.memory import compile_kernels
+    from llamatune.train.graph import compile_kernels
     family = dict(attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2) if arch == "gemma2" else {}
     m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0, arch=arch, n_layer=3, **family))
     backend = cpu()

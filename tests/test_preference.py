@@ -238,12 +238,12 @@ def test_tiny_model_learns_held_out_preferences(tmp_path, tiny_model, method):
     assert ("nll_loss" in steps[-1]) == (method == "orpo")
     assert res.losses[-1] < res.losses[0]
     assert (tmp_path / "adapter-BEST.gguf").exists()
-    from llamatune.train.plot import read_metrics
+    from llamatune.plot import read_metrics
     c = read_metrics(tmp_path / "m.jsonl")                # the plot's curves: the accuracies too
     assert c.acc == [r["rewards/accuracies"] for r in steps] and c.val_acc_steps == [0, 12]
     if method == "orpo":
         pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
-        from llamatune.train.plot import plot_metrics
+        from llamatune.plot import plot_metrics
         assert plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
 
 

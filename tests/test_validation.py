@@ -29,7 +29,7 @@ from llamatune.train.metrics import MetricsLog
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 from llamatune.train.params import ParamBuffer, ParamSpec
-from llamatune.train.plot import read_metrics, smoothed
+from llamatune.plot import read_metrics, smoothed
 from llamatune.train.validation import ValidationState, Validator, eval_pieces, split_samples
 
 from conftest import TEXT
@@ -364,7 +364,7 @@ def test_bad_metrics_files(tmp_path, content, match):
 
 
 def test_plot_errors(tmp_path, monkeypatch):
-    from llamatune.train.plot import plot_metrics
+    from llamatune.plot import plot_metrics
     with pytest.raises(LlamatuneError, match=r"nope.jsonl: metrics file not found"):
         plot_metrics(tmp_path / "nope.jsonl", tmp_path / "x.png")
     (tmp_path / "m.jsonl").write_text('{"step": 1, "loss": 2.0}\n')

@@ -20,16 +20,19 @@ from ..formats.gguf_io import gguf_nbytes, kv
 from ..formats.imatrix import COUNTS, SUMS, beside, write_imatrix
 from ..locks import hold_training
 from ..models.model import Model, check_is_model
+from ..models.writer import parse_outtype, tensor_names
 from ..models.weights import FrozenBase
 from ..options import FinetuneOptions
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
-from ..train.full import full_job
+from ..train.full import FullWeights, load_trained, model_tensors, trained_names, write_full_model
 from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
-from ..train.params import ParamBuffer
+from ..train.objective import SFT
+from ..train.params import ParamBuffer, ParamSpec
+from ..train.preference import Preference
 from ..train.recorded import data_kvs
 from ..train.statistics import PREFIX, TrainingStats
 from ..train.trainer import Job, TrainResult, run
@@ -84,7 +87,7 @@ def build_job(o: FinetuneOptions) -> Job:
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes + merge_extra, backend=backend, model_path=model.path,
                output_size=sizes[0], val_samples=val_samples, statistics=stats, side_outputs=sizes[1],
-               checkpoint_extra_bytes=sizes[2])
+               checkpoint_extra_bytes=sizes[2], objective=SFT(stats) if o.method == "sft" else Preference(o))
 
 
 ADAPTER_META_BYTES = 1024          # an adapter's or imatrix's metadata (types, alpha, base name, datasets)
@@ -102,6 +105,35 @@ def _output_bytes(o: FinetuneOptions, model: Model, params: ParamBuffer, imatrix
     file = gguf_nbytes(ADAPTER_META_BYTES, sums + [(n + COUNTS, 2, 4) for n, _ in inputs])
     in_checkpoint = gguf_nbytes(0, [(PREFIX + n, d, b) for n, d, b in sums]) + 64 * len(inputs)
     return (o.lora_out, adapter), [(o.imatrix_out or beside(o.lora_out), file)], in_checkpoint
+
+
+def full_job(o: FinetuneOptions, model: Model, samples, val_samples, backend) -> Job:
+    """A full finetune of `model`: its trained tensors as f32 parameters (train/full.py)."""
+    cfg, f = model.config, model.file
+    tied = model.weights.output is model.weights.token_embd
+    shapes = tensor_names(cfg, tied)
+    names = trained_names(list(shapes), o.train_only, o.freeze, model.path.name)
+    params = ParamBuffer([ParamSpec(n, shapes[n]) for n in names], moments=o.optimizer == "adamw",
+                         moments_bf16=o.adam_moments == "bf16")
+    target = parse_outtype(o.out_type) if o.out_type else None
+    weights = FullWeights(FrozenBase(model, backend), params, tied)
+
+    def write_outputs(tag: str) -> list[Path]:
+        path = ckpt.iteration_path(o.model_out, tag)
+        write_full_model(path, f, params, target)
+        return [path]
+
+    frozen = {id(t): t for t in weights.tensors.values()}          # frozen matrices, the tied head once
+    mapped = sum(t.nbytes for t in frozen.values())                 # (read every step; vectors are in memory)
+    out_bytes = sum(t.nbytes for t in model_tensors(f, {n: None for n in names}, target, set())) + 2**20 + sum(
+        len(repr(item.value)) for item in f.kvs.values())
+    model_kvs = [kv(k, v) for k, v in cfg.metadata().items()]
+    model_kvs += [item for key, item in f.kvs.items() if key.startswith("tokenizer.")]   # convert-checkpoint
+    return Job(ckpt.KIND_FULL, o, cfg, weights, params, [], samples, model.tokenizer,
+               lambda rng: load_trained(params, f), write_outputs, model_kvs, ckpt.fingerprint(f),
+               mapped_bytes=mapped, scratch_bytes=model.dequantizer.nbytes if frozen else 0, backend=backend,
+               model_path=model.path, output_size=(o.model_out, out_bytes), val_samples=val_samples,
+               objective=SFT() if o.method == "sft" else Preference(o))
 
 
 def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:

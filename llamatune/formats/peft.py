@@ -187,8 +187,8 @@ def _pattern_value(pattern: dict, module: str, default):
     return default
 
 
-def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
-    """A PEFT LoRA directory as a GGUF-layout adapter for `names.arch`. Returns (adapter, notes, base model name)."""
+def _read_config(path: Path) -> dict:
+    """adapter_config.json of a PEFT LoRA directory, its values checked."""
     try:
         cfg = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
@@ -208,10 +208,11 @@ def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAd
     for flag, why in (("use_dora", "DoRA magnitude vectors"), ("fan_in_fan_out", "fan_in_fan_out (Conv1D) layouts")):
         if cfg.get(flag):
             raise LlamatuneError(f"{where} uses {flag}: {why} have no GGUF adapter equivalent")
-    lora_alpha = float(cfg.get("lora_alpha", 8))            # PEFT LoraConfig default
-    rslora = bool(cfg.get("use_rslora"))
-    tensors = read_safetensors(path / "adapter_model.safetensors")
+    return cfg
 
+
+def _halves(tensors: dict[str, np.ndarray], where: str) -> dict[str, dict[str, np.ndarray]]:
+    """The safetensors' LoRA tensors by module: {"A": lora_A, "B": lora_B}."""
     halves: dict[str, dict[str, np.ndarray]] = {}
     unknown = []
     for key, arr in tensors.items():
@@ -227,7 +228,15 @@ def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAd
                              "modules_to_save, biases or DoRA vectors cannot go into a GGUF adapter)")
     if not halves:
         raise LlamatuneError(f"{where} holds no LoRA tensors")
+    return halves
 
+
+def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
+    """A PEFT LoRA directory as a GGUF-layout adapter for `names.arch`. Returns (adapter, notes, base model name)."""
+    cfg, where = _read_config(path), f"{path}: PEFT adapter"
+    lora_alpha = float(cfg.get("lora_alpha", 8))            # PEFT LoraConfig default
+    rslora = bool(cfg.get("use_rslora"))
+    halves = _halves(read_safetensors(path / "adapter_model.safetensors"), where)
     pairs: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
     for module, h in halves.items():
         weight = gguf_weight(module, names)

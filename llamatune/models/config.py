@@ -18,6 +18,18 @@ from .arch import Arch, check_dense, get_arch
 
 MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
 
+def _tokens_count(md: dict[str, Any], arch: str, source: str) -> int:
+    """The vocabulary size of a model without `{arch}.vocab_size`: its tokenizer's tokens."""
+    tokens = md.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        raise LlamatuneError(f"{source}: cannot tell the vocabulary size "
+                             f"(no '{arch}.vocab_size' and no 'tokenizer.ggml.tokens')")
+    if not isinstance(tokens, list) or not tokens:
+        raise LlamatuneError(f"{source}: metadata key 'tokenizer.ggml.tokens' is {describe(tokens)}, "
+                             "expected a non-empty list of strings")
+    return len(tokens)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -171,17 +183,7 @@ class ModelConfig:
             raise LlamatuneError(f"{source}: embedding_length {n_embd} is not a multiple of head_count {n_head} "
                                  f"(and there is no '{arch}.attention.key_length')")
         head_dim = count("attention.key_length", n_embd // n_head)
-        if f"{arch}.vocab_size" in md:
-            n_vocab = count("vocab_size")
-        else:
-            tokens = md.get("tokenizer.ggml.tokens")
-            if tokens is None:
-                raise LlamatuneError(f"{source}: cannot tell the vocabulary size "
-                                     f"(no '{arch}.vocab_size' and no 'tokenizer.ggml.tokens')")
-            if not isinstance(tokens, list) or not tokens:
-                raise LlamatuneError(f"{source}: metadata key 'tokenizer.ggml.tokens' is {describe(tokens)}, "
-                                     "expected a non-empty list of strings")
-            n_vocab = len(tokens)
+        n_vocab = count("vocab_size") if f"{arch}.vocab_size" in md else _tokens_count(md, arch, source)
         scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
         if not isinstance(scaling_type, str):
             raise LlamatuneError(f"{source}: metadata key '{arch}.rope.scaling.type' is {describe(scaling_type)}, "

@@ -161,6 +161,20 @@ class Forward:
         """y (N, n_out) = x (N, n_in) W^T, in the compute dtype (products.py)."""
         self.products(y, x, W, trans_b=True)
 
+    def head_logits(self, logits: np.ndarray, x: np.ndarray, blocks: list, rows, adapters: list,
+                    scratch=None) -> None:
+        """logits (n, V) = x W_out^T + sum of the adapters' (s x A^T) B^T, one block of the head's
+        rows at a time: the one head forward of inference (infer.Runner.head) and training
+        (train/head.py, its loss and gradient on top). rows(block): the block's rows as a weight
+        (expanded); adapters: [(s x A^T (n, r), B (V, r))]; scratch(n, m): where an adapter's
+        (n, m) share is made (None: a new array)."""
+        with self.products.shared_input(x):              # x rounded to bf16 once, not once a block
+            for lo, hi in blocks:
+                self.base_product(logits[:, lo:hi], x, rows((lo, hi)))
+                for sxa, b in adapters:
+                    out = None if scratch is None else scratch(x.shape[0], hi - lo)
+                    logits[:, lo:hi] += self.xp.matmul(sxa, b[lo:hi].T, out=out)
+
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + the adapters' share (in the base product where
         `adapter_in_product`: products.Products.adapted)."""

@@ -118,11 +118,8 @@ class Runner(Forward):
             self.observer("output.weight", x)
         logits = self.xp.empty((x.shape[0], V), np.float32)
         adapters = [(s * (x @ a.T), b) for a, b, s in self.adapters.get("output.weight", ())]
-        for lo in range(0, V, R):
-            hi = min(V, lo + R)
-            self.base_product(logits[:, lo:hi], x, self.weight_rows("output.weight", lo, hi, x.shape[0]))
-            for xa, b in adapters:
-                logits[:, lo:hi] += xa @ b[lo:hi].T
+        self.head_logits(logits, x, [(lo, min(V, lo + R)) for lo in range(0, V, R)],
+                         lambda block: self.weight_rows("output.weight", *block, x.shape[0]), adapters)
         return logits
 
     def forward(self, tokens: np.ndarray, cache: KVCache | None = None,

@@ -120,6 +120,18 @@ class Tokenizer:
             self._fail(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: 'llama' "
                        "(SentencePiece), 'gpt2' (byte-level BPE) and 'gemma4' (BPE on SentencePiece-style pieces)")
         self._spm = model == "llama"
+        scores = self._load_vocab(f)
+        pre, setting = self._load_settings(f, model)
+        self._load_specials(f, pre)
+        if self._spm:
+            self._build_spm(scores)
+        else:
+            self._build_bpe(f, setting)
+        return self
+
+    # ---- construction helpers ----
+    def _load_vocab(self, f: Any) -> list:
+        """The tokens, their types and the control set (llama.cpp's load()); returns the scores."""
         tokens = self._array(f, "tokenizer.ggml.tokens", str, required=True)
         n = self.n_vocab = len(tokens)
         scores = self._array(f, "tokenizer.ggml.scores", (int, float)) or [0.0] * n
@@ -146,7 +158,11 @@ class Tokenizer:
         if "<|tool_response>" in ids and "</s>" in ids:     # gemma4 / paddleocr: </s> is a normal token
             self._control.discard(ids["</s>"])
             self._types[ids["</s>"]] = _NORMAL
+        return scores
 
+    def _load_settings(self, f: Any, model: str) -> tuple[str | None, PreTokenizer]:
+        """BOS/EOS, their add flags, spaces and the pre-tokenizer: load()'s defaults for the
+        model, then the GGUF keys. Returns (tokenizer.ggml.pre as used, its setting)."""
         # defaults of load(), then overridden by the GGUF keys
         pre = f.get("tokenizer.ggml.pre")
         setting = PreTokenizer([])
@@ -181,7 +197,11 @@ class Tokenizer:
         for flag, tid, name in ((self.add_bos, self.bos_id, "bos"), (self.add_eos, self.eos_id, "eos")):
             if flag and tid is None:
                 self._fail(f"tokenizer.ggml.add_{name}_token is true but there is no {name} token id")
+        return pre, setting
 
+    def _load_specials(self, f: Any, pre: str | None) -> None:
+        """The special tokens' matching order, lstrip/rstrip sets and end-of-generation ids."""
+        ids = self._ids
         # special-token cache: longest text (in bytes) first; phi-3 rstrip / jina lstrip attributes
         special = [i for i, t in enumerate(self._types) if t in (_UNKNOWN, _CONTROL, _USER_DEFINED)
                    or i in self._control]
@@ -205,13 +225,6 @@ class Tokenizer:
                         if i is not None}
         self.eog_ids |= {ids[t] for t in _EOG_TEXTS & ids.keys()} & self._control
 
-        if self._spm:
-            self._build_spm(scores)
-        else:
-            self._build_bpe(f, setting)
-        return self
-
-    # ---- construction helpers ----
     def _fail(self, problem: str):
         raise LlamatuneError(f"{self._path}: {problem}")
 

@@ -21,6 +21,7 @@ from .model import Model
 
 class FrozenBase:
     trainable = False
+    lazy_grads = False
 
     def __init__(self, model: Model, backend: Backend | None = None):
         self.model = model

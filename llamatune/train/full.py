@@ -30,11 +30,10 @@ from ..errors import LlamatuneError
 from ..formats.gguf_io import KV, GGUFFile, TensorOut, kv, write_gguf
 from ..kernels import dequant
 from ..kernels.quantize import quantize
-from ..models.model import Model
-from ..models.writer import FILE_TYPE, out_type, parse_outtype, tensor_names
+from ..models.writer import FILE_TYPE, out_type
 from ..models.weights import FrozenBase
 from . import checkpoint as ckpt
-from .params import ParamBuffer, ParamSpec
+from .params import ParamBuffer
 
 
 def patterns(text: str) -> list[str]:
@@ -115,6 +114,9 @@ class FullWeights:
         n = self._name(name)
         return self.params.grad_to_add(n) if n in self.params else None
 
+    def is_kept_bf16(self, name: str) -> bool:
+        return False                          # trained weights multiply in f32: no bf16 copies
+
     def grad_to_write(self, name: str):
         """(gradient, whether the first product may write it whole), or None if frozen."""
         n = self._name(name)
@@ -184,37 +186,3 @@ def write_full_model(path: Path, f: GGUFFile, params: ParamBuffer, target: QType
     for note in sorted(notes):
         notice(note)
     write_gguf(path, f.arch, model_metadata(f, target), tensors)
-
-
-# --------------------------------------------------------------------------- the job
-
-def full_job(o, model: Model, samples, val_samples, backend):
-    """The trainer's Job for a full finetune of `model` (options: FinetuneOptions)."""
-    from .trainer import Job
-    cfg, f = model.config, model.file
-    tied = model.weights.output is model.weights.token_embd
-    shapes = tensor_names(cfg, tied)
-    names = trained_names(list(shapes), o.train_only, o.freeze, model.path.name)
-    params = ParamBuffer([ParamSpec(n, shapes[n]) for n in names], moments=o.optimizer == "adamw",
-                         moments_bf16=o.adam_moments == "bf16")
-    target = parse_outtype(o.out_type) if o.out_type else None
-    weights = FullWeights(FrozenBase(model, backend), params, tied)
-
-    def init(rng: np.random.Generator) -> None:
-        load_trained(params, f)
-
-    def write_outputs(tag: str) -> list[Path]:
-        path = ckpt.iteration_path(o.model_out, tag)
-        write_full_model(path, f, params, target)
-        return [path]
-
-    frozen = {id(t): t for t in weights.tensors.values()}          # frozen matrices, the tied head once
-    mapped = sum(t.nbytes for t in frozen.values())                 # (read every step; vectors are in memory)
-    out_bytes = sum(t.nbytes for t in model_tensors(f, {n: None for n in names}, target, set())) + 2**20 + sum(
-        len(repr(item.value)) for item in f.kvs.values())
-    model_kvs = [kv(k, v) for k, v in cfg.metadata().items()]
-    model_kvs += [item for key, item in f.kvs.items() if key.startswith("tokenizer.")]   # convert-checkpoint
-    return Job(ckpt.KIND_FULL, o, cfg, weights, params, [], samples, model.tokenizer, init, write_outputs,
-               model_kvs, ckpt.fingerprint(f), mapped_bytes=mapped,
-               scratch_bytes=model.dequantizer.nbytes if frozen else 0, backend=backend, model_path=model.path,
-               output_size=(o.model_out, out_bytes), val_samples=val_samples)

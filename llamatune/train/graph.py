@@ -27,6 +27,8 @@ the same arena (`_trimmed`).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from ..backend import Backend, cpu
@@ -95,13 +97,22 @@ class Graph(LoraLinear, LossHead, Forward):
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if (policy.host_bf16 and kept_head_bytes(cfg, self.chunk) and within is None
-                and hasattr(base, "keep_bf16")):
-            base.keep_bf16("output.weight")
+        if policy.host_bf16 and kept_head_bytes(cfg, self.chunk) and within is None:
+            base.keep_bf16("output.weight")                # the CPU's bf16: a frozen base (FrozenBase)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
+        self._rope_tables(base, buf, T, dtype, within)
+        self.buffers = buf                             # name -> array, as planned
+        self.ropes = self.rope_rows                    # the step's tables, per rope set
+        self.segments = None
+        self.step_key = (0,)
+
+    def _rope_tables(self, base, buf: dict, T: int, dtype, within: "Graph | None") -> None:
+        """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
+        graph's: the first rows of the graph it is within), and their f32 host copies."""
+        xp, cfg = self.xp, self.cfg
         if within is None:                             # per rope set: f32 cache; 0..T-1 tables
             self.rope_host, self.rope_rows = [], []
             for j, rope in enumerate(cfg.rope_sets):
@@ -117,10 +128,6 @@ class Graph(LoraLinear, LossHead, Forward):
             self.rope_host = within.rope_host
             self.rope_rows = [(c[:T], s[:T]) for c, s in within.rope_rows]
             buf |= {k: v[:T] for k, v in within.buffers.items() if k.startswith("rope_")}
-        self.buffers = buf                             # name -> array, as planned
-        self.ropes = self.rope_rows                    # the step's tables, per rope set
-        self.segments = None
-        self.step_key = (0,)
 
     def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
         """The gate's float32 inputs before the layer keeps them as bf16: the backward's
@@ -385,3 +392,38 @@ class Graph(LoraLinear, LossHead, Forward):
             x_out = self.layers[i + 1].x if i + 1 < self.cfg.n_layer else self.x_final
             self.layer_forward(i, self.layers[i], x_out)
         return tokens, tg, w
+
+
+def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
+    """Run every training kernel once on a tiny model (compiling it or loading it from
+    numba's disk cache) so that the runtime measured afterwards includes them. numba
+    compiles a kernel apart for each array layout it sees, and the attention's slices
+    are contiguous or not depending on the heads per KV head: the tiny model has the
+    grouping of `like` (the run's ModelConfig), with one KV head when that has one, and
+    its family and hyperparameters (activation, soft-caps, norms, windows)."""
+    from ..models.config import ModelConfig
+    from ..models.writer import random_weights, tensor_names
+    from .optimizer import optimizer_step
+    from .params import DenseWeights, ParamBuffer, ParamSpec
+    if backend.name != "cpu":
+        return
+    kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
+    tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
+                head_dim=16, n_rot=16)
+    cfg = ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)   # the run's family
+    params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
+    for n, a in random_weights(cfg, seed=0).items():
+        params[n][...] = a
+    graph = Graph(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
+    graph.warm_up(packed=getattr(opts, "pack", False))
+    params.grad[...] = 1.0                                      # an update that uses every kernel
+    optimizer_step(params, 0, opts)
+    from gguf import GGML_QUANT_SIZES
+    from gguf import GGMLQuantizationType as QType
+
+    from ..kernels import dequant
+    for q in sorted(set(qtypes) & set(dequant.NUMBA_TYPES)):
+        block, size = GGML_QUANT_SIZES[QType(q)]
+        raw = np.zeros((1, size), np.uint8)
+        raw.flags.writeable = False                             # as the memory-mapped model: numba compiles
+        dequant.dequantize_into(raw, q, np.empty((1, block), np.float32))   # read-only arrays apart

@@ -42,8 +42,7 @@ class LossHead:
     def bf16_head_width(self) -> int:
         """Vocabulary columns per product of `_bf16_chunk`: the dequantization scratch's
         head_rows, or KEPT_HEAD_BLOCK where the head's bf16 copy is kept whole."""
-        kept = getattr(self.base, "is_kept_bf16", None)
-        return max(self.head_rows, KEPT_HEAD_BLOCK) if kept and kept("output.weight") else self.head_rows
+        return max(self.head_rows, KEPT_HEAD_BLOCK) if self.base.is_kept_bf16("output.weight") else self.head_rows
 
     def _bf16_chunk(self, x, dx, losses, targets, weights, width, rows, backward: bool) -> None:
         """One chunk of the head with bf16 products (no adapter on the head, no soft-cap, the
@@ -108,43 +107,12 @@ class LossHead:
             return held[1]
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)
-            x, logits, dx = xn[lo:hi], self.logits[: hi - lo], dxn[lo:hi]
+            x, dx, part = xn[lo:hi], dxn[lo:hi], (losses[lo:hi], targets[lo:hi], weights[lo:hi])
             if self.blocked_head(hi - lo, t, dW):
-                self._bf16_chunk(x, dx, losses[lo:hi], targets[lo:hi], weights[lo:hi], bf16_width, rows, backward)
+                self._bf16_chunk(x, dx, *part, bf16_width, rows, backward)
                 continue
-            if t is not None:
-                xa = x @ t.a.T                               # (n, r)
-                sxa, Bt = t.scale * xa, t.b
-            with self.products.shared_input(x):              # x rounded to bf16 once, not once a block
-                for vlo, vhi in blocks:
-                    self.products(logits[:, vlo:vhi], x, rows((vlo, vhi)), trans_b=True)
-                    if t is not None:
-                        logits[:, vlo:vhi] += xp.matmul(sxa, Bt[vlo:vhi].T, out=self.head_scratch(hi - lo, vhi - vlo))
-            if cfg.final_softcap:                            # cap * tanh(logits / cap), in place
-                self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
-            if not backward:                                 # the step's kernel: the same losses bit for bit
-                self.ops.cross_entropy.cross_entropy_forward_backward(
-                    losses[lo:hi], logits, logits, targets[lo:hi], weights[lo:hi])  # gradient dropped
-                continue
-            if cfg.final_softcap:                            # d(capped) aside, then back through the cap
-                dcap = self.dlogits[: hi - lo]
-                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], dcap, logits,
-                                                                      targets[lo:hi], weights[lo:hi])
-                self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
-            else:
-                self.ops.cross_entropy.cross_entropy_forward_backward(losses[lo:hi], logits, logits,
-                                                                      targets[lo:hi], weights[lo:hi])
-            weight_grad = None
-            if dW is not None:                               # the first chunk writes dW, the others add
-                def weight_grad(vlo, vhi, g, x=x, fresh=fresh):
-                    if fresh:
-                        xp.matmul(g.T, x, out=dW[vlo:vhi])
-                    else:
-                        dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
-            self._dx_from_blocks(dx, blocks, rows, lambda vlo, vhi: logits[:, vlo:vhi], weight_grad)
-            fresh = False
-            if t is not None:
-                self.lora_backward(t, logits, x, xa, dx)
+            self._chunk(x, dx, *part, t, blocks, rows, dW, fresh, backward)
+            fresh = False                                    # the first chunk wrote dW whole
         loss = float(xp.dot(losses.astype(np.float64), weights.astype(np.float64)))
         if M < N:                                            # the tokens without a target: loss 0
             kept = losses.copy()
@@ -159,4 +127,34 @@ class LossHead:
             self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
             self.norm_grad("output_norm.weight", self.dnorm)
         return loss
+
+    def _chunk(self, x, dx, losses, targets, weights, t, blocks, rows, dW, fresh: bool, backward: bool) -> None:
+        """One chunk of n tokens of the head in the graph's products: logits block by block
+        (plus the head's adapter t), the final soft-cap, the losses and (backward) the logit
+        gradient in place, then dW (written whole when `fresh`, else added to) and dx."""
+        cfg, xp, C, n = self.cfg, self.xp, self.cfg.n_embd, x.shape[0]
+        logits = self.logits[:n]
+        xa = None if t is None else x @ t.a.T                # (n, r)
+        self.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)], self.head_scratch)
+        if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
+            self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
+        if not backward:                                     # the step's kernel: the same losses bit for bit
+            self.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+            return                                           # (the gradient dropped)
+        if cfg.final_softcap:                                # d(capped) aside, then back through the cap
+            dcap = self.dlogits[:n]
+            self.ops.cross_entropy.cross_entropy_forward_backward(losses, dcap, logits, targets, weights)
+            self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
+        else:
+            self.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+        weight_grad = None
+        if dW is not None:                                   # the first chunk writes dW, the others add
+            def weight_grad(vlo, vhi, g):
+                if fresh:
+                    xp.matmul(g.T, x, out=dW[vlo:vhi])
+                else:
+                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+        self._dx_from_blocks(dx, blocks, rows, lambda vlo, vhi: logits[:, vlo:vhi], weight_grad)
+        if t is not None:
+            self.lora_backward(t, logits, x, xa, dx)
 

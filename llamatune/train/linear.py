@@ -128,7 +128,7 @@ class LoraLinear:
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
-        t = getattr(self.base, "tensors", {}).get(name)
+        t = self.base.tensors.get(name)
         return t is not None and requantizable(t.qtype)
 
     def requantized(self, W: np.ndarray, name: str, t: Lora) -> np.ndarray:
@@ -160,13 +160,7 @@ class LoraLinear:
     def weight_grad_to_write(self, name: str):
         """(gradient of a trained base weight, whether a product may write it whole), or
         None when frozen (full finetuning clears its gradients lazily: params.zero_grad)."""
-        if not self.base.trainable:
-            return None
-        write = getattr(self.base, "grad_to_write", None)
-        if write is not None:
-            return write(name)
-        g = self.base.grad(name)
-        return None if g is None else (g, False)
+        return self.base.grad_to_write(name) if self.base.trainable else None
 
     def norm_grad(self, name: str, dw: np.ndarray) -> None:
         """Route a norm weight's gradient to its parameter or its adapter."""

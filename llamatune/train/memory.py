@@ -23,7 +23,7 @@ refused with what would fit.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +31,6 @@ import numpy as np
 from ..models.products import adapter_extension, bf16_bytes
 from ..precision import F32, ComputePolicy
 from .buffers import buffer_plan, grad_scratch, has_xa, head_chunk, head_floats, plan_bytes
-from .graph import Graph
 from .head import blocked_head, kept_head_bytes
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
@@ -223,41 +222,6 @@ class Planner:
         if b >= 1:
             hints.append(f"--batch {b}" + (" --checkpointing layer" if m != mode else ""))
         return "would fit: " + ", or ".join(hints) if hints else "nothing smaller fits either"
-
-
-def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
-    """Run every training kernel once on a tiny model (compiling it or loading it from
-    numba's disk cache) so that the runtime measured afterwards includes them. numba
-    compiles a kernel apart for each array layout it sees, and the attention's slices
-    are contiguous or not depending on the heads per KV head: the tiny model has the
-    grouping of `like` (the run's ModelConfig), with one KV head when that has one, and
-    its family and hyperparameters (activation, soft-caps, norms, windows)."""
-    from ..models.config import ModelConfig
-    from ..models.writer import random_weights, tensor_names
-    from .optimizer import optimizer_step
-    from .params import DenseWeights, ParamBuffer, ParamSpec
-    if backend.name != "cpu":
-        return
-    kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
-    tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
-                head_dim=16, n_rot=16)
-    cfg = ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)   # the run's family
-    params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
-    for n, a in random_weights(cfg, seed=0).items():
-        params[n][...] = a
-    graph = Graph(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
-    graph.warm_up(packed=getattr(opts, "pack", False))
-    params.grad[...] = 1.0                                      # an update that uses every kernel
-    optimizer_step(params, 0, opts)
-    from gguf import GGML_QUANT_SIZES
-    from gguf import GGMLQuantizationType as QType
-
-    from ..kernels import dequant
-    for q in sorted(set(qtypes) & set(dequant.NUMBA_TYPES)):
-        block, size = GGML_QUANT_SIZES[QType(q)]
-        raw = np.zeros((1, size), np.uint8)
-        raw.flags.writeable = False                             # as the memory-mapped model: numba compiles
-        dequant.dequantize_into(raw, q, np.empty((1, block), np.float32))   # read-only arrays apart
 
 
 def measure_runtime(params, model_path: Path | None) -> int:

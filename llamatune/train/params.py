@@ -128,11 +128,13 @@ class ParamBuffer:
 class DenseWeights:
     """Every weight is a parameter (train-from-scratch); arrays live wherever params do."""
     trainable = True
+    lazy_grads = False
     rope_freqs = rope_long = rope_short = None   # no rope factor vectors (models/rope.py)
 
     def __init__(self, params: ParamBuffer, tied: bool = False):
         self.params = params
         self.tied = tied
+        self.tensors = {}                     # stored tensors: none, every weight is a parameter
 
     def _name(self, name: str) -> str:
         return "token_embd.weight" if self.tied and name == "output.weight" else name
@@ -159,3 +161,9 @@ class DenseWeights:
 
     def grad(self, name: str):
         return self.params.grad_of(self._name(name))
+
+    def grad_to_write(self, name: str) -> tuple[np.ndarray, bool]:
+        return self.grad(name), False
+
+    def is_kept_bf16(self, name: str) -> bool:
+        return False                          # trained weights multiply in f32: no bf16 copies

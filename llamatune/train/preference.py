@@ -38,6 +38,7 @@ import numpy as np
 from ..errors import LlamatuneError
 from .data import Batch, Batcher, Samples
 from .lora import disabled_adapters
+from .objective import packing, vocab
 from .validation import InOrder, Validator
 
 STATE_KEY = "reference"        # the reference cache's key in the batcher's state
@@ -177,7 +178,8 @@ class Scores:
 
 
 class Preference:
-    """--method dpo / orpo: the micro-batch step, the loss of batches and the metrics."""
+    """--method dpo / orpo, an objective of the training loop (objective.py): the
+    micro-batch step, the loss of batches and the metrics."""
 
     def __init__(self, opts):
         self.method, self.beta = opts.method, float(opts.beta)
@@ -272,13 +274,35 @@ class Preference:
             return g.backend.to_device(weights.reshape(-1).astype(g.tmp.dtype))
         graph.reweight = reweight
         try:
-            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key,
-                       **{k: v for k in ("positions", "segments") if (v := getattr(b, k)) is not None})
+            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key, **packing(b))
         finally:
             graph.reweight = None
         s, losses = got[0]
         self._record(s, losses)
         return float(losses.sum() / n_pairs + (s.nll.sum() / n_chosen if self.method == "orpo" else 0.0))
+
+    # ---- the trainer's objective interface (objective.py)
+    def batcher(self, job) -> PairBatcher:
+        self._batcher = PairBatcher(job.samples, job.opts, *vocab(job))
+        return self._batcher
+
+    def validator(self, job) -> PairValidator | None:
+        return None if job.val_samples is None else PairValidator(job.val_samples, job.opts, *vocab(job), self)
+
+    def begin_step(self, batches: list[Batch]) -> None:
+        self._counts = self.counts(batches)            # pairs and chosen tokens of the step
+
+    def micro_step(self, graph, b: Batch, key: tuple) -> float:
+        return self.step(graph, b, self._batcher.reference, *self._counts, key)
+
+    def micro_loss(self, graph, b: Batch, key: tuple) -> float:
+        return self.loss(graph, b, self._batcher.reference, *self._counts)
+
+    def end_step(self, world) -> dict[str, float]:
+        return self.finish_step(world, self._batcher.reference)
+
+    def settle(self, world, bad: str | None) -> None:
+        pass
 
     @staticmethod
     def counts(batches: list[Batch]) -> tuple[int, int]:

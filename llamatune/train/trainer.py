@@ -1,13 +1,15 @@
 """The training loop shared by `finetune` and `train-from-scratch`.
 
-A `Job` says what is trained (the graph's weight provider, the flat parameters,
-the LoRA targets) and how outputs are written; `run` does the rest identically
-for both: resume or initialize, memory estimate and checkpointing mode (memory.py),
-disk-space estimate, micro-batches with gradient accumulation, the divergence guard
-between gradient norm and update (guard.py: bad steps are skipped), optimizer steps,
-progress, periodic and final checkpoints (written only from a state the guard has
-seen healthy), the metrics log (metrics.py), and validation with --save-best and
---early-stop (validation.py).
+A `Job` says what is trained (the graph's weight provider, the flat parameters, the
+LoRA targets), for what (its objective: objective.SFT or preference.Preference) and
+how outputs are written; `run` does the rest identically for all: `set_up` (resume or
+initialize, compute policy, memory estimate and checkpointing mode (memory.py), graph,
+validation, disk-space estimate), the loop (`step`: micro-batches with gradient
+accumulation, the divergence guard between gradient norm and update (guard.py: bad
+steps are skipped), the optimizer step, progress, the metrics log (metrics.py),
+validation with --save-best and --early-stop (validation.py)), and `finish`. Every
+file goes through `save`: periodic and final checkpoints and outputs (written only
+from a state the guard has seen healthy) and BEST.
 """
 from __future__ import annotations
 
@@ -36,23 +38,22 @@ from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
 from .data import Batcher, Samples, describe
-from .graph import Graph
+from .graph import Graph, compile_kernels
 from .guard import Guard
 from .lora import LoraTarget
 from .memory import (
     FASTEST_FIRST,
     Estimate,
     Planner,
-    compile_kernels,
     device_runtime_bytes,
     free_memory,
     gib,
     measure_runtime,
 )
 from .metrics import MetricsLog
+from .objective import SFT
 from .optimizer import apply_update, gradient_norm, learning_rate
 from .params import ParamBuffer
-from .preference import PairBatcher, PairValidator, Preference
 from .validation import Validator
 
 
@@ -76,9 +77,10 @@ class Job:
     model_path: Path | None = None              # the memory-mapped base model file
     output_size: tuple[Path, int] | None = None  # (output template, bytes of one output file)
     val_samples: Samples | None = None          # validation samples (None: no validation)
-    statistics: object = None                   # statistics.TrainingStats: imatrix sums of the forward (LoRA sft)
     side_outputs: list[tuple[Path, int]] = field(default_factory=list)   # (template, bytes) written with each output
     checkpoint_extra_bytes: int = 0             # what checkpoint_extra adds to a checkpoint once the run has counted
+    statistics: object = None                   # statistics.TrainingStats: imatrix sums of the forward (LoRA sft)
+    objective: object = field(default_factory=SFT)   # what a step trains for (objective.py)
 
     def checkpoint_extra(self) -> tuple[list, list]:
         """KVs and tensors a checkpoint keeps besides the parameters (the imatrix sums)."""
@@ -99,7 +101,7 @@ def memory_estimate(job: Job, backend, policy: ComputePolicy, quiet: bool) -> Es
     """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
     and refuse a run that does not fit with what would."""
     o = job.opts
-    compile_kernels(backend, o, {t.qtype for t in getattr(job.base, "tensors", {}).values()}, job.cfg)
+    compile_kernels(backend, o, {t.qtype for t in job.base.tensors.values()}, job.cfg)
     device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
     planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
@@ -207,32 +209,6 @@ def resume_or_init(job: Job, batcher: Batcher) -> tuple[ckpt.TrainState, str]:
     return ckpt.TrainState(), o.compute_dtype
 
 
-def save_all(job: Job, state: ckpt.TrainState, batcher: Batcher, policy: ComputePolicy,
-             data_state: dict | None = None) -> list[Path]:
-    """Write the checkpoint and outputs of this iteration, then their LATEST copies, the
-    LATEST checkpoint last: a write that fails (disk full) leaves every LATEST file as the
-    previous save left it, and chk-LATEST never points past complete outputs.
-    `data_state`: the batcher's state at this iteration when the batcher has moved on."""
-    o = job.opts
-    if not distributed.current().is_root:         # rank 0 alone writes files
-        return []
-    state.ranks = distributed.current().size
-    state.data_state = data_state if data_state is not None else batcher.state()
-    out = ckpt.iteration_path(o.checkpoint_out, state.iteration)
-    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
-              job.checkpoint_extra(), policy)
-    files = [out] + job.write_outputs(str(state.iteration))
-    template = job.output_size and job.output_size[0]
-    if o.fn_latest and (template is None or ckpt.iteration_path(template, o.fn_latest) not in files):
-        files += job.write_outputs(o.fn_latest)   # an output named without ITERATION is written once
-    latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
-    if latest != out:
-        ckpt.copy_atomic(out, latest)
-        files.append(latest)
-    prune_saves(files, state.iteration, o.save_total_limit)     # --save-total-limit
-    return files
-
-
 CHECKPOINT_STATE_BYTES = 1024       # a checkpoint's state KVs (counters, data order, guard, validation)
 
 
@@ -257,27 +233,6 @@ def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
     for template, nbytes in ([job.output_size] if job.output_size is not None else []) + job.side_outputs:
         sizes += [(ckpt.iteration_path(template, tag), nbytes) for tag in (iteration, o.fn_latest)]
     return list(dict(sizes).items())              # a name without ITERATION is one file, written once
-
-
-def packing(b) -> dict:
-    """A packed batch's positions and segments for Graph.step (empty for unpacked rows)."""
-    return {k: getattr(b, k) for k in ("positions", "segments") if getattr(b, k, None) is not None}
-
-
-def recomputed_loss(graph: Graph, batches: list, seed: int, step: int, pref=None) -> float:
-    """The loss of a step's batches with the current parameters (gradients are added to
-    params.grad, which the next step zeroes): verifies the state after the last update.
-    pref: (Preference, reference cache) of --method dpo / orpo."""
-    n_targets = sum(b.n_targets for b in batches)
-    world, mine = distributed.current(), []
-    counts = pref and Preference.counts(batches)
-    for micro, b in distributed.my_share(world, batches):     # each MPI rank its own micro-batches
-        if pref:
-            mine.append(pref[0].loss(graph, b, pref[1], *counts))
-            continue
-        w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-        mine.append(graph.step(b.inputs, b.targets, w, (seed, step, micro), **packing(b)))
-    return distributed.sum_losses(world, mine)
 
 
 def saved_line(state: ckpt.TrainState, loss: float, files: list[Path]) -> str:
@@ -336,96 +291,55 @@ def resume_hint(o, state: ckpt.TrainState):
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def final_save(job: Job, state: ckpt.TrainState, batcher: Batcher, graph: Graph, guard: Guard,
-               batches: list, bad: str | None, show, pref=None, step_loss: float = float("nan")) -> list[Path]:
-    """Save the end of the run if the last step's batches still give a sane loss after
-    its update (no later step will verify it); else leave LATEST at the last healthy save.
-    `step_loss`: the last step's loss, as logged, for the saved line."""
-    loss = float("nan") if bad else recomputed_loss(graph, batches, job.opts.seed, state.iteration - 1, pref)
-    if bad or not guard.healthy(loss):
-        show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
-                  + "; LATEST keeps the last healthy save")
-        return []
-    files = save_all(job, state, batcher, graph.policy)
-    show.line(saved_line(state, step_loss, files))
-    return files
+@dataclass
+class Training:
+    """One run's parts, made once by `set_up` and used by the loop, the evaluations and
+    the saves. `pending`: a periodic save is due, made once the next step's loss shows
+    the state healthy."""
+    job: Job
+    world: object                                   # distributed.World
+    batcher: Batcher
+    state: ckpt.TrainState
+    graph: Graph | None                             # None once the loop is over
+    validator: Validator | None
+    quiet: bool
+    guard: Guard | None = None
+    metrics: MetricsLog | None = None
+    grads: object = None                            # distributed.GradientSum
+    clock: TrainClock = field(default_factory=TrainClock)
+    show: object = None                             # progress.train_progress
+    saves: object = None                            # resume_hint's last save
+    losses: list[float] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)
+    first_seconds: float = 0.0                      # training time when the first step ended
+    pending: bool = False
+    logged: float = float("nan")                    # the loss metrics.jsonl logged for state.iteration
 
-
-def make_validator(job: Job, state: ckpt.TrainState, pref: Preference | None = None) -> Validator | None:
-    """The validation set's fixed batches; state.validation restored or started afresh."""
-    if job.val_samples is None:
-        return None
-    vocab = (job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
-    v = Validator(job.val_samples, job.opts, *vocab) if pref is None else PairValidator(job.val_samples, job.opts,
-                                                                                         *vocab, pref)
-    state.validation = v.restore(state.validation)
-    return v
-
-
-def save_best(job: Job, state: ckpt.TrainState, batcher: Batcher, policy: ComputePolicy) -> list[Path]:
-    """The checkpoint and outputs under the BEST name (--save-best)."""
-    o = job.opts
-    if not distributed.current().is_root:         # rank 0 alone writes files
-        return []
-    state.data_state = batcher.state()
-    out = ckpt.iteration_path(o.checkpoint_out, "BEST")
-    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
-              job.checkpoint_extra(), policy)
-    return [out] + job.write_outputs("BEST")
-
-
-def evaluate(job: Job, graph: Graph, validator: Validator, state: ckpt.TrainState, batcher: Batcher,
-             metrics: MetricsLog, show) -> bool:
-    """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
-    Returns True when --early-stop's patience has run out."""
-    vs = state.validation
-    loss = validator.loss(graph)
-    improved = vs.record(state.iteration, loss)
-    extra = getattr(validator, "last_metrics", {})                 # preference pairs: eval_rewards/... (TRL's)
-    metrics.eval(state.iteration, loss, extra)
-    show.refresh(state)
-    text = f"step {state.iteration}: val loss {loss:.4f}"
-    if "eval_rewards/accuracies" in extra:
-        text += f", reward accuracy {extra['eval_rewards/accuracies']:.1%}"
-    text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
-    if improved and job.opts.save_best:
-        text += " -> " + ", ".join(str(p) for p in save_best(job, state, batcher, graph.policy))
-    show.line(text)
-    if validator.should_stop(vs):
-        show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
-                  f"(step {vs.best_step})")
-        return True
-    return False
-
-
-def write_plot(path: Path, quiet: bool) -> None:
-    """The loss plot beside the metrics, when matplotlib is installed (a notice otherwise)."""
-    from .plot import plot_metrics
-    try:
-        out = plot_metrics(path, path.with_suffix(".png"))
-    except LlamatuneError as e:
-        notice(f"no loss plot: {e}")
-        return
-    if not quiet:
-        err.print(f"loss plot: {out}")
-
-
-def preference(job: Job) -> Preference | None:
-    """The objective of --method dpo / orpo (preference.py); None for sft."""
-    method = getattr(job.opts, "method", "sft")
-    return None if method == "sft" else Preference(job.opts)
+    @property
+    def tokens_per_step(self) -> int:
+        o = self.job.opts
+        return o.batch * o.ctx * o.grad_acc * self.world.size
 
 
 def run(job: Job, quiet: bool = False) -> TrainResult:
+    """Set up (`set_up`), train (`train`), and report (`finish`)."""
+    t = set_up(job, quiet)
+    if isinstance(t, TrainResult):                 # --dry-run, or nothing left to do
+        return t
+    train(t)
+    return finish(t)
+
+
+def set_up(job: Job, quiet: bool) -> Training | TrainResult:
+    """Resume or initialize, resolve the compute policy, plan memory, build the graph and
+    the validation; a TrainResult where there is nothing to train."""
     o = job.opts
     world = distributed.setup(o)                   # MPI ranks when launched by mpiexec/srun
     quiet = quiet or not world.is_root
     if o.threads > 0:
         import numba
         numba.set_num_threads(min(o.threads, numba.config.NUMBA_NUM_THREADS))
-    pref = preference(job)                         # --method dpo / orpo (None: sft)
-    batcher = (Batcher if pref is None else PairBatcher)(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id,
-                                                         job.tokenizer.eos_id)
+    batcher = job.objective.batcher(job)
     distributed.check_same_job(world, o, job.samples.hash, job.base_fingerprint)
     state, requested = resume_or_init(job, batcher)   # parameters are initialized or loaded on the host,
     backend = job.backend or cpu()
@@ -443,7 +357,9 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend, policy=policy)
-    validator = make_validator(job, state, pref)
+    validator = job.objective.validator(job)
+    if validator is not None:
+        state.validation = validator.restore(state.validation)
     if not quiet:
         if validator is not None:
             err.print(f"validation: {validator.describe()}")
@@ -456,99 +372,189 @@ def run(job: Job, quiet: bool = False) -> TrainResult:
     if validator is not None and validator.should_stop(state.validation):
         notice(f"stopped early at iteration {state.iteration} (--early-stop {o.early_stop}): nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
-    metrics = MetricsLog(metrics_path(o), state.iteration, write=world.is_root)   # rank 0 alone writes
+    return Training(job, world, batcher, state, graph, validator, quiet)
 
-    losses: list[float] = []
-    files: list[Path] = []
-    guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
-    pending = False     # a save is due: made once the next step's loss shows the state is healthy
-    tokens_per_step = o.batch * o.ctx * o.grad_acc * world.size
-    grads = distributed.GradientSum(world, job.params)
-    distributed.check_identical_parameters(world, job.params, state.iteration)
-    clock = TrainClock()
-    first_seconds = 0.0                            # training time when the first step ended
+
+def train(t: Training) -> None:
+    """The loop: steps until --adam-iter, --epochs or --early-stop ends it."""
+    o, state = t.job.opts, t.state
+    t.metrics = MetricsLog(metrics_path(o), state.iteration, write=t.world.is_root)   # rank 0 alone writes
+    t.guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
+    t.grads = distributed.GradientSum(t.world, t.job.params)
+    distributed.check_identical_parameters(t.world, t.job.params, state.iteration)
+    t.clock = TrainClock()
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
-    with train_progress(o.adam_iter, state.iteration, quiet, ranks=world.size, every=o.progress_every) as show, \
-            np.errstate(over="ignore", invalid="ignore"), \
-            metrics, resume_hint(o, state) as saves:
-        if validator is not None and state.iteration == 0:
-            with clock.paused():
-                evaluate(job, graph, validator, state, batcher, metrics, show)
-        while state.iteration < o.adam_iter:
-            step = state.iteration
-            metrics.begin_step()
-            job.params.zero_grad(lazy=getattr(job.base, "lazy_grads", False))
-            data_state = batcher.state() if pending else None
-            batches = [batcher.next_batch() for _ in range(o.grad_acc * world.size)]   # the global batch
-            n_targets = sum(b.n_targets for b in batches)
-            if n_targets == 0:
-                raise LlamatuneError("a training step has no loss targets (samples too short?)")
-            counts = pref and Preference.counts(batches)   # pairs and chosen tokens of the step
-            for micro, b in grads.mine(batches):        # this rank's micro-batches; micro: global index
-                if pref is not None:
-                    grads.add(pref.step(graph, b, batcher.reference, *counts, (o.seed, step, micro)))
-                    continue
-                w = (b.targets >= 0).astype(np.float32) / np.float32(n_targets)
-                if job.statistics is not None:         # this forward's inputs are counted (statistics.py)
-                    job.statistics.batch(b.targets)
-                    graph.observer = job.statistics
-                grads.add(graph.step(b.inputs, b.targets, w, (o.seed, step, micro), **packing(b)))
-                graph.observer = None
-            loss = grads.finish()                      # gradient and loss summed in global micro-batch order
-            extra = pref.finish_step(world, batcher.reference) if pref is not None else {}
-            gnorm = gradient_norm(job.params)
-            bad = guard.judge(loss, gnorm)                 # None, or why this step's update is skipped
-            if pending and not bad:                        # the state this step started from is healthy
-                with clock.paused():
-                    files = save_all(job, state, batcher, policy, data_state)
-                saves.iteration = state.iteration
-                show.line(saved_line(state, logged, files))       # the loss logged at state.iteration
-                pending = False
-            if job.statistics is not None and bad:         # a skipped step's inputs are not counted
-                job.statistics.discard()
-            elif job.statistics is not None:               # after the save of the state before this step
-                job.statistics.commit(world)
-            lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
-            guard.record(loss, bad, step + 1)
-            state.guard = guard.state()
-            state.iteration += 1
-            state.sample_count = batcher.sample_count
-            state.token_count = batcher.token_count
-            state.epoch = batcher.epoch
-            if bad:
-                show.line(f"iteration {step + 1}: update skipped, {bad}")
-            else:
-                ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
-                state.loss_ema = float(np.float32(ema))  # as the checkpoint keeps it: a resumed run goes on from the same value
-                losses.append(loss)
-                if len(losses) == 1:
-                    first_seconds = clock.seconds()
-            show(state, loss, lr, gnorm, len(losses) * tokens_per_step / max(clock.seconds(), 1e-9))
-            metrics.step(state, loss, lr, gnorm, n_targets, extra)
-            logged = loss
-            done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
-            if validator is not None and validator.due(state.iteration, done):
-                with clock.paused():
-                    done = evaluate(job, graph, validator, state, batcher, metrics, show) or done
-            if distributed.checksum_due(o, state.iteration, done):
-                distributed.check_identical_parameters(world, job.params, state.iteration)
-            pending = pending or bool(o.save_every and state.iteration % o.save_every == 0)
-            if done:
-                with clock.paused():
-                    last = final_save(job, state, batcher, graph, guard, batches, bad, show,
-                                      pref and (pref, batcher.reference), step_loss=loss)
-                if last:
-                    files, saves.iteration = last, state.iteration
-                break
-    seconds = clock.seconds()
-    del graph                                      # its buffers go before the plot brings in matplotlib
-    gc.collect()                                   # (30-40 MB): the end of a run needs no more than its steps
-    if o.plot and world.is_root:
-        write_plot(metrics.path, quiet)
-    tokens_per_second = len(losses) * tokens_per_step / max(seconds, 1e-9)
-    if world.size > 1 and not quiet:
-        notice(distributed.summary(world, tokens_per_second))
+    with train_progress(o.adam_iter, state.iteration, t.quiet, ranks=t.world.size, every=o.progress_every) as t.show, \
+            np.errstate(over="ignore", invalid="ignore"), t.metrics, resume_hint(o, state) as t.saves:
+        if t.validator is not None and state.iteration == 0:
+            with t.clock.paused():
+                evaluate(t)
+        while not step(t):
+            pass
+
+
+def step(t: Training) -> bool:
+    """One optimizer step over the global batch (a save that was due first, once this
+    step's loss shows the state it started from healthy); True when the run is done."""
+    o, state, job, objective = t.job.opts, t.state, t.job, t.job.objective
+    step = state.iteration
+    t.metrics.begin_step()
+    job.params.zero_grad(lazy=job.base.lazy_grads)
+    data_state = t.batcher.state() if t.pending else None
+    batches = [t.batcher.next_batch() for _ in range(o.grad_acc * t.world.size)]   # the global batch
+    n_targets = sum(b.n_targets for b in batches)
+    if n_targets == 0:
+        raise LlamatuneError("a training step has no loss targets (samples too short?)")
+    objective.begin_step(batches)
+    for micro, b in t.grads.mine(batches):         # this rank's micro-batches; micro: global index
+        t.grads.add(objective.micro_step(t.graph, b, (o.seed, step, micro)))
+    loss = t.grads.finish()                        # gradient and loss summed in global micro-batch order
+    extra = objective.end_step(t.world)
+    gnorm = gradient_norm(job.params)
+    bad = t.guard.judge(loss, gnorm)               # None, or why this step's update is skipped
+    if t.pending and not bad:                      # the state this step started from is healthy
+        with t.clock.paused():
+            t.files = save(t, state.iteration, data_state)
+        t.saves.iteration = state.iteration
+        t.show.line(saved_line(state, t.logged, t.files))   # the loss logged at state.iteration
+        t.pending = False
+    objective.settle(t.world, bad)                 # after the save of the state before this step
+    lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
+    advance(t, loss, bad)
+    t.show(state, loss, lr, gnorm, len(t.losses) * t.tokens_per_step / max(t.clock.seconds(), 1e-9))
+    t.metrics.step(state, loss, lr, gnorm, n_targets, extra)
+    t.logged = loss
+    done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+    if t.validator is not None and t.validator.due(state.iteration, done):
+        with t.clock.paused():
+            done = evaluate(t) or done
+    if distributed.checksum_due(o, state.iteration, done):
+        distributed.check_identical_parameters(t.world, job.params, state.iteration)
+    t.pending = t.pending or bool(o.save_every and state.iteration % o.save_every == 0)
+    if done:
+        with t.clock.paused():
+            final_save(t, batches, bad)
+    return done
+
+
+def advance(t: Training, loss: float, bad: str | None) -> None:
+    """The state after a step: the guard's record, counters, the loss average."""
+    state, batcher = t.state, t.batcher
+    t.guard.record(loss, bad, state.iteration + 1)
+    state.guard = t.guard.state()
+    state.iteration += 1
+    state.sample_count, state.token_count, state.epoch = batcher.sample_count, batcher.token_count, batcher.epoch
+    if bad:
+        t.show.line(f"iteration {state.iteration}: update skipped, {bad}")
+        return
+    ema = loss if math.isnan(state.loss_ema) else 0.9 * state.loss_ema + 0.1 * loss
+    state.loss_ema = float(np.float32(ema))  # as the checkpoint keeps it: a resumed run goes on from the same value
+    t.losses.append(loss)
+    if len(t.losses) == 1:
+        t.first_seconds = t.clock.seconds()
+
+
+def save(t: Training, tag: int | str, data_state: dict | None = None) -> list[Path]:
+    """The one save path: the checkpoint and outputs under `tag` (an iteration, or BEST for
+    --save-best); an iteration's are then copied to their LATEST names, the LATEST checkpoint
+    last, so that a write that fails (disk full) leaves every LATEST file as the previous save
+    left it and chk-LATEST never points past complete outputs. Rank 0 alone writes.
+    `data_state`: the batcher's state at this iteration when the batcher has moved on."""
+    job, state, o = t.job, t.state, t.job.opts
+    if not t.world.is_root:
+        return []
+    state.ranks = t.world.size
+    state.data_state = data_state if data_state is not None else t.batcher.state()
+    out = ckpt.iteration_path(o.checkpoint_out, tag)
+    ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
+              job.checkpoint_extra(), t.graph.policy)
+    files = [out] + job.write_outputs(str(tag))
+    if tag == "BEST":
+        return files
+    template = job.output_size and job.output_size[0]
+    if o.fn_latest and (template is None or ckpt.iteration_path(template, o.fn_latest) not in files):
+        files += job.write_outputs(o.fn_latest)   # an output named without ITERATION is written once
+    latest = ckpt.iteration_path(o.checkpoint_out, o.fn_latest)
+    if latest != out:
+        ckpt.copy_atomic(out, latest)
+        files.append(latest)
+    prune_saves(files, state.iteration, o.save_total_limit)     # --save-total-limit
+    return files
+
+
+def recomputed_loss(t: Training, batches: list) -> float:
+    """The loss of the last step's batches with the current parameters (an SFT step adds
+    gradients to params.grad, which no later step uses): verifies the state after the last update."""
+    o, mine = t.job.opts, []
+    t.job.objective.begin_step(batches)
+    for micro, b in distributed.my_share(t.world, batches):     # each MPI rank its own micro-batches
+        mine.append(t.job.objective.micro_loss(t.graph, b, (o.seed, t.state.iteration - 1, micro)))
+    return distributed.sum_losses(t.world, mine)
+
+
+def final_save(t: Training, batches: list, bad: str | None) -> None:
+    """Save the end of the run if the last step's batches still give a sane loss after
+    its update (no later step will verify it); else leave LATEST at the last healthy save."""
+    state = t.state
+    loss = float("nan") if bad else recomputed_loss(t, batches)
+    if bad or not t.guard.healthy(loss):
+        t.show.line(f"iteration {state.iteration} not saved: " + (bad or f"loss {loss:.4f} after the last update")
+                    + "; LATEST keeps the last healthy save")
+        return
+    files = save(t, state.iteration)
+    if files:
+        t.files, t.saves.iteration = files, state.iteration
+    t.show.line(saved_line(state, t.logged, files))   # the last step's loss, as logged
+
+
+def evaluate(t: Training) -> bool:
+    """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
+    Returns True when --early-stop's patience has run out."""
+    state, vs = t.state, t.state.validation
+    loss = t.validator.loss(t.graph)
+    improved = vs.record(state.iteration, loss)
+    extra = t.validator.last_metrics                   # preference pairs: eval_rewards/... (TRL's)
+    t.metrics.eval(state.iteration, loss, extra)
+    t.show.refresh(state)
+    text = f"step {state.iteration}: val loss {loss:.4f}"
+    if "eval_rewards/accuracies" in extra:
+        text += f", reward accuracy {extra['eval_rewards/accuracies']:.1%}"
+    text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
+    if improved and t.job.opts.save_best:
+        text += " -> " + ", ".join(str(p) for p in save(t, "BEST"))
+    t.show.line(text)
+    if t.validator.should_stop(vs):
+        t.show.line(f"early stop: {vs.since_best} evaluations without a lower val loss than {vs.best_loss:.4f} "
+                    f"(step {vs.best_step})")
+        return True
+    return False
+
+
+def write_plot(path: Path, quiet: bool) -> None:
+    """The loss plot beside the metrics, when matplotlib is installed (a notice otherwise)."""
+    from ..plot import plot_metrics
+    try:
+        out = plot_metrics(path, path.with_suffix(".png"))
+    except LlamatuneError as e:
+        notice(f"no loss plot: {e}")
+        return
+    if not quiet:
+        err.print(f"loss plot: {out}")
+
+
+def finish(t: Training) -> TrainResult:
+    """The run's figures; the loss plot, once the graph's buffers are gone (matplotlib's
+    30-40 MB: the end of a run needs no more than its steps)."""
+    o, n = t.job.opts, len(t.losses)
+    seconds = t.clock.seconds()
+    t.graph = None
+    gc.collect()
+    if o.plot and t.world.is_root:
+        write_plot(t.metrics.path, t.quiet)
+    tokens_per_second = n * t.tokens_per_step / max(seconds, 1e-9)
+    if t.world.size > 1 and not t.quiet:
+        notice(distributed.summary(t.world, tokens_per_second))
     # after the first step (compilation, first page-in)
-    steady = (len(losses) - 1) * tokens_per_step / max(seconds - first_seconds, 1e-9) if len(losses) > 1 else 0.0
-    return TrainResult(state, losses, files, seconds, tokens_per_second, steady)
+    steady = (n - 1) * t.tokens_per_step / max(seconds - t.first_seconds, 1e-9) if n > 1 else 0.0
+    return TrainResult(t.state, t.losses, t.files, seconds, tokens_per_second, steady)

@@ -127,6 +127,7 @@ class Validator:
         self.opts = dataclasses.replace(opts, fill_with_next_samples=False, sample_random_offsets=False)
         self.samples = eval_pieces(samples, opts.ctx)
         self.vocab = (n_vocab, bos_id, eos_id)
+        self.last_metrics: dict[str, float] = {}          # the last evaluation's metrics besides the loss
         self.n_targets = self.n_rows = 0                  # n_targets > 0: every sample has a target
         for b in self.batches():
             self.n_targets += b.n_targets

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import LlamatuneError
-from ..options import PlotOptions
+from .errors import LlamatuneError
+from .options import PlotOptions
 
 INSTALL_HINT = "pip install 'llamatune[plot]' (or pip install matplotlib)"
 SMOOTH = PlotOptions.smooth        # weight of the moving average over the training loss (llamatune/options/)
