@@ -35,6 +35,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .quantize_iq4 import IQ4_KERNELS
+
 __all__ = ["QUANTIZABLE", "quantize"]
 
 QK_K = 256  # super-block size of the K-quants
@@ -581,6 +583,7 @@ _K_KERNELS = {
     T.Q4_K: _quantize_q4_k,
     T.Q5_K: _quantize_q5_k,
     T.Q6_K: _quantize_q6_k,
+    **IQ4_KERNELS,  # IQ4_NL, IQ4_XS: quantize_iq4.py (llama.cpp's quantize_iq4_nl / _xs)
 }
 _GGUF_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4})
 

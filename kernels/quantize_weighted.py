@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _nearest_int, _pack_2bit, _pack_scale_min_k4, _put_f16,
                        _q6_k_block, _qk_fit, _qk_stats, _scale_min_k4, quantize)
+from .quantize_iq4 import IQ4_WEIGHTED_KERNELS
 
 __all__ = ["WEIGHTED", "quantize_weighted"]
 
@@ -611,6 +612,7 @@ _KERNELS = {
     T.Q4_0: _quantize_q4_0_w, T.Q4_1: _quantize_q4_1_w, T.Q5_0: _quantize_q5_0_w,
     T.Q5_1: _quantize_q5_1_w, T.Q2_K: _quantize_q2_k_w, T.Q3_K: _quantize_q3_k_w,
     T.Q4_K: _quantize_q4_k_w, T.Q5_K: _quantize_q5_k_w, T.Q6_K: _quantize_q6_k_w,
+    **IQ4_WEIGHTED_KERNELS,  # IQ4_NL, IQ4_XS: quantize_iq4.py
 }
 WEIGHTED: frozenset = frozenset(_KERNELS)
 """Types with an importance-weighted quantizer (all others ignore the weights, as in llama.cpp)."""
