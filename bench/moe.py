@@ -17,6 +17,20 @@ The ops run in alternation within each round (the cores may be shared), so a cha
 in the machine's load falls on all of them alike. The expert weights take 2.4 GB
 (float32); each pass reads all of them, the dense FFN reads 151 MB.
 
+Measured on 2 shared cores of an Intel Xeon (load average 6-20 on them), 512 tokens,
+2 threads, `measure(512, 2, 8)` (two alternated rounds):
+       op     fwd ms    bwd ms   total   / dense
+      moe    24288.6   17190.0   41479    13.3
+ moe+lora    17017.8   18480.8   35499    11.4
+    dense     1531.6    1588.8    3120     1.0
+   router       12.7       6.6      19
+The experts' products are the cost: one expert's (32, 2048) x (2048, 768) product runs
+at about 2.5 GFLOP/s through numpy/OpenBLAS (16 of them: 650 ms), the dense (512, 2048)
+x (2048, 6144) one at about 25: with 32 rows an expert, packing each 6 MB weight matrix
+costs as much as the product. Not yet the issue's target (MoE at least half the dense
+tokens/s): the products need a kernel that streams each expert's weights once
+(or dequantizes them tile by tile) instead of a BLAS call per expert.
+
     python bench/moe.py [--threads 2] [--tokens 512] [--repeat 5] [--rank 8] [--json]
 """
 from __future__ import annotations
