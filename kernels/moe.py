@@ -32,7 +32,13 @@ Experts no token chose are not touched (a kernel dequantizes only those). Backwa
     dW_gate[e] += dG^T X_e;  dW_up[e] += dU^T X_e;  dx[t] += dG W_gate[e] + dU W_up[e]
 
 Proven by float64 finite differences (tests/test_op_moe.py), and the grouped forward
-against a per-token loop. Not used by the model yet.
+against a per-token loop.
+
+The numba side (`router_forward` / `router_backward`, `expert_order`, `moe_ffn_forward` /
+`moe_ffn_backward`, tests/test_op_moe_numba.py) meets the same contracts, with LoRA on
+the experts (`ExpertLora`: per-expert A (E, r, n_in) and B (E, n_out, r), llama.cpp's
+build_lora_mm_id layout). bench/moe.py times it against a dense SwiGLU of the same
+active size. Not used by the model yet.
 """
 from __future__ import annotations
 
@@ -40,10 +46,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .swiglu import swiglu_backward_ref, swiglu_forward_ref
+from numba import njit, prange
 
-__all__ = ["ExpertGroup", "expert_groups", "router_forward_ref", "router_backward_ref",
-           "moe_ffn_forward_ref", "moe_ffn_backward_ref"]
+from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_forward, swiglu_forward_ref
+
+__all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "expert_groups", "expert_order", "moe_ffn_backward",
+           "moe_ffn_backward_ref", "moe_ffn_forward", "moe_ffn_forward_ref", "router_backward",
+           "router_backward_ref", "router_forward", "router_forward_ref"]
 
 
 # ------------------------------------------------------------------ router
@@ -140,3 +149,242 @@ def moe_ffn_backward_ref(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_
             dw_gate[e] += dg.T @ xe
         if dw_up is not None:
             dw_up[e] += du.T @ xe
+
+
+# ================================================================== numba kernels
+# The router runs per token (a prange over tokens, float32 softmax, the top k by
+# repeated selection: k passes over E, ties to the lower expert as the reference's
+# stable sort). The experts run on all (token, slot) pairs sorted by expert at once
+# (`expert_order`, a counting sort: the reference's stable order, exactly): one gather
+# of the sorted rows, per-expert products through numpy/BLAS on contiguous slices,
+# one SwiGLU over all rows, and a per-token sum over the token's k rows weighted by
+# the router (no two threads write one token; slot order, not the reference's expert
+# order, so the sums agree to float32 rounding).
+
+@njit(cache=True, parallel=True)
+def _router_forward(idx, w, probs, logits, normalize):
+    N, E = logits.shape
+    k = idx.shape[1]
+    for n in prange(N):
+        m = logits[n, 0]
+        for e in range(1, E):
+            m = max(m, logits[n, e])
+        s = np.float32(0)
+        for e in range(E):
+            p = np.exp(logits[n, e] - m)
+            probs[n, e] = p
+            s += p
+        for e in range(E):
+            probs[n, e] /= s
+        top = np.float32(0)
+        for j in range(k):
+            best = -1
+            for e in range(E):
+                taken = False
+                for i in range(j):
+                    taken = taken or idx[n, i] == e
+                if not taken and (best < 0 or probs[n, e] > probs[n, best]):
+                    best = e
+            idx[n, j] = best
+            w[n, j] = probs[n, best]
+            top += probs[n, best]
+        if normalize:
+            for j in range(k):
+                w[n, j] /= top
+
+
+@njit(cache=True, parallel=True)
+def _router_backward(dlogits, dw, idx, w, probs, normalize):
+    N, E = probs.shape
+    k = idx.shape[1]
+    for n in prange(N):
+        s = np.float32(0)
+        c = np.float32(0)
+        for j in range(k):
+            s += probs[n, idx[n, j]]
+            c += dw[n, j] * w[n, j]
+        pdp = np.float32(0)                       # sum(p * dp) over the top k
+        for j in range(k):
+            dtop = (dw[n, j] - c) / s if normalize else dw[n, j]
+            pdp += probs[n, idx[n, j]] * dtop
+        for e in range(E):
+            dlogits[n, e] = -probs[n, e] * pdp
+        for j in range(k):
+            e = idx[n, j]
+            dtop = (dw[n, j] - c) / s if normalize else dw[n, j]
+            dlogits[n, e] += probs[n, e] * dtop
+
+
+def router_forward(idx, w, probs, logits, normalize=True):
+    """router_forward_ref's contract, float32 (N, E) logits and probs, (N, k) w."""
+    _router_forward(idx, w, probs, logits, normalize)
+
+
+def router_backward(dlogits, dw, idx, w, probs, normalize=True):
+    """router_backward_ref's contract (dlogits overwritten)."""
+    _router_backward(dlogits, dw, idx, w, probs, normalize)
+
+
+@njit(cache=True)
+def _counting_sort(order, offsets, pos, flat):
+    # offsets[e] = rows before expert e; order[r] = pair of sorted row r; pos its inverse
+    offsets[:] = 0
+    for p in range(flat.shape[0]):
+        offsets[flat[p] + 1] += 1
+    for e in range(1, offsets.shape[0]):
+        offsets[e] += offsets[e - 1]
+    fill = offsets[:-1].copy()
+    for p in range(flat.shape[0]):
+        r = fill[flat[p]]
+        order[r] = p
+        pos[p] = r
+        fill[flat[p]] = r + 1
+
+
+def expert_order(idx, n_expert):
+    """expert_groups by a counting sort: (order (N*k,), offsets (E + 1,), pos (N*k,)),
+    pos[p] the sorted row of pair p = k t + s. order and offsets equal expert_groups'."""
+    flat = np.ascontiguousarray(idx, np.int64).reshape(-1)
+    if flat.size and (flat.min() < 0 or flat.max() >= n_expert):
+        raise ValueError(f"expert index out of range [0, {n_expert})")
+    order, pos = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+    offsets = np.empty(n_expert + 1, np.int64)
+    _counting_sort(order, offsets, pos, flat)
+    return order, offsets, pos
+
+
+@njit(cache=True, parallel=True)
+def _gather_pairs(xs, x, order, k):
+    # xs[r] = x[token of sorted row r]
+    for r in prange(order.shape[0]):
+        xs[r] = x[order[r] // k]
+
+
+@njit(cache=True, parallel=True)
+def _combine(out, ys, w, pos):
+    # out[t] = sum_s w[t, s] * ys[pos[k t + s]]   (overwritten; w None: unweighted)
+    k = pos.shape[0] // out.shape[0]
+    for t in prange(out.shape[0]):
+        out[t] = 0
+        for s in range(k):
+            r = pos[k * t + s]
+            ws = w[t, s] if w is not None else np.float32(1)
+            for c in range(out.shape[1]):
+                out[t, c] += ws * ys[r, c]
+
+
+@njit(cache=True, parallel=True)
+def _weighted_rows(dys, dw, dout, w, ys, order, k):
+    # dw[t, s] = dout[t] . ys[r];  dys[r] = w[t, s] * dout[t]   for sorted row r of (t, s)
+    for r in prange(order.shape[0]):
+        t, s = order[r] // k, order[r] % k
+        acc = dout[t, 0] * 0
+        for c in range(dout.shape[1]):
+            acc += dout[t, c] * ys[r, c]
+            dys[r, c] = w[t, s] * dout[t, c]
+        dw[t, s] = acc
+
+
+@dataclass
+class ExpertLora:
+    """LoRA on one expert projection in llama.cpp's build_lora_mm_id layout: per expert
+    A (r, n_in) and B (n_out, r), stored as 3-D tensors (GGUF ne [n_in, r, E] and
+    [r, n_out, E]); for the rows X_e of expert e
+
+        Y = X_e W[e]^T + scale * (X_e A[e]^T) B[e]^T,   scale = user_scale * alpha / r
+
+    Backward (dY): dX = dY W[e] + scale (dY B[e]) A[e];  dB[e] += scale dY^T (X_e A[e]^T);
+    dA[e] += scale (dY B[e])^T X_e. da, db: accumulated gradients, or None (frozen)."""
+    a: np.ndarray                       # (E, r, n_in)
+    b: np.ndarray                       # (E, n_out, r)
+    scale: float
+    da: np.ndarray | None = None        # (E, r, n_in)
+    db: np.ndarray | None = None        # (E, n_out, r)
+
+
+@dataclass
+class ExpertRows:
+    """What moe_ffn_forward saves for its backward: every (token, slot) pair's row,
+    sorted by expert (rows offsets[e]:offsets[e+1] are expert e's)."""
+    order: np.ndarray       # (P,) int64, P = N k: pair k t + s of each sorted row
+    offsets: np.ndarray     # (E + 1,) int64
+    pos: np.ndarray         # (P,) int64: sorted row of each pair
+    xs: np.ndarray          # (P, C) gathered inputs
+    g: np.ndarray           # (P, F) X_e W_gate[e]^T
+    u: np.ndarray           # (P, F) X_e W_up[e]^T
+    h: np.ndarray           # (P, F) silu(g) * u
+    y: np.ndarray           # (P, C) h W_down[e]^T
+    lora_in: dict           # projection -> (P, r) X_e A[e]^T of its LoRA
+
+
+def _used(offsets):
+    return [(e, int(offsets[e]), int(offsets[e + 1])) for e in range(offsets.shape[0] - 1)
+            if offsets[e + 1] > offsets[e]]
+
+
+def _project(out, xs, w, lora, xa, used):
+    """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)."""
+    for e, a, b in used:
+        np.matmul(xs[a:b], w[e].T, out=out[a:b])
+        if lora is not None:
+            np.matmul(xs[a:b], lora.a[e].T, out=xa[a:b])
+            out[a:b] += lora.scale * (xa[a:b] @ lora.b[e].T)
+
+
+def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
+    """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); dw[e] +=
+    dy^T xs where dw is given; the LoRA's da, db likewise."""
+    for e, a, b in used:
+        d = dy[a:b] @ w[e]
+        if lora is not None:
+            dyb = lora.scale * (dy[a:b] @ lora.b[e])            # (n_e, r)
+            d += dyb @ lora.a[e]
+            if lora.da is not None:
+                lora.da[e] += dyb.T @ xs[a:b]
+            if lora.db is not None:
+                lora.db[e] += lora.scale * (dy[a:b].T @ xa[a:b])
+        if accumulate:
+            dxs[a:b] += d
+        else:
+            dxs[a:b] = d
+        if dw is not None:
+            dw[e] += dy[a:b].T @ xs[a:b]
+
+
+def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None):
+    """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
+    ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
+    chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
+    ExpertLora} on those projections, or None."""
+    lora = lora or {}
+    N, k = idx.shape
+    order, offsets, pos = expert_order(idx, w_gate.shape[0])
+    P, F, C, dt = order.shape[0], w_gate.shape[1], x.shape[1], x.dtype
+    xs, y = np.empty((P, C), dt), np.empty((P, C), dt)
+    g, u, h = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
+    xa = {name: np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
+    used = _used(offsets)
+    _gather_pairs(xs, x, order, k)
+    _project(g, xs, w_gate, lora.get("gate"), xa.get("gate"), used)
+    _project(u, xs, w_up, lora.get("up"), xa.get("up"), used)
+    swiglu_forward(h, g, u)
+    _project(y, h, w_down, lora.get("down"), xa.get("down"), used)
+    _combine(out, y, w, pos)
+    return ExpertRows(order, offsets, pos, xs, g, u, h, y, xa)
+
+
+def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None):
+    """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows; the LoRA's
+    gradients accumulate into its da, db."""
+    lora = lora or {}
+    k = w.shape[1]
+    P, F, C, dt = rows.g.shape[0], rows.g.shape[1], x.shape[1], x.dtype
+    dys, dxs = np.empty((P, C), dt), np.empty((P, C), dt)
+    dh, dg, du = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
+    used = _used(rows.offsets)
+    _weighted_rows(dys, dw, dout, w, rows.y, rows.order, k)
+    _project_backward(dh, dys, rows.h, w_down, lora.get("down"), rows.lora_in.get("down"), used, dw_down, False)
+    swiglu_backward(dg, du, dh, rows.g, rows.u)
+    _project_backward(dxs, dg, rows.xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, dw_gate, False)
+    _project_backward(dxs, du, rows.xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, dw_up, True)
+    _combine(dx, dxs, None, rows.pos)

@@ -35,6 +35,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from .quantize_iq4 import IQ4_KERNELS
+
 __all__ = ["QUANTIZABLE", "quantize"]
 
 QK_K = 256  # super-block size of the K-quants
@@ -598,6 +600,7 @@ _K_KERNELS = {          # type: (kernel, its arguments after x and out)
     T.Q4_K: (_quantize_q45_k, (15, f32(-1.0), 20)),
     T.Q5_K: (_quantize_q45_k, (31, f32(-0.5), 15)),
     T.Q6_K: (_quantize_q6_k, ()),
+    **{t: (k, ()) for t, k in IQ4_KERNELS.items()},   # IQ4_NL, IQ4_XS: quantize_iq4.py
 }
 _GGUF_TYPES = frozenset({T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4})
 

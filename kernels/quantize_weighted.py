@@ -28,6 +28,7 @@ from numba import njit, prange
 from .quantize import (GROUP_MAX_EPS, QK_K, _fp16, _k45_levels, _make_qkx2_quants, _nearest_int, _pack_q45_k,
                        _pack_scale_min_k4, _put_f16, _put_q3_k_scale, _q2_k_levels, _q3_k_levels, _q6_k_block, _qk_fit,
                        _qk_start, _qk_stats, checked_rows, quantize)
+from .quantize_iq4 import IQ4_WEIGHTED_KERNELS
 
 __all__ = ["WEIGHTED", "quantize_weighted"]
 
@@ -435,6 +436,7 @@ _KERNELS = {            # type: (kernel, its arguments after x, qw, row_sigma2 a
     T.Q5_0: (_quantize_legacy_w, (16, False)), T.Q5_1: (_quantize_legacy_w, (31, True)),
     T.Q2_K: (_quantize_q2_k_w, ()), T.Q3_K: (_quantize_q3_k_w, ()), T.Q4_K: (_quantize_q45_k_w, (15,)),
     T.Q5_K: (_quantize_q45_k_w, (31,)), T.Q6_K: (_quantize_q6_k_w, ()),
+    **{t: (k, ()) for t, k in IQ4_WEIGHTED_KERNELS.items()},   # IQ4_NL, IQ4_XS: quantize_iq4.py
 }
 WEIGHTED: frozenset = frozenset(_KERNELS)
 """Types with an importance-weighted quantizer (all others ignore the weights, as in llama.cpp)."""

@@ -2,8 +2,8 @@
 mixture-of-experts files): they load through the numba kernels (no fallback notice),
 infer and LoRA-train (f32 and bf16 products) exactly as the same model with those
 matrices dequantized by the gguf package and stored as F32, and export-lora merges into
-them: MXFP4 re-quantized to MXFP4, IQ4_NL and IQ4_XS (which the gguf package cannot
-quantize) written as F16 with a note naming each."""
+them in their own types: MXFP4 through the gguf package's quantizer, IQ4_NL and IQ4_XS
+through kernels/quantize_iq4.py (both llama.cpp's byte for byte)."""
 from __future__ import annotations
 
 import gguf
@@ -15,6 +15,7 @@ from conftest import TEXT, write_tiny_model
 from llamatune.commands.export import export_lora
 from llamatune.formats.adapter import LoraAdapter, expected_shapes, write_adapter
 from llamatune.formats.gguf_io import GGUFFile, tensor_out, write_gguf
+from llamatune.kernels.quantize import quantize
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.options import MergeOptions
@@ -106,28 +107,24 @@ def _adapter(base: GGUFFile, names, path):
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_export_merges_into_the_type(models, tmp_path, qtype):
-    """The plain merge: MXFP4 re-quantized to MXFP4 (the gguf package's quantizer, ggml's
-    quantize_row_mxfp4_ref); IQ4_NL and IQ4_XS, which nothing here quantizes, written as
-    F16 with a note naming the tensor. Unmerged tensors keep their bytes."""
+    """The plain merge re-quantizes to the base's type: MXFP4 (the gguf package's quantizer,
+    ggml's quantize_row_mxfp4_ref), IQ4_NL and IQ4_XS (ggml's quantize_iq4_nl / _xs), no
+    note. Unmerged tensors keep their bytes."""
     path, twin = models[qtype]
     base = GGUFFile(path)
     names = ["blk.0.attn_q.weight", "blk.0.ffn_down.weight"]
     adapter = _adapter(base, names, tmp_path / "a.gguf")
     report = export_lora(path, [(tmp_path / "a.gguf", 1.0)], tmp_path / "m.gguf",
                          merge=MergeOptions(merge_method="plain"))
-    kept = qtype == QType.MXFP4
-    assert report.merged == {n: qtype.name if kept else "F16" for n in names}
-    for n in names:
-        assert (f"{n}: {qtype.name} cannot be re-quantized; written as F16" in report.notes) != kept
+    assert report.merged == {n: qtype.name for n in names}
+    assert not any("cannot be re-quantized" in note for note in report.notes)
     merged, f32 = GGUFFile(tmp_path / "m.gguf"), GGUFFile(twin)
     for n, t in merged.tensors.items():
         if n in names:
             a, b = adapter.pairs[n]
             want = np.array(f32.tensors[n].data).reshape(t.shape) + np.float32(2.0) * (b @ a)
-            if kept:
-                np.testing.assert_array_equal(t.raw_rows(), gguf.quants.quantize(want, qtype))
-            else:
-                np.testing.assert_array_equal(np.array(t.data), want.astype(np.float16))
+            assert t.qtype == qtype
+            np.testing.assert_array_equal(t.raw_rows(), quantize(want, qtype))
         else:
             assert t.qtype == base.tensors[n].qtype
             assert t.raw_rows().tobytes() == base.tensors[n].raw_rows().tobytes(), n

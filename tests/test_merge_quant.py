@@ -54,7 +54,7 @@ def test_weighted_falls_back_and_checks():
     x = rt_data()
     np.testing.assert_array_equal(quantize_weighted(x, T.Q4_K, None), quantize(x, T.Q4_K))
     np.testing.assert_array_equal(quantize_weighted(x, T.Q8_0, weights()), quantize(x, T.Q8_0))
-    assert WEIGHTED == frozenset(TYPES)
+    assert WEIGHTED == frozenset(TYPES) | {T.IQ4_NL, T.IQ4_XS}      # (tests/test_quantize_iq4.py)
     with pytest.raises(ValueError, match="256 importance weights for 512 columns"):
         quantize_weighted(x, T.Q4_0, weights(256))
     bad = weights()

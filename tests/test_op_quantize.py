@@ -160,9 +160,9 @@ def test_gguf_types_dispatch(qtype):
 
 def test_quantizable_and_errors():
     assert QUANTIZABLE == frozenset(K_TYPES) | {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1,
-                                                T.Q5_0, T.Q5_1, T.MXFP4}
+                                                T.Q5_0, T.Q5_1, T.MXFP4, T.IQ4_NL, T.IQ4_XS}
     x = np.zeros((2, 256), np.float32)
-    for bad in (T.IQ2_XXS, T.Q8_K, T.TQ1_0, T.IQ4_NL, T.IQ4_XS):
+    for bad in (T.IQ2_XXS, T.Q8_K, T.TQ1_0, T.IQ3_S):
         with pytest.raises(ValueError, match=bad.name):
             quantize(x, bad)
     with pytest.raises(ValueError, match="Q4_K.*multiple of 256"):

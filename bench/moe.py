@@ -1,0 +1,157 @@
+"""Benchmark: forward + backward of the grouped expert SwiGLU (kernels/moe.py's numba
+path) against a dense SwiGLU FFN with the same active parameters, CPU, float32.
+
+Shapes are Qwen3-30B-A3B's (config.json): embd 2048, 128 experts, 8 active per token,
+expert ffn 768; the dense FFN has ffn 8 * 768 = 6144, so both do the same flops per
+token. N tokens (default 512) routed by a random router (every expert gets about
+N * 8 / 128 rows). The weights are frozen, as in LoRA training: backward gives dx and
+the router weights' gradient (MoE) or dx (dense), no weight gradients.
+
+Timed, each the median of --repeat rounds after a warm-up (compilation excluded):
+* moe: moe_ffn_forward + moe_ffn_backward (the router excluded: timed as `router`,
+  forward + backward of the 128-way softmax top-8);
+* moe+lora: the same with rank --rank LoRA on the gate, up and down experts
+  (A, B per expert, llama.cpp's build_lora_mm_id layout), their gradients included;
+* dense: x W_gate^T, x W_up^T (BLAS), kernels/swiglu.py, h W_down^T and the backward.
+The ops run in alternation within each round (the cores may be shared), so a change
+in the machine's load falls on all of them alike. The expert weights take 2.4 GB
+(float32); each pass reads all of them, the dense FFN reads 151 MB.
+
+Measured on 2 shared cores of an Intel Xeon (load average 6-20 on them), 512 tokens,
+2 threads, `measure(512, 2, 8)` (two alternated rounds):
+       op     fwd ms    bwd ms   total   / dense
+      moe    24288.6   17190.0   41479    13.3
+ moe+lora    17017.8   18480.8   35499    11.4
+    dense     1531.6    1588.8    3120     1.0
+   router       12.7       6.6      19
+The experts' products are the cost: one expert's (32, 2048) x (2048, 768) product runs
+at about 2.5 GFLOP/s through numpy/OpenBLAS (16 of them: 650 ms), the dense (512, 2048)
+x (2048, 6144) one at about 25: with 32 rows an expert, packing each 6 MB weight matrix
+costs as much as the product. Not yet the issue's target (MoE at least half the dense
+tokens/s): the products need a kernel that streams each expert's weights once
+(or dequantizes them tile by tile) instead of a BLAS call per expert.
+
+    python bench/moe.py [--threads 2] [--tokens 512] [--repeat 5] [--rank 8] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from children import rows_per_thread_count
+
+EMBD, N_EXPERT, N_ACTIVE, EXPERT_FFN = 2048, 128, 8, 768     # Qwen3-30B-A3B
+
+
+def _ops(n_tokens: int, rank: int):
+    """{name: (forward, backward)} closures over random inputs of the bench shapes."""
+    import llamatune  # noqa: F401  (threading policy first: before numpy loads OpenBLAS)
+    import numpy as np
+    from llamatune.kernels import moe, swiglu
+
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    C, E, k, F = EMBD, N_EXPERT, N_ACTIVE, EXPERT_FFN
+
+    def randn(*shape, scale=1.0):
+        return (rng.standard_normal(shape, f32) * f32(scale))
+
+    x, dout = randn(n_tokens, C), randn(n_tokens, C)
+    logits, dwr = randn(n_tokens, E), randn(n_tokens, k)
+    idx, w, probs = np.zeros((n_tokens, k), np.int64), np.zeros((n_tokens, k), f32), np.zeros((n_tokens, E), f32)
+    moe.router_forward(idx, w, probs, logits)
+    dlogits = np.zeros_like(logits)
+    wg, wu, wd = randn(E, F, C, scale=C ** -0.5), randn(E, F, C, scale=C ** -0.5), randn(E, C, F, scale=F ** -0.5)
+    lora = {name: moe.ExpertLora(randn(E, rank, n_in, scale=n_in ** -0.5), randn(E, n_out, rank, scale=0.01), 2.0,
+                                 np.zeros((E, rank, n_in), f32), np.zeros((E, n_out, rank), f32))
+            for name, n_in, n_out in (("gate", C, F), ("up", C, F), ("down", F, C))}
+    out, dx, dw = np.zeros((n_tokens, C), f32), np.zeros((n_tokens, C), f32), np.zeros((n_tokens, k), f32)
+    saved = {}
+
+    def moe_fwd(lo):
+        saved["rows"] = moe.moe_ffn_forward(out, x, idx, w, wg, wu, wd, lo)
+
+    def moe_bwd(lo):
+        moe.moe_ffn_backward(dx, dw, None, None, None, dout, x, w, wg, wu, wd, saved["rows"], lo)
+
+    Fd = k * F
+    dg_w, du_w, dd_w = randn(Fd, C, scale=C ** -0.5), randn(Fd, C, scale=C ** -0.5), randn(C, Fd, scale=Fd ** -0.5)
+    g, u, h = (np.zeros((n_tokens, Fd), f32) for _ in range(3))
+    dh, dg, du = (np.zeros((n_tokens, Fd), f32) for _ in range(3))
+    y = np.zeros((n_tokens, C), f32)
+
+    def dense_fwd():
+        np.matmul(x, dg_w.T, out=g)
+        np.matmul(x, du_w.T, out=u)
+        swiglu.swiglu_forward(h, g, u)
+        np.matmul(h, dd_w.T, out=y)
+
+    def dense_bwd():
+        np.matmul(dout, dd_w, out=dh)
+        swiglu.swiglu_backward(dg, du, dh, g, u)
+        np.matmul(dg, dg_w, out=dx)
+        dx[:] += du @ du_w
+
+    return {
+        "moe": (lambda: moe_fwd(None), lambda: moe_bwd(None)),
+        "moe+lora": (lambda: moe_fwd(lora), lambda: moe_bwd(lora)),
+        "dense": (dense_fwd, dense_bwd),
+        "router": (lambda: moe.router_forward(idx, w, probs, logits),
+                   lambda: moe.router_backward(dlogits, dwr, idx, w, probs)),
+    }
+
+
+def measure(n_tokens: int, repeat: int, rank: int) -> list[dict]:
+    ops = _ops(n_tokens, rank)
+    times = {(name, p): [] for name in ops for p in ("fwd", "bwd")}
+    for fwd, bwd in ops.values():  # compile / warm up
+        fwd()
+        bwd()
+    for _ in range(repeat):
+        for name, (fwd, bwd) in ops.items():
+            for p, fn in (("fwd", fwd), ("bwd", bwd)):
+                t0 = time.perf_counter()
+                fn()
+                times[(name, p)].append(time.perf_counter() - t0)
+    rows = []
+    for name in ops:
+        r = dict(tokens=n_tokens, op=name)
+        for p in ("fwd", "bwd"):
+            ts = sorted(times[(name, p)])
+            r[p + "_ms"] = round(ts[len(ts) // 2] * 1e3, 1)
+        rows.append(r)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", default="2", help="comma-separated thread counts")
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--rank", type=int, default=8, help="LoRA rank on the experts")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.threads_child:
+        print(json.dumps([dict(threads=args.threads_child, **r)
+                          for r in measure(args.tokens, args.repeat, args.rank)]))
+        return
+    rows = rows_per_thread_count(__file__, args.threads, ["--tokens", str(args.tokens), "--repeat",
+                                                          str(args.repeat), "--rank", str(args.rank)])
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        return
+    print(f"embd {EMBD}, {N_EXPERT} experts, {N_ACTIVE} active, expert ffn {EXPERT_FFN}; "
+          f"dense ffn {N_ACTIVE * EXPERT_FFN}; LoRA rank {args.rank}; float32")
+    print(f"{'threads':>7} {'tokens':>6} {'op':>9} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'/ dense':>8}")
+    for r in rows:
+        dense = next(s for s in rows if s["threads"] == r["threads"] and s["op"] == "dense")
+        total = r["fwd_ms"] + r["bwd_ms"]
+        print(f"{r['threads']:>7} {r['tokens']:>6} {r['op']:>9} {r['fwd_ms']:>8} {r['bwd_ms']:>8} "
+              f"{total:>8.1f} {total / (dense['fwd_ms'] + dense['bwd_ms']):>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
