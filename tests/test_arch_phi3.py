@@ -320,7 +320,7 @@ def test_train_from_scratch_arch_phi3(tmp_path):
     assert m.config.arch == "phi3" and "blk.0.attn_qkv.weight" in m.file.tensors
     assert m.file.metadata["phi3.rope.scaling.original_context_length"] == 16
     assert np.isfinite(res.losses).all()
-    o.arch = "gemma9"
+    o.arch, o.overwrite = "gemma9", True            # the same folder again: only the --arch check speaks
     with pytest.raises(LlamatuneError, match=r"--arch gemma9: train-from-scratch builds .*llama.*phi3.*qwen2"):
         train_from_scratch(o, quiet=True)
 

@@ -166,6 +166,7 @@ def test_lora_training_equals_its_dequantized_twin(models, tmp_path, qtype, dtyp
     losses = []
     for model in models[qtype]:
         out = tmp_path / model.stem
+        out.mkdir(exist_ok=True)
         res = finetune(FinetuneOptions(model_base=model, train_data=tmp_path / "train.txt", ctx=16, batch=2, lora_r=2,
                                        adam_iter=3, save_every=0, warmup=1, lora_dropout=0.0, compute_dtype=dtype,
                                        checkpoint_out=out / "chk-ITERATION.gguf",

@@ -123,7 +123,8 @@ def test_merge_aware_finetune_and_its_errors(tmp_path, q4_model, tiny_model, cap
 
     def opts(model, **over):
         base = dict(model_base=model, train_data=tmp_path / "train.txt", ctx=16, batch=2, lora_r=2, adam_iter=2,
-                    save_every=0, warmup=1, merge_aware=True, checkpoint_out=tmp_path / "chk-ITERATION.gguf",
+                    save_every=0, warmup=1, merge_aware=True, overwrite=True,   # the refusals run in one folder
+                    checkpoint_out=tmp_path / "chk-ITERATION.gguf",
                     lora_out=tmp_path / "adapter-ITERATION.gguf")
         return FinetuneOptions(**(base | over))
     res = finetune(opts(q4_model.path, rank_out=2), quiet=True)

@@ -123,6 +123,7 @@ def test_train_from_scratch_on_two_ranks_writes_the_model_of_one_process(tmp_pat
             "--save-every", "0", "--warmup", "1"]
     out = lambda d: ["--checkpoint-out", str(tmp_path / d / "chk-ITERATION.gguf"),  # noqa: E731
                      "--model-out", str(tmp_path / d / "model-ITERATION.gguf")]
+    (tmp_path / "one").mkdir(), (tmp_path / "two").mkdir()
     run(CLI + args + out("one") + ["--grad-acc", "2"])
     run(launcher + CLI + args + out("two"))
     assert (tmp_path / "one" / "model-3.gguf").read_bytes() == (tmp_path / "two" / "model-3.gguf").read_bytes()
