@@ -316,7 +316,7 @@ def test_cli_reaches_every_merge_option(tmp_path, tiny_vocab):
     adapter = saved(tmp_path, make_adapter(base, ["blk.0.attn_q.weight"]))
     r = runner.invoke(app, ["export-lora", "-m", str(base), "--lora", str(adapter), "-o", str(tmp_path / "m.gguf"),
                             "--merge-method", "gptq"])
-    assert r.exit_code == 1 and r.output == "error: --merge-method 'gptq': choose compensated or plain\n"
+    assert r.exit_code == 2 and r.output == "error: --merge-method 'gptq': choose compensated or plain\n"
     r = runner.invoke(app, ["export-lora", "-m", str(base), "--lora", str(adapter), "-o", str(tmp_path / "m.gguf"),
                             "--ollama", str(tmp_path / "oll")])
     assert r.exit_code == 0, r.output
