@@ -94,7 +94,7 @@ if [ -n "${PYTHONPATH:-}" ]; then
   # kernels/) would shadow the wheel through pyproject's pythonpath "." (No module named
   # 'llamatune.kernels'); ../shared of the copy is SHARED
   TESTS=/tmp/llamatune-tests
-  rm -rf "$TESTS" && mkdir -p "$TESTS" && cp -r tests checks bench pyproject.toml "$TESTS"/
+  rm -rf "$TESTS" && mkdir -p "$TESTS" && cp -r tests checks bench configs pyproject.toml README.md "$TESTS"/
   [ -d "$SHARED" ] && ln -sfn "$SHARED" "$(dirname "$TESTS")/shared"
 fi
 (cd "$TESTS/tests" && timeout "${PYTEST_S:-240}" $PY -m pytest -m cuda --slow -rs $XDIST -p no:cacheprovider \

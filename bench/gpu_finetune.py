@@ -147,6 +147,16 @@ def matmul_gflops(mm, sync, reps: int, flop: float) -> float:
     return reps * flop / (time.perf_counter() - t) / 1e9
 
 
+def compute_kwargs(dtype: str, backend) -> dict:
+    """How the graph and the planner are told the products' precision: the run's compute policy
+    (precision.policy, as finetune makes it), or an earlier llamatune's `compute_dtype` (BASE_WHL)."""
+    try:
+        from llamatune.precision import policy
+    except ImportError:
+        return {"compute_dtype": dtype}
+    return {"policy": policy(dtype, backend.name, capability=backend.capability)}
+
+
 def run_llamatune(spec: dict) -> dict:
     import llamatune  # noqa: F401  (first: threading policy)
     import numpy as np
@@ -184,10 +194,10 @@ def run_llamatune(spec: dict) -> dict:
             from llamatune.train.memory import Planner, device_runtime_bytes
             estimate = Planner(cfg, targets, base, device_runtime_bytes(backend), Path(spec["model"]).stat().st_size,
                                model.dequantizer.nbytes, 0.0, device=True,
-                               compute_dtype=dtype).estimate(B, T, spec["ckpt"]).total
+                               **compute_kwargs(dtype, backend)).estimate(B, T, spec["ckpt"]).total
         except ImportError:
             pass
-    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, compute_dtype=dtype)
+    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, **compute_kwargs(dtype, backend))
     inputs, labels = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
     opts = FinetuneOptions(warmup=1)
