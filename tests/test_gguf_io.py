@@ -95,16 +95,16 @@ def test_unknown_tensor_type(tmp_path):
 def test_missing_required_metadata(tmp_path, tiny_model):
     f = GGUFFile(tiny_model)
     kvs = [item for k, item in f.kvs.items() if k != "llama.embedding_length"]
-    path = tmp_path / "nometa.gguf"
-    write_gguf(path, "llama", kvs, [])
-    with pytest.raises(LlamatuneError, match=r"nometa\.gguf: (missing required metadata key 'llama.embedding_length'|is a vocabulary-only GGUF)"):
+    path = tmp_path / "nometa.gguf"             # the model's tensors: a file without any is a vocabulary
+    write_gguf(path, "llama", kvs, [tensor_out(n, np.array(t.data)) for n, t in f.tensors.items()])
+    with pytest.raises(LlamatuneError, match=r"nometa\.gguf: missing required metadata key 'llama.embedding_length'"):
         Model(path)
 
 
 def test_unsupported_architecture(tmp_path):
     path = tmp_path / "falcon.gguf"
-    write_gguf(path, "falcon", [], [])
-    with pytest.raises(LlamatuneError, match=r"falcon\.gguf: (architecture 'falcon' is not supported|is a vocabulary-only GGUF)"):
+    write_gguf(path, "falcon", [], [tensor_out("token_embd.weight", np.zeros((4, 8), np.float32))])
+    with pytest.raises(LlamatuneError, match=r"falcon\.gguf: architecture 'falcon' is not supported"):
         Model(path)
 
 

@@ -46,6 +46,7 @@ from ..models.writer import tensor_names, vocab_kvs, write_model
 from ..outputs import Out, check_paths
 from ..train import checkpoint as ckpt
 from ..train import llamacpp2023
+from ..train.recorded import KEY as RECORD_KEY
 
 TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
@@ -158,11 +159,13 @@ def _need_base(base: Base | None, src: Source, why: str) -> Base:
 
 # --------------------------------------------------------------------------- outputs
 
-def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, base_name: str = "") -> str:
-    """Write a GGUF adapter; with a base it is checked with read_adapter before it replaces the target."""
+def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, base_name: str = "",
+                        record: list = ()) -> str:
+    """Write a GGUF adapter; with a base it is checked with read_adapter before it replaces the target.
+    `record`: the KVs of finetune's record of its training data, carried over (train/recorded.py)."""
     if output.is_dir():
         raise LlamatuneError(f"{output}: is a directory; a GGUF adapter is one file")
-    extra = [kv("adapter.lora.base_model", base_name)] if base_name else []
+    extra = ([kv("adapter.lora.base_model", base_name)] if base_name else []) + list(record)
     with atomic_path(output) as tmp:
         write_adapter(tmp, adapter, extra=extra)
         if base is not None:
@@ -216,10 +219,16 @@ def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_na
 
 
 def _adapter_out(to: str, output: Path, adapter: LoraAdapter, base: Base | None, heads: Heads | None,
-                 base_name: str) -> tuple[str, list[str]]:
+                 base_name: str, record: list = ()) -> tuple[str, list[str]]:
     if to == "peft":
         return _write_peft(output, adapter, heads, base.name if base else base_name)
-    return _write_gguf_adapter(output, adapter, base, base.path.name if base else base_name), []
+    return _write_gguf_adapter(output, adapter, base, base.path.name if base else base_name, record), []
+
+
+def data_record(f: GGUFFile) -> list:
+    """The KVs of finetune's record of its training data in a checkpoint or adapter file: a
+    converted adapter keeps them, so export-lora calibrates on that data by default too."""
+    return [item for key, item in f.kvs.items() if key.startswith(RECORD_KEY)]
 
 
 # --------------------------------------------------------------------------- llamatune checkpoints
@@ -343,7 +352,8 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
         else:
             adapter = read_adapter(src.path, base.file) if base else _raw_adapter(src.file)
             base_name = str(src.file.get("adapter.lora.base_model", ""))
-        done, notes = _adapter_out(to, output, adapter, base, base.heads if base else None, base_name)
+        done, notes = _adapter_out(to, output, adapter, base, base.heads if base else None, base_name,
+                                   data_record(src.file))
     elif src.kind == "peft":
         base = _need_base(base, src, "it gives the architecture, the head counts for the q/k row order and the "
                                      "shapes to check")

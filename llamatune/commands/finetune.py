@@ -81,6 +81,7 @@ def build_job(o: FinetuneOptions) -> Job:
     ranks = o.ranks()
     model_kvs = [kv(f"training.lora.rank.{k}", r) for k, r in ranks.items()] + [kv("training.lora.alpha", alpha)]
     model_kvs += [kv(k, v) for k, v in cfg.metadata().items()]        # the base's shape, for converters
+    model_kvs += data                                                  # and the data record (convert-checkpoint)
     sizes = _output_bytes(o, model, params, stats is not None)
     return Job(ckpt.KIND_LORA, o, cfg, FrozenBase(model, backend), params, targets, samples, model.tokenizer,
                lambda rng: init_lora(params, targets, rng), write_outputs, model_kvs,
