@@ -21,7 +21,7 @@ import argparse
 import json
 import time
 
-from children import rows_per_thread_count
+from children import printed_as_json, rows_per_thread_count
 
 B, NH, NKV, HS = 8, 8, 4, 64
 
@@ -101,9 +101,7 @@ def main() -> None:
     rows = rows_per_thread_count(__file__, args.threads, ["--T", ",".join(map(str, args.T)),
                                                           "--dtype", ",".join(args.dtype),
                                                           "--repeat", str(args.repeat)])
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if printed_as_json(rows, args.json):
         return
     print(f"attention B={B} NH={NH} NKV={NKV} HS={HS} (packed: samples of T/4 tokens)")
     print(f"{'threads':>7} {'T':>5} {'packed':>6} {'dtype':>5} {'fwd ms':>8} {'fwd GF/s':>9} {'bwd ms':>8} "

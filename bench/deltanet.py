@@ -40,10 +40,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import tracemalloc
 
-from children import rows_per_thread_count
+from children import median_fwd_bwd_ms, printed_as_json, rows_per_thread_count
 
 NK, NV, DK, DV, KCONV = 16, 32, 128, 128, 4  # Qwen3.5-4B's delta-net layers
 NH, NKV, HS = 16, 4, 256  # its gated full-attention layers
@@ -106,22 +105,11 @@ def _peak_mb(fn) -> float:
 
 def measure(T: int, repeat: int) -> list[dict]:
     ops = _ops(T)
-    times = {(name, p): [] for name in ops for p in ("fwd", "bwd")}
-    for fwd, bwd in ops.values():  # compile / warm up
-        fwd()
-        bwd()
-    for _ in range(repeat):
-        for name, (fwd, bwd) in ops.items():
-            for p, fn in (("fwd", fwd), ("bwd", bwd)):
-                t0 = time.perf_counter()
-                fn()
-                times[(name, p)].append(time.perf_counter() - t0)
+    times = median_fwd_bwd_ms(ops, repeat)
     rows = []
     for name, (fwd, bwd) in ops.items():
         r = dict(T=T, op=name)
-        for p in ("fwd", "bwd"):
-            ts = sorted(times[(name, p)])
-            r[p + "_ms"] = round(ts[len(ts) // 2] * 1e3, 1)
+        r |= times[name]
         r["fwd_peak_mb"], r["bwd_peak_mb"] = _peak_mb(fwd), _peak_mb(bwd)
         rows.append(r)
     return rows
@@ -149,9 +137,7 @@ def main() -> None:
         return
     rows = rows_per_thread_count(__file__, args.threads, ["--T", ",".join(map(str, args.T)),
                                                           "--repeat", str(args.repeat)])
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if printed_as_json(rows, args.json):
         return
     print(f"delta-net NK={NK} NV={NV} DK={DK} DV={DV} conv {KCONV}; attention NH={NH} NKV={NKV} "
           f"HS={HS}; B=1")

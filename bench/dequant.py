@@ -24,7 +24,7 @@ import argparse
 import json
 import time
 
-from children import rows_per_thread_count
+from children import printed_as_json, rows_per_thread_count
 
 ROWS, COLS = 1536, 512
 TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,MXFP4,IQ4_NL,IQ4_XS"
@@ -132,9 +132,7 @@ def main() -> None:
         return
     rows = rows_per_thread_count(__file__, args.threads, ["--types", ",".join(args.types),
                                                           "--repeat", str(args.repeat)])
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if printed_as_json(rows, args.json):
         return
     print(f"dequantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}")
     print(f"{'threads':>7} {'type':>5} {'us':>8} {'Gw/s':>7}")

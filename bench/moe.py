@@ -37,9 +37,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
-from children import rows_per_thread_count
+from children import median_fwd_bwd_ms, printed_as_json, rows_per_thread_count
 
 EMBD, N_EXPERT, N_ACTIVE, EXPERT_FFN = 2048, 128, 8, 768     # Qwen3-30B-A3B
 
@@ -104,22 +103,11 @@ def _ops(n_tokens: int, rank: int):
 
 def measure(n_tokens: int, repeat: int, rank: int) -> list[dict]:
     ops = _ops(n_tokens, rank)
-    times = {(name, p): [] for name in ops for p in ("fwd", "bwd")}
-    for fwd, bwd in ops.values():  # compile / warm up
-        fwd()
-        bwd()
-    for _ in range(repeat):
-        for name, (fwd, bwd) in ops.items():
-            for p, fn in (("fwd", fwd), ("bwd", bwd)):
-                t0 = time.perf_counter()
-                fn()
-                times[(name, p)].append(time.perf_counter() - t0)
+    times = median_fwd_bwd_ms(ops, repeat)
     rows = []
     for name in ops:
         r = dict(tokens=n_tokens, op=name)
-        for p in ("fwd", "bwd"):
-            ts = sorted(times[(name, p)])
-            r[p + "_ms"] = round(ts[len(ts) // 2] * 1e3, 1)
+        r |= times[name]
         rows.append(r)
     return rows
 
@@ -139,9 +127,7 @@ def main() -> None:
         return
     rows = rows_per_thread_count(__file__, args.threads, ["--tokens", str(args.tokens), "--repeat",
                                                           str(args.repeat), "--rank", str(args.rank)])
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if printed_as_json(rows, args.json):
         return
     print(f"embd {EMBD}, {N_EXPERT} experts, {N_ACTIVE} active, expert ffn {EXPERT_FFN}; "
           f"dense ffn {N_ACTIVE * EXPERT_FFN}; LoRA rank {args.rank}; float32")

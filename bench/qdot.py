@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 
-from children import rows_per_thread_count
+from children import printed_as_json, rows_per_thread_count
 
 SHAPES = [(896, 896, "Q5_0"), (4864, 896, "Q5_0"), (896, 4864, "Q4_K,Q6_K"), (151936, 896, "Q8_0")]
 ALL = "Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
@@ -96,9 +96,7 @@ def main() -> None:
         return
     rows = rows_per_thread_count(__file__, args.threads, ["--repeat", str(args.repeat)]
                                  + (["--all-types"] if args.all_types else []))
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if printed_as_json(rows, args.json):
         return
     print(f"y = x W^T, x (G, n_in); best (median) of {args.repeat} alternating calls; GMAC/s of the best")
     print(f"{'thr':>3} {'shape':>11} {'type':>5} {'G':>2} {'qdot ms':>16} {'deq+f32 ms':>16} "
