@@ -369,7 +369,7 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
         g.policy = dataclasses.replace(g.policy, adapters_in_products=carried)
         g.attention = attention  # float32 attention: its bf16 roundings would turn the share's
         #                          2e-5 differences into flips of a bf16 ulp (the loss moved 1e-4)
-        assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
+        assert g.linears.in_product("blk.0.ffn_up.weight", B * T) == carried
         runs[key] = (g.step(inputs, tg, w), params.grad.copy())
     (l32, g32), (lp, gp), (lc, gc), (ll, gl) = runs["f32"], runs["pass"], runs["carried"], runs["layer"]
     np.testing.assert_allclose(lc, lp, rtol=1e-5)

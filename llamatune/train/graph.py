@@ -42,7 +42,7 @@ from ..precision import F32, ComputePolicy
 from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
                       head_floats, plan_bytes)
 from .head import LossHead, kept_head_bytes
-from .linear import LoraLinear
+from .linear import LoraLinears
 from .lora import Lora, LoraTarget
 from .params import ParamBuffer
 from .parts import TRAIN_PARTS
@@ -50,8 +50,10 @@ from .parts import TRAIN_PARTS
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
 
 
-class Graph(LoraLinear, LossHead, Forward):
-    """Buffers for one (B, T) shape and the step that uses them."""
+class Graph(Forward):
+    """Buffers for one (B, T) shape and the step that uses them: the blocks' forward
+    (Forward) keeping activations, its linears' trainable side (`linears`:
+    linear.LoraLinears), the loss head (`head`: head.LossHead) and the backward."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
@@ -71,7 +73,6 @@ class Graph(LoraLinear, LossHead, Forward):
         self.B, self.T, self.N = B, T, B * T
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
-        self.dropout = lora_dropout
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
         self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
@@ -85,8 +86,10 @@ class Graph(LoraLinear, LossHead, Forward):
         self._trimmed_graphs: dict[int, Graph] = {}
         self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
                        for i, parts in enumerate(self.layer_parts)]
-        self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
-                   for t in targets if has_xa(cfg, t.kind)}
+        xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
+              for t in targets if has_xa(cfg, t.kind)}
+        self.linears = LoraLinears(self, self.lora, xa, lora_dropout)   # each linear's trainable side
+        self.head = LossHead(self)                                     # final norm, logits, loss, gradient
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
@@ -109,7 +112,6 @@ class Graph(LoraLinear, LossHead, Forward):
         self.buffers = buf                             # name -> array, as planned
         self.ropes = self.rope_rows                    # the step's tables, per rope set
         self.segments = None
-        self.step_key = (0,)
 
     def _rope_tables(self, base, buf: dict, T: int, dtype, within: "Graph | None") -> None:
         """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
@@ -190,26 +192,26 @@ class Graph(LoraLinear, LossHead, Forward):
         if y_in is None:
             return dy
         self.dnorm.fill(0.0)
-        w = self.norm_weight(name)
+        w = self.linears.norm_weight(name)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, dy, y_in, w, rstd)
-        self.norm_grad(name, self.dnorm)
+        self.linears.norm_grad(name, self.dnorm)
         return self.dx2
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
         if self.cfg.spec.embd_scale:
             dx *= self.embd_scale()
-        dE = self.weight_grad("token_embd.weight")
+        dE = self.linears.weight_grad("token_embd.weight")
         if dE is not None:
             self.backend.scatter_add(dE, tokens, dx)
-        t = self.adapter("token_embd.weight")
+        t = self.linears.adapter("token_embd.weight")
         if t is not None:
             t.db[...] += t.scale * (dx.T @ t.a[tokens])
             self.backend.scatter_add(t.da, tokens, t.scale * (dx @ t.b))
 
     def norm_trained(self, name: str) -> bool:
         """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
-        return self.weight_grad(name) is not None or self.adapter(name) is not None
+        return self.linears.weight_grad(name) is not None or self.linears.adapter(name) is not None
 
     def norm_dw(self, name: str) -> np.ndarray | None:
         """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
@@ -246,10 +248,11 @@ class Graph(LoraLinear, LossHead, Forward):
             return run(self, inputs, targets, weights, positions, segments)
         g = self._trimmed_graphs.get(T)
         if g is None:
-            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, [a.target for a in self.lora.values()], self.B, T,
-                                                self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
+            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params,
+                                                [a.target for a in self.lora.values()], self.B, T, self.mode,
+                                                self.linears.dropout, self.tmp.dtype, self.backend, within=self,
                                                 policy=self.policy)
-        g.dropout, g.reweight, g.observer = self.dropout, self.reweight, self.observer
+        g.linears.dropout, g.reweight, g.observer = self.linears.dropout, self.reweight, self.observer
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -275,13 +278,13 @@ class Graph(LoraLinear, LossHead, Forward):
         self.params.zero_grad()
 
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
-        self.step_key = tuple(int(k) for k in key)
+        self.linears.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
         self.observer = None                                # the step's forward alone is observed, not a recompute
         if self.reweight is not None:                       # the head forward alone: self.losses, then weights
-            self.loss_head(tg, w, backward=False)
+            self.head.loss(tg, w, backward=False)
             w = self.reweight(self, w)
-        loss = self.loss_head(tg, w)
+        loss = self.head.loss(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
                 self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
@@ -294,12 +297,12 @@ class Graph(LoraLinear, LossHead, Forward):
              positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
         """Forward only, for evaluation: sum(weights * loss) of one micro-batch (arguments as
         in `step`), without dropout; no gradient is computed and params.grad is untouched."""
-        dropout, self.dropout = self.dropout, 0.0
+        dropout, self.linears.dropout = self.linears.dropout, 0.0
         try:
-            return self._trimmed(lambda g, *batch: g.loss_head(*g._forward(*batch)[1:], backward=False),
+            return self._trimmed(lambda g, *batch: g.head.loss(*g._forward(*batch)[1:], backward=False),
                                  inputs, targets, weights, positions, segments)
         finally:
-            self.dropout = dropout
+            self.linears.dropout = dropout
 
     def _forward(self, inputs, targets, weights, positions, segments):
         """Set the step's rope positions and segments, upload one micro-batch and run

@@ -190,7 +190,7 @@ class Planner:
 
     def extension(self) -> int:
         """Columns (or rows) the adapters riding in bf16 products add to their operands
-        (train.linear.LoraLinear.adapter_in_product: the policy's choice, no dropout)."""
+        (train.linear.LoraLinears.in_product: the policy's choice, no dropout)."""
         if self.dropout > 0 or not self.policy.adapters_in_products:
             return 0
         return max((adapter_extension(t.rank) for t in self.targets if has_xa(self.cfg, t.kind)), default=0)
