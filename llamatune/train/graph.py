@@ -39,9 +39,8 @@ from ..models.forward import Forward
 from ..models.parts import layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
-from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
-                      head_floats, plan_bytes)
-from .head import LossHead, kept_head_bytes
+from .buffers import arena_size, carve, checkpointing_mode, grad_scratch, has_xa, plan_bytes, step_plan
+from .head import LossHead
 from .linear import LoraLinears
 from .lora import Lora, LoraTarget
 from .params import ParamBuffer
@@ -75,14 +74,14 @@ class Graph(Forward):
         self.mode = checkpointing_mode(checkpointing)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
-        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
-                                bf16_saved=policy.host_bf16)   # (a GPU's bf16 keeps f32 activations)
+        self.plan = step_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable, policy,
+                              self.backend.name != "cpu", lora_dropout)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
-        self.arena = xp.zeros(arena_size(self.plan), dtype) if within is None else within.arena
-        assert self.arena.size >= arena_size(self.plan)
-        buf = carve(self.plan, self.arena)
+        self.arena = xp.zeros(arena_size(self.plan.buffers), dtype) if within is None else within.arena
+        assert self.arena.size >= arena_size(self.plan.buffers)
+        buf = carve(self.plan.buffers, self.arena)
         self._trimmed_graphs: dict[int, Graph] = {}
         self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
                        for i, parts in enumerate(self.layer_parts)]
@@ -97,12 +96,12 @@ class Graph(Forward):
         for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
             setattr(self, name, shared[at: at + n * m].reshape(n, m))
             at += n * m
-        self.chunk, V = head_chunk(self.N, head_floats(cfg), at), cfg.n_vocab
+        self.chunk, V = self.plan.chunk, cfg.n_vocab                        # the head's, in that room
         self.logits = shared[: self.chunk * V].reshape(self.chunk, V)
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if policy.host_bf16 and kept_head_bytes(cfg, self.chunk) and within is None:
+        if self.plan.kept_head and within is None:
             base.keep_bf16("output.weight")                # the CPU's bf16: a frozen base (FrozenBase)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
@@ -122,7 +121,7 @@ class Graph(Forward):
             for j, rope in enumerate(cfg.rope_sets):
                 cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
                 names = [k + (f".{j}" if j else "") for k in ("rope_cos", "rope_sin")]
-                buf |= {k: xp.zeros(self.plan[k], dtype) for k in names}
+                buf |= {k: xp.zeros(self.plan.buffers[k], dtype) for k in names}
                 dcos, dsin = (buf[k] for k in names)
                 dcos[...] = self.backend.to_device(cos.astype(dtype))
                 dsin[...] = self.backend.to_device(sin.astype(dtype))
@@ -141,7 +140,7 @@ class Graph(Forward):
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (the plan's)."""
-        return plan_bytes(self.plan, self.tmp.dtype.itemsize)
+        return plan_bytes(self.plan.buffers, self.tmp.dtype.itemsize)
 
     def _set_packing(self, positions, segments) -> None:
         """Rope tables (self.ropes: (cos, sin) per rope set) and attention segments of one step (packed

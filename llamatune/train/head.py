@@ -10,22 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .buffers import even_chunk
-
-
-def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
-    """Whether the head's chunks go through LossHead._bf16_chunk when its products are
-    bf16: no adapter on the head, the head frozen, no final soft-cap."""
-    return not (adapted or trained or cfg.final_softcap)
-
-
-def kept_head_bytes(cfg, chunk: int) -> int:
-    """Bytes of the head's whole bf16 copy that training with bf16 products keeps
-    (FrozenBase.keep_bf16) where it takes at most half of a chunk's logits (n_embd <=
-    chunk): each chunk then multiplies it as is, where it would expand every block
-    twice (bench shape: 8 expansions of the Q4_K head, 39 ms of a 1.5 s step); 0 where
-    it would take more (larger widths expand it once per chunk of tokens, as before)."""
-    return 2 * cfg.n_vocab * cfg.n_embd if cfg.n_embd <= chunk else 0
+from .buffers import blocked_head, even_chunk
 
 
 KEPT_HEAD_BLOCK = 4096  # vocabulary columns per product where the head's bf16 copy is kept whole: one chunk
