@@ -10,7 +10,7 @@ rate (-lr), no weight decay, no clipping. llamatune runs as many steps of one wi
 spreads are reported. Then llama.cpp's llama-perplexity scores each trained model (and
 the base) on held-out text, and llamatune runs once more with SGD (the memory saved).
 Last, what the memory estimate gives for a Qwen2.5-1.5B-shaped full finetune with
---checkpointing layer, AdamW and SGD (train/full.state_bytes + graph.buffer_plan).
+--checkpointing layer, AdamW and SGD (train/full.state_bytes + buffers.buffer_plan).
 
     python bench/full_finetune.py --model /tmp/qwen-f32.gguf --llama-bin /work/llamacpp/build/bin \
         [--windows 23] [--ctx 256] [--lr 1e-5] [--rounds 1] [--work /tmp/full-bench]
@@ -113,7 +113,7 @@ def estimate_1_5b(runtime_gib: float) -> dict:
     from llamatune.models.config import ModelConfig
     from llamatune.models.writer import tensor_names
     from llamatune.train.full import state_bytes
-    from llamatune.train.graph import buffer_plan, plan_bytes
+    from llamatune.train.buffers import buffer_plan, plan_bytes
     cfg = ModelConfig.new("qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,
                           n_head=12, n_head_kv=2, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1e6)
     n = sum(int(np.prod(s)) for s in tensor_names(cfg, tied=True).values())

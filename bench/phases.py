@@ -117,11 +117,12 @@ def instrument(graph, phases: Phases) -> None:
         for op, mod in vars(graph.ops).items()})
     graph.base.matrix_rows = phases.timed("dequantize", graph.base.matrix_rows)
     graph.base.embed = phases.timed("embedding rows", graph.base.embed)
-    graph.lora_backward = phases.timed("lora backward (@ products)", graph.lora_backward)
+    linears = graph.linears
+    linears.lora_backward = phases.timed("lora backward (@ products)", linears.lora_backward)
     graph.linear = phases.timed("linear glue (+bias, +lora)", graph.linear)
-    graph.linear_backward = phases.timed("linear_backward glue", graph.linear_backward)
-    graph.dropout_mask = phases.timed("dropout masks", graph.dropout_mask)
-    graph.loss_head = phases.timed("head", graph.loss_head)
+    linears.backward = phases.timed("linear_backward glue", linears.backward)
+    linears.dropout_mask = phases.timed("dropout masks", linears.dropout_mask)
+    graph.head.loss = phases.timed("head", graph.head.loss)
 
 
 def _operand(a) -> tuple:
@@ -164,7 +165,7 @@ def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat
         if where[0] != "lora backward":                 # that group is timed as a whole
             in_step[where[0]] += time.perf_counter() - t
         return r
-    lora_backward, head = graph.lora_backward, graph.loss_head
+    lora_backward, head = graph.linears.lora_backward, graph.head.loss
 
     def lora(t, dy, xd, xa, dx, mask=None):            # its three `@` products, then the call
         r = xa.shape[1]
@@ -184,14 +185,14 @@ def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat
         finally:
             where[0] = "layers"
     graph.xp = _Timed(xp, lambda name, f: matmul if name == "matmul" else f)
-    graph.lora_backward, graph.loss_head = lora, in_head
+    graph.linears.lora_backward, graph.head.loss = lora, in_head
     try:
         params.zero_grad()
         graph.step(inputs, targets, weights, (0, it, 0))
         optimizer_step(params, it, opts)
     finally:
         graph.xp = xp
-        del graph.lora_backward, graph.loss_head
+        del graph.linears.lora_backward, graph.head.loss
     rng = np.random.default_rng(0)
     alone: dict[str, float] = defaultdict(float)
     flops: dict[str, float] = defaultdict(float)

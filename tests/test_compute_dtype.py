@@ -272,7 +272,7 @@ def test_bf16_graph_keeps_the_gate_inputs_in_bf16_and_its_modes_agree(tiny_model
         assert all(a.ffn.g.dtype == np.uint16 and a.ffn.u.dtype == np.uint16 for a in g.layers)
         f32_plan = buffer_plan(cfg, list(g.lora.values()), B, T, mode, g.head_rows, False)
         saved = (1 if mode == "layer" else cfg.n_layer) * 2 * B * T * cfg.n_ff * 2      # bytes of g and u, halved
-        assert plan_bytes(f32_plan) - plan_bytes(g.plan) == saved
+        assert plan_bytes(f32_plan) - g.plan.buffer_bytes == saved
         g.step(inputs, tg, w)
         grads[mode] = params.grad.copy()
     assert np.abs(grads["selective"]).max() > 0
@@ -289,7 +289,7 @@ def test_bf16_head_kept_whole_in_wider_blocks(tiny_model, monkeypatch):
     float rounding and the same gradients within the bf16 rounding of a few values
     (the blocks' dx sums in another order), on the whole tensors."""
     from llamatune.kernels import cross_entropy as ce
-    from llamatune.train import graph as graph_mod
+    from llamatune.train import buffers
     model = Model(tiny_model)
     B, T = 2, 40                                          # 80 tokens >= n_embd 64
     inputs, tg, w = batch(model.config, 8, B, T)
@@ -299,7 +299,7 @@ def test_bf16_head_kept_whole_in_wider_blocks(tiny_model, monkeypatch):
         widths.append(width), blocked(losses, logits, width, *a, **k)))
     for kept in (True, False):
         if not kept:
-            monkeypatch.setattr(graph_mod, "kept_head_bytes", lambda cfg, chunk: 0)
+            monkeypatch.setattr(buffers, "kept_head_bytes", lambda cfg, chunk: 0)
         g, params = adapted_graph(model, ("attn_v", "ffn_down"), B, T)
         assert g.base.is_kept_bf16("output.weight") == kept
         loss = g.step(inputs, tg, w)
@@ -369,7 +369,7 @@ def test_bf16_graph_with_adapters_in_the_products(tiny_model):
         g.policy = dataclasses.replace(g.policy, adapters_in_products=carried)
         g.attention = attention  # float32 attention: its bf16 roundings would turn the share's
         #                          2e-5 differences into flips of a bf16 ulp (the loss moved 1e-4)
-        assert g.adapter_in_product("blk.0.ffn_up.weight", B * T) == carried
+        assert g.linears.in_product("blk.0.ffn_up.weight", B * T) == carried
         runs[key] = (g.step(inputs, tg, w), params.grad.copy())
     (l32, g32), (lp, gp), (lc, gc), (ll, gl) = runs["f32"], runs["pass"], runs["carried"], runs["layer"]
     np.testing.assert_allclose(lc, lp, rtol=1e-5)

@@ -124,16 +124,17 @@ def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_
         targets, params = lora_setup(model, ALL_RANKS, np.float32)
         g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode,
                   policy=dataclasses.replace(precision.F32, merge_adapters=merge))
-        assert g.matrix("blk.0.ffn_down.weight", B * T)[1] is merge
+        assert g.linears.matrix("blk.0.ffn_down.weight", B * T)[1] is merge
         runs.append((g.step(inputs, tg, w), params.grad.copy()))
     (loss_m, grad_m), (loss_f, grad_f) = runs
     np.testing.assert_allclose(loss_m, loss_f, rtol=1e-6)
     np.testing.assert_allclose(grad_m, grad_f, rtol=2e-4, atol=2e-5 * np.abs(grad_f).max())
     targets, params = lora_setup(model, ALL_RANKS, np.float32)
-    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1).matrix("blk.0.ffn_down.weight", B * T)[1]
-    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode).matrix("blk.0.ffn_down.weight", 8)[1]
+    down = "blk.0.ffn_down.weight"
+    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1).linears.matrix(down, B * T)[1]
+    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode).linears.matrix(down, 8)[1]
     f32 = Model(write_tiny_model(tmp_path / "f32.gguf", tiny_vocab))
-    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode).matrix("blk.0.ffn_down.weight", B * T)[1]
+    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode).linears.matrix(down, B * T)[1]
 
 
 def test_step_zero_equals_base_model(small_model):

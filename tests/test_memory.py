@@ -290,10 +290,10 @@ def test_free_memory_on_a_gpu_counts_cupys_unused_pool():
 def test_gpu_bf16_estimate_is_the_f32_one_with_bf16_copies(model):
     """A GPU's bf16 products keep float32 activations (the plan is f32's), dequantize into
     a bf16 scratch (half the f32 one) and keep bf16 copies of the widest operand and of
-    the shared input (memory.gpu_bf16_bytes)."""
+    the shared input (buffers.gpu_bf16_bytes)."""
     from llamatune.train.buffers import grad_scratch, head_chunk, head_floats
     from llamatune import precision
-    from llamatune.train.memory import gpu_bf16_bytes
+    from llamatune.train.buffers import gpu_bf16_bytes
     host = planner(model)
     args = (host.cfg, host.targets, host.base, 100 << 20, model.path.stat().st_size, model.dequantizer.nbytes, 0.0)
     f32, b16 = Planner(*args, device=True), Planner(*args, device=True, policy=precision.policy("bf16", "cuda"))

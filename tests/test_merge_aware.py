@@ -61,7 +61,7 @@ def test_forward_is_the_plain_merge(tmp_path, q4_model):
     export_lora(q4_model.path, [(adapter, 1.0)], merged, merge=MergeOptions(merge_method="plain"))
     f = GGUFFile(merged)
     for t in targets:
-        W, folded = g.matrix(t.weight, B * T)
+        W, folded = g.linears.matrix(t.weight, B * T)
         W = W.copy()                                            # (the dequantization scratch, reused below)
         m = f.tensor(t.weight)
         assert folded and m.qtype == QType.Q4_0
@@ -105,7 +105,7 @@ def test_gradients_are_straight_through(q4_model, checkpointing):
     shift = {}
     for t in targets:
         W = FrozenBase(q4_model).matrix(t.weight).astype(np.float64)
-        shift[t.weight] = g.matrix(t.weight, 10)[0] - (W + t.scale * params[t.b] @ params[t.a])
+        shift[t.weight] = g.linears.matrix(t.weight, 10)[0] - (W + t.scale * params[t.b] @ params[t.a])
         assert np.abs(shift[t.weight]).max() > 0
     s = Graph(cfg, Shifted(q4_model, shift), params, targets, 2, 5, checkpointing, dtype=np.float64)
 

@@ -41,6 +41,51 @@ from .parts import LayerActs, Part, layer_parts
 from .products import make_products
 
 
+class Linears:
+    """How the linears of a Forward compute beyond their base product, by weight name:
+    inference's runtime adapters (llama.cpp's --lora: y += s (x A^T) B^T after the
+    product, several per weight), none by default. Training's strategy (LoRA in
+    factored form, merged into a dequantized copy, riding in a bf16 product, merge-aware,
+    dense trained weights) is train.linear.LoraLinears, the same methods."""
+
+    def __init__(self, fw: "Forward", adapters: dict[str, list] | None = None):
+        self.fw, self.adapters = fw, adapters or {}
+
+    def pairs(self, name: str) -> list:
+        """[(A, B, scale)] applied to base weight `name` (token_embd: A (V, r), B (C, r))."""
+        return self.adapters.get(name, ())
+
+    def scratch(self, rows: int, cols: int) -> np.ndarray:
+        """A (rows, cols) buffer for a product about to be added somewhere."""
+        return self.fw.xp.empty((rows, cols), np.float32)
+
+    def norm_weight(self, name: str) -> np.ndarray:
+        """A norm weight as the forward uses it."""
+        return self.fw.base.vector(name)
+
+    def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
+        """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
+        share is already in it (training may merge B A into a dequantized copy)."""
+        return self.fw.weight(name, N), False
+
+    def add_adapters(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
+        """y += sum_i s_i (x A_i^T) B_i^T."""
+        for a, b, s in self.pairs(name):
+            self.fw.lora_ops.lora_forward(y, x @ a.T, b, s, self.scratch(*y.shape))
+
+    def in_product(self, name: str, N: int) -> bool:
+        """Whether the adapter of `name` rides in the base product's K axis (`adapted_forward`):
+        training's choice with bf16 products; inference adds its adapters after."""
+        return False
+
+    def adapted_forward(self, y: np.ndarray, x: np.ndarray, name: str) -> None:
+        raise NotImplementedError("only training carries adapters in the products")
+
+    def shared_extension(self, names: list[str], N: int) -> int:
+        """Columns the shared bf16 input of `names` needs for adapters in the products."""
+        return 0
+
+
 class Forward:
     """The block forward over a weight provider (weights.FrozenBase or params.DenseWeights).
 
@@ -52,7 +97,9 @@ class Forward:
 
     def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32,
                  parts: dict[str, type[Part]] | None = None):
-        """`parts`: kind -> class of the layers' parts (models/parts.PARTS by default)."""
+        """`parts`: kind -> class of the layers' parts (models/parts.PARTS by default). A
+        user with adapters sets `linears` (Linears: inference's runtime adapters; training's
+        train.linear.LoraLinears)."""
         self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
         self.layer_parts = layer_parts(cfg, parts)          # (mixer, feed-forward) per layer
         self.xp, self.ops = backend.xp, backend.ops
@@ -60,21 +107,9 @@ class Forward:
         self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
         self.attention = policy.attention(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
+        self.linears = Linears(self)                      # what each linear adds to its base product
 
-    # ------------------------------------------------------------------ overridable parts
-    def adapter_pairs(self, name: str) -> list:
-        """[(A, B, scale)] applied to base weight `name` (token_embd: A (V, r), B (C, r))."""
-        return []
-
-    def scratch(self, rows: int, cols: int) -> np.ndarray:
-        """A (rows, cols) buffer for a product about to be added somewhere."""
-        return self.xp.empty((rows, cols), np.float32)
-
-    def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
-        """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
-        share is already in it (training may merge B A into a dequantized copy)."""
-        return self.weight(name, N), False
-
+    # ------------------------------------------------------------------ what a user supplies
     def weight(self, name: str, N: int) -> np.ndarray:
         """A base matrix as the products over N tokens take it: float32, or with bf16
         products (N at least the policy's bf16_min_rows) dequantized straight to bf16 (half
@@ -88,14 +123,6 @@ class Forward:
         if self.products.bf16_for(N):
             return self.base.matrix_rows_bf16(name, lo, hi)
         return self.base.matrix_rows(name, lo, hi)
-
-    def norm_weight(self, name: str) -> np.ndarray:
-        return self.base.vector(name)
-
-    def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
-        """y += sum_i s_i (x A_i^T) B_i^T."""
-        for a, b, s in self.adapter_pairs(name):
-            self.lora_ops.lora_forward(y, x @ a.T, b, s, self.scratch(*y.shape))
 
     def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
         """Two (N, F) float32 buffers for the gate's inputs where the layer keeps them as
@@ -128,26 +155,22 @@ class Forward:
 
     def linear(self, y: np.ndarray, x: np.ndarray, name: str) -> np.ndarray:
         """y (N, n_out) = x W^T (+ bias) + the adapters' share (in the base product where
-        `adapter_in_product`: products.Products.adapted)."""
+        `Linears.in_product`: products.Products.adapted)."""
         if self.observer is not None:
             self.observer(name, x)
-        carried = self.adapter_in_product(name, x.shape[0])
+        linears = self.linears
+        carried = linears.in_product(name, x.shape[0])
         if carried:
-            self.adapted_forward(y, x, name)
+            linears.adapted_forward(y, x, name)
         else:
-            W, merged = self.matrix(name, x.shape[0])
+            W, merged = linears.matrix(name, x.shape[0])
             self.base_product(y, x, W)
         bias = self.base.vector(name.replace(".weight", ".bias"))
         if bias is not None:
             y += bias
         if not carried:
-            self.adapter_forward(y, x, name, merged)
+            linears.add_adapters(y, x, name, merged)
         return y
-
-    def adapter_in_product(self, name: str, N: int) -> bool:
-        """Whether the adapter of `name` rides in the base product's K axis (training with
-        bf16 products: train.linear.LoraLinear); inference adds its adapters after."""
-        return False
 
     def stores_bf16(self, names: list[str], N: int) -> bool:
         """Whether the linears `names` over N tokens may store their results as bf16 bits
@@ -156,11 +179,7 @@ class Forward:
         after the product (the caller's matrices are separate, not one fused product)."""
         return (self.products.bf16_for(N)
                 and all(self.base.vector(n.replace(".weight", ".bias")) is None
-                        and (not self.adapter_pairs(n) or self.adapter_in_product(n, N)) for n in names))
-
-    def shared_extension(self, names: list[str], N: int) -> int:
-        """Columns the shared bf16 input of `names` needs for adapters in the products."""
-        return 0
+                        and (not self.linears.pairs(n) or self.linears.in_product(n, N)) for n in names))
 
     def fused_rows(self, width: int) -> np.ndarray:
         N = self.xn.shape[0]
@@ -174,8 +193,8 @@ class Forward:
     def embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         """x (N, C) = rows of token_embd for tokens (N,) on the device (+ adapters, scale)."""
         self.base.embed(tokens, x)
-        for a, b, s in self.adapter_pairs("token_embd.weight"):
-            x += self.xp.matmul(s * a[tokens], b.T, out=self.scratch(*x.shape))
+        for a, b, s in self.linears.pairs("token_embd.weight"):
+            x += self.xp.matmul(s * a[tokens], b.T, out=self.linears.scratch(*x.shape))
         if self.cfg.spec.embd_scale:
             x *= self.embd_scale()
 

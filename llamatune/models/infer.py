@@ -22,7 +22,7 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
 from ..precision import F32, ComputePolicy
-from .forward import Forward
+from .forward import Forward, Linears
 from .model import Model
 from .parts import fused_width, layer_act_shapes, layer_acts
 from .rope import rope_cache
@@ -70,10 +70,8 @@ class Runner(Forward):
         self.model = model
         self.adapters = {name: [(backend.to_device(a), backend.to_device(b), s) for a, b, s in pairs]
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}
+        self.linears = Linears(self, self.adapters)
         self.cache, self.n_past = None, 0
-
-    def adapter_pairs(self, name: str) -> list:
-        return self.adapters.get(name, ())
 
     # ---------------------------------------------------- decode steps on the quantized blocks
     def quantized_rows(self, name: str, lo: int, hi: int | None) -> QuantizedRows | None:
@@ -167,7 +165,7 @@ class Runner(Forward):
         finally:
             self.cache = None
         rstd = xp.empty(N, np.float32)
-        self.ops.rmsnorm.rmsnorm_forward(self.xn, rstd, a.x, self.norm_weight("output_norm.weight"), cfg.norm_eps)
+        self.ops.rmsnorm.rmsnorm_forward(self.xn, rstd, a.x, self.linears.norm_weight("output_norm.weight"), cfg.norm_eps)
         logits = self.head(self.xn)
         if cfg.final_softcap:
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)

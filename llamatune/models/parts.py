@@ -103,9 +103,9 @@ class Part:
     def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str) -> None:
         """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU)."""
         if residual is None:
-            fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.norm_weight(name), self.cfg.norm_eps)
+            fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.linears.norm_weight(name), self.cfg.norm_eps)
         else:
-            fw.ops.fused.add_rmsnorm_forward(xn, rstd, x, residual, fw.norm_weight(name), self.cfg.norm_eps)
+            fw.ops.fused.add_rmsnorm_forward(xn, rstd, x, residual, fw.linears.norm_weight(name), self.cfg.norm_eps)
 
     def output(self, fw, y: np.ndarray, h: np.ndarray, name: str, post_norm: str | None, pre, rstd) -> None:
         """y = h W^T of linear `name`, or with a post norm (gemma2's sandwich) RMSNorm of it (pre, rstd kept)."""
@@ -113,7 +113,7 @@ class Part:
             fw.linear(y, h, name)
             return
         fw.linear(pre, h, name)
-        fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.norm_weight(post_norm), self.cfg.norm_eps)
+        fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.linears.norm_weight(post_norm), self.cfg.norm_eps)
 
 
 class Attention(Part):
@@ -160,7 +160,7 @@ class Attention(Part):
         q4, k4 = self.heads(a, a.q, a.k)
         if self.qk_norms:                        # per-head norms, then rope (one launch on a GPU)
             self.project(fw, a.qp, a.kp, a.v, xn)
-            wq, wk = (fw.norm_weight(n) for n in self.qk_norms)
+            wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
             ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
                                            a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
         else:
@@ -174,7 +174,7 @@ class Attention(Part):
     def project(self, fw, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray) -> None:
         """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
         if self.fused is None:
-            with fw.products.shared_input(xn, fw.shared_extension(self.qkv, xn.shape[0])):
+            with fw.products.shared_input(xn, fw.linears.shared_extension(self.qkv, xn.shape[0])):
                 for name, y in zip(self.qkv, (q, k, v)):
                     fw.linear(y, xn, name)
             return
@@ -235,7 +235,7 @@ class FeedForward(Part):
     def project(self, fw, g: np.ndarray, u: np.ndarray, xn: np.ndarray) -> None:
         """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
         if self.fused is None:
-            with fw.products.shared_input(xn, fw.shared_extension(self.gate_up, xn.shape[0])):
+            with fw.products.shared_input(xn, fw.linears.shared_extension(self.gate_up, xn.shape[0])):
                 fw.linear(g, xn, self.gate_up[0])
                 fw.linear(u, xn, self.gate_up[1])
             return

@@ -1,7 +1,10 @@
 """Every buffer a training graph allocates, planned before anything is allocated.
 
-`buffer_plan` lists them by name and shape (the memory estimate, train/memory.py,
-counts exactly this list) and `carve` cuts them out of one arena:
+`step_plan` is the one plan of a step's memory (`StepPlan`): `buffer_plan`'s list of
+every buffer by name and shape, which `carve` cuts out of one arena, the head's chunk,
+the bf16 operand copies of the products and the head's kept bf16 copy. The graph
+allocates from it and the estimate (train/memory.py) sums it, so the two cannot drift.
+The buffers:
   - `blk.I.*`: the activations layer I keeps for backward (models/parts.layer_act_shapes:
     `blk.I.x`, `blk.I.x_mid` and each part's as `blk.I.<kind>.<name>`);
   - `layer.*`: checkpointing mode `layer` keeps only each layer's input and recomputes
@@ -17,11 +20,15 @@ counts exactly this list) and `carve` cuts them out of one arena:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
 from ..models.parts import fused_width, layer_act_shapes, layer_parts
+from ..models.products import adapter_extension, bf16_bytes
+from ..precision import F32, ComputePolicy
 from .lora import LoraTarget
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time,
@@ -130,6 +137,73 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     if head_tmp:
         plan["head_tmp"] = (head_tmp,)
     return plan
+
+
+def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
+    """Whether the head's chunks go through LossHead._bf16_chunk when its products are
+    bf16: no adapter on the head, the head frozen, no final soft-cap."""
+    return not (adapted or trained or cfg.final_softcap)
+
+
+def kept_head_bytes(cfg, chunk: int) -> int:
+    """Bytes of the head's whole bf16 copy that training with bf16 products keeps
+    (FrozenBase.keep_bf16) where it takes at most half of a chunk's logits (n_embd <=
+    chunk): each chunk then multiplies it as is, where it would expand every block
+    twice (bench shape: 8 expansions of the Q4_K head, 39 ms of a 1.5 s step); 0 where
+    it would take more (larger widths expand it once per chunk of tokens, as before)."""
+    return 2 * cfg.n_vocab * cfg.n_embd if cfg.n_embd <= chunk else 0
+
+
+def gpu_bf16_bytes(cfg, N: int, chunk: int, head_rows: int) -> int:
+    """Bytes of the bf16 operand copies a GPU's bf16 products keep (kernels/cuda/bf16.py
+    CudaBf16Products): the rounded activation of the widest product (N tokens x a layer
+    matrix's widest side, or the head's chunk x its block of logit gradient) and the
+    shared normed input (N x n_embd)."""
+    widest = max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(max(o, i) for o, i in layer_matrix_shapes(cfg)))
+    return 2 * (max(N * widest, chunk * head_rows) + N * cfg.n_embd)
+
+
+def adapters_extension(cfg: ModelConfig, targets: list[LoraTarget], policy: ComputePolicy, dropout: float) -> int:
+    """Columns (or rows) the adapters riding in bf16 products add to their operands
+    (train.linear.LoraLinears.in_product: the policy's choice, no dropout)."""
+    if dropout > 0 or not policy.adapters_in_products:
+        return 0
+    return max((adapter_extension(t.rank) for t in targets if has_xa(cfg, t.kind)), default=0)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The memory of one training step of a (B, T) shape: what the graph allocates and
+    takes from here, and what the estimate adds up."""
+    buffers: dict[str, tuple[int, ...]]   # name -> shape of every array the graph allocates (buffer_plan)
+    chunk: int                            # tokens of the head computed at a time (head_chunk)
+    extension: int                        # operand columns of the adapters in bf16 products
+    bf16_copies: int                      # bytes of the products' bf16 operand copies (host or GPU)
+    kept_head: int                        # bytes of the head's whole bf16 copy kept (the CPU's bf16; 0: none)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return plan_bytes(self.buffers)
+
+
+def step_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
+              trainable: bool, policy: ComputePolicy = F32, device: bool = False, dropout: float = 0.0) -> StepPlan:
+    """The plan of a step (StepPlan): the buffers (a CPU's bf16 products keep the
+    parts' bf16_saved activations as bf16; a GPU's keeps float32 activations and bf16
+    operand copies), the head's chunk in the room of the backward's scratch, and the
+    bf16 copies of the products (models/products.bf16_bytes, gpu_bf16_bytes)."""
+    N = B * T
+    buffers = buffer_plan(cfg, targets, B, T, mode, head_rows, trainable, bf16_saved=policy.host_bf16)
+    chunk = head_chunk(N, head_floats(cfg), sum(n * m for n, m in grad_scratch(cfg, N, mode).values()))
+    extension = adapters_extension(cfg, targets, policy, dropout)
+    copies = kept = 0
+    if policy.dtype == "bf16" and device:
+        copies += gpu_bf16_bytes(cfg, N, chunk, head_rows)
+    if policy.host_bf16:
+        adapted = any(t.kind == "output" for t in targets)
+        copies += bf16_bytes(cfg, N, head_rows, chunk, blocked_head(cfg, adapted, trainable), extension)
+        kept = kept_head_bytes(cfg, chunk)
+    return StepPlan(buffers, chunk, extension, copies, kept)
 
 
 def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:

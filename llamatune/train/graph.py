@@ -39,10 +39,9 @@ from ..models.forward import Forward
 from ..models.parts import layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
-from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
-                      head_floats, plan_bytes)
-from .head import LossHead, kept_head_bytes
-from .linear import LoraLinear
+from .buffers import arena_size, carve, checkpointing_mode, grad_scratch, has_xa, plan_bytes, step_plan
+from .head import LossHead
+from .linear import LoraLinears
 from .lora import Lora, LoraTarget
 from .params import ParamBuffer
 from .parts import TRAIN_PARTS
@@ -50,8 +49,10 @@ from .parts import TRAIN_PARTS
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
 
 
-class Graph(LoraLinear, LossHead, Forward):
-    """Buffers for one (B, T) shape and the step that uses them."""
+class Graph(Forward):
+    """Buffers for one (B, T) shape and the step that uses them: the blocks' forward
+    (Forward) keeping activations, its linears' trainable side (`linears`:
+    linear.LoraLinears), the loss head (`head`: head.LossHead) and the backward."""
 
     def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
@@ -71,22 +72,23 @@ class Graph(LoraLinear, LossHead, Forward):
         self.B, self.T, self.N = B, T, B * T
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
-        self.dropout = lora_dropout
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
         self.head_rows = base.head_rows
-        self.plan = buffer_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable,
-                                bf16_saved=policy.host_bf16)   # (a GPU's bf16 keeps f32 activations)
+        self.plan = step_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable, policy,
+                              self.backend.name != "cpu", lora_dropout)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
         # its rope tables are the first rows of that graph's
-        self.arena = xp.zeros(arena_size(self.plan), dtype) if within is None else within.arena
-        assert self.arena.size >= arena_size(self.plan)
-        buf = carve(self.plan, self.arena)
+        self.arena = xp.zeros(arena_size(self.plan.buffers), dtype) if within is None else within.arena
+        assert self.arena.size >= arena_size(self.plan.buffers)
+        buf = carve(self.plan.buffers, self.arena)
         self._trimmed_graphs: dict[int, Graph] = {}
         self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
                        for i, parts in enumerate(self.layer_parts)]
-        self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
-                   for t in targets if has_xa(cfg, t.kind)}
+        xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
+              for t in targets if has_xa(cfg, t.kind)}
+        self.linears = LoraLinears(self, self.lora, xa, lora_dropout)   # each linear's trainable side
+        self.head = LossHead(self)                                     # final norm, logits, loss, gradient
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
         # scratch, reused by every layer
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
@@ -94,12 +96,12 @@ class Graph(LoraLinear, LossHead, Forward):
         for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
             setattr(self, name, shared[at: at + n * m].reshape(n, m))
             at += n * m
-        self.chunk, V = head_chunk(self.N, head_floats(cfg), at), cfg.n_vocab
+        self.chunk, V = self.plan.chunk, cfg.n_vocab                        # the head's, in that room
         self.logits = shared[: self.chunk * V].reshape(self.chunk, V)
         self.dlogits = None                                                 # the capped logits' gradient
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
-        if policy.host_bf16 and kept_head_bytes(cfg, self.chunk) and within is None:
+        if self.plan.kept_head and within is None:
             base.keep_bf16("output.weight")                # the CPU's bf16: a frozen base (FrozenBase)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
@@ -109,7 +111,6 @@ class Graph(LoraLinear, LossHead, Forward):
         self.buffers = buf                             # name -> array, as planned
         self.ropes = self.rope_rows                    # the step's tables, per rope set
         self.segments = None
-        self.step_key = (0,)
 
     def _rope_tables(self, base, buf: dict, T: int, dtype, within: "Graph | None") -> None:
         """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
@@ -120,7 +121,7 @@ class Graph(LoraLinear, LossHead, Forward):
             for j, rope in enumerate(cfg.rope_sets):
                 cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
                 names = [k + (f".{j}" if j else "") for k in ("rope_cos", "rope_sin")]
-                buf |= {k: xp.zeros(self.plan[k], dtype) for k in names}
+                buf |= {k: xp.zeros(self.plan.buffers[k], dtype) for k in names}
                 dcos, dsin = (buf[k] for k in names)
                 dcos[...] = self.backend.to_device(cos.astype(dtype))
                 dsin[...] = self.backend.to_device(sin.astype(dtype))
@@ -139,7 +140,7 @@ class Graph(LoraLinear, LossHead, Forward):
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (the plan's)."""
-        return plan_bytes(self.plan, self.tmp.dtype.itemsize)
+        return plan_bytes(self.plan.buffers, self.tmp.dtype.itemsize)
 
     def _set_packing(self, positions, segments) -> None:
         """Rope tables (self.ropes: (cos, sin) per rope set) and attention segments of one step (packed
@@ -190,26 +191,26 @@ class Graph(LoraLinear, LossHead, Forward):
         if y_in is None:
             return dy
         self.dnorm.fill(0.0)
-        w = self.norm_weight(name)
+        w = self.linears.norm_weight(name)
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, dy, y_in, w, rstd)
-        self.norm_grad(name, self.dnorm)
+        self.linears.norm_grad(name, self.dnorm)
         return self.dx2
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
         if self.cfg.spec.embd_scale:
             dx *= self.embd_scale()
-        dE = self.weight_grad("token_embd.weight")
+        dE = self.linears.weight_grad("token_embd.weight")
         if dE is not None:
             self.backend.scatter_add(dE, tokens, dx)
-        t = self.adapter("token_embd.weight")
+        t = self.linears.adapter("token_embd.weight")
         if t is not None:
             t.db[...] += t.scale * (dx.T @ t.a[tokens])
             self.backend.scatter_add(t.da, tokens, t.scale * (dx @ t.b))
 
     def norm_trained(self, name: str) -> bool:
         """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
-        return self.weight_grad(name) is not None or self.adapter(name) is not None
+        return self.linears.weight_grad(name) is not None or self.linears.adapter(name) is not None
 
     def norm_dw(self, name: str) -> np.ndarray | None:
         """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
@@ -246,10 +247,11 @@ class Graph(LoraLinear, LossHead, Forward):
             return run(self, inputs, targets, weights, positions, segments)
         g = self._trimmed_graphs.get(T)
         if g is None:
-            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params, [a.target for a in self.lora.values()], self.B, T,
-                                                self.mode, self.dropout, self.tmp.dtype, self.backend, within=self,
+            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params,
+                                                [a.target for a in self.lora.values()], self.B, T, self.mode,
+                                                self.linears.dropout, self.tmp.dtype, self.backend, within=self,
                                                 policy=self.policy)
-        g.dropout, g.reweight, g.observer = self.dropout, self.reweight, self.observer
+        g.linears.dropout, g.reweight, g.observer = self.linears.dropout, self.reweight, self.observer
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -275,13 +277,13 @@ class Graph(LoraLinear, LossHead, Forward):
         self.params.zero_grad()
 
     def _forward_backward(self, inputs, targets, weights, key, positions, segments) -> float:
-        self.step_key = tuple(int(k) for k in key)
+        self.linears.step_key = tuple(int(k) for k in key)
         tokens, tg, w = self._forward(inputs, targets, weights, positions, segments)
         self.observer = None                                # the step's forward alone is observed, not a recompute
         if self.reweight is not None:                       # the head forward alone: self.losses, then weights
-            self.loss_head(tg, w, backward=False)
+            self.head.loss(tg, w, backward=False)
             w = self.reweight(self, w)
-        loss = self.loss_head(tg, w)
+        loss = self.head.loss(tg, w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
                 self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
@@ -294,12 +296,12 @@ class Graph(LoraLinear, LossHead, Forward):
              positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
         """Forward only, for evaluation: sum(weights * loss) of one micro-batch (arguments as
         in `step`), without dropout; no gradient is computed and params.grad is untouched."""
-        dropout, self.dropout = self.dropout, 0.0
+        dropout, self.linears.dropout = self.linears.dropout, 0.0
         try:
-            return self._trimmed(lambda g, *batch: g.loss_head(*g._forward(*batch)[1:], backward=False),
+            return self._trimmed(lambda g, *batch: g.head.loss(*g._forward(*batch)[1:], backward=False),
                                  inputs, targets, weights, positions, segments)
         finally:
-            self.dropout = dropout
+            self.linears.dropout = dropout
 
     def _forward(self, inputs, targets, weights, positions, segments):
         """Set the step's rope positions and segments, upload one micro-batch and run

@@ -4,28 +4,13 @@ The (N, V) logits never exist: tokens go through the head in chunks (buffers.hea
 whose logits overlay the layer backward's idle scratch, and inside a chunk the head
 W (V, C) is expanded `head_rows` rows at a time. Loss and logit gradient come from one
 fused pass (`cross_entropy_forward_backward`). Only tokens with a target go through
-the head. `LossHead` is a part of train.graph.Graph.
+the head. `LossHead` is held by train.graph.Graph (`Graph.head`).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .buffers import even_chunk
-
-
-def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
-    """Whether the head's chunks go through LossHead._bf16_chunk when its products are
-    bf16: no adapter on the head, the head frozen, no final soft-cap."""
-    return not (adapted or trained or cfg.final_softcap)
-
-
-def kept_head_bytes(cfg, chunk: int) -> int:
-    """Bytes of the head's whole bf16 copy that training with bf16 products keeps
-    (FrozenBase.keep_bf16) where it takes at most half of a chunk's logits (n_embd <=
-    chunk): each chunk then multiplies it as is, where it would expand every block
-    twice (bench shape: 8 expansions of the Q4_K head, 39 ms of a 1.5 s step); 0 where
-    it would take more (larger widths expand it once per chunk of tokens, as before)."""
-    return 2 * cfg.n_vocab * cfg.n_embd if cfg.n_embd <= chunk else 0
+from .buffers import blocked_head, even_chunk
 
 
 KEPT_HEAD_BLOCK = 4096  # vocabulary columns per product where the head's bf16 copy is kept whole: one chunk
@@ -34,15 +19,24 @@ KEPT_HEAD_BLOCK = 4096  # vocabulary columns per product where the head's bf16 c
 
 
 class LossHead:
+    """The loss head of a training graph (train.graph.Graph): it reads the graph's buffers
+    (x_final, xn, dx, dxn, the logits chunk, losses), its linears (the head's adapter and
+    gradients) and Forward.head_logits."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
     def blocked_head(self, n: int, adapter, dW) -> bool:
         """Whether a chunk of n tokens goes through `_bf16_chunk` (`blocked_head`)."""
-        return (self.policy.host_bf16 and self.products.bf16_for(n)         # the CPU's blocked kernels
-                and blocked_head(self.cfg, adapter is not None, dW is not None))
+        graph = self.graph
+        return (graph.policy.host_bf16 and graph.products.bf16_for(n)         # the CPU's blocked kernels
+                and blocked_head(graph.cfg, adapter is not None, dW is not None))
 
     def bf16_head_width(self) -> int:
         """Vocabulary columns per product of `_bf16_chunk`: the dequantization scratch's
         head_rows, or KEPT_HEAD_BLOCK where the head's bf16 copy is kept whole."""
-        return max(self.head_rows, KEPT_HEAD_BLOCK) if self.base.is_kept_bf16("output.weight") else self.head_rows
+        graph = self.graph
+        return max(graph.head_rows, KEPT_HEAD_BLOCK) if graph.base.is_kept_bf16("output.weight") else graph.head_rows
 
     def _bf16_chunk(self, x, dx, losses, targets, weights, width, rows, backward: bool) -> None:
         """One chunk of the head with bf16 products (no adapter on the head, no soft-cap, the
@@ -50,12 +44,13 @@ class LossHead:
         (kernels/cross_entropy.py), the losses and the logit gradient from one pass over
         them, the gradient stored as bf16 over the logits: the operand of dx = g W as is,
         with no copy of the logits and no rounding pass."""
-        ce, n, V = self.ops.cross_entropy, x.shape[0], self.cfg.n_vocab
-        logits = self.logits.reshape(-1)[: n * V]
+        graph = self.graph
+        ce, n, V = graph.ops.cross_entropy, x.shape[0], graph.cfg.n_vocab
+        logits = graph.logits.reshape(-1)[: n * V]
         blocks = [(lo, min(V, lo + width)) for lo in range(0, V, width)]
-        with self.products.shared_input(x):
+        with graph.products.shared_input(x):
             for vlo, vhi in blocks:
-                self.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
+                graph.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
         ce.cross_entropy_blocked(losses, logits, width, targets, weights, grad=backward)
         if backward:
             self._dx_from_blocks(dx, blocks, rows, lambda lo, hi: ce.column_block_grad(logits, n, lo, hi))
@@ -63,47 +58,49 @@ class LossHead:
     def _dx_from_blocks(self, dx, blocks, rows, grad_of, each=None) -> None:
         """dx = sum over the head's blocks of g W (g = grad_of(lo, hi), W = rows((lo, hi))),
         the block still expanded first; each(lo, hi, g) after a block's product."""
+        graph = self.graph
         for j, (vlo, vhi) in enumerate(reversed(blocks)):
             g, W = grad_of(vlo, vhi), rows((vlo, vhi))
             if j == 0:
-                self.products(dx, g, W, trans_b=False)
+                graph.products(dx, g, W, trans_b=False)
             else:
-                self.products.add(dx, g, W, False, self.scratch(*dx.shape))
+                graph.products.add(dx, g, W, False, graph.linears.scratch(*dx.shape))
             if each is not None:
                 each(vlo, vhi, g)
 
-    def loss_head(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
+    def loss(self, targets: np.ndarray, weights: np.ndarray, backward: bool = True) -> float:
         """Output norm, logits, loss and (backward) the gradient back to the last layer's
-        output (left in self.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
+        output (left in graph.dx), chunk by chunk of tokens; inside a chunk the head W (V, C)
         is expanded `head_rows` rows at a time, once for the logits and once for the
         gradient to the chunk's input (the block still expanded is used first).
         Only the tokens with a target (>= 0) go through the head: the others (prompts
         and padding of chat data, trained on answers only) have loss 0 and gradient 0,
-        so their normed inputs are first gathered into the rows of self.dx, idle until
+        so their normed inputs are first gathered into the rows of graph.dx, idle until
         the norm's backward fills it, and their input gradients scattered back over
-        zeros in self.xn. Returns sum(weights * loss)."""
-        cfg, xp, N, V, C = self.cfg, self.xp, self.N, self.cfg.n_vocab, self.cfg.n_embd
-        wn = self.norm_weight("output_norm.weight")
-        self.ops.rmsnorm.rmsnorm_forward(self.xn, self.rstd_f, self.x_final, wn, cfg.norm_eps)
+        zeros in graph.xn. Returns sum(weights * loss)."""
+        graph = self.graph
+        cfg, xp, N, V, C = graph.cfg, graph.xp, graph.N, graph.cfg.n_vocab, graph.cfg.n_embd
+        wn = graph.linears.norm_weight("output_norm.weight")
+        graph.ops.rmsnorm.rmsnorm_forward(graph.xn, graph.rstd_f, graph.x_final, wn, cfg.norm_eps)
         scored = xp.flatnonzero(targets >= 0)
         M = int(scored.shape[0])
         if M < N:                                            # compact: row k is token scored[k]
-            xn, dxn, losses = self.dx[:M], self.dxn[:M], self.losses[:M]
-            xp.take(self.xn, scored, axis=0, out=xn)
+            xn, dxn, losses = graph.dx[:M], graph.dxn[:M], graph.losses[:M]
+            xp.take(graph.xn, scored, axis=0, out=xn)
             targets, weights = targets[scored], weights[scored]
         else:
-            xn, dxn, losses = self.xn, self.dxn, self.losses
-        chunk = even_chunk(M, self.chunk)
-        t = self.adapter("output.weight")
-        target = self.weight_grad_to_write("output.weight") if backward else None
+            xn, dxn, losses = graph.xn, graph.dxn, graph.losses
+        chunk = even_chunk(M, graph.chunk)
+        t = graph.linears.adapter("output.weight")
+        target = graph.linears.weight_grad_to_write("output.weight") if backward else None
         dW, fresh = target if target is not None else (None, False)     # fresh: the first chunk writes it
-        blocks = [(lo, min(V, lo + self.head_rows)) for lo in range(0, V, self.head_rows)]
+        blocks = [(lo, min(V, lo + graph.head_rows)) for lo in range(0, V, graph.head_rows)]
         bf16_width = self.bf16_head_width()
         held = [None, None]                                  # (block, its expanded rows)
 
         def rows(block):
             if held[0] != block:
-                held[:] = block, self.weight_rows("output.weight", *block, M)
+                held[:] = block, graph.weight_rows("output.weight", *block, M)
             return held[1]
         for lo in range(0, M, chunk):
             hi = min(M, lo + chunk)
@@ -116,45 +113,47 @@ class LossHead:
         loss = float(xp.dot(losses.astype(np.float64), weights.astype(np.float64)))
         if M < N:                                            # the tokens without a target: loss 0
             kept = losses.copy()
-            self.losses.fill(0.0)
-            self.losses[scored] = kept
+            graph.losses.fill(0.0)
+            graph.losses[scored] = kept
         if backward:
             if M < N:                                        # and gradient 0
-                dxn = self.xn
+                dxn = graph.xn
                 dxn.fill(0.0)
-                dxn[scored] = self.dxn[:M]
-            self.dnorm.fill(0.0)
-            self.ops.rmsnorm.rmsnorm_backward(self.dx, self.dnorm, dxn, self.x_final, wn, self.rstd_f)
-            self.norm_grad("output_norm.weight", self.dnorm)
+                dxn[scored] = graph.dxn[:M]
+            graph.dnorm.fill(0.0)
+            graph.ops.rmsnorm.rmsnorm_backward(graph.dx, graph.dnorm, dxn, graph.x_final, wn, graph.rstd_f)
+            graph.linears.norm_grad("output_norm.weight", graph.dnorm)
         return loss
 
     def _chunk(self, x, dx, losses, targets, weights, t, blocks, rows, dW, fresh: bool, backward: bool) -> None:
         """One chunk of n tokens of the head in the graph's products: logits block by block
         (plus the head's adapter t), the final soft-cap, the losses and (backward) the logit
         gradient in place, then dW (written whole when `fresh`, else added to) and dx."""
-        cfg, xp, C, n = self.cfg, self.xp, self.cfg.n_embd, x.shape[0]
-        logits = self.logits[:n]
+        graph = self.graph
+        cfg, xp, C, n = graph.cfg, graph.xp, graph.cfg.n_embd, x.shape[0]
+        logits = graph.logits[:n]
         xa = None if t is None else x @ t.a.T                # (n, r)
-        self.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)], self.head_scratch)
+        graph.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)],
+                          graph.linears.head_scratch)
         if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
-            self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
+            graph.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if not backward:                                     # the step's kernel: the same losses bit for bit
-            self.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
             return                                           # (the gradient dropped)
         if cfg.final_softcap:                                # d(capped) aside, then back through the cap
-            dcap = self.dlogits[:n]
-            self.ops.cross_entropy.cross_entropy_forward_backward(losses, dcap, logits, targets, weights)
-            self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
+            dcap = graph.dlogits[:n]
+            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, dcap, logits, targets, weights)
+            graph.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
         else:
-            self.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
         weight_grad = None
         if dW is not None:                                   # the first chunk writes dW, the others add
             def weight_grad(vlo, vhi, g):
                 if fresh:
                     xp.matmul(g.T, x, out=dW[vlo:vhi])
                 else:
-                    dW[vlo:vhi] += xp.matmul(g.T, x, out=self.head_scratch(vhi - vlo, C))
+                    dW[vlo:vhi] += xp.matmul(g.T, x, out=graph.linears.head_scratch(vhi - vlo, C))
         self._dx_from_blocks(dx, blocks, rows, lambda vlo, vhi: logits[:, vlo:vhi], weight_grad)
         if t is not None:
-            self.lora_backward(t, logits, x, xa, dx)
+            graph.linears.lora_backward(t, logits, x, xa, dx)
 

@@ -9,7 +9,7 @@ matrix (and no dropout), the adapter is added into that copy (`W + s B A`) and t
 product runs once, instead of the factored terms' (N, n_out) and (N, n_in) shares.
 With bf16 products (where that merge would round the adapter's share away) the adapter
 rides in the base product's K axis instead, its float32 factors as bf16 parts
-(`adapter_in_product`, models/products.py `Products.adapted`): the same single product,
+(`in_product`, models/products.py `Products.adapted`): the same single product,
 the share kept to float32 accuracy. Dropout masks are regenerated from (weight name, step key) in backward. Norm weights
 with an adapter are used as `w + s (B A)[0]`.
 
@@ -23,8 +23,8 @@ straight-through gradient: dx = dy W_q, and dA, dB as if Q were the identity (th
 adapter's share counts as merged into W_q). Each use builds W_q on the host: a
 full-size f32 matrix and its quantization per adapted matrix, in forward and again in
 backward (and in the recompute of --checkpointing layer).
-`LoraLinear` is a part of train.graph.Graph (it uses the graph's parameters, buffers
-and step key).
+`LoraLinears` is the training graph's `Forward.linears` (models/forward.Linears'
+methods, the backward beside them); it uses the graph's scratch and products.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ import numpy as np
 from ..kernels.bf16 import split_into, split_rows_into
 from ..kernels.dequant import dequantize
 from ..kernels.quantize import QUANTIZABLE, quantize
+from ..models.forward import Linears
 from ..models.products import adapter_extension
 from .lora import Lora
 
@@ -45,23 +46,44 @@ def requantizable(qtype) -> bool:
     return qtype in QUANTIZABLE and qtype.name not in ("F32", "F16", "BF16")
 
 
-class LoraLinear:
-    # ---------------------------------------------------------------- Forward's hooks
+class LoraLinears(Linears):
+    """The linears of a training graph `fw` (train.graph.Graph): `lora` its Lora per adapted
+    weight (shared with the graph's trimmed twins), `xa` the (N, r) x A^T each keeps for
+    backward, `dropout` on the adapters' input (masks drawn from the weight's name and
+    `step_key`), the graph's scratch (tmp, head_tmp), products and policy."""
+
+    def __init__(self, fw, lora: dict[str, Lora], xa: dict[str, np.ndarray], dropout: float):
+        super().__init__(fw)
+        self.lora, self.xa, self.dropout, self.step_key = lora, xa, dropout, (0,)
+
+    @property
+    def xp(self):
+        return self.fw.xp
+
+    @property
+    def base(self):
+        return self.fw.base
+
+    @property
+    def policy(self):
+        return self.fw.policy
+
+    # ---------------------------------------------------------------- the forward's side
     def adapter(self, name: str) -> Lora | None:
         """The adapter of weight `name`, None where it has none or it is disabled."""
         t = self.lora.get(name)
         return None if t is None or t.disabled else t
 
-    def adapter_pairs(self, name: str) -> list:
+    def pairs(self, name: str) -> list:
         t = self.adapter(name)
         return [] if t is None else [(t.a, t.b, t.scale)]
 
     def scratch(self, rows: int, cols: int) -> np.ndarray:
-        return self.tmp[: rows * cols].reshape(rows, cols)
+        return self.fw.tmp[: rows * cols].reshape(rows, cols)
 
     def norm_weight(self, name: str) -> np.ndarray:
         """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
-        w = self.base.vector(name).astype(self.tmp.dtype, copy=False)
+        w = self.base.vector(name).astype(self.fw.tmp.dtype, copy=False)
         t = self.adapter(name)
         if t is None:
             return w
@@ -77,14 +99,14 @@ class LoraLinear:
         t = self.adapter(name)
         if t is not None and self.policy.merge_aware and self.requantizes(name):      # f32 W, whatever the products
             return self.requantized(self.base.matrix(name), name, t), True
-        W = self.weight(name, N)
+        W = self.fw.weight(name, N)
         merge = (t is not None and self.policy.merge_adapters and self.dropout <= 0 and N > max(W.shape)
-                 and W.dtype == self.tmp.dtype and self.base.is_scratch(name))
+                 and W.dtype == self.fw.tmp.dtype and self.base.is_scratch(name))
         if merge:
             W += self.xp.matmul(t.scale * t.b, t.a, out=self.scratch(*W.shape))
         return W, merge
 
-    def adapter_forward(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
+    def add_adapters(self, y: np.ndarray, x: np.ndarray, name: str, merged: bool) -> None:
         """y += s (drop(x) A^T) B^T, keeping x A^T for the backward."""
         t = self.adapter(name)
         if t is None:
@@ -93,10 +115,10 @@ class LoraLinear:
         xa = self.xa[name]
         self.xp.matmul(x if mask is None else x * mask, t.a.T, out=xa)
         if not merged:
-            self.lora_ops.lora_forward(y, xa, t.b, t.scale, self.scratch(*y.shape))
+            self.fw.lora_ops.lora_forward(y, xa, t.b, t.scale, self.scratch(*y.shape))
 
     # ---------------------------------------------------------------- the adapter in the product
-    def adapter_in_product(self, name: str, N: int) -> bool:
+    def in_product(self, name: str, N: int) -> bool:
         """Whether the adapter of `name` rides in the K axis of the base product
         (products.Products.adapted): the policy's choice (bf16 products of a frozen base,
         not merge-aware), a product over N tokens that runs in bf16, and no dropout (its
@@ -105,26 +127,26 @@ class LoraLinear:
                 and self.dropout <= 0)
 
     def shared_extension(self, names: list[str], N: int) -> int:
-        return max((adapter_extension(self.lora[n].rank) for n in names if self.adapter_in_product(n, N)),
+        return max((adapter_extension(self.lora[n].rank) for n in names if self.in_product(n, N)),
                    default=0)
 
     def adapted_forward(self, y: np.ndarray, x: np.ndarray, name: str) -> None:
         """y = [bf16(x) | parts of s x A^T] [bf16(W) | parts of B]^T, keeping x A^T."""
         t = self.lora[name]
         xa = self.xa[name]
-        self.lora_ops.lora_xa(xa, x, t.a)
+        self.fw.lora_ops.lora_xa(xa, x, t.a)
         W = self.base.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
         split_into(W, t.b, x.shape[1], "b")
-        self.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
+        self.fw.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
 
     def adapted_backward(self, dx: np.ndarray, dy: np.ndarray, x: np.ndarray, name: str,
                          accumulate: bool) -> None:
         """dA, dB +=; dx (=, or +=) [bf16(dy) | parts of s dy B] [bf16(W) ; parts of A]."""
         t = self.lora[name]
-        dxa = self.lora_ops.lora_grads(t.da, t.db, dy, x, self.xa[name], t.b, t.scale)
+        dxa = self.fw.lora_ops.lora_grads(t.da, t.db, dy, x, self.xa[name], t.b, t.scale)
         W = self.base.matrix_bf16_extended(name, rows=adapter_extension(t.rank))
         split_rows_into(W, t.a, dy.shape[1], "b")
-        self.products.adapted(dx, dy, W, dxa, trans_b=False, accumulate=accumulate)
+        self.fw.products.adapted(dx, dy, W, dxa, trans_b=False, accumulate=accumulate)
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
@@ -134,15 +156,15 @@ class LoraLinear:
     def requantized(self, W: np.ndarray, name: str, t: Lora) -> np.ndarray:
         """deq(Q(W + s B A)) in the graph's dtype (into W itself when it is the float32
         scratch): export-lora's plain merge of the adapter as it stands."""
-        host = self.backend.to_host
+        host = self.fw.backend.to_host
         qtype = self.base.tensors[name].qtype
         merged = np.array(host(W), np.float32)                      # deq(W), as export-lora's _merge
         merged += np.float32(t.scale) * (host(t.b).astype(np.float32) @ host(t.a).astype(np.float32))
         Wq = dequantize(quantize(merged, qtype), qtype, merged.shape[1])
-        if W.dtype == self.tmp.dtype:
-            W[...] = self.backend.to_device(Wq)
+        if W.dtype == self.fw.tmp.dtype:
+            W[...] = self.fw.backend.to_device(Wq)
             return W
-        return self.backend.to_device(Wq.astype(self.tmp.dtype))
+        return self.fw.backend.to_device(Wq.astype(self.fw.tmp.dtype))
 
     # ---------------------------------------------------------------- training only
     def dropout_mask(self, name: str, shape) -> np.ndarray | None:
@@ -151,7 +173,7 @@ class LoraLinear:
             return None
         key = [zlib.crc32(name.encode()), *self.step_key]
         keep = np.random.default_rng(key).random(shape, dtype=np.float32) >= self.dropout
-        return self.backend.to_device(keep.astype(self.tmp.dtype) / self.tmp.dtype.type(1.0 - self.dropout))
+        return self.fw.backend.to_device(keep.astype(self.fw.tmp.dtype) / self.fw.tmp.dtype.type(1.0 - self.dropout))
 
     def weight_grad(self, name: str):
         """The gradient of a trained base weight (dense or full training); None when frozen."""
@@ -172,18 +194,18 @@ class LoraLinear:
             t.da[...] += t.scale * self.xp.outer(t.b[0], dw)
             t.db[...] += t.scale * (t.a @ dw)[None, :]
 
-    def linear_backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
+    def backward(self, dx: np.ndarray | None, dy: np.ndarray, x: np.ndarray, name: str,
                         accumulate: bool) -> None:
         """dx (=, or += when accumulate) = dy W + s (dy B) A; parameter grads +=."""
-        if dx is not None and self.adapter_in_product(name, dy.shape[0]):
+        if dx is not None and self.in_product(name, dy.shape[0]):
             self.adapted_backward(dx, dy, x, name, accumulate)  # a frozen base: no dW, no bias gradient
             return
         W, merged = self.matrix(name, dy.shape[0])
         if dx is not None:
             if accumulate:
-                self.products.add(dx, dy, W, False, self.scratch(*dx.shape))
+                self.fw.products.add(dx, dy, W, False, self.scratch(*dx.shape))
             else:
-                self.products(dx, dy, W, trans_b=False)
+                self.fw.products(dx, dy, W, trans_b=False)
         target = self.weight_grad_to_write(name)
         if target is not None:
             dW, fresh = target
@@ -204,7 +226,7 @@ class LoraLinear:
         """The adapter's share of a linear's backward, y += s (xd A^T) B^T with xa = xd A^T:
         dB += s dy^T xa, dA += (s dy B)^T xd, and dx += (s dy B) A (times the dropout mask;
         dx None: the adapter was merged into the W of dy W, which gave that share)."""
-        self.lora_ops.lora_backward(t.da, t.db, dx, dy, xd, xa, t.a, t.b, t.scale, self.scratch(*xd.shape), mask)
+        self.fw.lora_ops.lora_backward(t.da, t.db, dx, dy, xd, xa, t.a, t.b, t.scale, self.scratch(*xd.shape), mask)
 
     def head_scratch(self, rows: int, cols: int) -> np.ndarray:
-        return self.head_tmp[: rows * cols].reshape(rows, cols)
+        return self.fw.head_tmp[: rows * cols].reshape(rows, cols)

@@ -8,8 +8,8 @@ The estimate adds up, for a (batch, ctx, mode):
     ParamBuffer. The base model's file pages are left out here and counted below.
   - model: the memory-mapped base model, counted in full (every page is read each step).
   - scratch: the dequantization scratch (model.Dequantizer.size floats).
-  - graph: every buffer the training graph allocates, from `buffers.buffer_plan`, the
-    same list the graph allocates from.
+  - graph: every buffer the training graph allocates, from `buffers.step_plan`, the
+    same plan the graph allocates from (and the bf16 copies and kept head it plans).
   - temporaries: arrays numpy creates inside a step (dropout masks and the inputs
     they multiply).
 On a GPU (`Planner(device=True)`) the same sum is of GPU memory: runtime is what
@@ -28,10 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.products import adapter_extension, bf16_bytes
 from ..precision import F32, ComputePolicy
-from .buffers import buffer_plan, grad_scratch, has_xa, head_chunk, head_floats, plan_bytes
-from .head import blocked_head, kept_head_bytes
+from .buffers import StepPlan, step_plan
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
 
@@ -113,7 +111,7 @@ class Estimate:
     runtime: int            # measured: interpreter, libraries, kernels, tokenizer, data, parameters
     model: int              # memory-mapped base model, in full
     scratch: int            # dequantization scratch
-    graph: int              # graph.buffer_plan
+    graph: int              # buffers.step_plan's buffers
     temporaries: int        # numpy temporaries inside a step
     device: bool = False    # GPU memory (Planner(device=True))
 
@@ -147,16 +145,6 @@ def temporaries_bytes(cfg, B: int, T: int, dropout: float, device: bool = False)
     return n
 
 
-def gpu_bf16_bytes(cfg, N: int, chunk: int, head_rows: int) -> int:
-    """Bytes of the bf16 operand copies a GPU's bf16 products keep (kernels/cuda/bf16.py
-    CudaBf16Products): the rounded activation of the widest product (N tokens x a layer
-    matrix's widest side, or the head's chunk x its block of logit gradient) and the
-    shared normed input (N x n_embd)."""
-    from ..models.arch import layer_matrix_shapes
-    widest = max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(max(o, i) for o, i in layer_matrix_shapes(cfg)))
-    return 2 * (max(N * widest, chunk * head_rows) + N * cfg.n_embd)
-
-
 class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
@@ -167,33 +155,23 @@ class Planner:
         self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
-        plan = buffer_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
-                           bf16_saved=self.policy.host_bf16)
-        temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device)
-        scratch = self.scratch_bytes
-        if self.policy.dtype == "bf16" and self.device:   # a GPU's: f32 activations, bf16 operand copies
-            chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
-            temporaries += gpu_bf16_bytes(self.cfg, B * T, chunk, self.base.head_rows)
-            if scratch:                                  # weights dequantized straight to bf16, not to f32
-                scratch = self.base.model.dequantizer.nbytes_bf16
-        if self.policy.host_bf16:                        # the products' bf16 copies (models/products.py)
-            chunk = head_chunk(B * T, head_floats(self.cfg), sum(n * m for n, m in grad_scratch(self.cfg, B * T, mode).values()))
-            adapted = any(t.kind == "output" for t in self.targets)
-            extension = self.extension()
-            temporaries += bf16_bytes(self.cfg, B * T, self.base.head_rows, chunk,
-                                      blocked_head(self.cfg, adapted, self.base.trainable), extension)
-            if scratch:                                  # weights dequantized straight to bf16, not to f32
-                scratch = self.base.model.dequantizer.nbytes_bf16_extended(extension)
-            scratch += kept_head_bytes(self.cfg, chunk)  # and the head kept whole (train/head.py)
-        return Estimate(mode, self.runtime, self.model_bytes, scratch, plan_bytes(plan),
+        plan = step_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
+                         self.policy, self.device, self.dropout)
+        temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device) + plan.bf16_copies
+        return Estimate(mode, self.runtime, self.model_bytes, self.dequantization_bytes(plan), plan.buffer_bytes,
                         temporaries, self.device)
 
-    def extension(self) -> int:
-        """Columns (or rows) the adapters riding in bf16 products add to their operands
-        (train.linear.LoraLinear.adapter_in_product: the policy's choice, no dropout)."""
-        if self.dropout > 0 or not self.policy.adapters_in_products:
-            return 0
-        return max((adapter_extension(t.rank) for t in self.targets if has_xa(self.cfg, t.kind)), default=0)
+    def dequantization_bytes(self, plan: StepPlan) -> int:
+        """The dequantization scratch: float32, or with bf16 products the weights dequantized
+        straight to bf16 (with the adapters' extension on the CPU), and the head kept whole."""
+        scratch = self.scratch_bytes
+        if scratch and self.policy.dtype == "bf16" and self.device:
+            scratch = self.base.model.dequantizer.nbytes_bf16
+        if self.policy.host_bf16:
+            if scratch:
+                scratch = self.base.model.dequantizer.nbytes_bf16_extended(plan.extension)
+            scratch += plan.kept_head
+        return scratch
 
     def choose(self, B: int, T: int, mode: str, available: int | None) -> Estimate:
         """The estimate of `mode`, or for auto of the fastest mode that fits `available`

@@ -21,21 +21,21 @@ def normed_input(part: Part, g, a, x: np.ndarray) -> np.ndarray:
     """The part's normed input: kept (a.xn) or recomputed into g.xn from x and a.rstd."""
     if a.xn is not None:
         return a.xn
-    g.ops.rmsnorm.rmsnorm_forward(g.xn, a.rstd, x, g.norm_weight(part.norm), part.cfg.norm_eps)
+    g.ops.rmsnorm.rmsnorm_forward(g.xn, a.rstd, x, g.linears.norm_weight(part.norm), part.cfg.norm_eps)
     return g.xn
 
 
 def input_norm_backward(part: Part, g, a, x: np.ndarray) -> None:
     """g.dx += dL/dx through the input norm, from g.dxn = dL/d(normed input)."""
-    g.ops.fused.rmsnorm_backward_add(g.dx, g.norm_dw(part.norm), g.dxn, x, g.norm_weight(part.norm),
+    g.ops.fused.rmsnorm_backward_add(g.dx, g.norm_dw(part.norm), g.dxn, x, g.linears.norm_weight(part.norm),
                                      a.rstd, g.dx2)
-    g.norm_grad(part.norm, g.dnorm)
+    g.linears.norm_grad(part.norm, g.dnorm)
 
 
 class AttentionBackward(Attention):
     def backward(self, g, a: AttentionActs, x: np.ndarray) -> None:
         cfg = self.cfg
-        g.linear_backward(g.datt, g.post_norm_backward(g.dx, a.o, a.rstd_o, self.post_norm), a.att, self.out,
+        g.linears.backward(g.datt, g.post_norm_backward(g.dx, a.o, a.rstd_o, self.post_norm), a.att, self.out,
                           accumulate=False)
         q4, k4 = self.heads(a, a.q, a.k)
         dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
@@ -63,24 +63,24 @@ class AttentionBackward(Attention):
         else:
             dwq = dwk = None
         g.ops.fused.qk_norm_rope_backward(g.dqp.reshape(dq4.shape), dwq, dq4, a.qp.reshape(dq4.shape),
-                                          g.norm_weight(names[0]), a.rstd_q,
+                                          g.linears.norm_weight(names[0]), a.rstd_q,
                                           g.dkp.reshape(dk4.shape), dwk, dk4, a.kp.reshape(dk4.shape),
-                                          g.norm_weight(names[1]), a.rstd_k,
+                                          g.linears.norm_weight(names[1]), a.rstd_k,
                                           cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
         if trained:
-            g.norm_grad(names[0], dwq)
-            g.norm_grad(names[1], dwk)
+            g.linears.norm_grad(names[0], dwq)
+            g.linears.norm_grad(names[1], dwk)
 
     def project_backward(self, g, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray) -> None:
         """g.dxn = dL/dxn from the projections' gradients dq, dk and g.dv."""
         if self.fused is None:
             for j, (name, dy) in enumerate(zip(self.qkv, (dq, dk, g.dv))):
-                g.linear_backward(g.dxn, dy, xn, name, accumulate=j > 0)
+                g.linears.backward(g.dxn, dy, xn, name, accumulate=j > 0)
             return
         Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
         dqkv = g.fused_rows(Cq + 2 * Ckv)
         dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, g.dv
-        g.linear_backward(g.dxn, dqkv, xn, self.fused, accumulate=False)
+        g.linears.backward(g.dxn, dqkv, xn, self.fused, accumulate=False)
 
 
 class FeedForwardBackward(FeedForward):
@@ -89,7 +89,7 @@ class FeedForwardBackward(FeedForward):
         if a.h is None:                                       # recompute the gate's output
             gate_forward(g.h, a.g, a.u)
         h = g.h if a.h is None else a.h
-        g.linear_backward(g.dh, g.post_norm_backward(g.dx, a.f, a.rstd_f, self.post_norm), h, self.down,
+        g.linears.backward(g.dh, g.post_norm_backward(g.dx, a.f, a.rstd_f, self.post_norm), h, self.down,
                           accumulate=False)
         gate_backward(g.dg, g.du, g.dh, a.g, a.u)
         self.project_backward(g, normed_input(self, g, a, x))
@@ -98,13 +98,13 @@ class FeedForwardBackward(FeedForward):
     def project_backward(self, g, xn: np.ndarray) -> None:
         """g.dxn = dL/dxn from g.dg, g.du."""
         if self.fused is None:
-            g.linear_backward(g.dxn, g.dg, xn, self.gate_up[0], accumulate=False)
-            g.linear_backward(g.dxn, g.du, xn, self.gate_up[1], accumulate=True)
+            g.linears.backward(g.dxn, g.dg, xn, self.gate_up[0], accumulate=False)
+            g.linears.backward(g.dxn, g.du, xn, self.gate_up[1], accumulate=True)
             return
         F = self.cfg.n_ff
         dgu = g.fused_rows(2 * F)
         dgu[:, :F], dgu[:, F:] = g.dg, g.du
-        g.linear_backward(g.dxn, dgu, xn, self.fused, accumulate=False)
+        g.linears.backward(g.dxn, dgu, xn, self.fused, accumulate=False)
 
 
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward)}
