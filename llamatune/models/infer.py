@@ -163,6 +163,9 @@ class Runner(Forward):
             self.cache = None
         self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, self.norm_weight("output_norm.weight"), cfg.norm_eps)
         logits = self.head(self.xn)
+        inv_scale = cfg.logit_multiplier(logits.dtype)
+        if inv_scale is not None:                 # granite: logits / logit_scale
+            logits *= inv_scale
         if cfg.final_softcap:
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if cache is not None:

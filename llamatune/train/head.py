@@ -15,8 +15,8 @@ from .buffers import even_chunk
 
 def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
     """Whether the head's chunks go through LossHead._bf16_chunk when its products are
-    bf16: no adapter on the head, the head frozen, no final soft-cap."""
-    return not (adapted or trained or cfg.final_softcap)
+    bf16: no adapter on the head, the head frozen, no final soft-cap or logit scale."""
+    return not (adapted or trained or cfg.final_softcap or cfg.logit_scale)
 
 
 def kept_head_bytes(cfg, chunk: int) -> int:
@@ -136,6 +136,9 @@ class LossHead:
         logits = self.logits[:n]
         xa = None if t is None else x @ t.a.T                # (n, r)
         self.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)], self.head_scratch)
+        inv_scale = cfg.logit_multiplier(logits.dtype)
+        if inv_scale is not None:                            # granite: logits / logit_scale, in place
+            logits *= inv_scale
         if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if not backward:                                     # the step's kernel: the same losses bit for bit
@@ -147,6 +150,8 @@ class LossHead:
             self.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
         else:
             self.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+        if inv_scale is not None:                            # back through the scale
+            logits *= inv_scale
         weight_grad = None
         if dW is not None:                                   # the first chunk writes dW, the others add
             def weight_grad(vlo, vhi, g):
