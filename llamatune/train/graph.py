@@ -197,7 +197,7 @@ class Graph(LoraLinear, LossHead, Forward):
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
-        if self.cfg.spec.embd_scale:
+        if self.embd_scale() is not None:
             dx *= self.embd_scale()
         dE = self.weight_grad("token_embd.weight")
         if dE is not None:
