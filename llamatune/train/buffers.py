@@ -114,9 +114,10 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     mats = layer_matrix_shapes(cfg)
     plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
-             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "losses": (N,),
-             "dnorm": (max(C, 2 * cfg.head_dim, Cq if cfg.spec.qk_norm_full else 0),),   # olmo2: q's norm (Cq,)
+             "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (max(C, 2 * cfg.head_dim),), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    if cfg.spec.qk_norm_full:                                      # olmo2: its q/k norms' weight gradient
+        plan["dnorm_qk"] = (Cq,)
     if fused_width(layers):                                        # a fused product, or its gradient,
         plan["fused"] = (N * fused_width(layers),)                 # before it is split / after it is joined
     for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base

@@ -80,7 +80,7 @@ class AttentionBackward(Attention):
         the norm weights' gradients routed."""
         for dpre, dy, pre, rstd, name in ((g.dqp, g.dq, a.qp, a.rstd_q, self.qk_norms[0]),
                                           (g.dkp, g.dk, a.kp, a.rstd_k, self.qk_norms[1])):
-            dw = g.dnorm[:pre.shape[1]]
+            dw = g.buffers["dnorm_qk"][:pre.shape[1]]
             dw.fill(0.0)
             g.ops.rmsnorm.rmsnorm_backward(dpre, dw, dy, pre, g.norm_weight(name), rstd)
             g.norm_grad(name, dw)
