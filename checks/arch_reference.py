@@ -1,5 +1,6 @@
 """An independent float64 numpy forward of the llama-family blocks, written from
-llama.cpp's graph builders (src/models/{llama,qwen2,qwen3,gemma,gemma2,gemma3}.cpp),
+llama.cpp's graph builders (src/models/{llama,qwen2,qwen3,gemma,gemma2,gemma3,olmo2,smollm3,
+granite}.cpp),
 for the architecture tests: it reads only the weights and plain numbers given to it,
 never the project's kernels, Arch options or per-layer helpers.
 
@@ -28,6 +29,12 @@ class Block:
     swa: tuple[bool, ...] = ()            # per layer: sliding window?
     window: int = 0
     rope: tuple[tuple[float, float], ...] = ()   # per layer (base, scale)
+    pre_norms: bool = True                # attn_norm / ffn_norm before the sublayers (olmo2: none)
+    qk_norm_full: bool = False            # q/k RMSNorm over the whole projection (olmo2), not per head
+    nope: tuple[bool, ...] = ()           # per layer: no rope (smollm3's every 4th layer)
+    embd_mult: float = 0.0                # x * embd_mult (granite)
+    residual_scale: float = 0.0           # sublayer outputs times this before the residual add (granite)
+    logit_scale: float = 0.0              # logits / logit_scale (granite)
 
 
 def _norm(v, w, eps):
@@ -60,18 +67,25 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
     x = W["token_embd.weight"][tokens]
     if blk.embd_scale:
         x = x * np.sqrt(cfg.n_embd)
+    if blk.embd_mult:
+        x = x * blk.embd_mult
+    res = blk.residual_scale or 1.0
     for i in range(cfg.n_layer):
         p = f"blk.{i}."
 
         def lin(v, name):
             y = v @ W[p + name + ".weight"].T
             return y + W[p + name + ".bias"] if p + name + ".bias" in W else y
-        h = _norm(x, W[p + "attn_norm.weight"], eps)
-        q, k, v = (lin(h, n).reshape(T, -1, HS) for n in ("attn_q", "attn_k", "attn_v"))
+        h = _norm(x, W[p + "attn_norm.weight"], eps) if blk.pre_norms else x
+        q, k, v = (lin(h, n) for n in ("attn_q", "attn_k", "attn_v"))
+        if blk.qk_norm_full:
+            q, k = _norm(q, W[p + "attn_q_norm.weight"], eps), _norm(k, W[p + "attn_k_norm.weight"], eps)
+        q, k, v = (t.reshape(T, -1, HS) for t in (q, k, v))
         if blk.qk_norm:
             q, k = _norm(q, W[p + "attn_q_norm.weight"], eps), _norm(k, W[p + "attn_k_norm.weight"], eps)
         base, scale = blk.rope[i] if blk.rope else (cfg.rope_freq_base, cfg.rope_freq_scale)
-        q, k = _rope(q, pos, base, scale, blk.rope_neox), _rope(k, pos, base, scale, blk.rope_neox)
+        if not (blk.nope and blk.nope[i]):
+            q, k = _rope(q, pos, base, scale, blk.rope_neox), _rope(k, pos, base, scale, blk.rope_neox)
         visible = np.tril(np.ones((T, T), bool))
         if blk.swa and blk.swa[i]:
             visible &= (np.arange(T)[:, None] - np.arange(T)[None, :]) < blk.window
@@ -85,12 +99,14 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
             pr = np.exp(s - s.max(-1, keepdims=True))
             att[:, hd] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kv]
         o = lin(att.reshape(T, -1), "attn_output")
-        x = x + (_norm(o, W[p + "post_attention_norm.weight"], eps) if blk.post_norms else o)
-        h = _norm(x, W[p + "ffn_norm.weight"], eps)
+        x = x + res * (_norm(o, W[p + "post_attention_norm.weight"], eps) if blk.post_norms else o)
+        h = _norm(x, W[p + "ffn_norm.weight"], eps) if blk.pre_norms else x
         g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
         f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
-        x = x + (_norm(f, W[p + "post_ffw_norm.weight"], eps) if blk.post_norms else f)
+        x = x + res * (_norm(f, W[p + "post_ffw_norm.weight"], eps) if blk.post_norms else f)
     logits = _norm(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
+    if blk.logit_scale:
+        logits = logits / blk.logit_scale
     if blk.final_softcap:
         logits = blk.final_softcap * np.tanh(logits / blk.final_softcap)
     return logits

@@ -1,5 +1,5 @@
 """The new architecture options on the CUDA backend (numba's simulator without a GPU; gemma3, which has
-every option but the soft-caps, runs by default, qwen3 and gemma2 with --slow):
+every option but the soft-caps, runs by default, qwen3, gemma2, olmo2, smollm3 and granite with --slow):
 inference logits and a LoRA training step of micro qwen3 / gemma2 / gemma3 models
 (q/k norms, GeGLU, sandwich norms, soft-caps, sliding window, two rope caches)
 against the CPU."""
@@ -20,11 +20,13 @@ CONFIGS = {
     "gemma2": dict(MICRO, attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2),
     "gemma3": dict(MICRO, sliding_window=3, swa_pattern=2, rope_freq_base=1e6, rope_freq_scale=0.5,
                    rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0),
+    "olmo2": dict(MICRO, head_dim=8, n_rot=8),        # n_head * head_dim = n_embd, as llama.cpp's olmo2
+    "smollm3": dict(MICRO, n_layer=4, nope_step=4),
+    "granite": dict(MICRO, embd_multiplier=12.0, attn_scale=0.0625, residual_scale=0.375, logit_scale=8.0),
 }
 
 
-@pytest.mark.parametrize("arch", [pytest.param("qwen3", marks=pytest.mark.slow),
-                                  pytest.param("gemma2", marks=pytest.mark.slow), "gemma3"])
+@pytest.mark.parametrize("arch", [pytest.param(a, marks=pytest.mark.slow) for a in CONFIGS if a != "gemma3"] + ["gemma3"])
 def test_logits_and_training_step_match_cpu(cuda, arch, tmp_path, tiny_vocab):
     from llamatune.backend import cpu
     from llamatune.models.infer import Runner

@@ -73,6 +73,8 @@ class Arch:
     activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma
     tied: bool = False                # the head is always token_embd (llama.cpp never reads `output`)
+    qk_norm_full: bool = False        # attn_q_norm / attn_k_norm norm the whole projection (olmo2: one
+    #                                   (Cq,) / (Ckv,) weight), not each head ((head_dim,), qwen3, gemma3)
     # ModelConfig values a new model of the family gets (train-from-scratch: ModelConfig.new),
     # the same numbers read_hparams falls back to, as llama.cpp's defaults for absent keys
     defaults: tuple[tuple[str, Any], ...] = ()
@@ -92,6 +94,11 @@ class Arch:
     def qk_norm(self) -> bool:
         """Per-head RMSNorm on q and k after their projection, before rope (qwen3, gemma3)."""
         return QK_NORMS[0] in self.layer
+
+    @property
+    def pre_norms(self) -> bool:
+        """RMSNorm before attention and before the feed-forward (every family but olmo2)."""
+        return "attn_norm" in self.layer
 
     @property
     def post_norms(self) -> bool:
@@ -133,6 +140,8 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
         "attn_q_norm": (cfg.head_dim,), "attn_k_norm": (cfg.head_dim,),
         "post_attention_norm": (C,), "post_ffw_norm": (C,),
     }
+    if cfg.spec.qk_norm_full:
+        shapes["attn_q_norm"], shapes["attn_k_norm"] = (Cq,), (Ckv,)
     if cfg.spec.fused_qkv:
         shapes["attn_qkv"] = (Cq + 2 * Ckv, C)
     if kind not in shapes:

@@ -56,11 +56,18 @@ class ModelConfig:
     swa_pattern: int = 0           # llama.cpp set_swa_pattern(n): layer i slides iff i % n < n - 1 (0: all)
     rope_freq_base_swa: float = 0.0    # rope base of the sliding-window layers; 0: rope_freq_base
     rope_freq_scale_swa: float = 0.0   # their linear scale; 0: rope_freq_scale
+    nope_step: int = 0             # llama.cpp n_no_rope_layer_step: layer i has no rope where (i + 1) % nope_step
+    #                                == 0 (smollm3: 4; granite without rope: 1); 0: rope on every layer
+    embd_multiplier: float = 0.0   # token embeddings times this (granite's embedding_scale); 0: none
+    residual_scale: float = 0.0    # attention and feed-forward outputs times this before their residual adds
+    #                                (granite); 0: none
+    logit_scale: float = 0.0       # logits divided by this (granite's logit_scale); 0: none
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
         for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor", "attn_scale",
-                     "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
+                     "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa",
+                     "embd_multiplier", "residual_scale", "logit_scale"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
         get_arch(self.arch)
         for name in ("n_vocab", "n_ctx_train", "n_embd", "n_layer", "n_ff", "n_head", "n_head_kv", "head_dim", "n_rot"):
@@ -74,11 +81,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not (value > 0 and np.isfinite(value)):       # after float32 rounding: 1e-50 -> 0, 1e300 -> inf
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be positive and finite as a float32")
-        for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa"):
+        for name in ("attn_scale", "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa",
+                     "embd_multiplier", "residual_scale", "logit_scale"):
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be >= 0 and finite as a float32")
-        for name in ("sliding_window", "swa_pattern"):
+        for name in ("sliding_window", "swa_pattern", "nope_step"):
             if not 0 <= getattr(self, name) <= MAX_COUNT:
                 raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be >= 0")
 
@@ -103,6 +111,25 @@ class ModelConfig:
     def window(self, i: int) -> int:
         """Attention window of layer i (0: all earlier positions)."""
         return self.sliding_window if self.is_swa(i) else 0
+
+    def has_rope(self, i: int) -> bool:
+        """Layer i rotates q and k (llama.cpp hparams.has_rope / smollm3's use_rope)."""
+        return not (self.nope_step and (i + 1) % self.nope_step == 0)
+
+    @property
+    def embedding_scale(self) -> float:
+        """What the token embeddings are multiplied by: gemma's sqrtf(n_embd) (f32, as llama.cpp's
+        ggml_scale), granite's embedding_scale, else 1."""
+        if self.spec.embd_scale:
+            return float(np.sqrt(np.float32(self.n_embd)))
+        return self.embd_multiplier or 1.0
+
+    def logit_multiplier(self, dtype):
+        """What the logits are multiplied by, in `dtype`: 1 / logit_scale as llama.cpp's granite
+        graph computes it (ggml_scale by 1.0f / f_logit_scale, a float32); None without a logit scale."""
+        if not self.logit_scale:
+            return None
+        return np.dtype(dtype).type(np.float32(1.0) / np.float32(self.logit_scale))
 
     def rope_params(self, i: int) -> tuple[float, float]:
         """(freq_base, freq_scale) of layer i: the sliding-window layers' own when the model has them."""

@@ -186,16 +186,24 @@ class Forward:
         return self.fused[: N * width].reshape(N, width)
 
     def embd_scale(self):
-        """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
-        return self.xn.dtype.type(np.sqrt(np.float32(self.cfg.n_embd)))
+        """The embedding scale (ModelConfig.embedding_scale: gemma's sqrtf(n_embd) in f32,
+        granite's embedding_scale), or None where the family has none."""
+        scale = self.cfg.embedding_scale
+        return None if scale == 1.0 else self.xn.dtype.type(scale)
 
     # ------------------------------------------------------------------ the forward
     def embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         """x (N, C) = rows of token_embd for tokens (N,) on the device (+ adapters, scale)."""
         self.base.embed(tokens, x)
+<<<<<<< HEAD
         for a, b, s in self.linears.pairs("token_embd.weight"):
             x += self.xp.matmul(s * a[tokens], b.T, out=self.linears.scratch(*x.shape))
         if self.cfg.spec.embd_scale:
+=======
+        for a, b, s in self.adapter_pairs("token_embd.weight"):
+            x += self.xp.matmul(s * a[tokens], b.T, out=self.scratch(*x.shape))
+        if self.embd_scale() is not None:
+>>>>>>> h53fam
             x *= self.embd_scale()
 
     def layer_forward(self, i: int, a: LayerActs, x_out: np.ndarray) -> None:

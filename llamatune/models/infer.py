@@ -167,6 +167,9 @@ class Runner(Forward):
         rstd = xp.empty(N, np.float32)
         self.ops.rmsnorm.rmsnorm_forward(self.xn, rstd, a.x, self.linears.norm_weight("output_norm.weight"), cfg.norm_eps)
         logits = self.head(self.xn)
+        inv_scale = cfg.logit_multiplier(logits.dtype)
+        if inv_scale is not None:                 # granite: logits / logit_scale
+            logits *= inv_scale
         if cfg.final_softcap:
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if cache is not None:

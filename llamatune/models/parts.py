@@ -86,6 +86,7 @@ class Part:
     def __init__(self, cfg: ModelConfig, i: int):
         self.cfg, self.i, p = cfg, i, f"blk.{i}."
         self.p = p
+        self.residual_scale = cfg.residual_scale    # granite: the output times this before the residual add
 
     def act_shapes(self, B: int, T: int, keep_inputs: bool) -> dict[str, tuple[int, ...]]:
         """Name -> shape of its activations (its Acts' fields); `keep_inputs`: also those
@@ -100,10 +101,22 @@ class Part:
         raise NotImplementedError
 
     # ---- shared steps of the llama-like parts
+<<<<<<< HEAD
     def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str) -> None:
         """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU)."""
         if residual is None:
             fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.linears.norm_weight(name), self.cfg.norm_eps)
+=======
+    def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str | None) -> None:
+        """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU);
+        without an input norm (`name` None: olmo2) xn = x."""
+        if name is None:
+            if residual is not None:
+                x += residual
+            xn[...] = x
+        elif residual is None:
+            fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.linears.norm_weight(name), self.cfg.norm_eps)
+>>>>>>> h53fam
         else:
             fw.ops.fused.add_rmsnorm_forward(xn, rstd, x, residual, fw.linears.norm_weight(name), self.cfg.norm_eps)
 
@@ -111,26 +124,39 @@ class Part:
         """y = h W^T of linear `name`, or with a post norm (gemma2's sandwich) RMSNorm of it (pre, rstd kept)."""
         if post_norm is None:
             fw.linear(y, h, name)
+<<<<<<< HEAD
             return
         fw.linear(pre, h, name)
         fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.linears.norm_weight(post_norm), self.cfg.norm_eps)
+=======
+        else:
+            fw.linear(pre, h, name)
+            fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.linears.norm_weight(post_norm), self.cfg.norm_eps)
+        if self.residual_scale:                  # llama.cpp's ggml_scale by f_residual_scale (a float32)
+            y *= y.dtype.type(self.residual_scale)
+>>>>>>> h53fam
 
 
 class Attention(Part):
-    """attn_norm, q/k/v (or fused attn_qkv), per-head q/k norms (qk_norm), rope, attention,
-    attn_output, post_attention_norm (post_norms)."""
+    """attn_norm (none: olmo2), q/k/v (or fused attn_qkv), q/k norms per head (qk_norm) or
+    over the whole projection (qk_norm_full: olmo2), rope (none on a NoPE layer:
+    ModelConfig.has_rope), attention, attn_output, post_attention_norm (post_norms)."""
     kind, Acts = "attention", AttentionActs
 
     def __init__(self, cfg: ModelConfig, i: int):
         super().__init__(cfg, i)
         spec, p = cfg.spec, self.p
-        self.norm = p + "attn_norm.weight"
+        self.norm = p + "attn_norm.weight" if spec.pre_norms else None
         self.fused = p + "attn_qkv.weight" if spec.fused_qkv else None
         self.qkv = [f"{p}attn_{c}.weight" for c in "qkv"]
         self.qk_norms = (p + "attn_q_norm.weight", p + "attn_k_norm.weight") if spec.qk_norm else None
         self.out = p + "attn_output.weight"
         self.post_norm = p + "post_attention_norm.weight" if spec.post_norms else None
         self.rope_set, self.options = cfg.rope_set(i), cfg.attention_options(i)
+        self.qk_norm_full, self.rotates = spec.qk_norm_full, cfg.has_rope(i)
+        if self.qk_norms and not (self.qk_norm_full or self.rotates):
+            raise LlamatuneError(f"architecture {cfg.arch}: layer {i} has per-head q/k norms and no rope, "
+                                 "which is not supported")
 
     def act_shapes(self, B, T, keep_inputs):
         cfg, N = self.cfg, B * T
@@ -139,7 +165,8 @@ class Attention(Part):
         if keep_inputs:
             acts["xn"] = (N, C)
         if self.qk_norms:
-            acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
+            rows_q, rows_k = (N, N) if self.qk_norm_full else (N * cfg.n_head, N * cfg.n_head_kv)
+            acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (rows_q,), "rstd_k": (rows_k,)}
         if self.post_norm:
             acts |= {"o": (N, C), "rstd_o": (N,)}
         return acts
@@ -158,18 +185,29 @@ class Attention(Part):
         xn = fw.xn if a.xn is None else a.xn
         self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
         q4, k4 = self.heads(a, a.q, a.k)
-        if self.qk_norms:                        # per-head norms, then rope (one launch on a GPU)
+        if self.qk_norm_full:                    # norms over all heads together, then rope
+            self.project(fw, a.qp, a.kp, a.v, xn)
+            for normed, rstd, pre, name in ((a.q, a.rstd_q, a.qp, self.qk_norms[0]),
+                                            (a.k, a.rstd_k, a.kp, self.qk_norms[1])):
+                ops.rmsnorm.rmsnorm_forward(normed, rstd, pre, fw.linears.norm_weight(name), cfg.norm_eps)
+            self.rope(ops, q4, k4, cos, sin)
+        elif self.qk_norms:                      # per-head norms, then rope (one launch on a GPU)
             self.project(fw, a.qp, a.kp, a.v, xn)
             wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
             ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
                                            a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
         else:
             self.project(fw, a.q, a.k, a.v, xn)
-            ops.fused.rope_qk_forward(q4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
+            self.rope(ops, q4, k4, cos, sin)
         k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
         fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
                                        segments=fw.segments, **self.options)
         self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+
+    def rope(self, ops, q4: np.ndarray, k4: np.ndarray, cos, sin) -> None:
+        """q, k rotated in place, except on a NoPE layer (smollm3's every fourth)."""
+        if self.rotates:
+            ops.fused.rope_qk_forward(q4, k4, cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
 
     def project(self, fw, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray) -> None:
         """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
@@ -184,14 +222,15 @@ class Attention(Part):
 
 
 class FeedForward(Part):
-    """ffn_norm, gate/up (or fused ffn_up), SwiGLU or GeGLU, ffn_down, post_ffw_norm (post_norms)."""
+    """ffn_norm (none: olmo2), gate/up (or fused ffn_up), SwiGLU or GeGLU, ffn_down,
+    post_ffw_norm (post_norms)."""
     kind, Acts = "feed_forward", FeedForwardActs
     bf16_saved = ("g", "u")      # what PyTorch's bf16 training keeps: half the layer's saved floats
 
     def __init__(self, cfg: ModelConfig, i: int):
         super().__init__(cfg, i)
         spec, p = cfg.spec, self.p
-        self.norm = p + "ffn_norm.weight"
+        self.norm = p + "ffn_norm.weight" if spec.pre_norms else None
         self.fused = p + "ffn_up.weight" if spec.fused_gate_up else None
         self.gate_up = [p + "ffn_gate.weight", p + "ffn_up.weight"]
         self.down = p + "ffn_down.weight"

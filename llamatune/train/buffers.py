@@ -123,6 +123,8 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
              "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (max(C, 2 * cfg.head_dim),), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+    if cfg.spec.qk_norm_full:                                      # olmo2: its q/k norms' weight gradient
+        plan["dnorm_qk"] = (Cq,)
     if fused_width(layers):                                        # a fused product, or its gradient,
         plan["fused"] = (N * fused_width(layers),)                 # before it is split / after it is joined
     for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
@@ -141,8 +143,8 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
 
 def blocked_head(cfg, adapted: bool, trained: bool) -> bool:
     """Whether the head's chunks go through LossHead._bf16_chunk when its products are
-    bf16: no adapter on the head, the head frozen, no final soft-cap."""
-    return not (adapted or trained or cfg.final_softcap)
+    bf16: no adapter on the head, the head frozen, no final soft-cap or logit scale."""
+    return not (adapted or trained or cfg.final_softcap or cfg.logit_scale)
 
 
 def kept_head_bytes(cfg, chunk: int) -> int:

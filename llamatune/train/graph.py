@@ -198,7 +198,7 @@ class Graph(Forward):
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
-        if self.cfg.spec.embd_scale:
+        if self.embd_scale() is not None:
             dx *= self.embd_scale()
         dE = self.linears.weight_grad("token_embd.weight")
         if dE is not None:

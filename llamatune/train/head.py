@@ -135,6 +135,9 @@ class LossHead:
         xa = None if t is None else x @ t.a.T                # (n, r)
         graph.head_logits(logits, x, blocks, rows, [] if t is None else [(t.scale * xa, t.b)],
                           graph.linears.head_scratch)
+        inv_scale = cfg.logit_multiplier(logits.dtype)
+        if inv_scale is not None:                            # granite: logits / logit_scale, in place
+            logits *= inv_scale
         if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
             graph.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
         if not backward:                                     # the step's kernel: the same losses bit for bit
@@ -146,6 +149,8 @@ class LossHead:
             graph.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
         else:
             graph.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+        if inv_scale is not None:                            # back through the scale
+            logits *= inv_scale
         weight_grad = None
         if dW is not None:                                   # the first chunk writes dW, the others add
             def weight_grad(vlo, vhi, g):

@@ -18,25 +18,39 @@ from ..models.parts import Attention, AttentionActs, FeedForward, FeedForwardAct
 
 
 def normed_input(part: Part, g, a, x: np.ndarray) -> np.ndarray:
-    """The part's normed input: kept (a.xn) or recomputed into g.xn from x and a.rstd."""
+    """The part's normed input: kept (a.xn) or recomputed into g.xn from x and a.rstd; x
+    itself where the part has no input norm (olmo2)."""
     if a.xn is not None:
         return a.xn
+    if part.norm is None:
+        return x
     g.ops.rmsnorm.rmsnorm_forward(g.xn, a.rstd, x, g.linears.norm_weight(part.norm), part.cfg.norm_eps)
     return g.xn
 
 
 def input_norm_backward(part: Part, g, a, x: np.ndarray) -> None:
     """g.dx += dL/dx through the input norm, from g.dxn = dL/d(normed input)."""
+    if part.norm is None:
+        g.dx += g.dxn
+        return
     g.ops.fused.rmsnorm_backward_add(g.dx, g.norm_dw(part.norm), g.dxn, x, g.linears.norm_weight(part.norm),
                                      a.rstd, g.dx2)
     g.linears.norm_grad(part.norm, g.dnorm)
 
 
+def output_grad(part: Part, g) -> np.ndarray:
+    """dL/d(the part's output before its residual scale): g.dx, or (granite) g.dx times the
+    scale, into g.dxn (free until the part's projections' backward writes it)."""
+    if not part.residual_scale:
+        return g.dx
+    g.xp.multiply(g.dx, g.dx.dtype.type(part.residual_scale), out=g.dxn)
+    return g.dxn
+
+
 class AttentionBackward(Attention):
     def backward(self, g, a: AttentionActs, x: np.ndarray) -> None:
-        cfg = self.cfg
-        g.linears.backward(g.datt, g.post_norm_backward(g.dx, a.o, a.rstd_o, self.post_norm), a.att, self.out,
-                          accumulate=False)
+        g.linears.backward(g.datt, g.post_norm_backward(output_grad(self, g), a.o, a.rstd_o, self.post_norm), a.att,
+                           self.out, accumulate=False)
         q4, k4 = self.heads(a, a.q, a.k)
         dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
         g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
@@ -44,13 +58,32 @@ class AttentionBackward(Attention):
                                        segments=g.segments, **self.options)
         cos, sin = g.ropes[self.rope_set]
         dq, dk = g.dq, g.dk
-        if self.qk_norms:                                     # back through rope and the per-head norms
+        if self.qk_norm_full:                                 # back through rope, then the whole-width norms
+            self.rope_backward(g, dq4, dk4, cos, sin)
+            self.qk_norm_full_backward(g, a)
+            dq, dk = g.dqp, g.dkp
+        elif self.qk_norms:                                   # back through rope and the per-head norms
             self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
             dq, dk = g.dqp, g.dkp
         else:
-            g.ops.fused.rope_qk_backward(dq4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
+            self.rope_backward(g, dq4, dk4, cos, sin)
         self.project_backward(g, dq, dk, normed_input(self, g, a, x))
         input_norm_backward(self, g, a, x)
+
+    def rope_backward(self, g, dq4: np.ndarray, dk4: np.ndarray, cos, sin) -> None:
+        """dq, dk rotated back in place (not on a NoPE layer)."""
+        if self.rotates:
+            g.ops.fused.rope_qk_backward(dq4, dk4, cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
+
+    def qk_norm_full_backward(self, g, a: AttentionActs) -> None:
+        """g.dqp, g.dkp = dL/d(q, k before their whole-width norms) from g.dq, g.dk (olmo2);
+        the norm weights' gradients routed."""
+        for dpre, dy, pre, rstd, name in ((g.dqp, g.dq, a.qp, a.rstd_q, self.qk_norms[0]),
+                                          (g.dkp, g.dk, a.kp, a.rstd_k, self.qk_norms[1])):
+            dw = g.buffers["dnorm_qk"][:pre.shape[1]]
+            dw.fill(0.0)
+            g.ops.rmsnorm.rmsnorm_backward(dpre, dw, dy, pre, g.linears.norm_weight(name), rstd)
+            g.linears.norm_grad(name, dw)
 
     def qk_norm_rope_backward(self, g, dq4: np.ndarray, dk4: np.ndarray, a: AttentionActs, cos, sin) -> None:
         """g.dqp, g.dkp = dL/d(q, k before their per-head norms) from dq4, dk4 = dL/d(q, k
@@ -89,8 +122,8 @@ class FeedForwardBackward(FeedForward):
         if a.h is None:                                       # recompute the gate's output
             gate_forward(g.h, a.g, a.u)
         h = g.h if a.h is None else a.h
-        g.linears.backward(g.dh, g.post_norm_backward(g.dx, a.f, a.rstd_f, self.post_norm), h, self.down,
-                          accumulate=False)
+        g.linears.backward(g.dh, g.post_norm_backward(output_grad(self, g), a.f, a.rstd_f, self.post_norm), h,
+                           self.down, accumulate=False)
         gate_backward(g.dg, g.du, g.dh, a.g, a.u)
         self.project_backward(g, normed_input(self, g, a, x))
         input_norm_backward(self, g, a, x)
