@@ -195,15 +195,9 @@ class Forward:
     def embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         """x (N, C) = rows of token_embd for tokens (N,) on the device (+ adapters, scale)."""
         self.base.embed(tokens, x)
-<<<<<<< HEAD
         for a, b, s in self.linears.pairs("token_embd.weight"):
             x += self.xp.matmul(s * a[tokens], b.T, out=self.linears.scratch(*x.shape))
-        if self.cfg.spec.embd_scale:
-=======
-        for a, b, s in self.adapter_pairs("token_embd.weight"):
-            x += self.xp.matmul(s * a[tokens], b.T, out=self.scratch(*x.shape))
         if self.embd_scale() is not None:
->>>>>>> h53fam
             x *= self.embd_scale()
 
     def layer_forward(self, i: int, a: LayerActs, x_out: np.ndarray) -> None:

@@ -101,12 +101,6 @@ class Part:
         raise NotImplementedError
 
     # ---- shared steps of the llama-like parts
-<<<<<<< HEAD
-    def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str) -> None:
-        """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU)."""
-        if residual is None:
-            fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.linears.norm_weight(name), self.cfg.norm_eps)
-=======
     def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str | None) -> None:
         """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU);
         without an input norm (`name` None: olmo2) xn = x."""
@@ -116,7 +110,6 @@ class Part:
             xn[...] = x
         elif residual is None:
             fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.linears.norm_weight(name), self.cfg.norm_eps)
->>>>>>> h53fam
         else:
             fw.ops.fused.add_rmsnorm_forward(xn, rstd, x, residual, fw.linears.norm_weight(name), self.cfg.norm_eps)
 
@@ -124,17 +117,11 @@ class Part:
         """y = h W^T of linear `name`, or with a post norm (gemma2's sandwich) RMSNorm of it (pre, rstd kept)."""
         if post_norm is None:
             fw.linear(y, h, name)
-<<<<<<< HEAD
-            return
-        fw.linear(pre, h, name)
-        fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.linears.norm_weight(post_norm), self.cfg.norm_eps)
-=======
         else:
             fw.linear(pre, h, name)
             fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.linears.norm_weight(post_norm), self.cfg.norm_eps)
         if self.residual_scale:                  # llama.cpp's ggml_scale by f_residual_scale (a float32)
             y *= y.dtype.type(self.residual_scale)
->>>>>>> h53fam
 
 
 class Attention(Part):
