@@ -394,7 +394,10 @@ def show_preview(opts, n: int, as_json: bool) -> None:
     if opts.model_base is None:
         raise LlamatuneError("--model-base is required")
     tok = Tokenizer.from_gguf(GGUFFile(opts.model_base))
-    pairs = getattr(opts, "method", "sft") != "sft"           # --method dpo/orpo: n pairs, chosen then rejected
+    if getattr(opts, "method", "sft") == "grpo":                # prompts, as the sampler continues them
+        _show_prompts(opts, tok, n, as_json)
+        return
+    pairs = getattr(opts, "method", "sft") in ("dpo", "orpo")  # n pairs, chosen then rejected
     samples = load_pairs(opts.train_data, tok, opts) if pairs else load_dataset(opts.train_data, tok, opts)
     for k, (tokens, targets) in enumerate(preview(samples, tok.bos_id, 2 * n if pairs else n)):
         if as_json:
@@ -408,6 +411,20 @@ def show_preview(opts, n: int, as_json: bool) -> None:
             continue
         out.rule(f"sample {k + 1}: {len(tokens)} tokens, {int(targets.sum())} trained", style="dim")
         out.print(_marked(tok, tokens, targets))
+
+
+def _show_prompts(opts, tok, n: int, as_json: bool) -> None:
+    """--method grpo: the first n prompts as the model continues them (template applied)."""
+    from ..console import out
+    from .prompts import load_prompts
+    samples = load_prompts(opts.train_data, tok, opts)
+    for k in range(min(n, len(samples))):
+        ids = samples.prompt_ids(k)
+        if as_json:
+            print(json.dumps({"prompt": k, "tokens": ids}))
+            continue
+        out.rule(f"prompt {k + 1}: {len(ids)} tokens", style="dim")
+        out.print(_marked(tok, np.asarray(ids), np.zeros(len(ids), np.int8)))
 
 
 def _marked(tok, tokens, targets):

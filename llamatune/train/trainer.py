@@ -379,7 +379,8 @@ def train(t: Training) -> None:
     """The loop: steps until --adam-iter, --epochs or --early-stop ends it."""
     o, state = t.job.opts, t.state
     t.metrics = MetricsLog(metrics_path(o), state.iteration, write=t.world.is_root)   # rank 0 alone writes
-    t.guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
+    spikes = getattr(t.job.objective, "spikes", True)       # GRPO's signed loss has no spikes to test
+    t.guard = Guard(o.spike_threshold if spikes else math.inf, o.max_bad_steps, state.guard)
     t.grads = distributed.GradientSum(t.world, t.job.params)
     distributed.check_identical_parameters(t.world, t.job.params, state.iteration)
     t.clock = TrainClock()
@@ -422,6 +423,7 @@ def step(t: Training) -> bool:
     objective.settle(t.world, bad)                 # after the save of the state before this step
     lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
     advance(t, loss, bad)
+    t.show.note = objective.progress_note() if hasattr(objective, "progress_note") else ""
     t.show(state, loss, lr, gnorm, len(t.losses) * t.tokens_per_step / max(t.clock.seconds(), 1e-9))
     t.metrics.step(state, loss, lr, gnorm, n_targets, extra)
     t.logged = loss
