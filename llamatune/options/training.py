@@ -331,10 +331,7 @@ def _validate_preference(o: FinetuneOptions) -> None:
     if o.method not in METHODS:
         raise LlamatuneError(f"--method {o.method!r}: choose {', '.join(METHODS)}")
     grpo = o.method == "grpo"
-    if o.beta is None:                          # the method's default, as a checkpoint records it
-        o.beta = GRPO_BETA if grpo else PREFERENCE_BETA
-    if o.loss_type is None:
-        o.loss_type = GRPO_LOSS_TYPES[0] if grpo else LOSS_TYPES[0]
+    o.beta, o.loss_type = method_defaults(o)    # the method's defaults where not given, as a checkpoint records them
     types = GRPO_LOSS_TYPES if grpo else LOSS_TYPES
     if o.loss_type not in types:
         raise LlamatuneError(f"--loss-type {o.loss_type!r}: --method {o.method} takes {', '.join(types)}")
@@ -360,6 +357,13 @@ def _validate_preference(o: FinetuneOptions) -> None:
         raise LlamatuneError(f"--train-on-prompt: --method {o.method} scores the answers only")
 
 
+def method_defaults(o: FinetuneOptions) -> tuple[float, str]:
+    """(--beta, --loss-type) as --method uses them: the values given, or the method's defaults."""
+    grpo = o.method == "grpo"
+    beta = o.beta if o.beta is not None else GRPO_BETA if grpo else PREFERENCE_BETA
+    return beta, o.loss_type if o.loss_type is not None else (GRPO_LOSS_TYPES if grpo else LOSS_TYPES)[0]
+
+
 def _validate_grpo(o: FinetuneOptions) -> None:
     """What --method grpo needs: whole groups in a micro-batch, room for a completion, LoRA
     adapters the sampler applies (no norm adapters), no dropout."""
@@ -368,7 +372,10 @@ def _validate_grpo(o: FinetuneOptions) -> None:
     if o.batch % G:
         raise LlamatuneError(f"--batch {o.batch}: --method grpo puts whole groups of --num-generations {G} "
                              "completions in a micro-batch: give a multiple of it")
-    check_number("--max-completion-length", o.max_completion_length, 1, o.ctx - 1)
+    check_number("--max-completion-length", o.max_completion_length, 1)
+    if o.max_completion_length >= o.ctx:
+        raise LlamatuneError(f"--max-completion-length {o.max_completion_length} leaves no room for a prompt in "
+                             f"--ctx {o.ctx} (a prompt and its completion share a row): raise --ctx or lower it")
     check_number("--temperature", o.temperature, 0, lo_open=True)
     check_number("--top-p", o.top_p, 0, 1, lo_open=True)
     check_number("--epsilon", o.epsilon, 0, 1, hi_open=True)

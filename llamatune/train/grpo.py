@@ -35,13 +35,12 @@ import time
 import numpy as np
 
 from ..errors import LlamatuneError
+from ..options.training import method_defaults
 from . import rewards as R
 from .data import Batch, Batcher
 from .lora import disabled_adapters
 from .objective import vocab
 
-GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
-SCALE_REWARDS = ("group", "batch", "none")
 STD_EPS = 1e-4                 # TRL: advantages / (std + 1e-4)
 _SAMPLING_STREAM = 0x67727030  # the sampling Generator's stream beside --seed
 
@@ -234,7 +233,8 @@ class GRPO:
         self.rewards = R.parse_rewards(opts.reward, opts.reward_weights)
         self.eps_low = float(opts.epsilon)
         self.eps_high = float(opts.epsilon if opts.epsilon_high is None else opts.epsilon_high)
-        self.beta = float(opts.beta if opts.beta is not None else 0.0)
+        beta, self.loss_type = method_defaults(opts)
+        self.beta = float(beta)
         self._batches: list[GroupBatch] = []
         self._tokens: list[np.ndarray] = []     # per micro-batch of this rank: [kl sum, low, high, region, tokens]
         self.last: dict[str, float] = {}
@@ -272,7 +272,7 @@ class GRPO:
 
     def _coefficients(self, b: GroupBatch) -> np.ndarray:
         rows, tokens, micro = self._counts
-        return coefficients(self.opts.loss_type, b.lengths, rows, tokens, b.n_targets, micro,
+        return coefficients(self.loss_type, b.lengths, rows, tokens, b.n_targets, micro,
                             self.opts.max_completion_length)
 
     def _reference(self, graph, b: GroupBatch) -> None:
