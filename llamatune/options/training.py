@@ -385,9 +385,6 @@ def _validate_grpo(o: FinetuneOptions) -> None:
         raise LlamatuneError(f"--scale-rewards {o.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}")
     if o.reward_weights and len(o.reward_weights) != len(o.reward):
         raise LlamatuneError(f"--reward-weights: {len(o.reward_weights)} weight(s) for {len(o.reward)} --reward")
-    if not o.reward:
-        raise LlamatuneError("--method grpo needs at least one --reward (boxed-answer, regex:PATTERN, "
-                             "FILE.py:FUNCTION or MODULE:FUNCTION)")
     given = [f for f, v in (("--pack", o.pack), ("--train-on-prompt", o.train_on_prompt), ("--label-smoothing", o.label_smoothing),
                             ("--val-data", o.val_data), ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
                             ("--merge-aware", o.merge_aware)) if v]
