@@ -307,9 +307,20 @@ def test_grpo_resume_is_bit_exact(tmp_path, tiny_model):
                       for x in (d / "m.jsonl").read_text().splitlines()]
     ra = rows(one)
     assert ra == rows(two)
+    from llamatune.plot import read_metrics
+    c = read_metrics(one / "m.jsonl")                       # the plot's reward curve
+    assert c.reward_steps == [1, 2, 3, 4] and c.reward == [r["reward"] for r in ra]
     for key in ("reward", "reward_std", "rewards/regex:e/mean", "rewards/regex:e/std", "kl",
                 "completions/mean_length", "completions/clipped_ratio", "clip_ratio/region_mean"):
         assert key in ra[-1], key
+
+
+def test_plot_draws_the_reward(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib (the 'plot' extra) is not installed")
+    from llamatune.plot import plot_metrics
+    rows = [{"step": k, "loss": 0.01 * k, "reward": 0.1 * k} for k in range(1, 6)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert plot_metrics(tmp_path / "m.jsonl", tmp_path / "m.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_reward_that_raises_stops_the_run_cleanly(tmp_path, tiny_model):
