@@ -5,8 +5,9 @@ The job is finetune's own (`--method grpo`, LoRA r 8 on the attention and MLP ma
 `--reward boxed-answer` on configs/prompts-example.jsonl): a step takes --prompts prompts,
 completes each --generations times up to --max-len tokens, and trains on them in one
 micro-batch. One warm-up step (kernel compilation, first page-in), then --repeats steps,
-each timed in its two parts; reported as median and spread (min-max), with the sampled
-tokens per second.
+each timed in its two parts, wall time and the process's CPU time (all its threads: on
+a machine shared with other work the CPU time is the steadier figure); reported as
+median and spread (min-max), with the sampled tokens per second and the load average.
 
     python bench/grpo_step.py [--model M.gguf] [--prompts 2] [--generations 4] [--max-len 64] [--repeats 3]
 """
@@ -41,15 +42,16 @@ def one_step(t, step: int) -> dict:
     from llamatune.train.optimizer import apply_update, gradient_norm
     job, objective = t.job, t.job.objective
     job.params.zero_grad(lazy=job.base.lazy_grads)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     b = t.batcher.next_batch()
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     objective.begin_step([b])
     objective.micro_step(t.graph, b, (0, step, 0))
     apply_update(job.params, step, job.opts, gradient_norm(job.params))
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     m = objective.end_step(t.world)
-    return {"generation_s": t1 - t0, "training_s": t2 - t1, "completion_tokens": int(b.lengths.sum()),
+    return {"generation_s": t1 - t0, "training_s": t2 - t1, "generation_cpu_s": c1 - c0, "training_cpu_s": c2 - c1,
+            "completion_tokens": int(b.lengths.sum()),
             "trained_tokens": b.n_targets, "reward": m["reward"], "mean_length": m["completions/mean_length"]}
 
 
@@ -72,17 +74,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         t = build(args, Path(d))
         warm = one_step(t, 0)
-        print(f"warm-up step: generation {warm['generation_s']:.2f} s, training {warm['training_s']:.2f} s")
+        print(f"warm-up step: generation {warm['generation_s']:.2f} s, training {warm['training_s']:.2f} s "
+              f"(CPU {warm['generation_cpu_s']:.2f} s, {warm['training_cpu_s']:.2f} s)", flush=True)
         rows = [one_step(t, k) for k in range(1, args.repeats + 1)]
     for r in rows if args.json else ():
         print(json.dumps(r))
+    import os
     gen, train = [r["generation_s"] for r in rows], [r["training_s"] for r in rows]
+    cpu = {k: [r[f"{k}_cpu_s"] for r in rows] for k in ("generation", "training")}
     tps = [r["completion_tokens"] / r["generation_s"] for r in rows]
     print(f"{args.model.name}: {args.prompts} prompts x {args.generations} generations x up to {args.max_len} "
           f"tokens, {len(rows)} steps")
     print(f"  generation {spread(gen)}, {np.median(tps):.1f} sampled tokens/s "
           f"(mean completion {np.mean([r['mean_length'] for r in rows]):.1f} tokens)")
     print(f"  training   {spread(train)} ({np.median([r['trained_tokens'] for r in rows]):.0f} trained tokens)")
+    print(f"  CPU time: generation {spread(cpu['generation'])}, training {spread(cpu['training'])}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     share = np.median(gen) / (np.median(gen) + np.median(train))
     print(f"  generation is {share:.0%} of the step")
 

@@ -220,6 +220,9 @@ class FinetuneOptions(TrainOptions):
     out_type: str = opt("", "Full: type of the written matrices: f32, f16, bf16, q8_0, q4_k, ...; empty: each "
                         "tensor in the base's own type (re-quantized).", G_FULL)
 
+    def __post_init__(self):
+        self.beta, self.loss_type = method_defaults(self)     # --method's defaults where not given
+
     def unwritten_outputs(self) -> tuple[str, ...]:
         """Output options this run does not write (neither checked nor locked): a LoRA run
         writes no --model-out, a full finetune no --lora-out."""
@@ -331,7 +334,7 @@ def _validate_preference(o: FinetuneOptions) -> None:
     if o.method not in METHODS:
         raise LlamatuneError(f"--method {o.method!r}: choose {', '.join(METHODS)}")
     grpo = o.method == "grpo"
-    o.beta, o.loss_type = method_defaults(o)    # the method's defaults where not given, as a checkpoint records them
+    o.beta, o.loss_type = method_defaults(o)    # (set at construction; again for a --method changed since)
     types = GRPO_LOSS_TYPES if grpo else LOSS_TYPES
     if o.loss_type not in types:
         raise LlamatuneError(f"--loss-type {o.loss_type!r}: --method {o.method} takes {', '.join(types)}")
