@@ -345,7 +345,7 @@ def test_bad_grpo_data_and_options(tmp_path, tiny_model):
                  quiet=True)
     for over, message in ((dict(batch=3), r"--batch 3: --method grpo puts whole groups"),
                           (dict(num_generations=1, batch=1), r"--num-generations 1: must be at least 2"),
-                          (dict(loss_type="sigmoid"), r"--loss-type 'sigmoid': --method grpo takes dapo"),
+                          (dict(loss_type="sigmoid"), r"--loss-type 'sigmoid': choose dapo, grpo, bnpo, dr_grpo \(--method grpo\)"),
                           (dict(temperature=0.0), r"--temperature 0.0: must be greater than 0"),
                           (dict(max_completion_length=16), r"--max-completion-length 16 leaves no room for a prompt in --ctx 16"),
                           (dict(rank_att_norm=2), r"not with norm adapters \(attn_norm"),

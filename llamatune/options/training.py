@@ -337,7 +337,7 @@ def _validate_preference(o: FinetuneOptions) -> None:
     o.beta, o.loss_type = method_defaults(o)    # (set at construction; again for a --method changed since)
     types = GRPO_LOSS_TYPES if grpo else LOSS_TYPES
     if o.loss_type not in types:
-        raise LlamatuneError(f"--loss-type {o.loss_type!r}: --method {o.method} takes {', '.join(types)}")
+        raise LlamatuneError(f"--loss-type {o.loss_type!r}: choose {', '.join(types)} (--method {o.method})")
     check_number("--beta", o.beta, 0, lo_open=not grpo)
     check_number("--label-smoothing", o.label_smoothing, 0, 0.5, hi_open=True)
     if o.method == "sft":
