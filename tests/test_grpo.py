@@ -25,7 +25,9 @@ from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantage
 from llamatune.train.lora import disabled_adapters, init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
 
+import test_mpi
 from conftest import write_tiny_model
+from test_mpi import launcher  # noqa: F401  (the fixture: `mpiexec -n 2`, or a skip with the reason)
 
 RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
 
@@ -362,6 +364,26 @@ def test_beta_and_loss_type_defaults_follow_the_method():
     d = FinetuneOptions(method="dpo")
     d.check()
     assert (d.beta, d.loss_type) == (0.1, "sigmoid")
+
+
+def test_grpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model, launcher):
+    """mpiexec -n 2 against one process with --grad-acc 2: every rank samples the step's
+    groups from the same sampling state and trains its share; parameters, moments, data
+    state and metrics bit for bit (skips without mpi4py / mpiexec)."""
+    data = write_prompts(tmp_path / "train.jsonl")
+    common = ["finetune", "--model-base", tiny_model, "--train-data", data, "--method", "grpo", "--reward", "regex:e",
+              "--num-generations", 2, "--max-completion-length", 6, "--ctx", 16, "--batch", 4, "--lora-r", 2,
+              "--adam-iter", 3, "--save-every", 0, "--warmup", 1, "--beta", 0.05, "--no-plot"]
+    for name, prefix, acc in (("one", [], 2), ("two", launcher, 1)):
+        (tmp_path / name).mkdir()
+        test_mpi.run(prefix + test_mpi.CLI + [str(a) for a in common + [
+            "--grad-acc", acc, "--checkpoint-out", tmp_path / name / "chk-ITERATION.gguf",
+            "--lora-out", tmp_path / name / "adapter-ITERATION.gguf"]])
+    test_mpi.assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
+    timing = ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds")
+    rows = lambda name: [{k: v for k, v in json.loads(x).items() if k not in timing}  # noqa: E731
+                         for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    assert rows("one") == rows("two") and "kl" in rows("one")[-1]
 
 
 @pytest.mark.slow
