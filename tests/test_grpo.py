@@ -254,6 +254,28 @@ def test_group_decode_is_the_single_sequence_decode(tiny_model):
     assert cut == [greedy[:greedy.index(greedy[4]) + 1]] * 2
 
 
+def test_rows_that_end_leave_the_batch(tiny_model):
+    """Rows end at different steps (a seventh of the vocabulary stops them) and leave the
+    batch with their cache rows: replaying the draws (one uniform per live row and step, in
+    row order) on each completion's full forward without a cache gives the same tokens."""
+    runner = Runner(Model(tiny_model))
+    ids = runner.model.tokenizer.encode("First Citizen:", add_special=True)
+    stop = set(range(0, runner.model.config.n_vocab, 7))
+    rows = generate_group(runner, ids, 4, 12, np.random.default_rng(3), 1.0, 1.0, stop)
+    assert len({len(r) for r in rows}) > 1 and any(r[-1] in stop for r in rows)
+    full = [runner.forward(np.asarray([ids + r]))[0].astype(np.float64) for r in rows]
+    rng, live, got = np.random.default_rng(3), [0, 1, 2, 3], [[], [], [], []]
+    for j in range(12):
+        for r in live:
+            z = full[r][len(ids) - 1 + j]
+            c = np.cumsum(np.exp(z - z.max()))
+            got[r].append(int(np.searchsorted(c, rng.random() * c[-1], side="right")))
+        live = [r for r in live if got[r][-1] not in stop]
+        if not live:
+            break
+    assert got == rows
+
+
 def test_group_sampling_is_seeded(tiny_model):
     runner = Runner(Model(tiny_model))
     ids = runner.model.tokenizer.encode("All:", add_special=True)

@@ -84,9 +84,9 @@ def sample_rows(logits: np.ndarray, rng: np.random.Generator, temp: float, top_p
 def generate_group(runner: Runner, ids: list[int], n: int, n_predict: int, rng: np.random.Generator,
                    temp: float, top_p: float, stop: set[int] = frozenset()) -> list[list[int]]:
     """n completions of one prompt decoded together (GRPO's group): the prompt is run once,
-    its KV cache copied to n rows, then one token per unfinished row and step (a batched
-    decode step; rows that ended feed their last token again, unused). Each completion
-    ends with the first id of `stop` it draws (kept: it is trained on) or at n_predict ids."""
+    its KV cache copied to n rows, then one token for each unfinished row per batched
+    decode step (a row that ends leaves the batch and its cache). Each completion ends
+    with the first id of `stop` it draws (kept: it is trained on) or at n_predict ids."""
     model = runner.model
     L = len(ids)
     one = KVCache.empty(model, 1, L, runner.backend, context=L + n_predict)
@@ -97,14 +97,18 @@ def generate_group(runner: Runner, ids: list[int], n: int, n_predict: int, rng: 
     cache.n_past = L
     logits = np.broadcast_to(last, (n, len(last)))
     out: list[list[int]] = [[] for _ in range(n)]
-    live = np.ones(n, bool)
+    live = np.arange(n)                               # the rows still decoding, in the cache's order
     for step in range(n_predict):
         drawn = sample_rows(logits, rng, temp, top_p)
-        for r in np.flatnonzero(live):
-            out[r].append(int(drawn[r]))
-            live[r] = int(drawn[r]) not in stop
-        if not live.any() or step + 1 == n_predict:
+        for r, t in zip(live, drawn.tolist()):
+            out[r].append(t)
+        keep = np.flatnonzero([t not in stop for t in drawn.tolist()])
+        if not len(keep) or step + 1 == n_predict:
             break
-        feed = np.asarray([o[-1] for o in out], np.int64)[:, None]
+        if len(keep) < len(live):                     # finished rows leave the batch
+            idx = runner.backend.to_device(keep)
+            cache = KVCache([k[idx] for k in cache.k], [v[idx] for v in cache.v], cache.n_past, cache.context)
+            live = live[keep]
+        feed = np.asarray([out[r][-1] for r in live], np.int64)[:, None]
         logits = runner.backend.to_host(runner.forward(feed, cache)[:, -1])
     return out
