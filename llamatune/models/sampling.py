@@ -1,5 +1,6 @@
 """Token sampling and the KV-cached generation loop: prompt prefill, then one token
-at a time. Used by `generate` and `chat`.
+at a time. Used by `generate` and `chat`; `generate_group` decodes GRPO's completions of one
+prompt together (train/grpo.py).
 
 Sampling follows llama.cpp's common order: top-k, then top-p (nucleus), then
 temperature; temperature 0 means greedy (argmax). Randomness comes from a seeded
