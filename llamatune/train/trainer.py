@@ -1,7 +1,7 @@
 """The training loop shared by `finetune` and `train-from-scratch`.
 
 A `Job` says what is trained (the graph's weight provider, the flat parameters, the
-LoRA targets), for what (its objective: objective.SFT or preference.Preference) and
+LoRA targets), for what (its objective: objective.SFT, preference.Preference or grpo.GRPO) and
 how outputs are written; `run` does the rest identically for all: `set_up` (resume or
 initialize, compute policy, memory estimate and checkpointing mode (memory.py), graph,
 validation, disk-space estimate), the loop (`step`: micro-batches with gradient
