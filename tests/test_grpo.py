@@ -226,6 +226,23 @@ def test_user_reward_from_a_file(tmp_path):
             R.score(R.parse_rewards([f"{f}:{name}"], []), ["p", "q"], ["a", "b"], {})
 
 
+def test_reward_results_that_are_not_lists_and_missing_fields(tmp_path):
+    f = tmp_path / "odd.py"
+    f.write_text("def none(prompts, completions, **kw):\n    return None\n"
+                 "def text(prompts, completions, **kw):\n    return 'ab'\n")
+    for name, message in (("none", r"returned NoneType, not a list of 2 numbers"),
+                          ("text", r"returned str, not a list of 2 numbers")):
+        with pytest.raises(LlamatuneError, match=message):
+            R.score(R.parse_rewards([f"{f}:{name}"], []), ["p", "q"], ["a", "b"], {})
+    with pytest.raises(LlamatuneError, match=r"--reward boxed-answer: the rows have no 'answer' field"):
+        R.score(R.parse_rewards(["boxed-answer"], []), ["p"], ["\\boxed{1}"], {"level": [1]})
+
+
+def test_loss_type_unknown_to_the_maths():
+    with pytest.raises(ValueError, match="unknown GRPO loss type 'sigmoid'"):
+        coefficients("sigmoid", np.array([3]), 1, 3, 3, 1, 4)
+
+
 @pytest.mark.parametrize("specs, weights, message", [
     ([], [], "needs at least one --reward"),
     (["regex:("], [], r"regex:\(: not a valid regular expression"),
@@ -234,6 +251,7 @@ def test_user_reward_from_a_file(tmp_path):
     (["no_such_module_xyz:f"], [], r"loading no_such_module_xyz failed \(ModuleNotFoundError"),
     (["plain"], [], r"give boxed-answer, regex:PATTERN"),
     (["regex:a"], [1.0, 2.0], r"2 weight\(s\) for 1 reward"),
+    (["regex:a"], [float("nan")], r"--reward-weights nan: must be a finite number"),
 ])
 def test_bad_reward_specs(specs, weights, message):
     with pytest.raises(LlamatuneError, match=message):
@@ -374,9 +392,39 @@ def test_bad_grpo_data_and_options(tmp_path, tiny_model):
                           (dict(max_completion_length=16), r"--max-completion-length 16 leaves no room for a prompt in --ctx 16"),
                           (dict(rank_att_norm=2), r"not with norm adapters \(attn_norm"),
                           (dict(val_split=0.25), r"not with --val-split"),
-                          (dict(scale_rewards="x"), r"--scale-rewards 'x': choose group, batch, none")):
+                          (dict(scale_rewards="x"), r"--scale-rewards 'x': choose group, batch, none"),
+                          (dict(top_p=0.0), r"--top-p 0.0: must be in \(0, 1\]"),
+                          (dict(epsilon=1.0), r"--epsilon 1.0: must be in \[0, 1\)"),
+                          (dict(epsilon_high=-1.0), r"--epsilon-high -1.0: must be at least 0"),
+                          (dict(reward_weights=[1.0, 2.0]), r"--reward-weights: 2 weight\(s\) for 1 --reward"),
+                          (dict(fine_tune_type="full"), r"not with --fine-tune-type full"),
+                          (dict(pack=True, lora_dropout=0.1), r"not with --pack, --lora-dropout")):
         with pytest.raises(LlamatuneError, match=message):
             run_options(tmp_path, tiny_model, **over)
+
+
+def test_bad_prompt_files_and_states(tmp_path, tiny_model):
+    from llamatune.train.grpo import GroupBatcher
+    from llamatune.train.prompts import load_prompts
+    tok = Model(tiny_model).tokenizer
+    o = run_options(tmp_path, tiny_model)
+    (tmp_path / "t.txt").write_text("plain text, not rows\n")
+    with pytest.raises(LlamatuneError, match=r"t.txt: --method grpo trains on prompt-only rows"):
+        load_prompts(tmp_path / "t.txt", tok, o)
+    with pytest.raises(LlamatuneError, match=r"n.jsonl:1: a row must be a JSON object, got int"):
+        load_prompts(write_prompts(tmp_path / "n.jsonl", [[1, 2]]), tok, o)
+    o.skip_bad_rows = True
+    with pytest.raises(LlamatuneError, match=r"b.jsonl: no prompt to train on"):
+        load_prompts(write_prompts(tmp_path / "b.jsonl", [{"text": "a"}]), tok, o)
+    o.skip_bad_rows = False
+    samples = load_prompts(write_prompts(tmp_path / "p.jsonl"), tok, o)
+    batcher = GroupBatcher(samples, o, tok.n_vocab, tok.bos_id, tok.eos_id, rollout=None)
+    state = batcher.state()
+    with pytest.raises(LlamatuneError, match=r"invalid sampling state"):
+        batcher.load_state({**state, "sampling_rng_state": {"bit_generator": "MT19937"}}, samples)
+    del state["sampling_rng_state"]
+    with pytest.raises(LlamatuneError, match=r"no sampling state \(not a --method grpo checkpoint\)"):
+        batcher.load_state(state, samples)
 
 
 def test_beta_and_loss_type_defaults_follow_the_method():
