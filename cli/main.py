@@ -165,7 +165,7 @@ def _quickstart(o) -> None:
 
 
 def _preview_data(data, o) -> None:
-    from llamatune.train.datasets import show_preview
+    from llamatune.train.preview import show_preview
     show_preview(data, o.n, o.json)
 
 

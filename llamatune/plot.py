@@ -3,7 +3,8 @@
 Reads the metrics log (metrics.py). Training loss is drawn raw (thin) and smoothed
 with TensorBoard's debiased exponential moving average; validation loss as points
 joined by a line, its lowest value marked. Preference runs (--method dpo / orpo) add
-the reward accuracy (smoothed) and the validation reward accuracy on a right axis. matplotlib is an optional extra
+the reward accuracy (smoothed) and the validation reward accuracy on a right axis; GRPO
+runs (--method grpo) the mean reward (raw and smoothed) there. matplotlib is an optional extra
 (`pip install 'llamatune[plot]'`), imported only when a plot is drawn, on its
 non-interactive Agg backend; the module itself imports nothing heavy, so the command
 line can take its defaults from here.
@@ -31,6 +32,8 @@ class Curves:
     acc: list[float] = field(default_factory=list)
     val_acc_steps: list[int] = field(default_factory=list)  # and per evaluation
     val_acc: list[float] = field(default_factory=list)
+    reward_steps: list[int] = field(default_factory=list)  # GRPO runs: the mean reward per step
+    reward: list[float] = field(default_factory=list)
 
 
 def read_metrics(path: Path) -> Curves:
@@ -58,7 +61,8 @@ def read_metrics(path: Path) -> Curves:
             c.val_steps.append(row["step"])
             c.val_loss.append(float(row["val_loss"]))
         for key, steps, values in (("rewards/accuracies", c.acc_steps, c.acc),
-                                   ("eval_rewards/accuracies", c.val_acc_steps, c.val_acc)):
+                                   ("eval_rewards/accuracies", c.val_acc_steps, c.val_acc),
+                                   ("reward", c.reward_steps, c.reward)):
             if row.get(key) is not None:
                 steps.append(row["step"])
                 values.append(float(row[key]))
@@ -87,6 +91,29 @@ def _pyplot():
     return plt
 
 
+def _right_axis(ax, c: Curves, smooth: float) -> None:
+    """Preference runs: the reward accuracy; GRPO runs: the mean reward (right axis)."""
+    if c.reward_steps:
+        r = ax.twinx()
+        r.plot(c.reward_steps, c.reward, color="tab:green", alpha=0.4, linewidth=0.8, label="mean reward")
+        r.plot(c.reward_steps, smoothed(c.reward, smooth), color="tab:green", linewidth=1.5,
+               label=f"mean reward, smoothed (EMA {smooth:g})")
+        r.set_ylabel("mean reward of the step's completions")
+        r.legend(loc="center right")
+    if not (c.acc_steps or c.val_acc_steps):
+        return
+    acc = ax.twinx()
+    if c.acc_steps:
+        acc.plot(c.acc_steps, smoothed(c.acc, smooth), color="tab:green", linewidth=1.5,
+                 label=f"reward accuracy, smoothed (EMA {smooth:g})")
+    if c.val_acc_steps:
+        acc.plot(c.val_acc_steps, c.val_acc, color="tab:olive", marker="s", markersize=4, linewidth=1.5,
+                 label="validation reward accuracy")
+    acc.set_ylim(-0.02, 1.02)
+    acc.set_ylabel("reward accuracy (chosen rewarded above rejected)")
+    acc.legend(loc="center right")
+
+
 def plot_metrics(path: Path, out: Path, smooth: float = SMOOTH, log_y: bool = False, title: str | None = None) -> Path:
     """Draw the curves of the metrics log `path` into the PNG `out`; returns `out`."""
     if not 0 <= smooth < 1:
@@ -110,20 +137,10 @@ def plot_metrics(path: Path, out: Path, smooth: float = SMOOTH, log_y: bool = Fa
             for axis_format in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
                 axis_format(plt.FuncFormatter(lambda v, _: f"{v:.3g}"))   # 5.8, not 5.8x10^0
         ax.set_xlabel("optimizer step")
-        what = "preference loss, mean per pair" if c.acc_steps or c.val_acc_steps else \
-            "mean cross-entropy per target token, nats"
+        what = ("preference loss, mean per pair" if c.acc_steps or c.val_acc_steps else
+                "GRPO loss" if c.reward_steps else "mean cross-entropy per target token, nats")
         ax.set_ylabel(f"loss ({what})" + (", log scale" if log_y else ""))
-        if c.acc_steps or c.val_acc_steps:                   # preference runs: reward accuracy, right axis
-            acc = ax.twinx()
-            if c.acc_steps:
-                acc.plot(c.acc_steps, smoothed(c.acc, smooth), color="tab:green", linewidth=1.5,
-                         label=f"reward accuracy, smoothed (EMA {smooth:g})")
-            if c.val_acc_steps:
-                acc.plot(c.val_acc_steps, c.val_acc, color="tab:olive", marker="s", markersize=4, linewidth=1.5,
-                         label="validation reward accuracy")
-            acc.set_ylim(-0.02, 1.02)
-            acc.set_ylabel("reward accuracy (chosen rewarded above rejected)")
-            acc.legend(loc="center right")
+        _right_axis(ax, c, smooth)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_title(title or f"Loss: {Path(path).resolve().parent.name}/{Path(path).name}")
         ax.grid(True, which="both", alpha=0.3)

@@ -38,6 +38,7 @@ class _TrainDisplay:
     def __init__(self, progress: Progress | None, task, ranks: int = 1, compact: bool = False):
         self.progress, self.task, self.ranks, self.compact = progress, task, ranks, compact
         self.last: tuple | None = None        # (loss, lr, gnorm, tps) of the last update
+        self.note = ""                         # the objective's figures (GRPO: reward, sampling speed)
 
     def __call__(self, state, loss: float, lr: float, gnorm: float, tps: float) -> None:
         self.last = (loss, lr, gnorm, tps)
@@ -52,6 +53,7 @@ class _TrainDisplay:
         fields += [f"loss {loss:.4f} (avg {state.loss_ema:.4f})"]
         fields += [] if self.compact else [f"lr {lr:.2e}", f"|g| {gnorm:.3f}"]
         fields += [f"{tps:,.0f} tok/s" + (f" ({tps / self.ranks:,.0f} per rank)" if self.ranks > 1 else "")]
+        fields += [self.note] if self.note else []
         v = state.validation
         if v is not None and v.last_loss is not None:
             fields += [f"val {v.last_loss:.4f}"]

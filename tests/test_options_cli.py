@@ -71,14 +71,15 @@ def test_one_default_per_option_across_commands():
     answer (chat); the training context, perplexity's window or the model's context;
     training samples or perplexity tokens per batch; the model's own template ("" in a
     preset, None on chat's command line); a new model's type or export's "same"; the
-    compute dtype (auto, but f32 for perplexity: llama-perplexity's digits)."""
+    compute dtype (auto, but f32 for perplexity: llama-perplexity's digits); the nucleus
+    (llama.cpp's 0.95 for generate and chat, TRL's 1.0, no nucleus, for GRPO's sampling)."""
     seen: dict[str, dict[str, object]] = {}
     for name, cls in COMMANDS.items():
         for f in dataclasses.fields(cls):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             seen.setdefault(f.name, {})[name] = default
     differ = {k: v for k, v in seen.items() if len({repr(d) for d in v.values()}) > 1}
-    assert set(differ) == {"n_predict", "ctx", "batch", "chat_template", "outtype", "compute_dtype"}, differ
+    assert set(differ) == {"n_predict", "ctx", "batch", "chat_template", "outtype", "compute_dtype", "top_p"}, differ
     assert {k for k, v in seen["compute_dtype"].items() if v != "auto"} == {"perplexity"}
     assert o.GenerateOptions().seed == o.ChatOptions().seed == o.FinetuneOptions().seed == o.SEED
 

@@ -30,6 +30,7 @@ from ..train.full import FullWeights, load_trained, model_tensors, trained_names
 from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
+from ..train.grpo import GRPO
 from ..train.objective import SFT
 from ..train.params import ParamBuffer, ParamSpec
 from ..train.preference import Preference
@@ -88,7 +89,14 @@ def build_job(o: FinetuneOptions) -> Job:
                ckpt.fingerprint(model.file), mapped_bytes=model.path.stat().st_size,
                scratch_bytes=model.dequantizer.nbytes + merge_extra, backend=backend, model_path=model.path,
                output_size=sizes[0], val_samples=val_samples, statistics=stats, side_outputs=sizes[1],
-               checkpoint_extra_bytes=sizes[2], objective=SFT(stats) if o.method == "sft" else Preference(o))
+               checkpoint_extra_bytes=sizes[2], objective=_objective(o, model, stats))
+
+
+def _objective(o: FinetuneOptions, model: Model, stats):
+    """What a LoRA run's steps train for (train/objective.py)."""
+    if o.method == "grpo":
+        return GRPO(o, model)
+    return SFT(stats) if o.method == "sft" else Preference(o)
 
 
 ADAPTER_META_BYTES = 1024          # an adapter's or imatrix's metadata (types, alpha, base name, datasets)

@@ -1,5 +1,6 @@
 """Token sampling and the KV-cached generation loop: prompt prefill, then one token
-at a time. Used by `generate` and `chat`.
+at a time. Used by `generate` and `chat`; `generate_group` decodes GRPO's completions of one
+prompt together (train/grpo.py).
 
 Sampling follows llama.cpp's common order: top-k, then top-p (nucleus), then
 temperature; temperature 0 means greedy (argmax). Randomness comes from a seeded
@@ -57,3 +58,58 @@ def generate_ids(runner: Runner, ids: list[int], n_predict: int, temp: float = D
         if cache.n_past >= cache.n_ctx:
             return
         logits = runner.backend.to_host(runner.forward(np.asarray([[nxt]]), cache)[0, -1])
+
+
+def sample_rows(logits: np.ndarray, rng: np.random.Generator, temp: float, top_p: float) -> np.ndarray:
+    """One token id per row of (n, V) logits, drawn at temperature temp > 0 within the
+    nucleus top_p (1: the whole vocabulary), rows in order from `rng`."""
+    z = logits.astype(np.float64) / temp
+    if not np.isfinite(z).all():
+        raise LlamatuneError("cannot sample: the model's logits are not finite (its weights hold inf or nan)")
+    p = np.exp(z - z.max(axis=1, keepdims=True))
+    p /= p.sum(axis=1, keepdims=True)
+    out = np.empty(len(p), np.int64)
+    for r in range(len(p)):
+        if 0 < top_p < 1:
+            ids = np.argsort(-p[r], kind="stable")
+            c = np.cumsum(p[r, ids])
+            keep = int(np.searchsorted(c, top_p) + 1)
+            c = c[:keep]
+        else:
+            ids, c = None, np.cumsum(p[r])
+        k = min(int(np.searchsorted(c, rng.random() * c[-1], side="right")), len(c) - 1)
+        out[r] = k if ids is None else ids[k]
+    return out
+
+
+def generate_group(runner: Runner, ids: list[int], n: int, n_predict: int, rng: np.random.Generator,
+                   temp: float, top_p: float, stop: set[int] = frozenset()) -> list[list[int]]:
+    """n completions of one prompt decoded together (GRPO's group): the prompt is run once,
+    its KV cache copied to n rows, then one token for each unfinished row per batched
+    decode step (a row that ends leaves the batch and its cache). Each completion ends
+    with the first id of `stop` it draws (kept: it is trained on) or at n_predict ids."""
+    model = runner.model
+    L = len(ids)
+    one = KVCache.empty(model, 1, L, runner.backend, context=L + n_predict)
+    last = runner.backend.to_host(runner.forward(np.asarray([ids]), one)[0, -1])
+    cache = KVCache.empty(model, n, L + n_predict, runner.backend, context=L + n_predict)
+    for k1, v1, k, v in zip(one.k, one.v, cache.k, cache.v):
+        k[:, :L], v[:, :L] = k1[0], v1[0]
+    cache.n_past = L
+    logits = np.broadcast_to(last, (n, len(last)))
+    out: list[list[int]] = [[] for _ in range(n)]
+    live = np.arange(n)                               # the rows still decoding, in the cache's order
+    for step in range(n_predict):
+        drawn = sample_rows(logits, rng, temp, top_p)
+        for r, t in zip(live, drawn.tolist()):
+            out[r].append(t)
+        keep = np.flatnonzero([t not in stop for t in drawn.tolist()])
+        if not len(keep) or step + 1 == n_predict:
+            break
+        if len(keep) < len(live):                     # finished rows leave the batch
+            idx = runner.backend.to_device(keep)
+            cache = KVCache([k[idx] for k in cache.k], [v[idx] for v in cache.v], cache.n_past, cache.context)
+            live = live[keep]
+        feed = np.asarray([out[r][-1] for r in live], np.int64)[:, None]
+        logits = runner.backend.to_host(runner.forward(feed, cache)[:, -1])
+    return out

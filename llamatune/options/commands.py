@@ -223,7 +223,8 @@ class PreviewOptions:
 # FinetuneOptions fields that preview-data takes, with its extra spellings and what it requires
 PREVIEW_FINETUNE_OPTIONS = {"model_base": dict(flags=("-m", "--model"), required=True),
                             "train_data": dict(required=True), "ctx": {}, "data_format": {}, "chat_template": {},
-                            "train_on_prompt": {}, "drop_long": {}, "skip_bad_rows": {}, "method": {}}
+                            "train_on_prompt": {}, "drop_long": {}, "skip_bad_rows": {}, "method": {},
+                            "max_completion_length": {}}
 
 
 def scaled_adapters(values: list[str]) -> list[tuple[str, float]]:

@@ -16,7 +16,10 @@ G_IO, G_DATA, G_LORA, G_OPT, G_SCHED, G_MEM, G_CKPT, G_MODEL = (
     "Checkpoints", "New model")
 G_VAL = "Validation and metrics"
 G_PREF = "Preference tuning"
-METHODS, LOSS_TYPES = ("sft", "dpo", "orpo"), ("sigmoid", "ipo")     # --method, --loss-type
+METHODS, LOSS_TYPES = ("sft", "dpo", "orpo", "grpo"), ("sigmoid", "ipo")     # --method, --loss-type (dpo)
+G_GRPO = "Online RL (GRPO)"
+GRPO_LOSS_TYPES, SCALE_REWARDS = ("dapo", "grpo", "bnpo", "dr_grpo"), ("group", "batch", "none")
+PREFERENCE_BETA, GRPO_BETA = 0.1, 0.0        # --beta when not given: dpo/orpo, grpo (TRL's defaults)
 G_FULL = "Full finetune"
 
 
@@ -173,12 +176,35 @@ class FinetuneOptions(TrainOptions):
     method: str = opt("sft", "sft (next-token loss on the data), dpo (chosen/rejected pairs against the base "
                       "model with the adapter off) or orpo (SFT on chosen plus an odds-ratio term; no reference).",
                       G_PREF, frozen=True)
-    beta: float = opt(0.1, "dpo: the beta of the implicit reward (higher stays closer to the base model); "
-                      "orpo: the weight lambda of the odds-ratio term.", G_PREF, frozen=True)
-    loss_type: str = opt("sigmoid", "dpo: sigmoid (DPO) or ipo (IPO: squared loss on length-averaged log-probabilities).",
-                         G_PREF, frozen=True)
+    beta: Optional[float] = opt(None, f"dpo: the beta of the implicit reward (higher stays closer to the base "
+                                f"model); orpo: the weight lambda of the odds-ratio term (both default "
+                                f"{PREFERENCE_BETA}); grpo: the weight of the KL term to the base with the adapter "
+                                f"off (default {GRPO_BETA}, TRL's: no reference pass).", G_PREF, frozen=True)
+    loss_type: Optional[str] = opt(None, "dpo: sigmoid (DPO, the default) or ipo (IPO: squared loss on "
+                                   "length-averaged log-probabilities); grpo: the loss normalisation, dapo (TRL's "
+                                   "default: over the step's completion tokens), grpo (per completion, then over "
+                                   "completions), bnpo (over each micro-batch's tokens) or dr_grpo (over completions "
+                                   "x --max-completion-length).", G_PREF, frozen=True)
     label_smoothing: float = opt(0.0, "dpo --loss-type sigmoid: the assumed fraction of pairs labelled the wrong "
                                  "way round (cDPO), in [0, 0.5).", G_PREF, frozen=True)
+    # ---- online RL (--method grpo: train/grpo.py, HF TRL's GRPOTrainer)
+    reward: list[str] = opt([], "grpo: a reward of each completion; repeatable, the rewards add up: boxed-answer "
+                            "(1 where the last \\boxed{...} equals the row's 'answer'), regex:PATTERN (1 where it "
+                            "matches), FILE.py:FUNCTION or MODULE:FUNCTION (TRL's signature: prompts, completions, "
+                            "**row_fields -> list of floats).", G_GRPO)
+    reward_weights: list[float] = opt([], "grpo: one weight per --reward, in order (default: 1 each).", G_GRPO)
+    num_generations: int = opt(8, "grpo: completions sampled per prompt (the group); --batch must be a multiple.",
+                               G_GRPO, frozen=True)
+    max_completion_length: int = opt(256, "grpo: the most tokens a completion has; a prompt and its completion "
+                                     "share a row of --ctx + 1 tokens.", G_GRPO, frozen=True)
+    temperature: float = opt(1.0, "grpo: sampling temperature (> 0).", G_GRPO, frozen=True)
+    top_p: float = opt(1.0, "grpo: nucleus sampling threshold (1 = off).", G_GRPO, frozen=True)
+    epsilon: float = opt(0.2, "grpo: the ratio's clipping range below 1 (and above, without --epsilon-high).",
+                         G_GRPO, frozen=True)
+    epsilon_high: Optional[float] = opt(None, "grpo: the clipping range above 1 (default --epsilon; DAPO "
+                                        "suggests 0.28).", G_GRPO, frozen=True)
+    scale_rewards: str = opt("group", "grpo: advantages divided by the group's reward std (group), the batch's "
+                             "(batch) or not at all (none).", G_GRPO, frozen=True)
     # ---- full finetune (--fine-tune-type full, train/full.py)
     fine_tune_type: str = opt("lora", "lora (adapters on the frozen base) or full (every weight of the base "
                               "trained in f32, quantized ones dequantized; writes --model-out).", G_FULL, frozen=True)
@@ -193,6 +219,9 @@ class FinetuneOptions(TrainOptions):
                           "base's metadata and tokenizer).", G_FULL)
     out_type: str = opt("", "Full: type of the written matrices: f32, f16, bf16, q8_0, q4_k, ...; empty: each "
                         "tensor in the base's own type (re-quantized).", G_FULL)
+
+    def __post_init__(self):
+        self.beta, self.loss_type = method_defaults(self)     # --method's defaults where not given
 
     def unwritten_outputs(self) -> tuple[str, ...]:
         """Output options this run does not write (neither checked nor locked): a LoRA run
@@ -304,11 +333,17 @@ def _validate_preference(o: FinetuneOptions) -> None:
     """--method and what preference methods need (pairs are two rows of a micro-batch)."""
     if o.method not in METHODS:
         raise LlamatuneError(f"--method {o.method!r}: choose {', '.join(METHODS)}")
-    if o.loss_type not in LOSS_TYPES:
-        raise LlamatuneError(f"--loss-type {o.loss_type!r}: choose {', '.join(LOSS_TYPES)}")
-    check_number("--beta", o.beta, 0, lo_open=True)
+    grpo = o.method == "grpo"
+    o.beta, o.loss_type = method_defaults(o)    # (set at construction; again for a --method changed since)
+    types = GRPO_LOSS_TYPES if grpo else LOSS_TYPES
+    if o.loss_type not in types:
+        raise LlamatuneError(f"--loss-type {o.loss_type!r}: choose {', '.join(types)} (--method {o.method})")
+    check_number("--beta", o.beta, 0, lo_open=not grpo)
     check_number("--label-smoothing", o.label_smoothing, 0, 0.5, hi_open=True)
     if o.method == "sft":
+        return
+    if grpo:
+        _validate_grpo(o)
         return
     if o.batch % 2:
         raise LlamatuneError(f"--batch {o.batch}: --method {o.method} puts a pair's chosen and rejected answers in "
@@ -323,6 +358,46 @@ def _validate_preference(o: FinetuneOptions) -> None:
         raise LlamatuneError("--label-smoothing applies to --method dpo --loss-type sigmoid only")
     if o.train_on_prompt:
         raise LlamatuneError(f"--train-on-prompt: --method {o.method} scores the answers only")
+
+
+def method_defaults(o: FinetuneOptions) -> tuple[float, str]:
+    """(--beta, --loss-type) as --method uses them: the values given, or the method's defaults."""
+    grpo = o.method == "grpo"
+    beta = o.beta if o.beta is not None else GRPO_BETA if grpo else PREFERENCE_BETA
+    return beta, o.loss_type if o.loss_type is not None else (GRPO_LOSS_TYPES if grpo else LOSS_TYPES)[0]
+
+
+def _validate_grpo(o: FinetuneOptions) -> None:
+    """What --method grpo needs: whole groups in a micro-batch, room for a completion, LoRA
+    adapters the sampler applies (no norm adapters), no dropout."""
+    G = o.num_generations
+    check_number("--num-generations", G, 2)
+    if o.batch % G:
+        raise LlamatuneError(f"--batch {o.batch}: --method grpo puts whole groups of --num-generations {G} "
+                             "completions in a micro-batch: give a multiple of it")
+    check_number("--max-completion-length", o.max_completion_length, 1)
+    if o.max_completion_length >= o.ctx:
+        raise LlamatuneError(f"--max-completion-length {o.max_completion_length} leaves no room for a prompt in "
+                             f"--ctx {o.ctx} (a prompt and its completion share a row): raise --ctx or lower it")
+    check_number("--temperature", o.temperature, 0, lo_open=True)
+    check_number("--top-p", o.top_p, 0, 1, lo_open=True)
+    check_number("--epsilon", o.epsilon, 0, 1, hi_open=True)
+    if o.epsilon_high is not None:
+        check_number("--epsilon-high", o.epsilon_high, 0)
+    if o.scale_rewards not in SCALE_REWARDS:
+        raise LlamatuneError(f"--scale-rewards {o.scale_rewards!r}: choose {', '.join(SCALE_REWARDS)}")
+    if o.reward_weights and len(o.reward_weights) != len(o.reward):
+        raise LlamatuneError(f"--reward-weights: {len(o.reward_weights)} weight(s) for {len(o.reward)} --reward")
+    given = [f for f, v in (("--pack", o.pack), ("--train-on-prompt", o.train_on_prompt), ("--label-smoothing", o.label_smoothing),
+                            ("--val-data", o.val_data), ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
+                            ("--merge-aware", o.merge_aware)) if v]
+    if o.fine_tune_type != "lora":
+        given.append("--fine-tune-type full")
+    norms = [k for k, r in o.ranks().items() if r and k.endswith("norm")]
+    if norms:
+        given.append(f"norm adapters ({', '.join(norms)}: the sampler does not apply them)")
+    if given:
+        raise LlamatuneError(f"--method grpo trains LoRA adapters on sampled completions: not with {', '.join(given)}")
 
 
 def _validate_numbers(o: TrainOptions) -> None:

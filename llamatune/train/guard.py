@@ -49,7 +49,7 @@ class Guard:
     def _problem(self, loss: float) -> str | None:
         if not math.isfinite(loss):
             return f"loss is {loss}"
-        if self.recent:
+        if self.recent and math.isfinite(self.threshold):     # inf: no spike test (a signed loss, GRPO's)
             mean = sum(self.recent) / len(self.recent)
             if loss > self.threshold * mean and loss > mean + MIN_RISE:
                 return f"loss {loss:.4f} is over {self.threshold:g} times the recent mean {mean:.4f}"

@@ -11,6 +11,7 @@ from ..options import TrainOptions
 from .data import Samples, read_text
 from .datasets import load_dataset, load_pairs
 from .preference import split_pairs
+from .prompts import load_prompts
 from .validation import validation_samples
 
 
@@ -30,7 +31,7 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
 
     from .graph import Graph
     if not o.pack:
-        if trains_pairs(o):                          # preference pairs are never packed
+        if trains_pairs(o) or trains_prompts(o):     # preference pairs and prompts are never packed
             return
         fill = float(samples.sizes.mean()) / o.ctx if len(samples) else 1.0
         remedy = ("--pack puts several in a window" if samples.mask is not None else
@@ -47,7 +48,12 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
 
 def trains_pairs(o) -> bool:
     """--method dpo / orpo (finetune only): the data is preference pairs."""
-    return getattr(o, "method", "sft") != "sft"
+    return getattr(o, "method", "sft") in ("dpo", "orpo")
+
+
+def trains_prompts(o) -> bool:
+    """--method grpo (finetune only): the data is prompts, completed while training."""
+    return getattr(o, "method", "sft") == "grpo"
 
 
 def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
@@ -55,6 +61,8 @@ def load_data(path: Path, tokenizer, o, role: str = "training") -> Samples:
     pairs, chosen and rejected as samples 2i and 2i + 1)."""
     if trains_pairs(o):
         return load_pairs(path, tokenizer, o, role)
+    if trains_prompts(o):
+        return load_prompts(path, tokenizer, o, role)
     return load_dataset(path, tokenizer, o, role)
 
 

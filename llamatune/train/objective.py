@@ -11,7 +11,8 @@ An objective is a small object the loop calls at fixed points:
   settle(world, bad)           after the save of the state before this step: keep or
                                drop what the step observed (`bad`: why it was skipped)
 `SFT` (finetune's sft, full finetune, train-from-scratch: what differs there is the
-weights the graph trains, not the objective) is here; DPO/ORPO is preference.Preference.
+weights the graph trains, not the objective) is here; DPO/ORPO is preference.Preference,
+GRPO grpo.GRPO (whose batcher samples the completions it trains on).
 A new objective is one more class with these methods, chosen by the job builder.
 """
 from __future__ import annotations

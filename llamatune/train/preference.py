@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LlamatuneError
+from ..options.training import method_defaults
 from .data import Batch, Batcher, Samples
 from .lora import disabled_adapters
 from .objective import packing, vocab
@@ -182,8 +183,8 @@ class Preference:
     micro-batch step, the loss of batches and the metrics."""
 
     def __init__(self, opts):
-        self.method, self.beta = opts.method, float(opts.beta)
-        self.loss_type, self.smoothing = opts.loss_type, float(opts.label_smoothing)
+        beta, self.loss_type = method_defaults(opts)
+        self.method, self.beta, self.smoothing = opts.method, float(beta), float(opts.label_smoothing)
         self.mean = self.method == "orpo" or self.loss_type == "ipo"    # length-averaged log-probabilities
         self._rows: list[np.ndarray] = []       # per pair of this step: metrics columns (see `_record`)
         self._new: list[tuple[int, list]] = []   # (pair, reference values) computed in this step

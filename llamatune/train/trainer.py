@@ -1,7 +1,7 @@
 """The training loop shared by `finetune` and `train-from-scratch`.
 
 A `Job` says what is trained (the graph's weight provider, the flat parameters, the
-LoRA targets), for what (its objective: objective.SFT or preference.Preference) and
+LoRA targets), for what (its objective: objective.SFT, preference.Preference or grpo.GRPO) and
 how outputs are written; `run` does the rest identically for all: `set_up` (resume or
 initialize, compute policy, memory estimate and checkpointing mode (memory.py), graph,
 validation, disk-space estimate), the loop (`step`: micro-batches with gradient
@@ -379,7 +379,8 @@ def train(t: Training) -> None:
     """The loop: steps until --adam-iter, --epochs or --early-stop ends it."""
     o, state = t.job.opts, t.state
     t.metrics = MetricsLog(metrics_path(o), state.iteration, write=t.world.is_root)   # rank 0 alone writes
-    t.guard = Guard(o.spike_threshold, o.max_bad_steps, state.guard)
+    spikes = getattr(t.job.objective, "spikes", True)       # GRPO's signed loss has no spikes to test
+    t.guard = Guard(o.spike_threshold if spikes else math.inf, o.max_bad_steps, state.guard)
     t.grads = distributed.GradientSum(t.world, t.job.params)
     distributed.check_identical_parameters(t.world, t.job.params, state.iteration)
     t.clock = TrainClock()
@@ -422,6 +423,7 @@ def step(t: Training) -> bool:
     objective.settle(t.world, bad)                 # after the save of the state before this step
     lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
     advance(t, loss, bad)
+    t.show.note = objective.progress_note() if hasattr(objective, "progress_note") else ""
     t.show(state, loss, lr, gnorm, len(t.losses) * t.tokens_per_step / max(t.clock.seconds(), 1e-9))
     t.metrics.step(state, loss, lr, gnorm, n_targets, extra)
     t.logged = loss
