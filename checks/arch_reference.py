@@ -28,6 +28,24 @@ class Block:
     swa: tuple[bool, ...] = ()            # per layer: sliding window?
     window: int = 0
     rope: tuple[tuple[float, float], ...] = ()   # per layer (base, scale)
+    moe_k: int = 0                        # mixture of experts: k experts per token (0: dense SwiGLU)
+    moe_norm: bool = True                 # their softmax weights normalized to sum 1
+
+
+def _moe(h, W, p, k, normalize):
+    """llama.cpp's build_moe_ffn (softmax gating) token by token: h (T, C)."""
+    z = h @ W[p + "ffn_gate_inp.weight"].T
+    pr = np.exp(z - z.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    G, U, D = (W[p + n + ".weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        top = np.argsort(-pr[t], kind="stable")[:k]
+        w = pr[t, top] / pr[t, top].sum() if normalize else pr[t, top]
+        for e, we in zip(top, w):
+            g = G[e] @ h[t]
+            out[t] += we * (D[e] @ (g / (1 + np.exp(-g)) * (U[e] @ h[t])))
+    return out
 
 
 def _norm(v, w, eps):
@@ -87,8 +105,11 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
         o = lin(att.reshape(T, -1), "attn_output")
         x = x + (_norm(o, W[p + "post_attention_norm.weight"], eps) if blk.post_norms else o)
         h = _norm(x, W[p + "ffn_norm.weight"], eps)
-        g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
-        f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
+        if blk.moe_k:
+            f = _moe(h, W, p, blk.moe_k, blk.moe_norm)
+        else:
+            g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
+            f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
         x = x + (_norm(f, W[p + "post_ffw_norm.weight"], eps) if blk.post_norms else f)
     logits = _norm(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
     if blk.final_softcap:

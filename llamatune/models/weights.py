@@ -28,6 +28,7 @@ class FrozenBase:
         self.backend = backend or cpu()
         w = model.weights
         self.tensors = dict(w.all_matrices())
+        self.experts = dict(w.all_experts())      # 3-D expert tensors (mixtures of experts)
         vectors = {"output_norm.weight": w.output_norm}
         for i, layer in enumerate(w.layers):
             for k, v in layer.norms.items():
@@ -130,6 +131,17 @@ class FrozenBase:
         """Whether `matrix(name)` is a dequantized copy the caller may modify (until the
         next call), not the stored F32 data itself."""
         return self.tensors[name].qtype != QType.F32
+
+    def expert_shape(self, name: str) -> tuple[int, int, int]:
+        """(E, n_out, n_in) of a 3-D expert tensor."""
+        return self.experts[name].shape
+
+    def expert_matrix(self, name: str, e: int) -> np.ndarray:
+        """Expert e's (n_out, n_in) f32 matrix of a 3-D expert tensor, valid until the next
+        dequantization; only that expert's rows of the stored tensor are read (the CPU)."""
+        if self.backend.name != "cpu":
+            raise NotImplementedError("mixture-of-experts layers run on the CPU backend only, so far")
+        return self.model.dequantizer.expert(self.experts[name], e)
 
     def vector(self, name: str):
         return self.vectors.get(name)

@@ -1,0 +1,144 @@
+"""qwen3moe: the declaration, metadata and tensors as llama.cpp's converter writes them,
+loading (the 3-D expert tensors memory-mapped, one expert dequantized at a time) and the
+bad files refused in one line; the mixture-of-experts feed-forward (models/moe.py)
+against the float64 reference (checks/arch_reference.py). The tiny models are written
+by llamatune's writer with seeded random weights; the Hugging Face oracle (a model
+trained by transformers and converted by llama.cpp's converter, checks/moe_hf.py) is a
+`slow` test that needs the torch Python."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QType
+
+from checks.arch_reference import Block, _moe, forward, model_weights, write_arch_model
+from conftest import tiny_config
+from llamatune.backend import cpu
+from llamatune.errors import LlamatuneError
+from llamatune.formats.gguf_io import GGUFFile, tensor_out, write_gguf
+from llamatune.models.arch import NEOX
+from llamatune.models.config import ModelConfig
+from llamatune.models.forward import Forward
+from llamatune.models.model import Model
+from llamatune.models.moe import moe_forward
+from llamatune.models.weights import FrozenBase
+
+MOE = dict(n_embd=32, n_ff=48, n_head=4, n_head_kv=2, head_dim=12, n_rot=12, rope_freq_base=1e6,
+           n_expert=8, n_expert_used=2, n_ff_exp=16)
+BLOCK = Block(rope_neox=True, qk_norm=True, moe_k=2)
+TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python")
+
+
+@pytest.fixture(scope="module")
+def qwen3moe(tmp_path_factory, tiny_vocab):
+    cfg = tiny_config("qwen3moe", **MOE)
+    return Model(write_arch_model(tmp_path_factory.mktemp("qwen3moe") / "qwen3moe.gguf", cfg, tiny_vocab, seed=4))
+
+
+def test_declaration_tensors_and_metadata_as_llama_cpp(qwen3moe):
+    spec = qwen3moe.config.spec
+    assert spec.rope_mode == NEOX and spec.qk_norm and spec.moe and spec.expert_norm and not spec.scratch
+    names = [n for n in qwen3moe.file.tensors if n.startswith("blk.0.")]
+    assert sorted(names) == sorted(f"blk.0.{k}.weight" for k in (   # llama.cpp llama_model_qwen3moe::load_arch_tensors
+        "attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+        "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    t = qwen3moe.file.tensors
+    assert t["blk.0.ffn_gate_inp.weight"].shape == (8, 32)
+    assert t["blk.0.ffn_gate_exps.weight"].shape == t["blk.0.ffn_up_exps.weight"].shape == (8, 16, 32)
+    assert t["blk.0.ffn_down_exps.weight"].shape == (8, 32, 16)
+    md = qwen3moe.file.metadata
+    assert (md["qwen3moe.expert_count"], md["qwen3moe.expert_used_count"],
+            md["qwen3moe.expert_feed_forward_length"]) == (8, 2, 16)
+    cfg = qwen3moe.config
+    assert (cfg.n_expert, cfg.n_expert_used, cfg.n_ff_exp) == (8, 2, 16)
+
+
+def test_expert_feed_forward_length_defaults_as_llama_cpp(qwen3moe):
+    md = {k: v for k, v in qwen3moe.file.metadata.items() if k != "qwen3moe.expert_feed_forward_length"}
+    assert ModelConfig.from_metadata(md, "m").n_ff_exp == 48 // 2      # n_ff / n_expert_used
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("qwen3moe.expert_used_count", 9, r"expert_used_count 9 .* at most expert_count"),
+    ("qwen3moe.expert_count", None, r"missing required metadata key 'qwen3moe.expert_count'"),
+    ("qwen3moe.expert_used_count", 0, r"'qwen3moe.expert_used_count' is 0, expected 1 to")])
+def test_bad_expert_metadata_is_one_line(qwen3moe, key, value, match):
+    md = dict(qwen3moe.file.metadata)
+    if value is None:
+        del md[key]
+    else:
+        md[key] = value
+    with pytest.raises(LlamatuneError, match=r"^m: .*" + match):
+        ModelConfig.from_metadata(md, "m")
+
+
+def test_an_expert_tensor_of_the_wrong_shape_names_it(qwen3moe, tmp_path):
+    f = qwen3moe.file
+    name = "blk.1.ffn_up_exps.weight"
+    tensors = [tensor_out(n, np.zeros((8, 32, 16), np.float32) if n == name else np.array(t.data))
+               for n, t in f.tensors.items()]
+    write_gguf(tmp_path / "bad.gguf", f.arch, f.kvs.values(), tensors)
+    with pytest.raises(LlamatuneError, match=rf"bad.gguf: tensor '{name}' has shape \(8, 32, 16\), "
+                                             r"expected \(8, 16, 32\)$"):
+        Model(tmp_path / "bad.gguf")
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.Q8_0])
+def test_moe_part_forward_matches_the_reference(qwen3moe, tmp_path, tiny_vocab, qtype):
+    """The layer's mixture of experts alone (router through Forward.linear, experts
+    dequantized one at a time) against the float64 reference on the file's own values."""
+    model = qwen3moe if qtype == QType.F32 else Model(write_arch_model(
+        tmp_path / "q8.gguf", qwen3moe.config, tiny_vocab, seed=4, outtype=qtype))
+    W = {n: np.asarray(v, np.float64) for n, v in _dequantized(model).items()}
+    fwd = Forward(model.config, FrozenBase(model), cpu())
+    xn = np.random.default_rng(5).standard_normal((40, 32)).astype(np.float32)
+    for i in range(model.config.n_layer):
+        out = np.full_like(xn, np.nan)
+        acts = moe_forward(fwd, out, xn, i)
+        want = _moe(xn.astype(np.float64), W, f"blk.{i}.", 2, True)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+        assert acts.idx.shape == (40, 2) and np.allclose(acts.w.sum(1), 1)
+        assert len(np.unique(acts.idx)) > 4                       # most experts work
+
+
+def _dequantized(model) -> dict[str, np.ndarray]:
+    from llamatune.kernels import dequant
+    return {n: dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(t.shape)
+            for n, t in model.file.tensors.items()}
+
+
+def test_only_the_chosen_experts_are_dequantized(qwen3moe, monkeypatch):
+    base = FrozenBase(qwen3moe)
+    seen = []
+    real = base.expert_matrix
+    monkeypatch.setattr(base, "expert_matrix", lambda name, e: seen.append((name, e)) or real(name, e))
+    fwd = Forward(qwen3moe.config, base, cpu())
+    xn = np.random.default_rng(6).standard_normal((1, 32)).astype(np.float32)
+    acts = moe_forward(fwd, np.empty_like(xn), xn, 0)
+    chosen = sorted(acts.idx[0].tolist())
+    assert sorted({e for _, e in seen}) == chosen and len(seen) == 3 * 2       # gate, up, down of each
+
+
+# --------------------------------------------------------------------------- the Hugging Face oracle
+@pytest.mark.slow
+def test_hf_oracle_logits(tmp_path_factory):
+    """A Qwen3MoeForCausalLM trained by transformers, converted by llama.cpp's converter:
+    the float64 reference on the GGUF's weights equals HF's float64 logits (1e-10), and
+    llamatune's float32 runner is within float32 rounding of them."""
+    from checks.moe_hf import hf_logits, make
+    from llamatune.models.infer import Runner
+    if not Path(TORCH_PYTHON).exists():
+        pytest.skip(f"no Python with torch and transformers at {TORCH_PYTHON} (LLAMATUNE_TORCH_PYTHON)")
+    work = tmp_path_factory.mktemp("moe-hf")
+    paths = make(work, TORCH_PYTHON, steps=100)
+    model = Model(paths["f32"])
+    cfg = model.config
+    ids = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, 40))
+    hf = hf_logits(TORCH_PYTHON, paths["hf"], ids, work)
+    W = model_weights(model)
+    ref = np.stack([forward(cfg, BLOCK, W, row) for row in ids])
+    assert np.abs(ref - hf).max() <= 1e-10 * np.abs(hf).max()
+    np.testing.assert_allclose(Runner(model).forward(ids), hf, rtol=0, atol=2e-6 * np.abs(hf).max())
