@@ -279,13 +279,16 @@ LLAMACPP_SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=64, n_ff=128, n_head=4
                       n_rot=16, n_layer=2, norm_eps=1e-6)
 LLAMACPP_MODELS = {
     "qwen3": dict(LLAMACPP_SHAPE, head_dim=24, n_rot=24, rope_freq_base=1e6),
+    # 8 experts of 32 (Q8_0 blocks fit the down projection's rows), 2 per token
+    "qwen3moe": dict(LLAMACPP_SHAPE, head_dim=24, n_rot=24, rope_freq_base=1e6, n_expert=8, n_expert_used=2,
+                     n_ff_exp=32),
     "gemma": dict(LLAMACPP_SHAPE),
     "gemma2": dict(LLAMACPP_SHAPE, n_layer=3, attn_softcap=5.0, final_softcap=8.0, sliding_window=8, swa_pattern=2),
     # 5:1 sliding-window layers with base 10000; the global one with base 1e6 and linear scaling x2
     "gemma3": dict(LLAMACPP_SHAPE, n_layer=6, sliding_window=8, swa_pattern=6, rope_freq_base=1e6,
                    rope_freq_scale=0.5, rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0),
 }
-LLAMACPP_TIED = {"qwen3": False, "gemma": True, "gemma2": True, "gemma3": True}
+LLAMACPP_TIED = {"qwen3": False, "qwen3moe": False, "gemma": True, "gemma2": True, "gemma3": True}
 
 
 @dataclass

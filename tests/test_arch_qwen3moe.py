@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from checks.arch_reference import Block, _moe, forward, model_weights, write_arch_model
+from checks.arch_reference import (Block, _moe, all_ranks, check_forward, check_lora_gradients, check_modes_identical,
+                                   forward, model_weights, write_arch_model)
 from conftest import tiny_config
 from llamatune.backend import cpu
 from llamatune.errors import LlamatuneError
@@ -142,3 +143,25 @@ def test_hf_oracle_logits(tmp_path_factory):
     ref = np.stack([forward(cfg, BLOCK, W, row) for row in ids])
     assert np.abs(ref - hf).max() <= 1e-10 * np.abs(hf).max()
     np.testing.assert_allclose(Runner(model).forward(ids), hf, rtol=0, atol=2e-6 * np.abs(hf).max())
+
+
+# --------------------------------------------------------------------------- the whole model
+def test_forward_matches_numpy(qwen3moe):
+    check_forward(qwen3moe, BLOCK)
+
+
+def test_lora_gradients_through_the_experts_and_router(qwen3moe):
+    """LoRA on attention (and the norms, the head, the embedding) of a frozen mixture of
+    experts: the gradient reaches them through the experts each token chose and through
+    the router's logits (the choice fixed), by finite differences in float64."""
+    ranks = {k: r for k, r in all_ranks(qwen3moe.config, tied=False).items() if k != "ffn_gate_inp"}
+    assert check_lora_gradients(qwen3moe, ranks, "selective", n_probe=150) < 1e-5
+
+
+def test_router_adapter_gradients(qwen3moe):
+    assert check_lora_gradients(qwen3moe, {"ffn_gate_inp": 2, "attn_v": 2}, "layer", n_probe=100) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_checkpointing_modes_identical(qwen3moe, dtype):
+    check_modes_identical(qwen3moe, all_ranks(qwen3moe.config, tied=False), dtype, packed=dtype == np.float64)
