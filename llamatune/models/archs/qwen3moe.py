@@ -7,7 +7,7 @@ a softmax over E experts, the `expert_used_count` largest are kept with their we
 normalized to sum 1 (llama.cpp's build_moe_ffn with norm_w, HF's norm_topk_prob), and the
 token's output is the weighted sum of those experts' SwiGLUs, stored as 3-D tensors
 `ffn_gate_exps`, `ffn_up_exps` (E, F_exp, C) and `ffn_down_exps` (E, C, F_exp)
-(models/moe.py). llama.cpp reads no dense layers for this family (HF's mlp_only_layers
+(models/moe.py; the layer's feed-forward part of kind "moe", models/parts.py). llama.cpp reads no dense layers for this family (HF's mlp_only_layers
 and decoder_sparse_step are not in the GGUF); `expert_feed_forward_length` defaults to
 feed_forward_length / expert_used_count as llama.cpp's.
 """
@@ -30,7 +30,7 @@ def _metadata(cfg) -> dict:
             f"{a}.expert_feed_forward_length": cfg.n_ff_exp}
 
 
-ARCH = Arch(name="qwen3moe", rope_mode=NEOX, layer=LAYER, experts=EXPERTS, read_hparams=_read,
+ARCH = Arch(name="qwen3moe", rope_mode=NEOX, layer=LAYER, experts=EXPERTS, ffn="moe", read_hparams=_read,
             hparams_metadata=_metadata, scratch=False,
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
