@@ -147,6 +147,43 @@ def _logits(model_dir: Path, ids_path: Path, out: Path) -> None:
     np.savez(out, logits=logits.numpy())
 
 
+HF_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj"}
+
+
+def _grads(model_dir: Path, inp: Path, out: Path) -> None:
+    """Loss (mean cross-entropy of ids[:, 1:] after ids[:, :-1]) and the autograd gradients
+    of LoRA pairs on attention (PEFT, scaling alpha / r, no dropout) whose values are given:
+    inp holds ids, alpha, r and `blk.I.KIND.lora_a` / `.lora_b` arrays in llama.cpp's
+    layout (A (r, n_in), B (n_out, r): PEFT's lora_A / lora_B weights)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3MoeForCausalLM
+    torch.set_num_threads(1)
+    _float64_throughout()
+    d = dict(np.load(inp))
+    r, alpha = int(d.pop("r")), float(d.pop("alpha"))
+    ids = torch.from_numpy(d.pop("ids"))
+    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+                                                experts_implementation="eager")
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
+                                             target_modules=sorted({m.split(".")[-1] for m in HF_MODULES.values()})))
+    params = dict(model.named_parameters())
+    ours = {}
+    for name in {n.rsplit(".", 1)[0] for n in d}:                 # blk.I.KIND
+        _, i, kind = name.split(".")
+        hf = f"base_model.model.model.layers.{i}.{HF_MODULES[kind]}"
+        for side, key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            p = params[f"{hf}.{key}.default.weight"]
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(d[f"{name}.{side}"]))
+            ours[f"{name}.{side}"] = p
+    logits = model(input_ids=ids[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    np.savez(out, loss=loss.item(), **{n: p.grad.numpy() for n, p in ours.items()})
+
+
 def _convert(model_dir: Path, out: Path, outtype: str) -> None:
     """llama.cpp's convert_hf_to_gguf.py on model_dir, the BPE pre-tokenizer named qwen2."""
     import runpy
@@ -164,6 +201,8 @@ def _hf_side(argv: list[str]) -> None:
         _convert(Path(args[0]), Path(args[1]), args[2])
     elif what == "logits":
         _logits(Path(args[0]), Path(args[1]), Path(args[2]))
+    elif what == "grads":
+        _grads(Path(args[0]), Path(args[1]), Path(args[2]))
     else:
         raise SystemExit(f"unknown hf-side command {what}")
 
@@ -197,6 +236,17 @@ def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path) -
     np.save(work / "ids.npy", np.asarray(ids, np.int64))
     hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz")
     return np.load(work / "logits.npz")["logits"]
+
+
+def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dict[str, np.ndarray], r: int,
+                  alpha: float, work: Path) -> dict[str, np.ndarray]:
+    """HF's float64 loss ("loss") and the gradients of the LoRA pairs `lora` (names
+    `blk.I.KIND.weight.lora_a` / `.lora_b`, attention kinds) on ids (B, T + 1)."""
+    np.savez(work / "grads-in.npz", ids=np.asarray(ids, np.int64), r=r, alpha=alpha,
+             **{n.replace(".weight.", "."): a for n, a in lora.items()})
+    hf_run(torch_python, "grads", model_dir, work / "grads-in.npz", work / "grads.npz")
+    out = dict(np.load(work / "grads.npz"))
+    return {"loss": float(out.pop("loss"))} | {n.replace(".lora_", ".weight.lora_"): a for n, a in out.items()}
 
 
 def main(argv=None) -> int:

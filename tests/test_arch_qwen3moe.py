@@ -124,25 +124,60 @@ def test_only_the_chosen_experts_are_dequantized(qwen3moe, monkeypatch):
 
 
 # --------------------------------------------------------------------------- the Hugging Face oracle
-@pytest.mark.slow
-def test_hf_oracle_logits(tmp_path_factory):
-    """A Qwen3MoeForCausalLM trained by transformers, converted by llama.cpp's converter:
-    the float64 reference on the GGUF's weights equals HF's float64 logits (1e-10), and
-    llamatune's float32 runner is within float32 rounding of them."""
-    from checks.moe_hf import hf_logits, make
-    from llamatune.models.infer import Runner
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A Qwen3MoeForCausalLM trained by transformers (100 steps), converted by llama.cpp's
+    converter (checks/moe_hf.py): its paths and work folder."""
+    from checks.moe_hf import make
     if not Path(TORCH_PYTHON).exists():
         pytest.skip(f"no Python with torch and transformers at {TORCH_PYTHON} (LLAMATUNE_TORCH_PYTHON)")
     work = tmp_path_factory.mktemp("moe-hf")
-    paths = make(work, TORCH_PYTHON, steps=100)
-    model = Model(paths["f32"])
+    return make(work, TORCH_PYTHON, steps=100) | {"work": work}
+
+
+@pytest.mark.slow
+def test_hf_oracle_logits(hf_model):
+    """The float64 reference on the GGUF's weights equals HF's float64 logits (1e-10), and
+    llamatune's float32 runner is within float32 rounding of them."""
+    from checks.moe_hf import hf_logits
+    from llamatune.models.infer import Runner
+    model = Model(hf_model["f32"])
     cfg = model.config
     ids = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, 40))
-    hf = hf_logits(TORCH_PYTHON, paths["hf"], ids, work)
+    hf = hf_logits(TORCH_PYTHON, hf_model["hf"], ids, hf_model["work"])
     W = model_weights(model)
     ref = np.stack([forward(cfg, BLOCK, W, row) for row in ids])
     assert np.abs(ref - hf).max() <= 1e-10 * np.abs(hf).max()
     np.testing.assert_allclose(Runner(model).forward(ids), hf, rtol=0, atol=2e-6 * np.abs(hf).max())
+
+
+@pytest.mark.slow
+def test_hf_oracle_loss_and_lora_gradients(hf_model):
+    """LoRA on attention over the frozen experts: the training graph's float64 loss and the
+    gradient of every A and B equal HF autograd's (PEFT, the same values) to 1e-6 relative
+    (the rope tables are float32, as llama.cpp's); the gradient reaches the first layer
+    through the second's experts and router."""
+    from checks.moe_hf import hf_lora_grads
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(hf_model["f32"])
+    cfg, rng = model.config, np.random.default_rng(3)
+    B, T, r, alpha = 2, 24, 4, 8.0
+    ids = rng.integers(0, cfg.n_vocab, (B, T + 1))
+    targets = lora_targets(cfg, {k: r for k in ("attn_q", "attn_k", "attn_v", "attn_output")}, alpha, tied=False)
+    params = ParamBuffer(lora_specs(targets), np.float64)
+    params.data[...] = rng.normal(0, 0.1, params.size)
+    lora = {n: params[n].copy() for t in targets for n in (t.a, t.b)}
+    hf = hf_lora_grads(TORCH_PYTHON, hf_model["hf"], ids, lora, r, alpha, hf_model["work"])
+    g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
+    loss = g.step(ids[:, :-1], ids[:, 1:], np.full((B, T), 1 / (B * T)))
+    assert loss == pytest.approx(hf["loss"], rel=1e-9)
+    assert len(lora) == 4 * 2 * cfg.n_layer
+    for name in lora:
+        want = hf[name]
+        assert np.abs(params.grad_of(name) - want).max() <= 1e-6 * np.abs(want).max(), name
 
 
 # --------------------------------------------------------------------------- the whole model
