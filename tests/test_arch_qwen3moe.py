@@ -200,3 +200,10 @@ def test_router_adapter_gradients(qwen3moe):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_checkpointing_modes_identical(qwen3moe, dtype):
     check_modes_identical(qwen3moe, all_ranks(qwen3moe.config, tied=False), dtype, packed=dtype == np.float64)
+
+
+def test_a_gpu_is_refused_in_one_line(qwen3moe):
+    from types import SimpleNamespace
+    with pytest.raises(LlamatuneError, match=r"qwen3moe.gguf: a mixture of experts \(qwen3moe\) runs on the CPU "
+                                             r"only so far: use --device cpu$"):
+        FrozenBase(qwen3moe, SimpleNamespace(name="cuda"))

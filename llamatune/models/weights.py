@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..backend import Backend, cpu
+from ..errors import LlamatuneError
 from .model import Model
 
 
@@ -29,6 +30,9 @@ class FrozenBase:
         w = model.weights
         self.tensors = dict(w.all_matrices())
         self.experts = dict(w.all_experts())      # 3-D expert tensors (mixtures of experts)
+        if self.experts and self.backend.name != "cpu":
+            raise LlamatuneError(f"{model.path}: a mixture of experts ({model.config.arch}) runs on the CPU only "
+                                 "so far: use --device cpu")
         vectors = {"output_norm.weight": w.output_norm}
         for i, layer in enumerate(w.layers):
             for k, v in layer.norms.items():
@@ -139,8 +143,6 @@ class FrozenBase:
     def expert_matrix(self, name: str, e: int) -> np.ndarray:
         """Expert e's (n_out, n_in) f32 matrix of a 3-D expert tensor, valid until the next
         dequantization; only that expert's rows of the stored tensor are read (the CPU)."""
-        if self.backend.name != "cpu":
-            raise NotImplementedError("mixture-of-experts layers run on the CPU backend only, so far")
         return self.model.dequantizer.expert(self.experts[name], e)
 
     def vector(self, name: str):
