@@ -321,6 +321,9 @@ def llamacpp_models(work, archs=None) -> list[LlamacppCase]:
             if name.startswith("blk.") and len(shape) == 2:
                 adapter.pairs[name] = (rng.normal(0, 0.2, (4, shape[1])).astype(np.float32),
                                        rng.normal(0, 0.2, (shape[0], 4)).astype(np.float32))
+            elif name.startswith("blk.") and len(shape) == 3:                # per expert (build_lora_mm_id)
+                adapter.pairs[name] = (rng.normal(0, 0.2, (shape[0], 4, shape[2])).astype(np.float32),
+                                       rng.normal(0, 0.2, (shape[0], shape[1], 4)).astype(np.float32))
         write_adapter(work / f"{arch}-adapter.gguf", adapter)
         for qtype, exact in ((QType.F32, True), (QType.Q8_0, False)):
             path = work / f"{arch}-{qtype.name}.gguf"

@@ -207,3 +207,25 @@ def test_a_gpu_is_refused_in_one_line(qwen3moe):
     with pytest.raises(LlamatuneError, match=r"qwen3moe.gguf: a mixture of experts \(qwen3moe\) runs on the CPU "
                                              r"only so far: use --device cpu$"):
         FrozenBase(qwen3moe, SimpleNamespace(name="cuda"))
+
+
+def test_expert_lora_gradients(qwen3moe):
+    """Per-expert A and B on the three expert tensors (llama.cpp's build_lora_mm_id layout),
+    with attention's: every gradient by float64 finite differences."""
+    ranks = {"ffn_gate_exps": 2, "ffn_up_exps": 3, "ffn_down_exps": 2, "attn_q": 2}
+    assert check_lora_gradients(qwen3moe, ranks, "selective", n_probe=150) < 1e-5
+
+
+def test_expert_adapters_by_default_and_switched_off(qwen3moe):
+    from llamatune.options.training import FinetuneOptions
+    from llamatune.train.lora import lora_targets
+    kinds = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    cfg = qwen3moe.config
+    on = lora_targets(cfg, FinetuneOptions(lora_r=4, rank_ffn_exps=2).ranks(), 4.0, tied=False)
+    exps = [t for t in on if t.kind in kinds]
+    assert len(exps) == 3 * cfg.n_layer and {t.rank for t in exps} == {2}
+    gate = next(t for t in exps if t.kind == "ffn_gate_exps")
+    assert (gate.a_shape, gate.b_shape) == ((8, 2, 32), (8, 16, 2))
+    assert not any(t.kind == "ffn_gate_inp" for t in on)                  # the router stays frozen
+    off = lora_targets(cfg, FinetuneOptions(lora_r=4, no_lora_experts=True, rank_ffn_gate_inp=2).ranks(), 4.0, tied=False)
+    assert not any(t.kind in kinds for t in off) and any(t.kind == "ffn_gate_inp" for t in off)

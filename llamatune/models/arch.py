@@ -79,7 +79,7 @@ class Arch:
     # attention scale, soft-capping, sliding windows and per-layer rope come from
     # ModelConfig fields (read_hparams fills them); their defaults are llama's
     # mixture of experts (qwen3moe): the per-layer 3-D expert tensors, kept out of `layer`
-    # (they are no LoRA targets of `layer`'s kind and are dequantized one expert at a
+    # (their adapters are per expert, 3-D, and they are dequantized one expert at a
     # time); the layer's feed-forward is then the router `ffn_gate_inp` (in `layer`) and
     # these, llama.cpp's build_moe_ffn (models/moe.py); ModelConfig's n_expert,
     # n_expert_used and n_ff_exp give their sizes

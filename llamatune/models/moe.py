@@ -11,8 +11,10 @@ For the normed input xn (N, C) of layer i:
 with G, U (E, F_exp, C) = `ffn_gate_exps`, `ffn_up_exps` and D (E, C, F_exp) =
 `ffn_down_exps` (kernels/moe.py: pairs grouped by expert as ggml_mul_mat_id). The
 expert tensors stay as stored; only the experts a batch chose are dequantized, one at a
-time, right before their products (`ExpertWeights`). What the backward reads is kept
-in a `MoeActs` (train/moe.py runs the backward).
+time, right before their products (`ExpertWeights`). Adapters on the experts are per
+expert, A (E, r, n_in) and B (E, n_out, r), applied to each expert's rows as llama.cpp's
+build_lora_mm_id does (`expert_adapters`). What the backward reads is kept in a
+`MoeActs` (train/moe.py runs the backward).
 """
 from __future__ import annotations
 
@@ -45,6 +47,24 @@ class MoeActs:
     rows: kmoe.ExpertRows           # the grouped pairs and their SwiGLU activations
 
 
+PROJECTIONS = (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps"))
+
+
+def expert_adapters(fw, i: int) -> dict[str, kmoe.ExpertLora]:
+    """The adapters on layer i's expert tensors, {"gate" | "up" | "down": ExpertLora}, from
+    `fw.adapter_pairs` (per expert A (E, r, n_in), B (E, n_out, r)); several on one tensor
+    (run-time --lora files) are joined along r: sum_j s_j (x A_j^T) B_j^T = (x [A_j]^T) [s_j B_j]^T."""
+    out = {}
+    for proj, kind in PROJECTIONS:
+        pairs = list(fw.adapter_pairs(f"blk.{i}.{kind}.weight"))
+        if len(pairs) == 1:
+            out[proj] = kmoe.ExpertLora(*pairs[0])
+        elif pairs:
+            out[proj] = kmoe.ExpertLora(np.concatenate([a for a, _, _ in pairs], axis=1),
+                                        np.concatenate([s * b for _, b, s in pairs], axis=2), 1.0)
+    return out
+
+
 def experts_of(base, i: int) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
     """Layer i's gate, up and down expert tensors."""
     return tuple(ExpertWeights(base, f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
@@ -69,5 +89,5 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int) -> MoeActs:
     logits = np.empty((xn.shape[0], cfg.n_expert), xn.dtype)
     fwd.linear(logits, xn, f"blk.{i}.ffn_gate_inp.weight")
     idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm)
-    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i))
+    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i), lora=expert_adapters(fwd, i))
     return MoeActs(probs, idx, w, rows)
