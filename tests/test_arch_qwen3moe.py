@@ -229,3 +229,33 @@ def test_expert_adapters_by_default_and_switched_off(qwen3moe):
     assert not any(t.kind == "ffn_gate_inp" for t in on)                  # the router stays frozen
     off = lora_targets(cfg, FinetuneOptions(lora_r=4, no_lora_experts=True, rank_ffn_gate_inp=2).ranks(), 4.0, tied=False)
     assert not any(t.kind in kinds for t in off) and any(t.kind == "ffn_gate_inp" for t in off)
+
+
+@pytest.mark.parametrize("qtype", [QType.F32, QType.Q8_0])
+def test_export_merges_expert_adapters_per_expert(qwen3moe, tmp_path, tiny_vocab, qtype):
+    """export-lora adds s B[e] A[e] to each expert's rows of the 3-D tensor (F32 exactly, and
+    the merged model's logits are the runtime adapter's; Q8_0 re-quantized within its
+    rounding: a token's choice of experts may flip there, so its values are compared)."""
+    from llamatune.commands.export import export_lora
+    from llamatune.formats.adapter import LoraAdapter, load_runtime_adapters, write_adapter
+    from llamatune.models.infer import Runner
+    base = qwen3moe.path if qtype == QType.F32 else write_arch_model(tmp_path / "q8.gguf", qwen3moe.config,
+                                                                      tiny_vocab, seed=4, outtype=qtype)
+    model = Model(base)
+    rng, adapter = np.random.default_rng(9), LoraAdapter("qwen3moe", 2.0)
+    for name, (E, n_out, n_in) in ((n, t.shape) for n, t in model.file.tensors.items() if len(t.shape) == 3):
+        adapter.pairs[name] = (rng.normal(0, 0.3, (E, 2, n_in)).astype(np.float32),
+                               rng.normal(0, 0.3, (E, n_out, 2)).astype(np.float32))
+    write_adapter(tmp_path / "a.gguf", adapter)
+    export_lora(base, [(tmp_path / "a.gguf", 1.0)], tmp_path / "merged.gguf")
+    merged = Model(tmp_path / "merged.gguf")
+    for name, (a, b) in adapter.pairs.items():
+        want = _dequantized(model)[name] + b @ a                             # scale alpha / r = 1
+        got = _dequantized(merged)[name]
+        np.testing.assert_allclose(got, want, rtol=1e-6 if qtype == QType.F32 else 0,
+                                   atol=1e-6 if qtype == QType.F32 else 0.01 * np.abs(want).max())
+    if qtype == QType.F32:
+        ids = np.random.default_rng(1).integers(0, 400, (1, 12))
+        runtime = Runner(model, load_runtime_adapters(model, [(str(tmp_path / "a.gguf"), 1.0)])).forward(ids)
+        assert np.abs(runtime - Runner(model).forward(ids)).max() > 1e-2     # the adapter matters
+        np.testing.assert_allclose(Runner(merged).forward(ids), runtime, atol=1e-4 * np.abs(runtime).max())
