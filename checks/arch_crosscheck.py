@@ -49,6 +49,7 @@ SHAPE = dict(n_vocab=1000, n_ctx_train=256, n_embd=128, n_ff=256, n_head=4, n_he
              n_layer=4, norm_eps=1e-6)
 FAMILIES = {
     "qwen3": dict(SHAPE, head_dim=48, n_rot=48, rope_freq_base=1e6),          # key_length != n_embd / n_head
+    "qwen3moe": dict(SHAPE, head_dim=48, n_rot=48, rope_freq_base=1e6, n_expert=8, n_expert_used=2, n_ff_exp=64),
     "gemma": dict(SHAPE),
     "gemma2": dict(SHAPE, attn_softcap=50.0, final_softcap=30.0, sliding_window=32, swa_pattern=2),
     "gemma3": dict(SHAPE, n_layer=6, sliding_window=32, swa_pattern=6, rope_freq_base=1e6,
@@ -92,7 +93,7 @@ def table_gelu_ppl(case, text: Path) -> float:
         geglu.geglu_forward = exact
 
 
-def record(c: lc.Ctx, archs: list[str]) -> None:
+def record(c: lc.Ctx, archs: list[str], no_repack: bool = False) -> None:
     from checks.arch_reference import llamacpp_models
     from conftest import TEXT
     text = c.work / "text.txt"
@@ -101,7 +102,8 @@ def record(c: lc.Ctx, archs: list[str]) -> None:
     for case in llamacpp_models(c.work / "recorded", archs):
         out = lc.run_cpp_complete(c, f"llama-perplexity {case.name}", [
             c.cpp("llama-perplexity"), "-m", case.model, "-f", text, "-c", 32, "-b", 32, "-t", c.threads,
-            *(["--lora", case.adapter] if case.adapter else []), *(lc.CPP_EXACT if case.exact else [])], lc.PPL_RE)
+            *(["--lora", case.adapter] if case.adapter else []), *(lc.CPP_EXACT if case.exact else []),
+            *(["-nr"] if no_repack else [])], lc.PPL_RE)
         cpp = lc.ppl_of(out, case.name)
         lt = lc.ppl_of(c.lt(f"llamatune perplexity {case.name}", "perplexity", "-m", case.model, "-f", text,
                             "-c", 32, "-b", 32, *(["--lora", case.adapter] if case.adapter else [])), case.name)
@@ -299,6 +301,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--nice", type=int, default=10)
     ap.add_argument("--reuse", action="store_true", help="keep the trained models and adapters in the workdir")
+    ap.add_argument("--no-repack", action="store_true",
+                    help="part A: llama-perplexity -nr (CPUs where llama.cpp's weight repacking crashes)")
     a = ap.parse_args()
     archs = a.arch.split(",")
     work = Path(a.workdir)
@@ -312,7 +316,7 @@ def main() -> int:
         families = [a for a in archs if a in FAMILIES]
         if a.record:
             if families:
-                record(c, families)
+                record(c, families, a.no_repack)
             if "phi3" in archs:
                 phi3_record(c)
         if not a.no_structured:

@@ -35,6 +35,24 @@ class Block:
     embd_mult: float = 0.0                # x * embd_mult (granite)
     residual_scale: float = 0.0           # sublayer outputs times this before the residual add (granite)
     logit_scale: float = 0.0              # logits / logit_scale (granite)
+    moe_k: int = 0                        # mixture of experts: k experts per token (0: dense SwiGLU)
+    moe_norm: bool = True                 # their softmax weights normalized to sum 1
+
+
+def _moe(h, W, p, k, normalize):
+    """llama.cpp's build_moe_ffn (softmax gating) token by token: h (T, C)."""
+    z = h @ W[p + "ffn_gate_inp.weight"].T
+    pr = np.exp(z - z.max(-1, keepdims=True))
+    pr /= pr.sum(-1, keepdims=True)
+    G, U, D = (W[p + n + ".weight"] for n in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    out = np.zeros_like(h)
+    for t in range(h.shape[0]):
+        top = np.argsort(-pr[t], kind="stable")[:k]
+        w = pr[t, top] / pr[t, top].sum() if normalize else pr[t, top]
+        for e, we in zip(top, w):
+            g = G[e] @ h[t]
+            out[t] += we * (D[e] @ (g / (1 + np.exp(-g)) * (U[e] @ h[t])))
+    return out
 
 
 def _norm(v, w, eps):
@@ -101,8 +119,11 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
         o = lin(att.reshape(T, -1), "attn_output")
         x = x + res * (_norm(o, W[p + "post_attention_norm.weight"], eps) if blk.post_norms else o)
         h = _norm(x, W[p + "ffn_norm.weight"], eps) if blk.pre_norms else x
-        g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
-        f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
+        if blk.moe_k:
+            f = _moe(h, W, p, blk.moe_k, blk.moe_norm)
+        else:
+            g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
+            f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
         x = x + res * (_norm(f, W[p + "post_ffw_norm.weight"], eps) if blk.post_norms else f)
     logits = _norm(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
     if blk.logit_scale:
@@ -274,13 +295,16 @@ LLAMACPP_SHAPE = dict(n_vocab=400, n_ctx_train=64, n_embd=64, n_ff=128, n_head=4
                       n_rot=16, n_layer=2, norm_eps=1e-6)
 LLAMACPP_MODELS = {
     "qwen3": dict(LLAMACPP_SHAPE, head_dim=24, n_rot=24, rope_freq_base=1e6),
+    # 8 experts of 32 (Q8_0 blocks fit the down projection's rows), 2 per token
+    "qwen3moe": dict(LLAMACPP_SHAPE, head_dim=24, n_rot=24, rope_freq_base=1e6, n_expert=8, n_expert_used=2,
+                     n_ff_exp=32),
     "gemma": dict(LLAMACPP_SHAPE),
     "gemma2": dict(LLAMACPP_SHAPE, n_layer=3, attn_softcap=5.0, final_softcap=8.0, sliding_window=8, swa_pattern=2),
     # 5:1 sliding-window layers with base 10000; the global one with base 1e6 and linear scaling x2
     "gemma3": dict(LLAMACPP_SHAPE, n_layer=6, sliding_window=8, swa_pattern=6, rope_freq_base=1e6,
                    rope_freq_scale=0.5, rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0),
 }
-LLAMACPP_TIED = {"qwen3": False, "gemma": True, "gemma2": True, "gemma3": True}
+LLAMACPP_TIED = {"qwen3": False, "qwen3moe": False, "gemma": True, "gemma2": True, "gemma3": True}
 
 
 @dataclass
@@ -313,6 +337,9 @@ def llamacpp_models(work, archs=None) -> list[LlamacppCase]:
             if name.startswith("blk.") and len(shape) == 2:
                 adapter.pairs[name] = (rng.normal(0, 0.2, (4, shape[1])).astype(np.float32),
                                        rng.normal(0, 0.2, (shape[0], 4)).astype(np.float32))
+            elif name.startswith("blk.") and len(shape) == 3:                # per expert (build_lora_mm_id)
+                adapter.pairs[name] = (rng.normal(0, 0.2, (shape[0], 4, shape[2])).astype(np.float32),
+                                       rng.normal(0, 0.2, (shape[0], shape[1], 4)).astype(np.float32))
         write_adapter(work / f"{arch}-adapter.gguf", adapter)
         for qtype, exact in ((QType.F32, True), (QType.Q8_0, False)):
             path = work / f"{arch}-{qtype.name}.gguf"

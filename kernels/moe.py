@@ -38,7 +38,7 @@ The numba side (`router_forward` / `router_backward`, `expert_order`, `moe_ffn_f
 `moe_ffn_backward`, tests/test_op_moe_numba.py) meets the same contracts, with LoRA on
 the experts (`ExpertLora`: per-expert A (E, r, n_in) and B (E, n_out, r), llama.cpp's
 build_lora_mm_id layout). bench/moe.py times it against a dense SwiGLU of the same
-active size. Not used by the model yet.
+active size. qwen3moe's feed-forward part runs them (models/moe.py, train/moe.py).
 """
 from __future__ import annotations
 

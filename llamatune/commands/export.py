@@ -323,8 +323,9 @@ def _merge(t: Tensor, deltas: list[Delta], qtype: QType, requant: "_Requant",
     `survival` measures what of the deltas the codes kept."""
     w = dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols)       # fresh (rows, cols) f32; norms (1, C)
     for a, b, s in deltas:
-        # token_embd: A (V, r), B (C, r) -> (V, C); others (incl. norms): B (n_out, r) @ A (r, n_in)
-        w += np.float32(s) * (a @ b.T if t.name == TOKEN_EMBD else b @ a)
+        # token_embd: A (V, r), B (C, r) -> (V, C); others (incl. norms): B (n_out, r) @ A (r, n_in);
+        # a 3-D expert tensor: B[e] @ A[e] per expert, its (E * n_out, n_in) rows as stored
+        w += np.float32(s) * (a @ b.T if t.name == TOKEN_EMBD else (b @ a).reshape(w.shape))
     if qtype == QType.F32:
         out = w
     elif not deltas or not _is_block_type(qtype) or requant.method == "plain":

@@ -45,8 +45,13 @@ def is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
 
-def expected_shapes(name: str, base_shape: tuple[int, ...], r: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Numpy shapes of (A, B) for a rank-r adapter on a base weight of `base_shape`."""
+def expected_shapes(name: str, base_shape: tuple[int, ...], r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Numpy shapes of (A, B) for a rank-r adapter on a base weight of `base_shape`; a 3-D
+    expert tensor (E, n_out, n_in) has one pair per expert, A (E, r, n_in) and B (E, n_out, r)
+    (llama.cpp's build_lora_mm_id)."""
+    if len(base_shape) == 3:
+        n_expert, n_out, n_in = base_shape
+        return (n_expert, r, n_in), (n_expert, n_out, r)
     if name == "token_embd.weight":
         n_vocab, n_embd = base_shape
         return (n_vocab, r), (n_embd, r)

@@ -80,6 +80,13 @@ class Arch:
     defaults: tuple[tuple[str, Any], ...] = ()
     # attention scale, soft-capping, sliding windows and per-layer rope come from
     # ModelConfig fields (read_hparams fills them); their defaults are llama's
+    # mixture of experts (qwen3moe): the per-layer 3-D expert tensors, kept out of `layer`
+    # (their adapters are per expert, 3-D, and they are dequantized one expert at a
+    # time); the layer's feed-forward is then the router `ffn_gate_inp` (in `layer`) and
+    # these, llama.cpp's build_moe_ffn (models/moe.py); ModelConfig's n_expert,
+    # n_expert_used and n_ff_exp give their sizes
+    experts: tuple[str, ...] = ()
+    expert_norm: bool = True          # the top-k router weights normalized to sum 1 (build_moe_ffn's norm_w)
     # the parts of each layer (models/parts.py PARTS: their kinds): the mixer and the
     # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
     mixer: str = "attention"
@@ -106,6 +113,11 @@ class Arch:
         return POST_NORMS[0] in self.layer
 
     @property
+    def moe(self) -> bool:
+        """The feed-forward is a mixture of experts (`experts` declared)."""
+        return bool(self.experts)
+
+    @property
     def matrices(self) -> tuple[str, ...]:
         """Per-layer weight kinds that go through a matmul, file order."""
         return tuple(k for k in self.layer if "." not in k and not k.endswith("norm"))
@@ -121,8 +133,8 @@ class Arch:
         return tuple(k.removesuffix(".bias") for k in self.layer if k.endswith(".bias"))
 
     def layer_tensors(self, i: int) -> list[str]:
-        """Full llama.cpp names of layer i's tensors, file order."""
-        return [f"blk.{i}.{k}" if k.endswith(".bias") else f"blk.{i}.{k}.weight" for k in self.layer]
+        """Full llama.cpp names of layer i's tensors, file order (the expert tensors last)."""
+        return [f"blk.{i}.{k}" if k.endswith(".bias") else f"blk.{i}.{k}.weight" for k in self.layer + self.experts]
 
 
 def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
@@ -144,6 +156,10 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
         shapes["attn_q_norm"], shapes["attn_k_norm"] = (Cq,), (Ckv,)
     if cfg.spec.fused_qkv:
         shapes["attn_qkv"] = (Cq + 2 * Ckv, C)
+    if cfg.spec.moe:
+        E, Fe = cfg.n_expert, cfg.n_ff_exp
+        shapes |= {"ffn_gate_inp": (E, C), "ffn_gate_exps": (E, Fe, C), "ffn_up_exps": (E, Fe, C),
+                   "ffn_down_exps": (E, C, Fe)}
     if kind not in shapes:
         raise KeyError(f"architecture {cfg.arch}: no shape for tensor kind '{kind}'")
     return shapes[kind]
@@ -179,15 +195,22 @@ MOE_ARCHS = frozenset({
 })
 
 
+def moe_supported() -> list[str]:
+    """The mixture-of-experts architectures declared here."""
+    return [n for n in supported() if get_arch(n).moe]
+
+
 def check_dense(name: str, n_experts: int) -> None:
-    """Refuse a mixture-of-experts model (a family of MOE_ARCHS, or `n_experts`, the file's
-    `{arch}.expert_count`, above 0), in one line naming its architecture and the supported
-    ones: no architecture declared here has experts yet."""
-    if n_experts == 0 and name not in MOE_ARCHS:
+    """Refuse a mixture-of-experts model of a family not declared with experts here (a
+    family of MOE_ARCHS, or `n_experts`, the file's `{arch}.expert_count`, above 0, as
+    Mixtral's `llama`), in one line naming its architecture and the supported ones."""
+    if name in moe_supported() or (n_experts == 0 and name not in MOE_ARCHS):
         return
     experts = f" with {n_experts} experts" if n_experts else ""
-    raise LlamatuneError(f"architecture '{name}'{experts} is a mixture of experts; mixture-of-experts models "
-                         f"are not supported yet (supported: dense models of {', '.join(supported())})")
+    dense = [n for n in supported() if n not in moe_supported()]
+    raise LlamatuneError(f"architecture '{name}'{experts} is a mixture of experts not supported yet "
+                         f"(supported: dense models of {', '.join(dense)}; mixtures of experts of "
+                         f"{', '.join(moe_supported())})")
 
 
 def get_arch(name: str) -> Arch:

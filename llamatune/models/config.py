@@ -62,6 +62,10 @@ class ModelConfig:
     residual_scale: float = 0.0    # attention and feed-forward outputs times this before their residual adds
     #                                (granite); 0: none
     logit_scale: float = 0.0       # logits divided by this (granite's logit_scale); 0: none
+    # mixture of experts (an Arch with `experts`; 0 in dense models)
+    n_expert: int = 0              # E: experts per layer ({arch}.expert_count)
+    n_expert_used: int = 0         # k: experts each token uses ({arch}.expert_used_count)
+    n_ff_exp: int = 0              # an expert's SwiGLU hidden size ({arch}.expert_feed_forward_length)
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
@@ -89,6 +93,18 @@ class ModelConfig:
         for name in ("sliding_window", "swa_pattern", "nope_step"):
             if not 0 <= getattr(self, name) <= MAX_COUNT:
                 raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be >= 0")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        if not self.spec.moe:
+            if self.n_expert or self.n_expert_used or self.n_ff_exp:
+                raise LlamatuneError(f"architecture {self.arch} has no experts: n_expert, n_expert_used and "
+                                     "n_ff_exp must be 0")
+            return
+        if not 0 < self.n_expert_used <= self.n_expert or self.n_ff_exp <= 0:
+            raise LlamatuneError(f"mixture of experts: expert_count {self.n_expert}, expert_used_count "
+                                 f"{self.n_expert_used} and expert_feed_forward_length {self.n_ff_exp} must be "
+                                 "positive, with expert_used_count at most expert_count")
 
     @property
     def n_embd_q(self) -> int:

@@ -30,6 +30,7 @@ class Layer:
     norms: dict[str, np.ndarray]   # Arch.norms -> (n,) f32
     mats: dict[str, Tensor]        # Arch.matrices -> frozen weight (n_out, n_in), as stored
     biases: dict[str, np.ndarray]  # Arch.biases -> (n_out,) f32
+    experts: dict[str, Tensor] = None   # Arch.experts -> frozen 3-D expert tensor (E, n_out, n_in), as stored
 
 
 @dataclass
@@ -50,6 +51,12 @@ class BaseWeights:
                 yield f"blk.{i}.{kind}.weight", t
         yield "output.weight", self.output
 
+    def all_experts(self):
+        """(name, Tensor) of every 3-D expert tensor (mixtures of experts), llama.cpp names."""
+        for i, layer in enumerate(self.layers):
+            for kind, t in (layer.experts or {}).items():
+                yield f"blk.{i}.{kind}.weight", t
+
 
 def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
     t = f.tensor(name)
@@ -59,7 +66,7 @@ def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
     return dequant.dequantize(t.raw_rows(), t.qtype, n).reshape(n).astype(np.float32)
 
 
-def _matrix(f: GGUFFile, name: str, shape: tuple[int, int]) -> Tensor:
+def _matrix(f: GGUFFile, name: str, shape: tuple[int, ...]) -> Tensor:
     t = f.tensor(name)
     if t.shape != shape:
         raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected {shape}")
@@ -79,7 +86,8 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
         layers.append(Layer(
             {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms},
             {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices},
-            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases}))
+            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.experts}))
     token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
     has_output = "output.weight" in f and not spec.tied          # gemma, gemma2: always token_embd
     output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if has_output else token_embd
@@ -108,6 +116,7 @@ class Dequantizer:
     def __init__(self, weights: BaseWeights):
         vocab = {id(weights.token_embd), id(weights.output)}
         layer_max = max((t.n_rows * t.n_cols for _, t in weights.all_matrices() if id(t) not in vocab), default=0)
+        layer_max = max([layer_max] + [t.shape[1] * t.n_cols for _, t in weights.all_experts()])   # one expert
         head = weights.output
         self.head_rows = max(1, min(head.n_rows, layer_max // head.n_cols))   # rows of the head per block
         self.size = max(layer_max, self.head_rows * head.n_cols)
@@ -171,6 +180,12 @@ class Dequantizer:
             bf16.to_bf16_rows(block, dequant.dequantize(t.raw_rows()[lo:hi], t.qtype, t.n_cols))
         return out
 
+    def expert(self, t: Tensor, e: int) -> np.ndarray:
+        """Expert e's (n_out, n_in) matrix of a 3-D expert tensor (E, n_out, n_in) as f32,
+        valid until the next call: its rows of the stored tensor, dequantized alone."""
+        n_out = t.shape[1]
+        return self.block(t, e * n_out, (e + 1) * n_out)
+
     def rows(self, t: Tensor, ids: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out[i] = W[ids[i]]: embedding lookup that dequantizes only the rows used."""
         ids = np.ascontiguousarray(ids, np.int64)
@@ -229,7 +244,7 @@ class Model:
     def _used_tensors(self):
         """(name, Tensor) of every weight the model computes with (the tied output once)."""
         names = {"output_norm.weight"} | {f"{k}.weight" for k in ROPE_FACTORS}
-        names |= {n for n, _ in self.weights.all_matrices()}
+        names |= {n for n, _ in self.weights.all_matrices()} | {n for n, _ in self.weights.all_experts()}
         for i in range(self.config.n_layer):
             names |= set(self.config.spec.layer_tensors(i))
         return [(n, t) for n, t in self.file.tensors.items() if n in names]

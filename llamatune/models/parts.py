@@ -29,6 +29,7 @@ import numpy as np
 
 from ..errors import LlamatuneError
 from .config import ModelConfig
+from .moe import MoeActs, moe_forward
 
 
 class Acts:
@@ -270,7 +271,35 @@ class FeedForward(Part):
         g[...], u[...] = gu[:, :F], gu[:, F:]
 
 
-PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward)}   # kind -> forward class
+@dataclass
+class MoeFeedForwardActs(Acts):
+    rstd: np.ndarray     # (N,) the input norm's
+    xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
+    state: MoeActs | None = None      # the router's choice and the experts' grouped rows: made by each
+    #                                   forward (their sizes follow the choice), not planned
+
+
+class MoeFeedForward(Part):
+    """ffn_norm, then a mixture of experts (models/moe.py): the router ffn_gate_inp, the top
+    k experts of each token, their SwiGLUs (ffn_gate_exps, ffn_up_exps, ffn_down_exps)
+    summed with the router's weights."""
+    kind, Acts = "moe", MoeFeedForwardActs
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.norm = self.p + "ffn_norm.weight"
+
+    def act_shapes(self, B, T, keep_inputs):
+        N = B * T
+        return {"rstd": (N,)} | ({"xn": (N, self.cfg.n_embd)} if keep_inputs else {})
+
+    def forward(self, fw, a: MoeFeedForwardActs, x, residual, y) -> None:
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        a.state = moe_forward(fw, y, xn, self.i)
+
+
+PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward)}   # kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

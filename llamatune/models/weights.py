@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..backend import Backend, cpu
+from ..errors import LlamatuneError
 from .model import Model
 
 
@@ -28,6 +29,10 @@ class FrozenBase:
         self.backend = backend or cpu()
         w = model.weights
         self.tensors = dict(w.all_matrices())
+        self.experts = dict(w.all_experts())      # 3-D expert tensors (mixtures of experts)
+        if self.experts and self.backend.name != "cpu":
+            raise LlamatuneError(f"{model.path}: a mixture of experts ({model.config.arch}) runs on the CPU only "
+                                 "so far: use --device cpu")
         vectors = {"output_norm.weight": w.output_norm}
         for i, layer in enumerate(w.layers):
             for k, v in layer.norms.items():
@@ -130,6 +135,15 @@ class FrozenBase:
         """Whether `matrix(name)` is a dequantized copy the caller may modify (until the
         next call), not the stored F32 data itself."""
         return self.tensors[name].qtype != QType.F32
+
+    def expert_shape(self, name: str) -> tuple[int, int, int]:
+        """(E, n_out, n_in) of a 3-D expert tensor."""
+        return self.experts[name].shape
+
+    def expert_matrix(self, name: str, e: int) -> np.ndarray:
+        """Expert e's (n_out, n_in) f32 matrix of a 3-D expert tensor, valid until the next
+        dequantization; only that expert's rows of the stored tensor are read (the CPU)."""
+        return self.model.dequantizer.expert(self.experts[name], e)
 
     def vector(self, name: str):
         return self.vectors.get(name)

@@ -163,6 +163,13 @@ class FinetuneOptions(TrainOptions):
     rank_ffn_gate: Optional[int] = opt(None, "Rank for ffn_gate.", G_LORA, frozen=True)
     rank_ffn_up: Optional[int] = opt(None, "Rank for ffn_up.", G_LORA, frozen=True)
     rank_ffn_down: Optional[int] = opt(None, "Rank for ffn_down.", G_LORA, frozen=True)
+    rank_ffn_exps: Optional[int] = opt(None, "Rank of the per-expert adapters on a mixture of experts' "
+                                       "ffn_gate_exps, ffn_up_exps and ffn_down_exps (default --lora-r).",
+                                       G_LORA, frozen=True)
+    no_lora_experts: bool = opt(False, "No adapters on the experts of a mixture of experts (attention, and the "
+                                "router where --rank-ffn-gate-inp asks, only).", G_LORA, frozen=True)
+    rank_ffn_gate_inp: int = opt(0, "Rank for a mixture of experts' router ffn_gate_inp (0: frozen).", G_LORA,
+                                 frozen=True)
     rank_tok_embd: int = opt(0, "Rank for token_embd (0: none).", G_LORA, frozen=True)
     rank_out: int = opt(0, "Rank for the output head (0: none).", G_LORA, frozen=True)
     rank_att_norm: int = opt(0, "Rank for attn_norm (llama.cpp ignores norm adapters at run time; export-lora merges them).", G_LORA, frozen=True)
@@ -238,7 +245,10 @@ class FinetuneOptions(TrainOptions):
                 "token_embd": self.rank_tok_embd, "output": self.rank_out, "attn_norm": self.rank_att_norm,
                 "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
                 "attn_q_norm": self.rank_q_norm, "attn_k_norm": self.rank_k_norm,
-                "post_attention_norm": self.rank_post_att_norm, "post_ffw_norm": self.rank_post_ffn_norm}
+                "post_attention_norm": self.rank_post_att_norm, "post_ffw_norm": self.rank_post_ffn_norm,
+                "ffn_gate_inp": self.rank_ffn_gate_inp} | {
+                k: 0 if self.no_lora_experts else pick(self.rank_ffn_exps)
+                for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
 
 
 @dataclass

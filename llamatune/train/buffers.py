@@ -49,7 +49,7 @@ def floats(shape: tuple[int, ...]) -> int:
 
 def has_xa(cfg: ModelConfig, kind: str) -> bool:
     """Whether an adapter on `kind` keeps an (N, r) x A^T buffer (matrices inside a layer)."""
-    return kind not in LORA_VECTOR_KINDS and kind not in cfg.spec.norms
+    return kind not in LORA_VECTOR_KINDS and kind not in cfg.spec.norms and kind not in cfg.spec.experts
 
 
 def checkpointing_mode(mode: str) -> str:

@@ -100,7 +100,8 @@ def lora_targets(cfg: ModelConfig, ranks: dict[str, int], alpha: float, tied: bo
         ("output.weight", "output", tensor_shape(cfg, "output")),
     ]
     for i in range(cfg.n_layer):                                   # the architecture's layer tensors, file order
-        names += [(f"blk.{i}.{k}.weight", k, tensor_shape(cfg, k)) for k in cfg.spec.layer if "." not in k]
+        names += [(f"blk.{i}.{k}.weight", k, tensor_shape(cfg, k)) for k in cfg.spec.layer + cfg.spec.experts
+                  if "." not in k]
     targets = []
     for weight, kind, shape in names:
         r = ranks.get(kind, 0)
@@ -125,7 +126,7 @@ def init_lora(params: ParamBuffer, targets: list[LoraTarget], rng: np.random.Gen
             a[...] = 0.0
             b[...] = rng.standard_normal(b.shape, dtype=np.float32)
         else:
-            bound = 1.0 / np.sqrt(t.a_shape[1])
+            bound = 1.0 / np.sqrt(t.a_shape[-1])           # (an expert tensor's: per expert)
             a[...] = rng.uniform(-bound, bound, size=a.shape).astype(np.float32)
             b[...] = 0.0
 

@@ -2,7 +2,7 @@
 
     backward(g, a, x):  in: g.dx = dL/d(the residual stream after the part); out: g.dx =
         dL/d(its input x), its share added in place to the residual's (dx += dpart/dx^T dy);
-        parameter gradients accumulated (+=) through g (linear_backward, norm_grad).
+        parameter gradients accumulated (+=) through g.linears (backward, norm_grad).
 
 `g` is the training graph (train/graph.py): the linears' backward, the norm weights'
 gradients, the scratch (dx2, dxn, dnorm and the gradients of `buffers.grad_scratch`)
@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.parts import Attention, AttentionActs, FeedForward, FeedForwardActs, Part
+from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, MoeFeedForward,
+                            MoeFeedForwardActs, Part)
+from .moe import moe_backward
 
 
 def normed_input(part: Part, g, a, x: np.ndarray) -> np.ndarray:
@@ -140,4 +142,12 @@ class FeedForwardBackward(FeedForward):
         g.linears.backward(g.dxn, dgu, xn, self.fused, accumulate=False)
 
 
-TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward)}
+class MoeFeedForwardBackward(MoeFeedForward):
+    def backward(self, g, a: MoeFeedForwardActs, x: np.ndarray) -> None:
+        """Through the experts each token chose and the router (train/moe.py), then the norm."""
+        moe_backward(g, g.dxn, g.dx, normed_input(self, g, a, x), a.state, self.i)
+        input_norm_backward(self, g, a, x)
+
+
+TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
+                                                          MoeFeedForwardBackward)}
