@@ -16,6 +16,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..backend import Backend, cpu
+from ..errors import LlamatuneError
 from .model import Model
 
 
@@ -24,6 +25,9 @@ class FrozenBase:
     lazy_grads = False
 
     def __init__(self, model: Model, backend: Backend | None = None):
+        if not model.config.spec.runs:
+            raise LlamatuneError(f"{model.path}: architecture '{model.config.arch}' is read, but the forward and "
+                                 "training of its layers are not in llamatune yet")
         self.model = model
         self.backend = backend or cpu()
         w = model.weights
@@ -34,6 +38,8 @@ class FrozenBase:
                 vectors[f"blk.{i}.{k}.weight"] = v
             for k, b in layer.biases.items():
                 vectors[f"blk.{i}.{k}.bias"] = b
+            for k, v in layer.vectors.items():
+                vectors[f"blk.{i}.{k}"] = v
         self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}
         self.rope_freqs = w.rope_freqs            # host arrays: rope caches are built on the host
         self.rope_long, self.rope_short = w.rope_long, w.rope_short
