@@ -178,7 +178,7 @@ def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32", mo
         params.to_device(backend)
         g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, mode, backend=backend,
                   **({} if compute_dtype == "f32" else {"compute_dtype": compute_dtype}))
-        for name, method in (("layer forward", "layer_forward"), ("layer backward", "_layer_backward"),
+        for name, method in (("layer forward", "layer_forward"), ("layer backward", "layer_backward"),
                              ("head", "loss_head"), ("embed", "embed"), ("embed backward", "_embed_backward")):
             wrapped = getattr(g, method)
 

@@ -46,3 +46,29 @@ def test_tensor_shapes_follow_the_config():
     assert tensor_shape(cfg, "output") == (50, 16) and tensor_shape(cfg, "ffn_norm") == (16,)
     with pytest.raises(KeyError, match="no shape for tensor kind 'attn_qkv'"):
         tensor_shape(cfg, "attn_qkv")
+
+
+def test_each_layer_is_built_from_the_part_kinds_its_declaration_names(monkeypatch):
+    """Arch.mixer / Arch.ffn pick every layer's parts, Arch.parts(cfg, i) per layer (a
+    hybrid); the forward classes or training's (with their backward) by the same kinds."""
+    from dataclasses import replace
+
+    from llamatune.models import config as config_module
+    from llamatune.models.parts import Attention, FeedForward, layer_act_shapes, layer_parts
+    from llamatune.train.parts import TRAIN_PARTS, AttentionBackward, FeedForwardBackward
+    cfg = tiny("llama")
+    assert [tuple(type(p) for p in parts) for parts in layer_parts(cfg)] == [(Attention, FeedForward)] * 2
+    assert [tuple(type(p) for p in parts) for parts in layer_parts(cfg, TRAIN_PARTS)] == \
+        [(AttentionBackward, FeedForwardBackward)] * 2
+
+    class Other(FeedForward):
+        kind = "other"
+    llama = get_arch("llama")
+    hybrid = replace(llama, parts=lambda c, i: ("attention", "other" if i % 2 else "feed_forward"))
+    monkeypatch.setattr(config_module, "get_arch", lambda name: hybrid)
+    layers = layer_parts(cfg, {"attention": Attention, "feed_forward": FeedForward, "other": Other})
+    assert [type(parts[1]) for parts in layers] == [FeedForward, Other]
+    assert "other.g" in layer_act_shapes(layers[1], 2, 4) and "feed_forward.g" in layer_act_shapes(layers[0], 2, 4)
+    with pytest.raises(LlamatuneError, match=r"architecture llama: layer 1 has part kind\(s\) \['other'\], "
+                                             r"not one of \['attention', 'feed_forward'\]"):
+        layer_parts(cfg)

@@ -269,7 +269,7 @@ def test_bf16_graph_keeps_the_gate_inputs_in_bf16_and_its_modes_agree(tiny_model
     grads = {}
     for mode in ("selective", "none", "layer"):
         g, params = adapted_graph(model, ("attn_q", "ffn_gate", "ffn_up", "ffn_down"), B, T, mode)
-        assert all(a.g.dtype == np.uint16 and a.u.dtype == np.uint16 for a in g.layers)
+        assert all(a.ffn.g.dtype == np.uint16 and a.ffn.u.dtype == np.uint16 for a in g.layers)
         f32_plan = buffer_plan(cfg, list(g.lora.values()), B, T, mode, g.head_rows, False)
         saved = (1 if mode == "layer" else cfg.n_layer) * 2 * B * T * cfg.n_ff * 2      # bytes of g and u, halved
         assert plan_bytes(f32_plan) - plan_bytes(g.plan) == saved

@@ -42,8 +42,8 @@ def graph_arrays(g: Graph) -> list[np.ndarray]:
         for w in (v.values() if isinstance(v, dict) else v if isinstance(v, list) else []):
             for a in (w if isinstance(w, tuple) else (w,)):
                 add(a)
-    for a in g.layers:
-        for v in vars(a).values():
+    for a in g.layers:                            # the layer's stream and each part's activations
+        for v in [a.x, a.x_mid, *vars(a.mixer).values(), *vars(a.ffn).values()]:
             add(v)
     return list(found.values())
 

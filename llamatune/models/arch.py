@@ -8,8 +8,9 @@ varies is declared in one `Arch` in `models/archs/<name>.py` (the name is
   - which tensors each layer has, by their llama.cpp names, in file order
     (`config.py` reads the hyperparameters, `model.py` maps the tensors,
     `writer.py` writes them, `train/lora.py` lists LoRA targets from them);
-  - how the block computes (rope mode, and the options `models/infer.py` and
-    `train/graph.py` branch on);
+  - how the block computes: the kind of part each layer is built from (`mixer`,
+    `ffn`, models/parts.py) and the options those parts read (rope mode, norms,
+    fused projections, activation);
   - extra hyperparameters the family keeps in metadata (`read_hparams`, `hparams_metadata`).
 
 Adding an architecture is one file in `models/archs/` (plus any kernel it needs).
@@ -86,6 +87,11 @@ class Arch:
     shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
     vectors: tuple[str, ...] = ()
     runs: bool = True                 # the forward runs it (False: config and weights load, nothing runs)
+    # the parts of each layer (models/parts.py PARTS: their kinds): the mixer and the
+    # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
+    mixer: str = "attention"
+    ffn: str = "feed_forward"
+    parts: Callable[[Any, int], tuple[str, str]] | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:

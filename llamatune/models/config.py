@@ -141,6 +141,11 @@ class ModelConfig:
         softcap (0: none), window (0: none)."""
         return dict(scale=self.attn_scale or None, softcap=self.attn_softcap, window=self.window(i))
 
+    def part_kinds(self, i: int) -> tuple[str, str]:
+        """The kinds of layer i's (mixer, feed-forward) parts (models/parts.py)."""
+        spec = self.spec
+        return spec.parts(self, i) if spec.parts is not None else (spec.mixer, spec.ffn)
+
     @property
     def n_ctx_orig_rope(self) -> int:
         """The context length that decides between long and short rope factors."""

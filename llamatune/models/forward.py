@@ -2,8 +2,10 @@
 
 Mirrors llama.cpp's per-architecture graph builders (src/models/llama.cpp, qwen2,
 qwen3, gemma, gemma2, gemma3, phi3), read from the architecture's declaration
-(models/arch.py) and its config. Per layer, with xn = RMSNorm(x), the declaration's
-options in brackets:
+(models/arch.py) and its config. A layer is a mixer and a feed-forward part, each
+owning its norms and linears (models/parts.py; the declaration names their kinds).
+Per layer of the llama-like parts, with xn = RMSNorm(x), the declaration's options in
+brackets:
     q, k, v = xn Wq^T, xn Wk^T, xn Wv^T      [qk_norm: q, k = RMSNorm per head (qp, kp before)]
     q, k    = rope(q), rope(k)               (the layer's rope: gemma3's local layers differ)
     o       = attn(q, k, v) Wo^T             (the layer's scale, soft-cap and sliding window)
@@ -15,7 +17,8 @@ The embedding may be scaled (gemma: sqrt(n_embd)). q/k/v and gate/up come from o
 fused matmul split by rows where the architecture declares it (phi3's attn_qkv,
 ffn_up), one LoRA pair on the whole product as llama.cpp's build_lora_mm applies it.
 
-`Forward` is the block; its users differ only in what they hand it:
+`Forward` runs the blocks (the parts call back into it for every linear, norm weight,
+scratch buffer and kernel); its users differ only in what they hand it:
   - `infer.Runner` (perplexity, generate, chat): activations of one call, a KV cache
     (`kv` appends the step's keys and values and attends over the cache), runtime
     adapters (llama.cpp's --lora), the full logits;
@@ -29,68 +32,13 @@ then rope, rope of q and k, the residual add then the next norm) go through
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import numpy as np
 
 from ..backend import Backend
 from ..precision import F32, ComputePolicy
 from .config import ModelConfig
+from .parts import LayerActs, Part, layer_parts
 from .products import make_products
-
-
-@dataclass
-class LayerActs:
-    """One layer's activations (N = B*T rows); which exist depends on the architecture
-    (`act_shapes`) and on what the user keeps (training's checkpointing mode)."""
-    x: np.ndarray        # (N, C)   layer input (residual stream)
-    rstd1: np.ndarray    # (N,)
-    q: np.ndarray        # (N, NH*HS) after rope
-    k: np.ndarray        # (N, NKV*HS) after rope
-    v: np.ndarray        # (N, NKV*HS)
-    att: np.ndarray      # (N, NH*HS) attention output
-    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
-    x_mid: np.ndarray    # (N, C)   residual after attention
-    rstd2: np.ndarray    # (N,)
-    g: np.ndarray        # (N, F)   (training with bf16 products: bf16 bits, uint16)
-    u: np.ndarray        # (N, F)
-    xn1: np.ndarray | None = None   # (N, C) kept only in checkpointing mode "none"
-    xn2: np.ndarray | None = None   # (N, C)
-    h: np.ndarray | None = None     # (N, F)
-    qp: np.ndarray | None = None     # (N, NH*HS)  q before its per-head norm (qk_norm)
-    kp: np.ndarray | None = None     # (N, NKV*HS) k before its per-head norm
-    rstd_q: np.ndarray | None = None  # (N*NH,)
-    rstd_k: np.ndarray | None = None  # (N*NKV,)
-    o: np.ndarray | None = None      # (N, C) attention output projection (post_norms)
-    rstd_o: np.ndarray | None = None  # (N,)
-    f: np.ndarray | None = None      # (N, C) feed-forward output (post_norms)
-    rstd_f: np.ndarray | None = None  # (N,)
-
-    @classmethod
-    def of(cls, get) -> "LayerActs":
-        """The activations `get(name)` hands out (None where it has none)."""
-        return cls(*(get(f.name) for f in fields(cls)))
-
-
-def act_shapes(cfg: ModelConfig, B: int, T: int, keep_inputs: bool = False) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of one layer's activations (LayerActs); `keep_inputs` adds the
-    normed inputs and the gate's output (what checkpointing mode "none" keeps)."""
-    N, C, F, Cq, Ckv = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q, cfg.n_embd_kv
-    acts = {"x": (N, C), "rstd1": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq),
-            "lse": (B, cfg.n_head, T), "x_mid": (N, C), "rstd2": (N,), "g": (N, F), "u": (N, F)}
-    if keep_inputs:
-        acts |= {"xn1": (N, C), "xn2": (N, C), "h": (N, F)}
-    if cfg.spec.qk_norm:
-        acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
-    if cfg.spec.post_norms:
-        acts |= {"o": (N, C), "rstd_o": (N,), "f": (N, C), "rstd_f": (N,)}
-    return acts
-
-
-def fused_width(cfg: ModelConfig) -> int:
-    """Columns of the widest fused product (q|k|v or gate|up), 0 without fused projections."""
-    return max([w for on, w in ((cfg.spec.fused_qkv, cfg.n_embd_q + 2 * cfg.n_embd_kv),
-                                (cfg.spec.fused_gate_up, 2 * cfg.n_ff)) if on], default=0)
 
 
 class Forward:
@@ -102,8 +50,11 @@ class Forward:
     floats, with fused projections)."""
     segments = None
 
-    def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32):
+    def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32,
+                 parts: dict[str, type[Part]] | None = None):
+        """`parts`: kind -> class of the layers' parts (models/parts.PARTS by default)."""
         self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
+        self.layer_parts = layer_parts(cfg, parts)          # (mixer, feed-forward) per layer
         self.xp, self.ops = backend.xp, backend.ops
         self.products = make_products(backend, policy)    # every product with a base weight
         self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
@@ -201,9 +152,9 @@ class Forward:
     def stores_bf16(self, names: list[str], N: int) -> bool:
         """Whether the linears `names` over N tokens may store their results as bf16 bits
         straight from the product (kernels/bf16.gemm into uint16: the float32 result
-        rounded as it is stored): bf16 products, separate matrices, no bias, and no
-        adapter share to add after the product."""
-        return (self.products.bf16_for(N) and not self.cfg.spec.fused_gate_up
+        rounded as it is stored): bf16 products, no bias, and no adapter share to add
+        after the product (the caller's matrices are separate, not one fused product)."""
+        return (self.products.bf16_for(N)
                 and all(self.base.vector(n.replace(".weight", ".bias")) is None
                         and (not self.adapter_pairs(n) or self.adapter_in_product(n, N)) for n in names))
 
@@ -214,36 +165,6 @@ class Forward:
     def fused_rows(self, width: int) -> np.ndarray:
         N = self.xn.shape[0]
         return self.fused[: N * width].reshape(N, width)
-
-    def qkv_forward(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray, p: str) -> None:
-        """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
-        if not self.cfg.spec.fused_qkv:
-            names = [f"{p}attn_{c}.weight" for c in "qkv"]
-            with self.products.shared_input(xn, self.shared_extension(names, xn.shape[0])):
-                for c, y in (("q", q), ("k", k), ("v", v)):
-                    self.linear(y, xn, f"{p}attn_{c}.weight")
-            return
-        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
-        qkv = self.linear(self.fused_rows(Cq + 2 * Ckv), xn, p + "attn_qkv.weight")
-        q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
-
-    def gate_up_forward(self, g: np.ndarray, u: np.ndarray, xn: np.ndarray, p: str) -> None:
-        """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
-        if not self.cfg.spec.fused_gate_up:
-            names = [p + "ffn_gate.weight", p + "ffn_up.weight"]
-            with self.products.shared_input(xn, self.shared_extension(names, xn.shape[0])):
-                self.linear(g, xn, p + "ffn_gate.weight")
-                self.linear(u, xn, p + "ffn_up.weight")
-            return
-        F = self.cfg.n_ff
-        gu = self.linear(self.fused_rows(2 * F), xn, p + "ffn_up.weight")
-        g[...], u[...] = gu[:, :F], gu[:, F:]
-
-    def gate(self):
-        """The feed-forward gate's (forward, backward) kernels: SwiGLU or GeGLU (Arch.activation)."""
-        if self.cfg.spec.activation == "gelu":
-            return self.ops.geglu.geglu_forward, self.ops.geglu.geglu_backward
-        return self.ops.swiglu.swiglu_forward, self.ops.swiglu.swiglu_backward
 
     def embd_scale(self):
         """gemma's embedding scale, sqrtf(n_embd) in f32 (as llama.cpp's ggml_scale)."""
@@ -259,48 +180,9 @@ class Forward:
             x *= self.embd_scale()
 
     def layer_forward(self, i: int, a: LayerActs, x_out: np.ndarray) -> None:
-        """x_out = layer i of a.x, filling the rest of `a`."""
-        cfg, ops, p = self.cfg, self.ops, f"blk.{i}."
-        B, T = a.lse.shape[0], a.lse.shape[2]
-        cos, sin = self.ropes[cfg.rope_set(i)]
-        xn = self.xn if a.xn1 is None else a.xn1
-        ops.rmsnorm.rmsnorm_forward(xn, a.rstd1, a.x, self.norm_weight(p + "attn_norm.weight"), cfg.norm_eps)
-        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
-        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        if cfg.spec.qk_norm:                     # per-head norms, then rope (one launch on a GPU)
-            self.qkv_forward(a.qp, a.kp, a.v, xn, p)
-            wq, wk = (self.norm_weight(f"{p}attn_{c}_norm.weight") for c in "qk")
-            ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
-                                           a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
-        else:
-            self.qkv_forward(a.q, a.k, a.v, xn, p)
-            ops.fused.rope_qk_forward(q4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        k_all, v_all, n_past = self.kv(i, k4, a.v.reshape(k4.shape))
-        self.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
-                                         segments=self.segments, **cfg.attention_options(i))
-        if cfg.spec.post_norms:
-            self.linear(a.o, a.att, p + "attn_output.weight")
-            ops.rmsnorm.rmsnorm_forward(a.x_mid, a.rstd_o, a.o, self.norm_weight(p + "post_attention_norm.weight"),
-                                        cfg.norm_eps)
-        else:
-            self.linear(a.x_mid, a.att, p + "attn_output.weight")
-        xn = self.xn if a.xn2 is None else a.xn2                  # x_mid += x, then its norm
-        ops.fused.add_rmsnorm_forward(xn, a.rstd2, a.x_mid, a.x, self.norm_weight(p + "ffn_norm.weight"), cfg.norm_eps)
-        h = self.h if a.h is None else a.h
-        if a.g.dtype == np.uint16 and self.stores_bf16([p + "ffn_gate.weight", p + "ffn_up.weight"], xn.shape[0]):
-            self.gate_up_forward(a.g, a.u, xn, p)                 # kept as bf16, stored so by the products
-            self.gate()[0](h, a.g, a.u)
-        elif a.g.dtype == np.uint16:                              # kept as bf16 (training's bf16 products):
-            g, u = self.gate_scratch()                            # the products into float32 scratch, then
-            self.gate_up_forward(g, u, xn, p)                     # the gate rounds them into a.g, a.u and
-            self.gate()[0](h, g, u, a.g, a.u)                     # computes h from what it kept
-        else:
-            self.gate_up_forward(a.g, a.u, xn, p)
-            self.gate()[0](h, a.g, a.u)
-        if cfg.spec.post_norms:
-            self.linear(a.f, h, p + "ffn_down.weight")
-            ops.rmsnorm.rmsnorm_forward(x_out, a.rstd_f, a.f, self.norm_weight(p + "post_ffw_norm.weight"),
-                                        cfg.norm_eps)
-        else:
-            self.linear(x_out, h, p + "ffn_down.weight")
+        """x_out = layer i of a.x, filling the rest of `a`: its mixer, then its feed-forward
+        (models/parts.py), each adding its output to the residual stream."""
+        mixer, ffn = self.layer_parts[i]
+        mixer.forward(self, a.mixer, a.x, None, a.x_mid)      # x_mid = mixer(x)
+        ffn.forward(self, a.ffn, a.x_mid, a.x, x_out)        # x_mid += x; x_out = ffn(x_mid)
         x_out += a.x_mid

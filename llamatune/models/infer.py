@@ -22,8 +22,9 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
 from ..precision import F32, ComputePolicy
-from .forward import Forward, LayerActs, act_shapes, fused_width
+from .forward import Forward
 from .model import Model
+from .parts import fused_width, layer_act_shapes, layer_acts
 from .rope import rope_cache
 from .weights import FrozenBase
 
@@ -145,10 +146,14 @@ class Runner(Forward):
         self.cache, self.n_past = cache, n_past
         self.decoding = (self.quantized_decode and cache is not None and T == 1 and B <= self.QDOT_MAX_ROWS
                          and self.backend.name == "cpu")
-        acts = {k: xp.empty(s, np.float32) for k, s in act_shapes(cfg, B, T).items()}
-        a = LayerActs.of(acts.get)                    # one set for every layer; x is updated in place
+        shapes = {}                                   # one set for every layer of a kind of parts
+        for parts in self.layer_parts:
+            shapes |= layer_act_shapes(parts, B, T)
+        acts = {k: xp.empty(s, np.float32) for k, s in shapes.items()}
+        layers = [layer_acts(parts, acts.get) for parts in self.layer_parts]
+        a = layers[0]                                 # x is updated in place, the same in each
         self.xn, self.h = xp.empty((N, cfg.n_embd), np.float32), xp.empty((N, cfg.n_ff), np.float32)
-        self.fused = xp.empty(N * fused_width(cfg), np.float32)
+        self.fused = xp.empty(N * fused_width(self.layer_parts), np.float32)
         try:
             first = 0 if start is None else start[0]
             if start is None:
@@ -158,10 +163,11 @@ class Runner(Forward):
             for i in range(first, cfg.n_layer):
                 if at_layer is not None:
                     at_layer(i, a.x)
-                self.layer_forward(i, a, a.x)
+                self.layer_forward(i, layers[i], a.x)
         finally:
             self.cache = None
-        self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, self.norm_weight("output_norm.weight"), cfg.norm_eps)
+        rstd = xp.empty(N, np.float32)
+        self.ops.rmsnorm.rmsnorm_forward(self.xn, rstd, a.x, self.norm_weight("output_norm.weight"), cfg.norm_eps)
         logits = self.head(self.xn)
         if cfg.final_softcap:
             self.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)

@@ -2,13 +2,15 @@
 
 `buffer_plan` lists them by name and shape (the memory estimate, train/memory.py,
 counts exactly this list) and `carve` cuts them out of one arena:
-  - `blk.I.*`: the activations layer I keeps for backward (models/forward.act_shapes);
+  - `blk.I.*`: the activations layer I keeps for backward (models/parts.layer_act_shapes:
+    `blk.I.x`, `blk.I.x_mid` and each part's as `blk.I.<kind>.<name>`);
   - `layer.*`: checkpointing mode `layer` keeps only each layer's input and recomputes
     the rest into this one set, shared by all layers;
   - `xa.*`: x A^T of each adapter on a matrix inside a layer (kept for backward);
-  - with bf16 products (`bf16_saved`), the gate's inputs g and u are kept as bf16
-    bits (`Bf16`: uint16 views, half the floats): what PyTorch's bf16 training keeps,
-    and half of a layer's saved activations at the usual widths;
+  - with bf16 products (`bf16_saved`), the activations a part lists in its `bf16_saved`
+    (the feed-forward's gate inputs g and u) are kept as bf16 bits (`Bf16`: uint16 views,
+    half the floats): what PyTorch's bf16 training keeps, and half of a layer's saved
+    activations at the usual widths;
   - the rest is scratch reused by every layer. The layer backward's gradients share one
     buffer with the output head's logits chunk (`grad_scratch`: the head runs before any
     layer backward), so a larger chunk of tokens costs no memory.
@@ -19,16 +21,13 @@ import numpy as np
 
 from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
-from ..models.forward import act_shapes, fused_width
+from ..models.parts import fused_width, layer_act_shapes, layer_parts
 from .lora import LoraTarget
 
 HEAD_CHUNK_BYTES = 32 << 20   # logits computed at least this many bytes at a time,
 HEAD_CHUNK_TOKENS = 128       # and for at least this many tokens (large vocabularies)
 MODES = ("layer", "selective", "none")   # --checkpointing, least memory first
 LORA_VECTOR_KINDS = ("output_norm", "output", "token_embd")   # with the layers' norms: no (N, r) x A^T buffer
-
-
-BF16_SAVED = ("g", "u")      # activations kept as bf16 bits with bf16 products
 
 
 class Bf16(tuple):
@@ -94,13 +93,15 @@ def even_chunk(n: int, most: int) -> int:
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
                 trainable: bool, bf16_saved: bool = False) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every array a Graph allocates (it allocates exactly these);
-    `bf16_saved`: BF16_SAVED activations as bf16 bits (Bf16 shapes)."""
+    `bf16_saved`: the parts' bf16_saved activations as bf16 bits (Bf16 shapes)."""
     mode = checkpointing_mode(mode)
     N, C, F, Cq = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q
     plan: dict[str, tuple[int, ...]] = {}
-    for i in range(cfg.n_layer):
-        for k, shape in act_shapes(cfg, B, T, keep_inputs=mode == "none").items():
-            if bf16_saved and k in BF16_SAVED:
+    layers = layer_parts(cfg)
+    held = {f"{part.kind}.{k}" for parts in layers for part in parts for k in part.bf16_saved} if bf16_saved else ()
+    for i, parts in enumerate(layers):
+        for k, shape in layer_act_shapes(parts, B, T, keep_inputs=mode == "none").items():
+            if k in held:
                 shape = Bf16(shape)
             plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
     plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
@@ -115,8 +116,8 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
              "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (max(C, 2 * cfg.head_dim),), "losses": (N,),
              "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
-    if fused_width(cfg):                                           # a fused product, or its gradient,
-        plan["fused"] = (N * fused_width(cfg),)                    # before it is split / after it is joined
+    if fused_width(layers):                                        # a fused product, or its gradient,
+        plan["fused"] = (N * fused_width(layers),)                 # before it is split / after it is joined
     for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
         plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
     if cfg.spec.qk_norm:

@@ -5,8 +5,8 @@ same blocks inference runs), keeping what backward needs; the output head comput
 logits, loss and the logits' gradient chunk by chunk (head.py); then backward runs
 the layers in reverse and accumulates parameter gradients (+=) into the flat
 `ParamBuffer`. The parts: buffers.py plans and carves every buffer, linear.py is the
-trainable side of a linear (LoRA, its backward), head.py the loss head; this file
-holds the layer backward and the step.
+trainable side of a linear (LoRA, its backward), head.py the loss head, parts.py the
+backward of each block part (attention, feed-forward); this file holds the step.
 
 The same graph trains two kinds of model: `weights.FrozenBase` (LoRA finetuning: base
 weights stay quantized, each dequantized right before its matmul, in forward and again
@@ -35,7 +35,8 @@ from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
 from ..models.config import ModelConfig
-from ..models.forward import Forward, LayerActs
+from ..models.forward import Forward
+from ..models.parts import layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
 from .buffers import (arena_size, buffer_plan, carve, checkpointing_mode, grad_scratch, has_xa, head_chunk,
@@ -44,6 +45,7 @@ from .head import LossHead, kept_head_bytes
 from .linear import LoraLinear
 from .lora import Lora, LoraTarget
 from .params import ParamBuffer
+from .parts import TRAIN_PARTS
 
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
 
@@ -61,7 +63,7 @@ class Graph(LoraLinear, LossHead, Forward):
         base's (trained weights multiply in float32, or TF32 on a GPU: policy(trainable=True))."""
         if policy.dtype == "bf16" and base.trainable:
             raise ValueError("bf16 products are for a frozen base: trained weights multiply in float32")
-        super().__init__(cfg, base, backend or cpu(), policy)
+        super().__init__(cfg, base, backend or cpu(), policy, TRAIN_PARTS)
         xp = self.xp
         self.params = params
         # one Lora per adapted weight, shared with the trimmed graphs (their `disabled` switch too)
@@ -81,8 +83,8 @@ class Graph(LoraLinear, LossHead, Forward):
         assert self.arena.size >= arena_size(self.plan)
         buf = carve(self.plan, self.arena)
         self._trimmed_graphs: dict[int, Graph] = {}
-        self.layers = [LayerActs.of(lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
-                       for i in range(cfg.n_layer)]
+        self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
+                       for i, parts in enumerate(self.layer_parts)]
         self.xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
                    for t in targets if has_xa(cfg, t.kind)}
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
@@ -173,54 +175,15 @@ class Graph(LoraLinear, LossHead, Forward):
             self.segments = self.backend.to_device(segments)
 
     # ------------------------------------------------------------------ backward
-    def _layer_backward(self, i: int) -> None:
-        """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input)."""
-        cfg, a, p = self.cfg, self.layers[i], f"blk.{i}."
-        B, T = self.B, self.T
-        dx_out = self.dx
-        gate_forward, gate_backward = self.gate()
-        # ---- feed-forward
-        if a.h is None:
-            gate_forward(self.h, a.g, a.u)
-        h = self.h if a.h is None else a.h
-        self.linear_backward(self.dh, self._post_norm_backward(dx_out, a.f, a.rstd_f, p + "post_ffw_norm.weight"),
-                             h, p + "ffn_down.weight", accumulate=False)
-        gate_backward(self.dg, self.du, self.dh, a.g, a.u)
-        wn2 = self.norm_weight(p + "ffn_norm.weight")
-        if a.xn2 is None:
-            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd2, a.x_mid, wn2, cfg.norm_eps)
-        xn2 = self.xn if a.xn2 is None else a.xn2
-        self._gate_up_backward(xn2, p)
-        dx_mid = dx_out                                      # residual: dL/d(x_mid) += the norm's share
-        self.ops.fused.rmsnorm_backward_add(dx_mid, self._norm_dw(p + "ffn_norm.weight"), self.dxn, a.x_mid, wn2,
-                                            a.rstd2, self.dx2)
-        self.norm_grad(p + "ffn_norm.weight", self.dnorm)
-        # ---- attention
-        self.linear_backward(self.datt, self._post_norm_backward(dx_mid, a.o, a.rstd_o, p + "post_attention_norm.weight"),
-                             a.att, p + "attn_output.weight", accumulate=False)
-        q4 = a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
-        k4 = a.k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
-        dq4, dk4 = self.dq.reshape(q4.shape), self.dk.reshape(k4.shape)
-        self.attention.attention_backward(dq4, dk4, self.dv.reshape(k4.shape), self.datt.reshape(q4.shape),
-                                          q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
-                                          segments=self.segments, **cfg.attention_options(i))
-        cos, sin = self.ropes[cfg.rope_set(i)]
-        dq, dk = self.dq, self.dk
-        if cfg.spec.qk_norm:                                  # back through rope and the per-head norms
-            self._qk_norm_rope_backward(dq4, dk4, a, cos, sin, p)
-            dq, dk = self.dqp, self.dkp
-        else:
-            self.ops.fused.rope_qk_backward(dq4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
-        wn1 = self.norm_weight(p + "attn_norm.weight")
-        if a.xn1 is None:
-            self.ops.rmsnorm.rmsnorm_forward(self.xn, a.rstd1, a.x, wn1, cfg.norm_eps)
-        xn1 = self.xn if a.xn1 is None else a.xn1
-        self._qkv_backward(dq, dk, xn1, p)
-        self.ops.fused.rmsnorm_backward_add(self.dx, self._norm_dw(p + "attn_norm.weight"), self.dxn, a.x, wn1,
-                                            a.rstd1, self.dx2)     # residual: dL/d(layer input) += the norm's share
-        self.norm_grad(p + "attn_norm.weight", self.dnorm)
+    def layer_backward(self, i: int) -> None:
+        """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input): the parts'
+        backward in reverse (train/parts.py), each adding its share to the residual's."""
+        mixer, ffn = self.layer_parts[i]
+        a = self.layers[i]
+        ffn.backward(self, a.ffn, a.x_mid)
+        mixer.backward(self, a.mixer, a.x)
 
-    def _post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
+    def post_norm_backward(self, dy: np.ndarray, y_in: np.ndarray | None, rstd: np.ndarray | None,
                             name: str) -> np.ndarray:
         """Gradient through a sandwich norm (post_norms): dL/d(its input) into self.dx2, or
         dy itself when the layer has none."""
@@ -244,58 +207,17 @@ class Graph(LoraLinear, LossHead, Forward):
             t.db[...] += t.scale * (dx.T @ t.a[tokens])
             self.backend.scatter_add(t.da, tokens, t.scale * (dx @ t.b))
 
-    def _qk_norm_rope_backward(self, dq4: np.ndarray, dk4: np.ndarray, a: LayerActs, cos, sin, p: str) -> None:
-        """self.dqp, self.dkp = dL/d(q, k before their per-head norms) from dq4, dk4 = dL/d(q, k
-        after rope) (rotated back in place); the norm weights' gradients routed."""
-        HS, names = self.cfg.head_dim, (p + "attn_q_norm.weight", p + "attn_k_norm.weight")
-        dwq, dwk = self.dnorm[:HS], self.dnorm[HS:2 * HS]
-        trained = any(self._norm_trained(n) for n in names)
-        if trained:
-            self.dnorm[:2 * HS].fill(0.0)
-        else:
-            dwq = dwk = None
-        self.ops.fused.qk_norm_rope_backward(self.dqp.reshape(dq4.shape), dwq, dq4, a.qp.reshape(dq4.shape),
-                                             self.norm_weight(names[0]), a.rstd_q,
-                                             self.dkp.reshape(dk4.shape), dwk, dk4, a.kp.reshape(dk4.shape),
-                                             self.norm_weight(names[1]), a.rstd_k,
-                                             cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
-        if trained:
-            self.norm_grad(names[0], dwq)
-            self.norm_grad(names[1], dwk)
-
-    def _norm_trained(self, name: str) -> bool:
+    def norm_trained(self, name: str) -> bool:
         """A norm weight with a gradient: trained itself (dense, full) or through an adapter."""
         return self.weight_grad(name) is not None or self.adapter(name) is not None
 
-    def _norm_dw(self, name: str) -> np.ndarray | None:
+    def norm_dw(self, name: str) -> np.ndarray | None:
         """self.dnorm zeroed for a norm weight's gradient, or None where the weight is frozen
         (norm_grad then has nothing to route, and the GPU skips the dw kernel)."""
-        if not self._norm_trained(name):
+        if not self.norm_trained(name):
             return None
         self.dnorm.fill(0.0)
         return self.dnorm
-
-    def _qkv_backward(self, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray, p: str) -> None:
-        """self.dxn = dL/dxn from the projections' gradients dq, dk and self.dv."""
-        if not self.cfg.spec.fused_qkv:
-            for j, (c, dy) in enumerate((("q", dq), ("k", dk), ("v", self.dv))):
-                self.linear_backward(self.dxn, dy, xn, f"{p}attn_{c}.weight", accumulate=j > 0)
-            return
-        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
-        dqkv = self.fused_rows(Cq + 2 * Ckv)
-        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, self.dv
-        self.linear_backward(self.dxn, dqkv, xn, p + "attn_qkv.weight", accumulate=False)
-
-    def _gate_up_backward(self, xn: np.ndarray, p: str) -> None:
-        """self.dxn = dL/dxn from dg, du."""
-        if not self.cfg.spec.fused_gate_up:
-            self.linear_backward(self.dxn, self.dg, xn, p + "ffn_gate.weight", accumulate=False)
-            self.linear_backward(self.dxn, self.du, xn, p + "ffn_up.weight", accumulate=True)
-            return
-        F = self.cfg.n_ff
-        dgu = self.fused_rows(2 * F)
-        dgu[:, :F], dgu[:, F:] = self.dg, self.du
-        self.linear_backward(self.dxn, dgu, xn, p + "ffn_up.weight", accumulate=False)
 
     # ------------------------------------------------------------------ the step
     def step(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray, key: tuple = (0,),
@@ -363,7 +285,7 @@ class Graph(LoraLinear, LossHead, Forward):
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
                 self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
-            self._layer_backward(i)
+            self.layer_backward(i)
         self._embed_backward(tokens)
         self.params.settle()                                # lazily cleared gradients no product wrote
         return loss

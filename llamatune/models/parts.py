@@ -1,0 +1,283 @@
+"""The parts a block is built from: each owns its norms and linears and has a forward.
+
+A layer is two parts in sequence, as llama.cpp's graph builders compose build_norm,
+build_attn and build_ffn: a mixer (attention) and a feed-forward, each with its
+residual add,
+    x_mid = x + mixer(x)          x_out = x_mid + ffn(x_mid)
+The architecture's declaration names the kind of each (`Arch.mixer`, `Arch.ffn`, or
+`Arch.parts(cfg, i)` per layer: `ModelConfig.part_kinds`) and `PARTS` maps a kind to its
+class. A part is made once per layer (its tensor names, rope set and attention options
+resolved then, as llm.c resolves its weight pointers before the loop) and is handed,
+on each call, the `Forward` that runs it (the linears' strategy, kernels, scratch) and
+its own activations (its `Acts`: what it keeps for backward). Its backward lives in
+train/parts.py, a subclass registered under the same kind (models/ knows no training).
+
+    forward(fw, a, x, residual, y):  y (N, C) = the part's output for input x, before the
+        residual add; with `residual` (the layer input, for the second part), x holds the
+        first part's output and x += residual is done first, fused with the input norm.
+
+A new kind (a mixture-of-experts feed-forward, a delta-net mixer) is one more class
+with its Acts, act_shapes and forward here (or in a module of its own listed in
+PARTS), its backward in train/parts.py, and a name in the declarations that use it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from ..errors import LlamatuneError
+from .config import ModelConfig
+
+
+class Acts:
+    """A part's activations: fields are arrays (or None where the run keeps none)."""
+
+    @classmethod
+    def of(cls, get) -> "Acts":
+        """The activations `get(name)` hands out (None where it has none)."""
+        return cls(*(get(f.name) for f in fields(cls)))
+
+
+@dataclass
+class AttentionActs(Acts):
+    rstd: np.ndarray     # (N,) the input norm's
+    q: np.ndarray        # (N, NH*HS) after rope
+    k: np.ndarray        # (N, NKV*HS) after rope
+    v: np.ndarray        # (N, NKV*HS)
+    att: np.ndarray      # (N, NH*HS) attention output
+    lse: np.ndarray      # (B, NH, T)  softmax log-sum-exp
+    xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
+    qp: np.ndarray | None = None      # (N, NH*HS)  q before its per-head norm (qk_norm)
+    kp: np.ndarray | None = None      # (N, NKV*HS) k before its per-head norm
+    rstd_q: np.ndarray | None = None  # (N*NH,)
+    rstd_k: np.ndarray | None = None  # (N*NKV,)
+    o: np.ndarray | None = None       # (N, C) output projection before its norm (post_norms)
+    rstd_o: np.ndarray | None = None  # (N,)
+
+
+@dataclass
+class FeedForwardActs(Acts):
+    rstd: np.ndarray     # (N,) the input norm's
+    g: np.ndarray        # (N, F)   (training with bf16 products: bf16 bits, uint16)
+    u: np.ndarray        # (N, F)
+    xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
+    h: np.ndarray | None = None       # (N, F) act(g) * u, kept only in mode "none"
+    f: np.ndarray | None = None       # (N, C) down projection before its norm (post_norms)
+    rstd_f: np.ndarray | None = None  # (N,)
+
+
+@dataclass
+class LayerActs:
+    """One layer's activations: its residual stream and each part's own."""
+    x: np.ndarray        # (N, C) layer input (residual stream)
+    x_mid: np.ndarray    # (N, C) the mixer's output, then (plus x) the feed-forward's input
+    mixer: Any           # the mixer part's Acts
+    ffn: Any             # the feed-forward part's Acts
+
+
+class Part:
+    """One sublayer of layer i: names resolved once; forward(fw, a, x, residual, y)."""
+    kind = ""                    # its name in the declarations (Arch.mixer / Arch.ffn)
+    Acts: type = Acts            # the record of its activations
+    bf16_saved: tuple[str, ...] = ()   # activations kept as bf16 bits with bf16 products (train/buffers.py)
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        self.cfg, self.i, p = cfg, i, f"blk.{i}."
+        self.p = p
+
+    def act_shapes(self, B: int, T: int, keep_inputs: bool) -> dict[str, tuple[int, ...]]:
+        """Name -> shape of its activations (its Acts' fields); `keep_inputs`: also those
+        checkpointing mode "none" keeps (the normed input, ...)."""
+        raise NotImplementedError
+
+    def fused_width(self) -> int:
+        """Columns of its widest fused product (fw.fused_rows), 0 without."""
+        return 0
+
+    def forward(self, fw, a, x: np.ndarray, residual: np.ndarray | None, y: np.ndarray) -> None:
+        raise NotImplementedError
+
+    # ---- shared steps of the llama-like parts
+    def input_norm(self, fw, xn: np.ndarray, rstd: np.ndarray, x: np.ndarray, residual, name: str) -> None:
+        """xn = RMSNorm(x) (x += residual first, in place, where given: one launch on a GPU)."""
+        if residual is None:
+            fw.ops.rmsnorm.rmsnorm_forward(xn, rstd, x, fw.norm_weight(name), self.cfg.norm_eps)
+        else:
+            fw.ops.fused.add_rmsnorm_forward(xn, rstd, x, residual, fw.norm_weight(name), self.cfg.norm_eps)
+
+    def output(self, fw, y: np.ndarray, h: np.ndarray, name: str, post_norm: str | None, pre, rstd) -> None:
+        """y = h W^T of linear `name`, or with a post norm (gemma2's sandwich) RMSNorm of it (pre, rstd kept)."""
+        if post_norm is None:
+            fw.linear(y, h, name)
+            return
+        fw.linear(pre, h, name)
+        fw.ops.rmsnorm.rmsnorm_forward(y, rstd, pre, fw.norm_weight(post_norm), self.cfg.norm_eps)
+
+
+class Attention(Part):
+    """attn_norm, q/k/v (or fused attn_qkv), per-head q/k norms (qk_norm), rope, attention,
+    attn_output, post_attention_norm (post_norms)."""
+    kind, Acts = "attention", AttentionActs
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        spec, p = cfg.spec, self.p
+        self.norm = p + "attn_norm.weight"
+        self.fused = p + "attn_qkv.weight" if spec.fused_qkv else None
+        self.qkv = [f"{p}attn_{c}.weight" for c in "qkv"]
+        self.qk_norms = (p + "attn_q_norm.weight", p + "attn_k_norm.weight") if spec.qk_norm else None
+        self.out = p + "attn_output.weight"
+        self.post_norm = p + "post_attention_norm.weight" if spec.post_norms else None
+        self.rope_set, self.options = cfg.rope_set(i), cfg.attention_options(i)
+
+    def act_shapes(self, B, T, keep_inputs):
+        cfg, N = self.cfg, B * T
+        C, Cq, Ckv = cfg.n_embd, cfg.n_embd_q, cfg.n_embd_kv
+        acts = {"rstd": (N,), "q": (N, Cq), "k": (N, Ckv), "v": (N, Ckv), "att": (N, Cq), "lse": (B, cfg.n_head, T)}
+        if keep_inputs:
+            acts["xn"] = (N, C)
+        if self.qk_norms:
+            acts |= {"qp": (N, Cq), "kp": (N, Ckv), "rstd_q": (N * cfg.n_head,), "rstd_k": (N * cfg.n_head_kv,)}
+        if self.post_norm:
+            acts |= {"o": (N, C), "rstd_o": (N,)}
+        return acts
+
+    def fused_width(self) -> int:
+        return self.cfg.n_embd_q + 2 * self.cfg.n_embd_kv if self.fused else 0
+
+    def heads(self, a, q, k):
+        """q, k as (B, T, heads, HS)."""
+        B, T, cfg = a.lse.shape[0], a.lse.shape[2], self.cfg
+        return q.reshape(B, T, cfg.n_head, cfg.head_dim), k.reshape(B, T, cfg.n_head_kv, cfg.head_dim)
+
+    def forward(self, fw, a: AttentionActs, x, residual, y) -> None:
+        cfg, ops = self.cfg, fw.ops
+        cos, sin = fw.ropes[self.rope_set]
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        q4, k4 = self.heads(a, a.q, a.k)
+        if self.qk_norms:                        # per-head norms, then rope (one launch on a GPU)
+            self.project(fw, a.qp, a.kp, a.v, xn)
+            wq, wk = (fw.norm_weight(n) for n in self.qk_norms)
+            ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
+                                           a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
+        else:
+            self.project(fw, a.q, a.k, a.v, xn)
+            ops.fused.rope_qk_forward(q4, k4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
+        fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                       segments=fw.segments, **self.options)
+        self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+
+    def project(self, fw, q: np.ndarray, k: np.ndarray, v: np.ndarray, xn: np.ndarray) -> None:
+        """q (N, Cq), k, v (N, Ckv) = the projections of xn: three, or one fused attn_qkv split by rows."""
+        if self.fused is None:
+            with fw.products.shared_input(xn, fw.shared_extension(self.qkv, xn.shape[0])):
+                for name, y in zip(self.qkv, (q, k, v)):
+                    fw.linear(y, xn, name)
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        qkv = fw.linear(fw.fused_rows(Cq + 2 * Ckv), xn, self.fused)
+        q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
+
+
+class FeedForward(Part):
+    """ffn_norm, gate/up (or fused ffn_up), SwiGLU or GeGLU, ffn_down, post_ffw_norm (post_norms)."""
+    kind, Acts = "feed_forward", FeedForwardActs
+    bf16_saved = ("g", "u")      # what PyTorch's bf16 training keeps: half the layer's saved floats
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        spec, p = cfg.spec, self.p
+        self.norm = p + "ffn_norm.weight"
+        self.fused = p + "ffn_up.weight" if spec.fused_gate_up else None
+        self.gate_up = [p + "ffn_gate.weight", p + "ffn_up.weight"]
+        self.down = p + "ffn_down.weight"
+        self.post_norm = p + "post_ffw_norm.weight" if spec.post_norms else None
+        self.gelu = spec.activation == "gelu"
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, C, F = B * T, self.cfg.n_embd, self.cfg.n_ff
+        acts = {"rstd": (N,), "g": (N, F), "u": (N, F)}
+        if keep_inputs:
+            acts |= {"xn": (N, C), "h": (N, F)}
+        if self.post_norm:
+            acts |= {"f": (N, C), "rstd_f": (N,)}
+        return acts
+
+    def fused_width(self) -> int:
+        return 2 * self.cfg.n_ff if self.fused else 0
+
+    def gate(self, ops):
+        """The gate's (forward, backward) kernels: SwiGLU or GeGLU (Arch.activation)."""
+        if self.gelu:
+            return ops.geglu.geglu_forward, ops.geglu.geglu_backward
+        return ops.swiglu.swiglu_forward, ops.swiglu.swiglu_backward
+
+    def forward(self, fw, a: FeedForwardActs, x, residual, y) -> None:
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        h, gate = fw.h if a.h is None else a.h, self.gate(fw.ops)[0]
+        if a.g.dtype == np.uint16 and self.fused is None and fw.stores_bf16(self.gate_up, xn.shape[0]):
+            self.project(fw, a.g, a.u, xn)                        # kept as bf16, stored so by the products
+            gate(h, a.g, a.u)
+        elif a.g.dtype == np.uint16:                              # kept as bf16 (training's bf16 products):
+            g, u = fw.gate_scratch()                              # the products into float32 scratch, then
+            self.project(fw, g, u, xn)                            # the gate rounds them into a.g, a.u and
+            gate(h, g, u, a.g, a.u)                               # computes h from what it kept
+        else:
+            self.project(fw, a.g, a.u, xn)
+            gate(h, a.g, a.u)
+        self.output(fw, y, h, self.down, self.post_norm, a.f, a.rstd_f)
+
+    def project(self, fw, g: np.ndarray, u: np.ndarray, xn: np.ndarray) -> None:
+        """g, u (N, F): two projections, or one fused ffn_up whose first half is the gate."""
+        if self.fused is None:
+            with fw.products.shared_input(xn, fw.shared_extension(self.gate_up, xn.shape[0])):
+                fw.linear(g, xn, self.gate_up[0])
+                fw.linear(u, xn, self.gate_up[1])
+            return
+        F = self.cfg.n_ff
+        gu = fw.linear(fw.fused_rows(2 * F), xn, self.fused)
+        g[...], u[...] = gu[:, :F], gu[:, F:]
+
+
+PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward)}   # kind -> forward class
+
+
+def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:
+    """(mixer, feed-forward) of every layer, made from `classes` (kind -> class: PARTS, or
+    train/parts.py's with their backward)."""
+    classes = PARTS if classes is None else classes
+    layers = []
+    for i in range(cfg.n_layer):
+        kinds = cfg.part_kinds(i)
+        unknown = [k for k in kinds if k not in classes]
+        if unknown:
+            raise LlamatuneError(f"architecture {cfg.arch}: layer {i} has part kind(s) {unknown}, "
+                                 f"not one of {sorted(classes)}")
+        layers.append(tuple(classes[k](cfg, i) for k in kinds))
+    return layers
+
+
+def layer_act_shapes(parts: tuple[Part, ...], B: int, T: int, keep_inputs: bool = False) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of one layer's activations: its stream ("x", "x_mid") and each
+    part's as "<kind>.<name>"."""
+    N, C = B * T, parts[0].cfg.n_embd
+    shapes = {"x": (N, C), "x_mid": (N, C)}
+    for part in parts:
+        shapes |= {f"{part.kind}.{k}": s for k, s in part.act_shapes(B, T, keep_inputs).items()}
+    return shapes
+
+
+def layer_acts(parts: tuple[Part, ...], get) -> LayerActs:
+    """One layer's activations from `get(name)` (names as layer_act_shapes; None where absent)."""
+    mixer, ffn = (part.Acts.of(lambda k, kind=part.kind: get(f"{kind}.{k}")) for part in parts)
+    return LayerActs(get("x"), get("x_mid"), mixer, ffn)
+
+
+def fused_width(layers: list[tuple[Part, ...]]) -> int:
+    """Columns of the widest fused product (q|k|v or gate|up) of any part, 0 without."""
+    return max((part.fused_width() for parts in layers for part in parts), default=0)

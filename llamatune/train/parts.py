@@ -1,0 +1,110 @@
+"""The backward of each block part (models/parts.py), beside its forward by subclassing.
+
+    backward(g, a, x):  in: g.dx = dL/d(the residual stream after the part); out: g.dx =
+        dL/d(its input x), its share added in place to the residual's (dx += dpart/dx^T dy);
+        parameter gradients accumulated (+=) through g (linear_backward, norm_grad).
+
+`g` is the training graph (train/graph.py): the linears' backward, the norm weights'
+gradients, the scratch (dx2, dxn, dnorm and the gradients of `buffers.grad_scratch`)
+and the kernels. What checkpointing left unkept (the normed input, the gate's output)
+is recomputed here from what was. TRAIN_PARTS maps each kind to its trainable class;
+a new part kind adds its class here, registered under the kind its forward declares.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..models.parts import Attention, AttentionActs, FeedForward, FeedForwardActs, Part
+
+
+def normed_input(part: Part, g, a, x: np.ndarray) -> np.ndarray:
+    """The part's normed input: kept (a.xn) or recomputed into g.xn from x and a.rstd."""
+    if a.xn is not None:
+        return a.xn
+    g.ops.rmsnorm.rmsnorm_forward(g.xn, a.rstd, x, g.norm_weight(part.norm), part.cfg.norm_eps)
+    return g.xn
+
+
+def input_norm_backward(part: Part, g, a, x: np.ndarray) -> None:
+    """g.dx += dL/dx through the input norm, from g.dxn = dL/d(normed input)."""
+    g.ops.fused.rmsnorm_backward_add(g.dx, g.norm_dw(part.norm), g.dxn, x, g.norm_weight(part.norm),
+                                     a.rstd, g.dx2)
+    g.norm_grad(part.norm, g.dnorm)
+
+
+class AttentionBackward(Attention):
+    def backward(self, g, a: AttentionActs, x: np.ndarray) -> None:
+        cfg = self.cfg
+        g.linear_backward(g.datt, g.post_norm_backward(g.dx, a.o, a.rstd_o, self.post_norm), a.att, self.out,
+                          accumulate=False)
+        q4, k4 = self.heads(a, a.q, a.k)
+        dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
+        g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
+                                       q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                       segments=g.segments, **self.options)
+        cos, sin = g.ropes[self.rope_set]
+        dq, dk = g.dq, g.dk
+        if self.qk_norms:                                     # back through rope and the per-head norms
+            self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
+            dq, dk = g.dqp, g.dkp
+        else:
+            g.ops.fused.rope_qk_backward(dq4, dk4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        self.project_backward(g, dq, dk, normed_input(self, g, a, x))
+        input_norm_backward(self, g, a, x)
+
+    def qk_norm_rope_backward(self, g, dq4: np.ndarray, dk4: np.ndarray, a: AttentionActs, cos, sin) -> None:
+        """g.dqp, g.dkp = dL/d(q, k before their per-head norms) from dq4, dk4 = dL/d(q, k
+        after rope) (rotated back in place); the norm weights' gradients routed."""
+        HS, names = self.cfg.head_dim, self.qk_norms
+        dwq, dwk = g.dnorm[:HS], g.dnorm[HS:2 * HS]
+        trained = any(g.norm_trained(n) for n in names)
+        if trained:
+            g.dnorm[:2 * HS].fill(0.0)
+        else:
+            dwq = dwk = None
+        g.ops.fused.qk_norm_rope_backward(g.dqp.reshape(dq4.shape), dwq, dq4, a.qp.reshape(dq4.shape),
+                                          g.norm_weight(names[0]), a.rstd_q,
+                                          g.dkp.reshape(dk4.shape), dwk, dk4, a.kp.reshape(dk4.shape),
+                                          g.norm_weight(names[1]), a.rstd_k,
+                                          cos, sin, self.cfg.n_rot, self.cfg.rope_mode)
+        if trained:
+            g.norm_grad(names[0], dwq)
+            g.norm_grad(names[1], dwk)
+
+    def project_backward(self, g, dq: np.ndarray, dk: np.ndarray, xn: np.ndarray) -> None:
+        """g.dxn = dL/dxn from the projections' gradients dq, dk and g.dv."""
+        if self.fused is None:
+            for j, (name, dy) in enumerate(zip(self.qkv, (dq, dk, g.dv))):
+                g.linear_backward(g.dxn, dy, xn, name, accumulate=j > 0)
+            return
+        Cq, Ckv = self.cfg.n_embd_q, self.cfg.n_embd_kv
+        dqkv = g.fused_rows(Cq + 2 * Ckv)
+        dqkv[:, :Cq], dqkv[:, Cq:Cq + Ckv], dqkv[:, Cq + Ckv:] = dq, dk, g.dv
+        g.linear_backward(g.dxn, dqkv, xn, self.fused, accumulate=False)
+
+
+class FeedForwardBackward(FeedForward):
+    def backward(self, g, a: FeedForwardActs, x: np.ndarray) -> None:
+        gate_forward, gate_backward = self.gate(g.ops)
+        if a.h is None:                                       # recompute the gate's output
+            gate_forward(g.h, a.g, a.u)
+        h = g.h if a.h is None else a.h
+        g.linear_backward(g.dh, g.post_norm_backward(g.dx, a.f, a.rstd_f, self.post_norm), h, self.down,
+                          accumulate=False)
+        gate_backward(g.dg, g.du, g.dh, a.g, a.u)
+        self.project_backward(g, normed_input(self, g, a, x))
+        input_norm_backward(self, g, a, x)
+
+    def project_backward(self, g, xn: np.ndarray) -> None:
+        """g.dxn = dL/dxn from g.dg, g.du."""
+        if self.fused is None:
+            g.linear_backward(g.dxn, g.dg, xn, self.gate_up[0], accumulate=False)
+            g.linear_backward(g.dxn, g.du, xn, self.gate_up[1], accumulate=True)
+            return
+        F = self.cfg.n_ff
+        dgu = g.fused_rows(2 * F)
+        dgu[:, :F], dgu[:, F:] = g.dg, g.du
+        g.linear_backward(g.dxn, dgu, xn, self.fused, accumulate=False)
+
+
+TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward)}
