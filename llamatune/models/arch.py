@@ -86,7 +86,6 @@ class Arch:
     layer_kinds: Callable[[Any, int], tuple[str, ...]] | None = None
     shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
     vectors: tuple[str, ...] = ()
-    runs: bool = True                 # the forward runs it (False: config and weights load, nothing runs)
     # the parts of each layer (models/parts.py PARTS: their kinds): the mixer and the
     # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
     mixer: str = "attention"

@@ -16,7 +16,6 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..backend import Backend, cpu
-from ..errors import LlamatuneError
 from .model import Model
 
 
@@ -25,9 +24,6 @@ class FrozenBase:
     lazy_grads = False
 
     def __init__(self, model: Model, backend: Backend | None = None):
-        if not model.config.spec.runs:
-            raise LlamatuneError(f"{model.path}: architecture '{model.config.arch}' is read, but the forward and "
-                                 "training of its layers are not in llamatune yet")
         self.model = model
         self.backend = backend or cpu()
         w = model.weights

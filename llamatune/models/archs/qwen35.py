@@ -43,6 +43,11 @@ def layer_kinds(cfg, i: int) -> tuple[str, ...]:
     return RECURRENT if cfg.is_recurrent(i) else ATTENTION
 
 
+def parts(cfg, i: int) -> tuple[str, str]:
+    """Layer i's (mixer, feed-forward) part kinds (models/parts.py, models/qwen35_parts.py)."""
+    return ("delta_net" if cfg.is_recurrent(i) else "gated_attention"), "feed_forward_post"
+
+
 def shapes(cfg) -> dict[str, tuple[int, ...]]:
     C, NK, NV, DK = cfg.n_embd, cfg.ssm_group_count, cfg.ssm_time_step_rank, cfg.ssm_state_size
     inner = cfg.ssm_inner_size
@@ -106,11 +111,11 @@ def hparams_metadata(cfg) -> dict:
 
 
 ARCH = Arch(name="qwen35", rope_mode=NEOX, layer=tuple(dict.fromkeys(RECURRENT + ATTENTION)), read_hparams=read_hparams,
-            hparams_metadata=hparams_metadata, layer_kinds=layer_kinds, shapes=shapes, vectors=VECTORS,
+            hparams_metadata=hparams_metadata, layer_kinds=layer_kinds, parts=parts, shapes=shapes, vectors=VECTORS,
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                           ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
                           ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_beta", "linear_attn.in_proj_b"),
                           ("ssm_out", "linear_attn.out_proj"), ("ffn_gate", "mlp.gate_proj"),
                           ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")),
-            scratch=False, runs=False)
+            scratch=False)
