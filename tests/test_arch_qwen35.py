@@ -106,15 +106,6 @@ def test_runner_forward_and_decoding_match_the_float64_reference(written):
     np.testing.assert_allclose(np.concatenate(steps, 1), want, rtol=2e-4, atol=2e-4)
 
 
-def test_training_it_is_refused_in_one_line_until_its_backward_is_there(written):
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
-    from llamatune.train.params import ParamBuffer
-    model = Model(written[1])
-    with pytest.raises(LlamatuneError, match=r"architecture qwen35: layer 0 has part kind\(s\) \['delta_net'"):
-        Graph(model.config, FrozenBase(model), ParamBuffer([], np.float32), [], 1, 8)
-
-
 # --------------------------------------------------------------------------- the mixer
 
 SHAPE = MixerShape(NK=2, NV=4, DK=8, DV=6, K=4, eps=1e-6)
@@ -245,3 +236,18 @@ def test_reference_perplexity_equals_llama_perplexity(hf_model):
     model = Model(hf_model / "f32.gguf")
     got = ref.perplexity(model, model.tokenizer.encode(text.read_text(encoding="utf-8")), 64)
     assert f"{got:.4f}" == f"{want:.4f}"
+
+
+def test_lora_gradients_every_kind_by_finite_differences(written):
+    from checks.arch_reference import all_ranks, check_lora_gradients
+    model = Model(written[1])
+    ranks = all_ranks(model.config, tied=False)
+    assert {"attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out", "ssm_norm", "attn_q"} <= set(ranks)
+    assert check_lora_gradients(model, ranks, "layer", n_probe=120) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_checkpointing_modes_identical(written, dtype):
+    from checks.arch_reference import all_ranks, check_modes_identical
+    model = Model(written[1])
+    check_modes_identical(model, all_ranks(model.config, tied=False), dtype, packed=dtype == np.float64)

@@ -332,6 +332,8 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
     tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
                 head_dim=16, n_rot=16)
+    if like is not None and like.recurrent_layers:                 # a hybrid: one layer of each kind
+        tiny["recurrent_layers"] = (True, False)
     cfg = ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)   # the run's family
     params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
     for n, a in random_weights(cfg, seed=0).items():
