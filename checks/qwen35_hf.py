@@ -5,6 +5,7 @@ convert_hf_to_gguf.py, and HF's float64 logits of it: the oracle of the qwen35 t
     $PY checks/qwen35_hf.py build DIR [--steps 120]       # tokenizer, model, a short training
     $PY checks/qwen35_hf.py convert DIR OUT.gguf --outtype f32|q8_0 --llama-cpp LLAMA_CPP_DIR
     $PY checks/qwen35_hf.py logits DIR TOKENS.npy OUT.npy  # float64 logits (B, T, V) of token rows
+    $PY checks/qwen35_hf.py grads DIR BATCH.npz OUT.npz     # float64 loss and every Linear's weight gradient
 
 Run by the torch interpreter as a script (it imports nothing of llamatune); the tests
 call it as a subprocess and skip without that interpreter.
@@ -153,6 +154,22 @@ def logits(src: Path, tokens: Path, out: Path) -> None:
     np.save(out, z.numpy())
 
 
+def grads(src: Path, inp: Path, out: Path) -> None:
+    """The loss sum(w * CE(logits, targets)) of the batch in `inp` (npz: inputs, targets,
+    weights) and its gradient with respect to every Linear weight, HF names, float64."""
+    import torch
+    model = load64(src)
+    a = np.load(inp)
+    logits = model(input_ids=torch.tensor(a["inputs"], dtype=torch.long)).logits
+    targets = torch.tensor(a["targets"], dtype=torch.long)
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1).clamp(min=0),
+                                           reduction="none")
+    loss = (ce * torch.tensor(a["weights"]).reshape(-1)).sum()
+    loss.backward()
+    res = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None and p.ndim == 2}
+    np.savez(out, loss=loss.detach().numpy(), **res)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -166,6 +183,10 @@ def main() -> None:
     c.add_argument("out", type=Path)
     c.add_argument("--outtype", default="f32")
     c.add_argument("--llama-cpp", type=Path, required=True)
+    gr = sub.add_parser("grads")
+    gr.add_argument("dir", type=Path)
+    gr.add_argument("batch", type=Path)
+    gr.add_argument("out", type=Path)
     lg = sub.add_parser("logits")
     lg.add_argument("dir", type=Path)
     lg.add_argument("tokens", type=Path)
@@ -177,6 +198,8 @@ def main() -> None:
         (a.dir / "oracle.json").write_text(json.dumps(dict(steps=a.steps, seed=a.seed)) + "\n")
     elif a.cmd == "convert":
         convert(a.dir, a.out, a.outtype, a.llama_cpp)
+    elif a.cmd == "grads":
+        grads(a.dir, a.batch, a.out)
     else:
         logits(a.dir, a.tokens, a.out)
 

@@ -4,7 +4,8 @@ line, the delta-net mixer's and the output gate's gradients by float64 finite
 differences, decoding through the recurrent state against the full forward; and (slow,
 with the torch interpreter and llama.cpp's tools) a tiny HF-made model converted by
 llama.cpp's converter: the float64 reference forward against HF's logits and against
-llama-perplexity's figure."""
+llama-perplexity's figure, and the training loss and LoRA gradients against HF's float64
+autograd."""
 from __future__ import annotations
 
 import os
@@ -251,3 +252,56 @@ def test_checkpointing_modes_identical(written, dtype):
     from checks.arch_reference import all_ranks, check_modes_identical
     model = Model(written[1])
     check_modes_identical(model, all_ranks(model.config, tied=False), dtype, packed=dtype == np.float64)
+
+
+# GGUF kind -> HF module of a layer, and which axis carries value heads the converter reorders
+HF_LINEARS = {"attn_qkv": ("linear_attn.in_proj_qkv", 0), "attn_gate": ("linear_attn.in_proj_z", 0),
+              "ssm_alpha": ("linear_attn.in_proj_a", 0), "ssm_beta": ("linear_attn.in_proj_b", 0),
+              "ssm_out": ("linear_attn.out_proj", 1), "attn_q": ("self_attn.q_proj", None),
+              "attn_k": ("self_attn.k_proj", None), "attn_v": ("self_attn.v_proj", None),
+              "attn_output": ("self_attn.o_proj", None), "ffn_gate": ("mlp.gate_proj", None),
+              "ffn_up": ("mlp.up_proj", None), "ffn_down": ("mlp.down_proj", None)}
+
+
+def _tiled(grad, kind, axis, cfg):
+    """HF's grouped value heads in the converter's tiled order (conversion/qwen.py _reorder_v_heads)."""
+    if axis is None:
+        return grad
+    NK, NV = cfg.ssm_group_count, cfg.ssm_time_step_rank
+    head = 1 if kind in ("ssm_alpha", "ssm_beta") else cfg.ssm_inner_size // NV
+    g = np.moveaxis(grad, axis, 0)
+    lead = 2 * NK * cfg.ssm_state_size if kind == "attn_qkv" else 0
+    v = g[lead:].reshape(NK, NV // NK, head, *g.shape[1:]).swapaxes(0, 1).reshape(g[lead:].shape)
+    return np.moveaxis(np.concatenate([g[:lead], v]), 0, axis)
+
+
+@pytest.mark.slow
+def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
+    """B = 0: the adapted model is HF's, dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(hf_model / "f32.gguf")
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.n_vocab, (2, 71))                  # a chunk of the rule and a partial one
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    weights = np.full(targets.shape, 1 / targets.size)
+    np.savez(hf_model / "batch.npz", inputs=inputs, targets=targets, weights=weights)
+    subprocess.run([str(TORCH_PY), str(HERE.parent / "checks" / "qwen35_hf.py"), "grads", str(hf_model / "hf"),
+                    str(hf_model / "batch.npz"), str(hf_model / "grads.npz")], check=True, capture_output=True)
+    hf = np.load(hf_model / "grads.npz")
+    ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=False)
+    params = ParamBuffer(lora_specs(ts), np.float64)
+    init_lora(params, ts, rng)
+    g = Graph(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
+    loss = g.step(inputs, targets, weights)
+    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
+    for t in ts:
+        i, kind = int(t.weight.split(".")[1]), t.kind
+        module, axis = HF_LINEARS[kind]
+        G = _tiled(hf[f"model.layers.{i}.{module}.weight"], kind, axis, cfg)
+        want = t.scale * G @ params[t.a].T
+        got = params.grad_of(t.b)
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
