@@ -236,7 +236,7 @@ def test_reference_perplexity_equals_llama_perplexity(hf_model):
     want = float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
     model = Model(hf_model / "f32.gguf")
     got = ref.perplexity(model, model.tokenizer.encode(text.read_text(encoding="utf-8")), 64)
-    assert f"{got:.4f}" == f"{want:.4f}"
+    assert abs(got - want) <= 2e-5 * want          # float64 here, float32 in llama.cpp
 
 
 def test_lora_gradients_every_kind_by_finite_differences(written):

@@ -112,10 +112,10 @@ def hparams_metadata(cfg) -> dict:
 
 ARCH = Arch(name="qwen35", rope_mode=NEOX, layer=tuple(dict.fromkeys(RECURRENT + ATTENTION)), read_hparams=read_hparams,
             hparams_metadata=hparams_metadata, layer_kinds=layer_kinds, parts=parts, shapes=shapes, vectors=VECTORS,
+            # PEFT names for the attention layers' and FFN's modules only: the delta-net
+            # projections' value heads are in the converter's tiled order, which
+            # convert-checkpoint does not reorder yet
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                          ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
-                          ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_beta", "linear_attn.in_proj_b"),
-                          ("ssm_out", "linear_attn.out_proj"), ("ffn_gate", "mlp.gate_proj"),
-                          ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")),
             scratch=False)
