@@ -305,3 +305,12 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
         want = t.scale * G @ params[t.a].T
         got = params.grad_of(t.b)
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
+
+
+def test_delta_net_on_a_gpu_is_refused_in_one_line(written):
+    from types import SimpleNamespace
+
+    from llamatune.models.qwen35_parts import DeltaNet
+    part = DeltaNet(written[0], 0)
+    with pytest.raises(LlamatuneError, match=r"qwen35: its gated delta-net layers run on the CPU only .* --device cpu"):
+        part.forward(SimpleNamespace(backend=SimpleNamespace(name="cuda")), None, None, None, None)

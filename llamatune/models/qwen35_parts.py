@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from ..errors import LlamatuneError
 from .deltanet_mixer import MixerParams, MixerShape, mixer_decode, mixer_forward
 from .gated_attention import output_gate_forward, split_q_gate
 
@@ -112,6 +113,9 @@ class DeltaNet:
         return saved
 
     def forward(self, fw, a: DeltaNetActs, x, residual, y) -> None:
+        if fw.backend.name != "cpu":
+            raise LlamatuneError(f"architecture {self.cfg.arch}: its gated delta-net layers run on the CPU only "
+                                 "(no CUDA kernels yet): give --device cpu")
         xn = fw.xn if a.xn is None else a.xn
         _input_norm(fw, self.cfg, xn, a.rstd, x, residual, self.norm)
         self.project(fw, a, xn)
