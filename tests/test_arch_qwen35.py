@@ -314,3 +314,36 @@ def test_delta_net_on_a_gpu_is_refused_in_one_line(written):
     part = DeltaNet(written[0], 0)
     with pytest.raises(LlamatuneError, match=r"qwen35: its gated delta-net layers run on the CPU only .* --device cpu"):
         part.forward(SimpleNamespace(backend=SimpleNamespace(name="cuda")), None, None, None, None)
+
+
+def test_finetune_resume_perplexity_generate_export_through_the_cli(written, tmp_path):
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    from llamatune.formats.gguf_io import GGUFFile
+
+    def run(*args):
+        r = CliRunner().invoke(app, [str(a) for a in args])
+        assert r.exit_code == 0, r.output
+        return r.output
+    model = written[1]
+    (tmp_path / "t.txt").write_text(TEXT)
+    train = ["finetune", "--model-base", model, "--train-data", tmp_path / "t.txt", "--ctx", 16, "--batch", 2,
+             "--lora-r", 2, "--rank-ssm-alpha", 1, "--rank-ssm-beta", 1, "--warmup", 1, "--adam-alpha", 1e-2,
+             "--save-every", 0, "--checkpoint-out", tmp_path / "chk-ITERATION.gguf",
+             "--lora-out", tmp_path / "adapter-ITERATION.gguf"]
+    run(*train, "--adam-iter", 2)
+    run(*train, "--adam-iter", 3, "--checkpoint-in", tmp_path / "chk-LATEST.gguf")
+    adapter = GGUFFile(tmp_path / "adapter-LATEST.gguf")
+    kinds = {i: {n.split(".")[2] for n in adapter.tensors if n.startswith(f"blk.{i}.")} for i in (0, 3)}
+    assert kinds[0] == {"attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out", "ffn_gate", "ffn_up", "ffn_down"}
+    assert kinds[3] == {"attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"}
+    lora = ["--lora", tmp_path / "adapter-LATEST.gguf"]
+    base_ppl = run("perplexity", "-m", model, "-f", tmp_path / "t.txt", "-c", 16)
+    assert "Final estimate: PPL = " in base_ppl and base_ppl != run("perplexity", "-m", model, "-f",
+                                                                    tmp_path / "t.txt", "-c", 16, *lora)
+    assert "First Citizen:" in run("generate", "-m", model, "-p", "First Citizen:", "-n", 4, "--temp", 0, *lora)
+    run("export-lora", "-m", model, *lora, "-o", tmp_path / "merged.gguf")
+    merged = GGUFFile(tmp_path / "merged.gguf")
+    assert not np.array_equal(np.array(merged.tensors["blk.0.ssm_alpha.weight"].data),
+                              np.array(GGUFFile(model).tensors["blk.0.ssm_alpha.weight"].data))
