@@ -87,6 +87,14 @@ class Arch:
     # n_expert_used and n_ff_exp give their sizes
     experts: tuple[str, ...] = ()
     expert_norm: bool = True          # the top-k router weights normalized to sum 1 (build_moe_ffn's norm_w)
+    # hybrid families (qwen35: delta-net and attention layers): layer_kinds(cfg, i) gives
+    # layer i's kinds, file order (None: every layer has `layer`, which then lists the
+    # kinds of every layer kind); shapes(cfg) the shapes of kinds of the family's own or
+    # that differ from tensor_shape's; `vectors` the per-layer float32 vectors kept in
+    # Layer.vectors under their full suffix ("ssm_a", "ssm_dt.bias", "ssm_conv1d.weight")
+    layer_kinds: Callable[[Any, int], tuple[str, ...]] | None = None
+    shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
+    vectors: tuple[str, ...] = ()
     # the parts of each layer (models/parts.py PARTS: their kinds): the mixer and the
     # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
     mixer: str = "attention"
@@ -120,21 +128,36 @@ class Arch:
     @property
     def matrices(self) -> tuple[str, ...]:
         """Per-layer weight kinds that go through a matmul, file order."""
-        return tuple(k for k in self.layer if "." not in k and not k.endswith("norm"))
+        return self.matrices_of(self.layer)
 
     @property
     def norms(self) -> tuple[str, ...]:
         """Per-layer norm weight kinds (vectors), file order."""
-        return tuple(k for k in self.layer if "." not in k and k.endswith("norm"))
+        return self.norms_of(self.layer)
 
     @property
     def biases(self) -> tuple[str, ...]:
         """Matrix kinds that also have a bias vector."""
-        return tuple(k.removesuffix(".bias") for k in self.layer if k.endswith(".bias"))
+        return self.biases_of(self.layer)
 
-    def layer_tensors(self, i: int) -> list[str]:
-        """Full llama.cpp names of layer i's tensors, file order (the expert tensors last)."""
-        return [f"blk.{i}.{k}" if k.endswith(".bias") else f"blk.{i}.{k}.weight" for k in self.layer + self.experts]
+    def matrices_of(self, kinds) -> tuple[str, ...]:
+        return tuple(k for k in kinds if "." not in k and not k.endswith("norm") and k not in self.vectors)
+
+    def norms_of(self, kinds) -> tuple[str, ...]:
+        return tuple(k for k in kinds if "." not in k and k.endswith("norm"))
+
+    def biases_of(self, kinds) -> tuple[str, ...]:
+        return tuple(k.removesuffix(".bias") for k in kinds if k.endswith(".bias") and k not in self.vectors)
+
+    def kinds(self, cfg, i: int) -> tuple[str, ...]:
+        """Layer i's tensor kinds, file order (hybrid families: the kind of layer i's)."""
+        return self.layer if self.layer_kinds is None else self.layer_kinds(cfg, i)
+
+    def layer_tensors(self, i: int, kinds=None) -> list[str]:
+        """Full llama.cpp names of layer i's tensors (of `kinds`, default `layer`, then the
+        expert tensors of a mixture of experts), file order."""
+        return [f"blk.{i}.{k}" if "." in k or k in self.vectors else f"blk.{i}.{k}.weight"
+                for k in (self.layer if kinds is None else kinds) + self.experts]
 
 
 def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
@@ -142,6 +165,9 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
     model with config `cfg`. `kind` is a layer kind ("attn_q", "attn_q.bias", "attn_norm")
     or a model-level one ("token_embd", "output", "output_norm")."""
     C, F, V, Cq, Ckv = cfg.n_embd, cfg.n_ff, cfg.n_vocab, cfg.n_embd_q, cfg.n_embd_kv
+    own = cfg.spec.shapes(cfg) if cfg.spec.shapes is not None else {}
+    if kind in own:
+        return own[kind]
     if kind.endswith(".bias"):
         return (tensor_shape(cfg, kind.removesuffix(".bias"))[0],)
     shapes = {

@@ -66,6 +66,15 @@ class ModelConfig:
     n_expert: int = 0              # E: experts per layer ({arch}.expert_count)
     n_expert_used: int = 0         # k: experts each token uses ({arch}.expert_used_count)
     n_ff_exp: int = 0              # an expert's SwiGLU hidden size ({arch}.expert_feed_forward_length)
+    # gated delta-net layers (qwen35: llama.cpp's ssm_* hyperparameters); 0 / (): none
+    ssm_conv_kernel: int = 0       # ssm.conv_kernel: taps of the causal convolution
+    ssm_state_size: int = 0        # ssm.state_size: q/k (and value) head size
+    ssm_group_count: int = 0       # ssm.group_count: q/k heads
+    ssm_time_step_rank: int = 0    # ssm.time_step_rank: value heads
+    ssm_inner_size: int = 0        # ssm.inner_size: value heads x value head size
+    recurrent_layers: tuple[bool, ...] = ()   # per layer: a delta-net layer (else attention)
+    full_attention_interval: int = 0          # attention.recurrent_layers absent: every n-th layer attends
+    rope_sections: tuple[int, ...] = ()       # rope.dimension_sections (multi-rope; text: all one position)
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
@@ -90,7 +99,11 @@ class ModelConfig:
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
                 raise LlamatuneError(f"model hyperparameter {name} = {value} must be >= 0 and finite as a float32")
-        for name in ("sliding_window", "swa_pattern", "nope_step"):
+        if self.recurrent_layers and len(self.recurrent_layers) != self.n_layer:
+            raise LlamatuneError(f"recurrent_layers has {len(self.recurrent_layers)} entries, expected block_count "
+                                 f"{self.n_layer}")
+        for name in ("sliding_window", "swa_pattern", "nope_step", "ssm_conv_kernel", "ssm_state_size", "ssm_group_count",
+                     "ssm_time_step_rank", "ssm_inner_size", "full_attention_interval"):
             if not 0 <= getattr(self, name) <= MAX_COUNT:
                 raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be >= 0")
         self._check_experts()
@@ -123,6 +136,10 @@ class ModelConfig:
         """Layer i attends through the sliding window (llama.cpp set_swa_pattern(swa_pattern))."""
         n = self.swa_pattern
         return self.sliding_window > 0 and (n == 0 or i % n < n - 1)
+
+    def is_recurrent(self, i: int) -> bool:
+        """Layer i is a gated delta-net layer (qwen35), not attention."""
+        return bool(self.recurrent_layers) and self.recurrent_layers[i]
 
     def window(self, i: int) -> int:
         """Attention window of layer i (0: all earlier positions)."""

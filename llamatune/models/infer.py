@@ -14,7 +14,7 @@ sequences, on the CPU) multiplies the quantized weights on their blocks instead,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 import numpy as np
@@ -22,6 +22,7 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..formats.adapter import RuntimeAdapters
 from ..precision import F32, ComputePolicy
+from .deltanet_mixer import MixerShape, RecurrentState
 from .forward import Forward, Linears
 from .model import Model
 from .parts import fused_width, layer_act_shapes, layer_acts
@@ -35,14 +36,19 @@ class KVCache:
     v: list[np.ndarray]   # per layer (B, S_max, NKV, HS)
     n_past: int = 0
     context: int = 0      # the context size rope factors are chosen for (llama.cpp's n_ctx); 0: n_ctx
+    # per layer: a gated delta-net layer's conv and delta state (qwen35), which it has instead of k, v
+    recurrent: list[RecurrentState | None] = field(default_factory=list)
 
     @classmethod
     def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None,
               context: int = 0) -> "KVCache":
         c, xp = model.config, (backend or cpu()).xp
         shape = (batch, n_ctx, c.n_head_kv, c.head_dim)
-        return cls([xp.zeros(shape, np.float32) for _ in range(c.n_layer)],
-                   [xp.zeros(shape, np.float32) for _ in range(c.n_layer)], context=context)
+        attends = [not c.is_recurrent(i) for i in range(c.n_layer)]
+        states = [None if a else RecurrentState.empty(MixerShape.of(c), batch) for a in attends]
+        return cls([xp.zeros(shape if a else (batch, n_ctx, 0, 0), np.float32) for a in attends],
+                   [xp.zeros(shape if a else (batch, n_ctx, 0, 0), np.float32) for a in attends], context=context,
+                   recurrent=states)
 
     @property
     def n_ctx(self) -> int:
@@ -107,6 +113,10 @@ class Runner(Forward):
         c.k[i][:, n:n + T] = k
         c.v[i][:, n:n + T] = v
         return c.k[i][:, :n + T], c.v[i][:, :n + T], n
+
+    def recurrent_state(self, i: int) -> RecurrentState | None:
+        """Layer i's conv and delta state in the cache (a gated delta-net layer), None without a cache."""
+        return None if self.cache is None else self.cache.recurrent[i]
 
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""

@@ -10,7 +10,7 @@ weight `W` of `y = x W^T` is (n_out, n_in) in numpy order.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -31,6 +31,7 @@ class Layer:
     mats: dict[str, Tensor]        # Arch.matrices -> frozen weight (n_out, n_in), as stored
     biases: dict[str, np.ndarray]  # Arch.biases -> (n_out,) f32
     experts: dict[str, Tensor] = None   # Arch.experts -> frozen 3-D expert tensor (E, n_out, n_in), as stored
+    vectors: dict[str, np.ndarray] = field(default_factory=dict)   # Arch.vectors of the layer -> f32, as shaped
 
 
 @dataclass
@@ -74,6 +75,15 @@ def _matrix(f: GGUFFile, name: str, shape: tuple[int, ...]) -> Tensor:
     return t
 
 
+def _small(f: GGUFFile, name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """A small per-layer tensor (a vector, or the delta-net's (channels, taps) convolution) in f32."""
+    t = f.tensor(name)
+    if t.shape != shape:
+        raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected {shape}")
+    check_type(f, t)
+    return dequant.dequantize(t.raw_rows(), t.qtype, t.n_cols).reshape(shape).astype(np.float32)
+
+
 ROPE_FACTORS = ("rope_freqs", "rope_factors_long", "rope_factors_short")   # optional model-level vectors
 
 
@@ -82,12 +92,13 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
     spec = cfg.spec
     layers = []
     for i in range(cfg.n_layer):
-        p = f"blk.{i}."
+        p, kinds = f"blk.{i}.", spec.kinds(cfg, i)
         layers.append(Layer(
-            {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms},
-            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices},
-            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases},
-            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.experts}))
+            {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms_of(kinds)},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices_of(kinds)},
+            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases_of(kinds)},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.experts},
+            {k: _small(f, p + k, tensor_shape(cfg, k)) for k in kinds if k in spec.vectors}))
     token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
     has_output = "output.weight" in f and not spec.tied          # gemma, gemma2: always token_embd
     output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if has_output else token_embd
@@ -246,7 +257,7 @@ class Model:
         names = {"output_norm.weight"} | {f"{k}.weight" for k in ROPE_FACTORS}
         names |= {n for n, _ in self.weights.all_matrices()} | {n for n, _ in self.weights.all_experts()}
         for i in range(self.config.n_layer):
-            names |= set(self.config.spec.layer_tensors(i))
+            names |= set(self.config.spec.layer_tensors(i, self.config.spec.kinds(self.config, i)))
         return [(n, t) for n, t in self.file.tensors.items() if n in names]
 
     @cached_property

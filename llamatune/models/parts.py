@@ -30,6 +30,7 @@ import numpy as np
 from ..errors import LlamatuneError
 from .config import ModelConfig
 from .moe import MoeActs, moe_forward
+from .qwen35_parts import DeltaNet, GatedAttention
 
 
 class Acts:
@@ -299,7 +300,18 @@ class MoeFeedForward(Part):
         a.state = moe_forward(fw, y, xn, self.i)
 
 
-PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward)}   # kind -> forward class
+
+class FeedForwardPost(FeedForward):
+    """feed_forward with post_attention_norm as its input norm and no sandwich norm (qwen35)."""
+    kind = "feed_forward_post"
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.norm, self.post_norm = self.p + "post_attention_norm.weight", None
+
+
+PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
+                                                    DeltaNet, GatedAttention)}   # kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

@@ -39,6 +39,8 @@ class FrozenBase:
                 vectors[f"blk.{i}.{k}.weight"] = v
             for k, b in layer.biases.items():
                 vectors[f"blk.{i}.{k}.bias"] = b
+            for k, v in layer.vectors.items():
+                vectors[f"blk.{i}.{k}"] = v
         self.vectors = {k: self.backend.to_device(v) for k, v in vectors.items()}
         self.rope_freqs = w.rope_freqs            # host arrays: rope caches are built on the host
         self.rope_long, self.rope_short = w.rope_long, w.rope_short

@@ -47,7 +47,8 @@ def tensor_names(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[int, .
     if not tied:
         names["output.weight"] = tensor_shape(cfg, "output")
     for i in range(cfg.n_layer):
-        for kind, name in zip(cfg.spec.layer + cfg.spec.experts, cfg.spec.layer_tensors(i)):
+        kinds = cfg.spec.kinds(cfg, i)
+        for kind, name in zip(kinds + cfg.spec.experts, cfg.spec.layer_tensors(i, kinds)):
             names[name] = tensor_shape(cfg, kind)
     return names
 

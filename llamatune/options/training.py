@@ -170,6 +170,14 @@ class FinetuneOptions(TrainOptions):
                                 "router where --rank-ffn-gate-inp asks, only).", G_LORA, frozen=True)
     rank_ffn_gate_inp: int = opt(0, "Rank for a mixture of experts' router ffn_gate_inp (0: frozen).", G_LORA,
                                  frozen=True)
+    rank_attn_gate: Optional[int] = opt(None, "Rank for attn_gate, the delta-net layers' output gate projection "
+                                        "(qwen35).", G_LORA, frozen=True)
+    rank_ssm_out: Optional[int] = opt(None, "Rank for ssm_out, the delta-net layers' output projection (qwen35).",
+                                      G_LORA, frozen=True)
+    rank_ssm_alpha: int = opt(0, "Rank for ssm_alpha, the delta-net layers' decay gate projection (qwen35; 0: none).",
+                              G_LORA, frozen=True)
+    rank_ssm_beta: int = opt(0, "Rank for ssm_beta, the delta-net layers' write-strength gate projection (qwen35; "
+                             "0: none).", G_LORA, frozen=True)
     rank_tok_embd: int = opt(0, "Rank for token_embd (0: none).", G_LORA, frozen=True)
     rank_out: int = opt(0, "Rank for the output head (0: none).", G_LORA, frozen=True)
     rank_att_norm: int = opt(0, "Rank for attn_norm (llama.cpp ignores norm adapters at run time; export-lora merges them).", G_LORA, frozen=True)
@@ -242,6 +250,8 @@ class FinetuneOptions(TrainOptions):
         return {"attn_q": pick(self.rank_wq), "attn_k": pick(self.rank_wk), "attn_v": pick(self.rank_wv),
                 "attn_qkv": pick(self.rank_wqkv), "attn_output": pick(self.rank_wo), "ffn_gate": pick(self.rank_ffn_gate),
                 "ffn_up": pick(self.rank_ffn_up), "ffn_down": pick(self.rank_ffn_down),
+                "attn_gate": pick(self.rank_attn_gate), "ssm_out": pick(self.rank_ssm_out),
+                "ssm_alpha": self.rank_ssm_alpha, "ssm_beta": self.rank_ssm_beta,
                 "token_embd": self.rank_tok_embd, "output": self.rank_out, "attn_norm": self.rank_att_norm,
                 "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
                 "attn_q_norm": self.rank_q_norm, "attn_k_norm": self.rank_k_norm,

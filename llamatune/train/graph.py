@@ -335,7 +335,10 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
                 head_dim=16, n_rot=16)
     # the run's family (a mixture of experts: a dense llama of its grouping, the dense weights
-    # have no experts; its router and expert kernels compile on their first use)
+    # have no experts; its router and expert kernels compile on their first use; a hybrid:
+    # one layer of each kind)
+    if like is not None and like.recurrent_layers:
+        tiny["recurrent_layers"] = (True, False)
     if like is not None and like.spec.moe:
         cfg = ModelConfig.new("llama", norm_eps=like.norm_eps, **tiny)
     else:

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, MoeFeedForward,
-                            MoeFeedForwardActs, Part)
+from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
+from ..models.gated_attention import join_q_gate, output_gate_backward
+from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
+                            MoeFeedForward, MoeFeedForwardActs, Part)
+from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
 
@@ -146,8 +149,61 @@ class MoeFeedForwardBackward(MoeFeedForward):
     def backward(self, g, a: MoeFeedForwardActs, x: np.ndarray) -> None:
         """Through the experts each token chose and the router (train/moe.py), then the norm."""
         moe_backward(g, g.dxn, g.dx, normed_input(self, g, a, x), a.state, self.i)
+
+
+class FeedForwardPostBackward(FeedForwardBackward, FeedForwardPost):
+    pass
+
+
+class DeltaNetBackward(DeltaNet):
+    """The mixer recomputed from the kept projections (models/deltanet_mixer.py), then its
+    backward; LoRA on the projections and ssm_out, ssm_norm through a norm adapter; the
+    conv, ssm_a and ssm_dt stay frozen. CPU; its scratch is allocated here."""
+
+    def backward(self, g, a: DeltaNetActs, x: np.ndarray) -> None:
+        B, T = a.g.shape[:2]
+        s, N = self.shape, B * T
+        dy = np.empty((N, s.inner), g.dx.dtype)
+        g.linears.backward(dy, g.dx, a.y, self.out, accumulate=False)
+        prm = self.params(g, a.mixed.dtype)
+        y = np.empty((B, T, s.inner), a.mixed.dtype)
+        saved = mixer_forward(y, a.mixed.reshape(B, T, -1), a.z.reshape(B, T, -1), a.alpha.reshape(B, T, -1),
+                              a.b.reshape(B, T, -1), prm, s, g.segments)
+        norm = self.p + "ssm_norm.weight"
+        grads = MixerGrads(norm=np.zeros_like(prm.norm) if g.norm_trained(norm) else None)
+        d = {n: np.empty_like(getattr(a, n)) for n in ("mixed", "z", "alpha", "b")}
+        mixer_backward(d["mixed"].reshape(B, T, -1), d["z"].reshape(B, T, -1), d["alpha"].reshape(B, T, -1),
+                       d["b"].reshape(B, T, -1), dy.reshape(B, T, -1), saved, prm, s, grads)
+        if grads.norm is not None:
+            g.linears.norm_grad(norm, grads.norm.astype(g.dnorm.dtype))
+        xn = normed_input(self, g, a, x)
+        for j, (name, n) in enumerate(zip(self.projections, ("mixed", "z", "alpha", "b"))):
+            g.linears.backward(g.dxn, d[n], xn, name, accumulate=j > 0)
+        input_norm_backward(self, g, a, x)
+
+
+class GatedAttentionBackward(GatedAttention):
+    def backward(self, g, a: GatedAttentionActs, x: np.ndarray) -> None:
+        cfg = self.cfg
+        g.linears.backward(g.datt, g.dx, a.gated, self.out, accumulate=False)
+        dgate = np.empty_like(a.gate)
+        output_gate_backward(g.datt, dgate, g.datt, a.att, a.gate)
+        q4, k4 = self.heads(a, a.q, a.k)
+        dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
+        g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
+                                       q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                       segments=g.segments, **self.options)
+        cos, sin = g.ropes[self.rope_set]
+        AttentionBackward.qk_norm_rope_backward(self, g, dq4, dk4, a, cos, sin)
+        xn = normed_input(self, g, a, x)
+        dqg = g.fused_rows(2 * cfg.n_embd_q)
+        join_q_gate(dqg, g.dqp, dgate, cfg.n_head, cfg.head_dim)
+        g.linears.backward(g.dxn, dqg, xn, self.q, accumulate=False)
+        g.linears.backward(g.dxn, g.dkp, xn, self.k, accumulate=True)
+        g.linears.backward(g.dxn, g.dv, xn, self.v, accumulate=True)
         input_norm_backward(self, g, a, x)
 
 
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
-                                                          MoeFeedForwardBackward)}
+                                                          MoeFeedForwardBackward, FeedForwardPostBackward,
+                                                          DeltaNetBackward, GatedAttentionBackward)}
