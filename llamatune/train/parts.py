@@ -149,6 +149,7 @@ class MoeFeedForwardBackward(MoeFeedForward):
     def backward(self, g, a: MoeFeedForwardActs, x: np.ndarray) -> None:
         """Through the experts each token chose and the router (train/moe.py), then the norm."""
         moe_backward(g, g.dxn, g.dx, normed_input(self, g, a, x), a.state, self.i)
+        input_norm_backward(self, g, a, x)
 
 
 class FeedForwardPostBackward(FeedForwardBackward, FeedForwardPost):
