@@ -284,16 +284,23 @@ def load_dataset(path, tokenizer, opts, role: str = "training") -> Samples:
     return _fit(pieces, masks, opts, str(path))
 
 
-def load_pairs(path, tokenizer, opts, role: str = "training") -> Samples:
-    """Preference pairs of a training or validation file: sample 2i is pair i's chosen
-    answer, 2i + 1 its rejected one (both with the prompt; the mask marks the answer and
-    EOS). Bad rows: `FILE:LINE: problem`, or skipped and counted with --skip-bad-rows."""
+def rows_text(path, opts, role: str, rows: str) -> str:
+    """The text of a training or validation file (`role`) that must hold `rows` (what the
+    method reads, for the error), refused when missing or raw text."""
     if path is None:
         raise LlamatuneError(f"--{'train' if role == 'training' else 'val'}-data is required")
     text = read_text(path, f"{role} data")
     if detect_format(text, opts.data_format, path) == "text" or opts.data_format == "text":
-        raise LlamatuneError(f"{path}: --method {opts.method} trains on preference rows (JSONL or a JSON array of "
-                             "objects with prompt, chosen and rejected), not on raw text")
+        raise LlamatuneError(f"{path}: --method {opts.method} trains on {rows}, not on raw text")
+    return text
+
+
+def load_pairs(path, tokenizer, opts, role: str = "training") -> Samples:
+    """Preference pairs of a training or validation file: sample 2i is pair i's chosen
+    answer, 2i + 1 its rejected one (both with the prompt; the mask marks the answer and
+    EOS). Bad rows: `FILE:LINE: problem`, or skipped and counted with --skip-bad-rows."""
+    text = rows_text(path, opts, role, "preference rows (JSONL or a JSON array of objects with prompt, chosen and "
+                     "rejected)")
     enc = RowEncoder(tokenizer, opts, str(path))
     pairs, bad, first_bad = [], 0, ""
     for line, row in read_rows(text, path):

@@ -52,15 +52,22 @@ def output_grad(part: Part, g) -> np.ndarray:
     return g.dxn
 
 
+def core_attention_backward(part, g, a) -> tuple[np.ndarray, np.ndarray]:
+    """g.dq, g.dk, g.dv = dL/d(q, k after rope, v) from g.datt = dL/d(the attention's output),
+    with the part's scale, soft-cap, window and the packed rows; (dq, dk) viewed per head."""
+    q4, k4 = part.heads(a, a.q, a.k)
+    dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
+    g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
+                                   q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
+                                   segments=g.segments, **part.options)
+    return dq4, dk4
+
+
 class AttentionBackward(Attention):
     def backward(self, g, a: AttentionActs, x: np.ndarray) -> None:
         g.linears.backward(g.datt, g.post_norm_backward(output_grad(self, g), a.o, a.rstd_o, self.post_norm), a.att,
                            self.out, accumulate=False)
-        q4, k4 = self.heads(a, a.q, a.k)
-        dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
-        g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
-                                       q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
-                                       segments=g.segments, **self.options)
+        dq4, dk4 = core_attention_backward(self, g, a)
         cos, sin = g.ropes[self.rope_set]
         dq, dk = g.dq, g.dk
         if self.qk_norm_full:                                 # back through rope, then the whole-width norms
@@ -189,11 +196,7 @@ class GatedAttentionBackward(GatedAttention):
         g.linears.backward(g.datt, g.dx, a.gated, self.out, accumulate=False)
         dgate = np.empty_like(a.gate)
         output_gate_backward(g.datt, dgate, g.datt, a.att, a.gate)
-        q4, k4 = self.heads(a, a.q, a.k)
-        dq4, dk4 = g.dq.reshape(q4.shape), g.dk.reshape(k4.shape)
-        g.attention.attention_backward(dq4, dk4, g.dv.reshape(k4.shape), g.datt.reshape(q4.shape),
-                                       q4, k4, a.v.reshape(k4.shape), a.att.reshape(q4.shape), a.lse,
-                                       segments=g.segments, **self.options)
+        dq4, dk4 = core_attention_backward(self, g, a)
         cos, sin = g.ropes[self.rope_set]
         AttentionBackward.qk_norm_rope_backward(self, g, dq4, dk4, a, cos, sin)
         xn = normed_input(self, g, a, x)

@@ -17,8 +17,8 @@ from rich.markup import escape as _esc
 
 from ..console import notice
 from ..errors import LlamatuneError
-from .data import Samples, _hash, read_text
-from .datasets import RowEncoder, RowError, _messages, _text, detect_format, read_rows
+from .data import Samples, _hash
+from .datasets import RowEncoder, RowError, _messages, _text, read_rows, rows_text
 
 
 class PromptSamples(Samples):
@@ -58,12 +58,7 @@ def encode_prompt(enc: RowEncoder, row) -> list[int]:
 
 def load_prompts(path, tokenizer, opts, role: str = "training") -> PromptSamples:
     """The prompts of a training or validation file (module doc)."""
-    if path is None:
-        raise LlamatuneError(f"--{'train' if role == 'training' else 'val'}-data is required")
-    text = read_text(path, f"{role} data")
-    if detect_format(text, opts.data_format, path) == "text" or opts.data_format == "text":
-        raise LlamatuneError(f"{path}: --method grpo trains on prompt-only rows (JSONL or a JSON array of objects "
-                             "with 'prompt'), not on raw text")
+    text = rows_text(path, opts, role, "prompt-only rows (JSONL or a JSON array of objects with 'prompt')")
     enc = RowEncoder(tokenizer, opts, str(path))
     room = opts.ctx + 1 - getattr(opts, "max_completion_length", 0)
     pieces, rows, bad, first_bad = [], [], 0, ""
