@@ -12,9 +12,11 @@ ggml ne `[n_in, n_out]`.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import mmap
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -459,6 +461,18 @@ def gguf_nbytes(meta_bytes: int, tensors: Iterable[tuple[str, int, int]]) -> int
     return pad(24 + 64 + meta_bytes + infos) + sum(pad(n) for _, _, n in tensors)
 
 
+def check_written(tmp: Path, size: int) -> None:
+    """An OSError unless `tmp` holds all `size` bytes written to it. numpy's tofile (the gguf
+    writer's tensor data) can lose the end of its buffered bytes on a full disk without an
+    error: the file comes out short, and would otherwise be renamed over the good one."""
+    got = tmp.stat().st_size
+    if got == size:
+        return
+    if shutil.disk_usage(tmp.parent).free < size - got + (1 << 16):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    raise OSError(errno.EIO, f"the file came out {size - got} bytes short of its {size}")
+
+
 def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: Iterable[TensorOut]) -> None:
     """Write a GGUF file atomically. `general.architecture` comes from `arch`; any
     `general.architecture` in `kvs` is ignored. Tensors are streamed one by one."""
@@ -482,9 +496,14 @@ def write_gguf(path: str | os.PathLike, arch: str, kvs: Iterable[KV], tensors: I
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
+        w.fout[0].flush()
+        size = w.fout[0].tell()
+        if tensors:                                   # each tensor starts and ends aligned
+            size = sum((w.ggml_pad(t.nbytes, w.data_alignment) for t in tensors), w.ggml_pad(size, w.data_alignment))
         for t in tensors:
             data = np.ascontiguousarray(t.make())
             if data.nbytes != t.nbytes:
                 raise ValueError(f"tensor '{t.name}': {data.nbytes} bytes produced, {t.nbytes} expected")
             w.write_tensor_data(data)
         w.close()
+        check_written(tmp, size)
