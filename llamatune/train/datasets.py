@@ -24,7 +24,6 @@ holds at most --ctx + 1 tokens. Mirrors the dataset handling of HF TRL's SFTTrai
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 from rich.markup import escape as _esc
@@ -263,25 +262,40 @@ def load_dataset(path, tokenizer, opts, role: str = "training") -> Samples:
     text = read_text(path, f"{role} data")
     if detect_format(text, opts.data_format, path) == "text":
         return load_samples(text, tokenizer, opts, str(path))
-    rows = read_rows(text, path)
     enc = RowEncoder(tokenizer, opts, str(path))
-    pieces, masks, bad, first_bad = [], [], 0, ""
-    for line, row in rows:
+
+    def encode(row):
+        tokens, mask = enc.encode(row)
+        if len(tokens) < 2:
+            raise RowError(f"yields {len(tokens)} token; at least 2 are needed")
+        return tokens, mask
+    encoded = [out for _, out in encoded_rows(text, path, opts, encode)]
+    return _fit([t for t, _ in encoded], [m for _, m in encoded], opts, str(path))
+
+
+def encoded_rows(text: str, path, opts, encode):
+    """(row, encode(row)) for each row of a rows file. A row whose encode raises RowError
+    stops the run with `FILE:LINE: problem`, or with --skip-bad-rows is skipped and
+    counted: one notice once the rows are read."""
+    bad, first_bad = 0, ""
+    for line, row in read_rows(text, path):
         try:
-            tokens, mask = enc.encode(row)
-            if len(tokens) < 2:
-                raise RowError(f"yields {len(tokens)} token; at least 2 are needed")
+            out = encode(row)
         except RowError as e:
             if not opts.skip_bad_rows:
                 raise LlamatuneError(f"{path}:{line}: {e}") from None
             bad += 1
             first_bad = first_bad or f"line {line}: {e}"
             continue
-        pieces.append(tokens)
-        masks.append(mask)
+        yield row, out
     if bad:
         notice(_esc(f"{path}: skipped {bad} malformed row(s) (first: {first_bad})"))
-    return _fit(pieces, masks, opts, str(path))
+
+
+def concatenated(pieces: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pieces end to end, with each one's start and length (Samples' tokens, begins, sizes)."""
+    sizes = np.array([len(p) for p in pieces], np.int64)
+    return np.concatenate(pieces), np.concatenate([[0], np.cumsum(sizes)[:-1]]), sizes
 
 
 def rows_text(path, opts, role: str, rows: str) -> str:
@@ -302,18 +316,7 @@ def load_pairs(path, tokenizer, opts, role: str = "training") -> Samples:
     text = rows_text(path, opts, role, "preference rows (JSONL or a JSON array of objects with prompt, chosen and "
                      "rejected)")
     enc = RowEncoder(tokenizer, opts, str(path))
-    pairs, bad, first_bad = [], 0, ""
-    for line, row in read_rows(text, path):
-        try:
-            pairs.append(enc.encode_pair(row))
-        except RowError as e:
-            if not opts.skip_bad_rows:
-                raise LlamatuneError(f"{path}:{line}: {e}") from None
-            bad += 1
-            first_bad = first_bad or f"line {line}: {e}"
-    if bad:
-        notice(_esc(f"{path}: skipped {bad} malformed row(s) (first: {first_bad})"))
-    return _fit_pairs(pairs, opts, str(path))
+    return _fit_pairs([pair for _, pair in encoded_rows(text, path, opts, enc.encode_pair)], opts, str(path))
 
 
 def _fit_pairs(pairs: list, opts, source: str) -> Samples:
@@ -340,9 +343,7 @@ def _fit_pairs(pairs: list, opts, source: str) -> Samples:
                     f"within --ctx {opts.ctx}"))
     if not pieces:
         raise LlamatuneError(f"{source}: no preference pair with answers to score")
-    sizes = np.array([len(p) for p in pieces], np.int64)
-    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return Samples(np.concatenate(pieces), begins, sizes, np.concatenate(masks))
+    return Samples(*concatenated(pieces), np.concatenate(masks))
 
 
 def _fit(pieces: list[np.ndarray], masks: list[np.ndarray], opts, source: str) -> Samples:
@@ -368,9 +369,7 @@ def _fit(pieces: list[np.ndarray], masks: list[np.ndarray], opts, source: str) -
         notice(_esc(f"{source}: dropped {empty} sample(s) with no loss target within --ctx {opts.ctx}"))
     if not keep_t:
         raise LlamatuneError(f"{source}: no sample with a loss target")
-    sizes = np.array([len(p) for p in keep_t], np.int64)
-    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return Samples(np.concatenate(keep_t), begins, sizes, np.concatenate(keep_m))
+    return Samples(*concatenated(keep_t), np.concatenate(keep_m))
 
 
 def preview(samples: Samples, bos_id: int, n: int) -> list[tuple[np.ndarray, np.ndarray]]:

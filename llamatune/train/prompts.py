@@ -13,12 +13,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
-from rich.markup import escape as _esc
 
-from ..console import notice
 from ..errors import LlamatuneError
 from .data import Samples, _hash
-from .datasets import RowEncoder, RowError, _messages, _text, read_rows, rows_text
+from .datasets import RowEncoder, RowError, _messages, _text, concatenated, encoded_rows, rows_text
 
 
 class PromptSamples(Samples):
@@ -61,28 +59,17 @@ def load_prompts(path, tokenizer, opts, role: str = "training") -> PromptSamples
     text = rows_text(path, opts, role, "prompt-only rows (JSONL or a JSON array of objects with 'prompt')")
     enc = RowEncoder(tokenizer, opts, str(path))
     room = opts.ctx + 1 - getattr(opts, "max_completion_length", 0)
-    pieces, rows, bad, first_bad = [], [], 0, ""
-    for line, row in read_rows(text, path):
-        try:
-            ids = encode_prompt(enc, row)
-            if not ids:
-                raise RowError("the prompt gives no token")
-            if len(ids) > room:
-                raise RowError(f"the prompt has {len(ids)} tokens: with --max-completion-length "
-                               f"{opts.max_completion_length} it needs --ctx {len(ids) + opts.max_completion_length - 1}"
-                               f" (--ctx is {opts.ctx})")
-        except RowError as e:
-            if not opts.skip_bad_rows:
-                raise LlamatuneError(f"{path}:{line}: {e}") from None
-            bad += 1
-            first_bad = first_bad or f"line {line}: {e}"
-            continue
-        pieces.append(np.asarray(ids, np.int32))
-        rows.append(row)
-    if bad:
-        notice(_esc(f"{path}: skipped {bad} malformed row(s) (first: {first_bad})"))
-    if not pieces:
+
+    def encode(row):
+        ids = encode_prompt(enc, row)
+        if not ids:
+            raise RowError("the prompt gives no token")
+        if len(ids) > room:
+            raise RowError(f"the prompt has {len(ids)} tokens: with --max-completion-length "
+                           f"{opts.max_completion_length} it needs --ctx {len(ids) + opts.max_completion_length - 1}"
+                           f" (--ctx is {opts.ctx})")
+        return np.asarray(ids, np.int32)
+    encoded = list(encoded_rows(text, path, opts, encode))
+    if not encoded:
         raise LlamatuneError(f"{path}: no prompt to train on")
-    sizes = np.array([len(p) for p in pieces], np.int64)
-    begins = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    return PromptSamples(np.concatenate(pieces), begins, sizes, rows)
+    return PromptSamples(*concatenated([ids for _, ids in encoded]), [row for row, _ in encoded])
