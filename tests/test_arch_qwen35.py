@@ -107,6 +107,21 @@ def test_runner_forward_and_decoding_match_the_float64_reference(written):
     np.testing.assert_allclose(np.concatenate(steps, 1), want, rtol=2e-4, atol=2e-4)
 
 
+def test_group_decode_starts_every_row_from_the_prompts_recurrent_state(written):
+    """GRPO's group decode on the hybrid model: the prompt's cache, delta-net states
+    included, is copied to every row, so at a vanishing temperature each row is the greedy
+    one-sequence decode; rows that draw a stop id leave the batch with their states."""
+    from llamatune.models.infer import Runner
+    from llamatune.models.sampling import generate_group, generate_ids
+    runner = Runner(Model(written[1]))
+    ids = [1, 17, 42, 99, 7]
+    greedy = list(generate_ids(runner, ids, 8, temp=0.0, n_ctx=32))
+    assert generate_group(runner, ids, 3, 8, np.random.default_rng(0), 1e-6, 1.0) == [greedy] * 3
+    stop = set(range(0, runner.model.config.n_vocab, 5)) - {greedy[0]}
+    rows = generate_group(runner, ids, 4, 8, np.random.default_rng(1), 1.0, 1.0, stop)
+    assert any(len(r) < 8 for r in rows) and all(len(r) >= 1 for r in rows)
+
+
 # --------------------------------------------------------------------------- the mixer
 
 SHAPE = MixerShape(NK=2, NV=4, DK=8, DV=6, K=4, eps=1e-6)

@@ -54,6 +54,12 @@ class KVCache:
     def n_ctx(self) -> int:
         return self.k[0].shape[1]
 
+    def rows(self, idx) -> "KVCache":
+        """A new cache of the sequences `idx` (a device index array; repeats copy a row):
+        keys, values and the delta-net layers' states."""
+        return KVCache([k[idx] for k in self.k], [v[idx] for v in self.v], self.n_past, self.context,
+                       [None if s is None else RecurrentState(s.conv[idx], s.delta[idx]) for s in self.recurrent])
+
 
 class QuantizedRows(NamedTuple):
     """Rows of a base matrix left in their GGUF blocks, for kernels/qdot.py."""

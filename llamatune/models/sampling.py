@@ -90,12 +90,9 @@ def generate_group(runner: Runner, ids: list[int], n: int, n_predict: int, rng: 
     with the first id of `stop` it draws (kept: it is trained on) or at n_predict ids."""
     model = runner.model
     L = len(ids)
-    one = KVCache.empty(model, 1, L, runner.backend, context=L + n_predict)
+    one = KVCache.empty(model, 1, L + n_predict, runner.backend, context=L + n_predict)
     last = runner.backend.to_host(runner.forward(np.asarray([ids]), one)[0, -1])
-    cache = KVCache.empty(model, n, L + n_predict, runner.backend, context=L + n_predict)
-    for k1, v1, k, v in zip(one.k, one.v, cache.k, cache.v):
-        k[:, :L], v[:, :L] = k1[0], v1[0]
-    cache.n_past = L
+    cache = one.rows(runner.backend.to_device(np.zeros(n, np.int64)))     # the prompt's cache, n times
     logits = np.broadcast_to(last, (n, len(last)))
     out: list[list[int]] = [[] for _ in range(n)]
     live = np.arange(n)                               # the rows still decoding, in the cache's order
@@ -108,7 +105,7 @@ def generate_group(runner: Runner, ids: list[int], n: int, n_predict: int, rng: 
             break
         if len(keep) < len(live):                     # finished rows leave the batch
             idx = runner.backend.to_device(keep)
-            cache = KVCache([k[idx] for k in cache.k], [v[idx] for v in cache.v], cache.n_past, cache.context)
+            cache = cache.rows(idx)
             live = live[keep]
         feed = np.asarray([out[r][-1] for r in live], np.int64)[:, None]
         logits = runner.backend.to_host(runner.forward(feed, cache)[:, -1])
