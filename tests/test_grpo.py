@@ -22,6 +22,7 @@ from llamatune.options import FinetuneOptions
 from llamatune.train import rewards as R
 from llamatune.train.graph import Graph
 from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantages, layout, token_terms
+from llamatune.train.objective import token_losses
 from llamatune.train.lora import disabled_adapters, init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
 
@@ -162,7 +163,7 @@ def test_weighted_step_is_the_gradient_of_the_grpo_loss(small_model, loss_type, 
     g = GRPO(grpo_options(loss_type=loss_type, beta=beta), small_model)
     b = group_batch(small_model.config.n_vocab, 4, 9, seed=3)
     if shift:
-        current = -g._token_losses(graph, b)
+        current = -token_losses(graph, b)
         b.old_logp = current + np.random.default_rng(4).uniform(-0.4, 0.4, current.shape)
     g.begin_step([b])
     params.zero_grad()
@@ -175,7 +176,7 @@ def test_weighted_step_is_the_gradient_of_the_grpo_loss(small_model, loss_type, 
     assert err < 1e-5
     if beta:                                                     # the reference is the base, adapter off
         with disabled_adapters(graph.lora.values()):
-            np.testing.assert_array_equal(b.ref_logp, -g._token_losses(graph, b))
+            np.testing.assert_array_equal(b.ref_logp, -token_losses(graph, b))
 
 
 def test_loss_on_a_fixed_batch_is_trls(small_model):
@@ -184,9 +185,9 @@ def test_loss_on_a_fixed_batch_is_trls(small_model):
     graph, params = setup(small_model, 4, 9, seed=5)
     g = GRPO(grpo_options(beta=0.05, epsilon=0.1, epsilon_high=0.3, loss_type="grpo"), small_model)
     b = group_batch(small_model.config.n_vocab, 4, 9, seed=6)
-    logp = -g._token_losses(graph, b)
+    logp = -token_losses(graph, b)
     with disabled_adapters(graph.lora.values()):
-        ref = -g._token_losses(graph, b)
+        ref = -token_losses(graph, b)
     b.old_logp = logp + np.random.default_rng(7).uniform(-0.3, 0.3, logp.shape)
     g.begin_step([b])
     mask = b.targets >= 0

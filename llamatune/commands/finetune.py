@@ -142,7 +142,7 @@ def full_job(o: FinetuneOptions, model: Model, samples, val_samples, backend) ->
                lambda rng: load_trained(params, f), write_outputs, model_kvs, ckpt.fingerprint(f),
                mapped_bytes=mapped, scratch_bytes=model.dequantizer.nbytes if frozen else 0, backend=backend,
                model_path=model.path, output_size=(o.model_out, out_bytes), val_samples=val_samples,
-               objective=SFT() if o.method == "sft" else Preference(o))
+               objective=_objective(o, model, None))
 
 
 def _merge_aware_bytes(o: FinetuneOptions, model: Model, targets) -> int:

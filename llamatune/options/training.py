@@ -354,7 +354,6 @@ def _validate_preference(o: FinetuneOptions) -> None:
     if o.method not in METHODS:
         raise LlamatuneError(f"--method {o.method!r}: choose {', '.join(METHODS)}")
     grpo = o.method == "grpo"
-    o.beta, o.loss_type = method_defaults(o)    # (set at construction; again for a --method changed since)
     types = GRPO_LOSS_TYPES if grpo else LOSS_TYPES
     if o.loss_type not in types:
         raise LlamatuneError(f"--loss-type {o.loss_type!r}: choose {', '.join(types)} (--method {o.method})")

@@ -32,7 +32,6 @@ from ..kernels import dequant
 from ..kernels.quantize import quantize
 from ..models.writer import FILE_TYPE, out_type
 from ..models.weights import FrozenBase
-from . import checkpoint as ckpt
 from .params import ParamBuffer
 
 

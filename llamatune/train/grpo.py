@@ -35,11 +35,10 @@ import time
 import numpy as np
 
 from ..errors import LlamatuneError
-from ..options.training import method_defaults
 from . import rewards as R
 from .data import Batch, Batcher
 from .lora import disabled_adapters
-from .objective import vocab
+from .objective import token_losses, vocab
 
 STD_EPS = 1e-4                 # TRL: advantages / (std + 1e-4)
 _SAMPLING_STREAM = 0x67727030  # the sampling Generator's stream beside --seed
@@ -233,8 +232,8 @@ class GRPO:
         self.rewards = R.parse_rewards(opts.reward, opts.reward_weights)
         self.eps_low = float(opts.epsilon)
         self.eps_high = float(opts.epsilon if opts.epsilon_high is None else opts.epsilon_high)
-        beta, self.loss_type = method_defaults(opts)
-        self.beta = float(beta)
+        self.beta, self.loss_type = float(opts.beta), opts.loss_type   # the method's defaults (options)
+        self._adapter_stale = True              # the sampler's adapter is older than the parameters
         self._batches: list[GroupBatch] = []
         self._tokens: list[np.ndarray] = []     # per micro-batch of this rank: [kl sum, low, high, region, tokens]
         self.last: dict[str, float] = {}
@@ -250,7 +249,9 @@ class GRPO:
     def rollout(self, prompts: list[int], rng: np.random.Generator) -> GroupBatch:
         """A micro-batch: each prompt completed G times by the current policy and scored."""
         o, s, G = self.opts, self.job.samples, self.opts.num_generations
-        self.sampler.use_adapter(self.job.params, self.job.targets)
+        if self._adapter_stale:                 # once a step: its micro-batches sample one policy
+            self.sampler.use_adapter(self.job.params, self.job.targets)
+            self._adapter_stale = False
         ids = [s.prompt_ids(i) for i in prompts]
         completions = [c for p in ids for c in self.sampler.complete(p, rng)]
         table = self.sampler.score([s.rows[i] for i in prompts], completions)
@@ -280,13 +281,7 @@ class GRPO:
         if self.beta == 0.0 or b.ref_logp is not None:
             return
         with disabled_adapters(graph.lora.values()):
-            b.ref_logp = -self._token_losses(graph, b)
-
-    @staticmethod
-    def _token_losses(graph, b: GroupBatch) -> np.ndarray:
-        mask = (b.targets >= 0).astype(graph.tmp.dtype)
-        graph.loss(b.inputs, b.targets, mask)
-        return graph.backend.to_host(graph.losses).reshape(b.targets.shape).astype(np.float64)
+            b.ref_logp = -token_losses(graph, b)
 
     def terms(self, b: GroupBatch, logp: np.ndarray) -> TokenTerms:
         mask = b.targets >= 0
@@ -322,7 +317,7 @@ class GRPO:
     def micro_loss(self, graph, b: GroupBatch, key: tuple) -> float:
         """This micro-batch's share of the loss with the current parameters, forward only."""
         self._reference(graph, b)
-        return self._loss(b, self.terms(b, -self._token_losses(graph, b)))
+        return self._loss(b, self.terms(b, -token_losses(graph, b)))
 
     def _record(self, b: GroupBatch, t: TokenTerms) -> None:
         mask = b.targets >= 0
@@ -330,6 +325,7 @@ class GRPO:
                                       mask.sum()], np.float64))
 
     def end_step(self, world) -> dict[str, float]:
+        self._adapter_stale = True              # the update follows: the next step samples the new policy
         every = world.allgather(self._tokens, "grpo metrics")
         self._tokens = []
         sums = np.sum([x for mine in every for x in mine], axis=0) if any(every) else np.zeros(5)

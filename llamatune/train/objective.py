@@ -10,6 +10,8 @@ An objective is a small object the loop calls at fixed points:
   end_step(world)              the step's metrics (every rank's), for metrics.jsonl
   settle(world, bad)           after the save of the state before this step: keep or
                                drop what the step observed (`bad`: why it was skipped)
+  progress_note()              a few words for the progress line ("" for none)
+  spikes                       whether the guard's loss-spike test applies (a class attribute)
 `SFT` (finetune's sft, full finetune, train-from-scratch: what differs there is the
 weights the graph trains, not the objective) is here; DPO/ORPO is preference.Preference,
 GRPO grpo.GRPO (whose batcher samples the completions it trains on).
@@ -33,10 +35,20 @@ def packing(b: Batch) -> dict:
     return {k: v for k, v in (("positions", b.positions), ("segments", b.segments)) if v is not None}
 
 
+def token_losses(graph, b: Batch) -> np.ndarray:
+    """(B, T) float64 cross-entropy of every target of batch b (0 elsewhere), forward only:
+    the per-token log-probabilities (negated) the preference and GRPO objectives score."""
+    mask = (b.targets >= 0).astype(graph.tmp.dtype)
+    graph.loss(b.inputs, b.targets, mask, b.positions, b.segments)
+    return graph.backend.to_host(graph.losses).reshape(b.targets.shape).astype(np.float64)
+
+
 class SFT:
     """Supervised finetuning: the mean cross-entropy over every target of the step.
     `statistics` (statistics.TrainingStats, LoRA sft): the imatrix sums of the forward's
     inputs, counted for the steps whose update is taken."""
+
+    spikes = True               # the guard's loss-spike test applies
 
     def __init__(self, statistics=None):
         self.statistics = statistics
@@ -44,6 +56,9 @@ class SFT:
 
     def batcher(self, job) -> Batcher:
         return Batcher(job.samples, job.opts, *vocab(job))
+
+    def progress_note(self) -> str:
+        return ""
 
     def validator(self, job) -> Validator | None:
         return None if job.val_samples is None else Validator(job.val_samples, job.opts, *vocab(job))

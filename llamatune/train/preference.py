@@ -36,10 +36,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import LlamatuneError
-from ..options.training import method_defaults
 from .data import Batch, Batcher, Samples
 from .lora import disabled_adapters
-from .objective import packing, vocab
+from .objective import packing, token_losses, vocab
 from .validation import InOrder, Validator
 
 STATE_KEY = "reference"        # the reference cache's key in the batcher's state
@@ -182,20 +181,19 @@ class Preference:
     """--method dpo / orpo, an objective of the training loop (objective.py): the
     micro-batch step, the loss of batches and the metrics."""
 
+    spikes = True               # the guard's loss-spike test applies
+
+    def progress_note(self) -> str:
+        return ""
+
     def __init__(self, opts):
-        beta, self.loss_type = method_defaults(opts)
-        self.method, self.beta, self.smoothing = opts.method, float(beta), float(opts.label_smoothing)
+        self.loss_type = opts.loss_type        # beta and loss type: the method's defaults (options)
+        self.method, self.beta, self.smoothing = opts.method, float(opts.beta), float(opts.label_smoothing)
         self.mean = self.method == "orpo" or self.loss_type == "ipo"    # length-averaged log-probabilities
         self._rows: list[np.ndarray] = []       # per pair of this step: metrics columns (see `_record`)
         self._new: list[tuple[int, list]] = []   # (pair, reference values) computed in this step
 
     # ---- one micro-batch
-    def _token_losses(self, graph, b: Batch) -> np.ndarray:
-        """(B, T) float64 cross-entropy of every target (0 elsewhere), forward only."""
-        mask = (b.targets >= 0).astype(graph.tmp.dtype)
-        graph.loss(b.inputs, b.targets, mask, b.positions, b.segments)
-        return graph.backend.to_host(graph.losses).reshape(b.targets.shape).astype(np.float64)
-
     def _logp(self, ce: np.ndarray, rows: np.ndarray, length: np.ndarray) -> np.ndarray:
         total = ce.sum(axis=1)
         lp = -np.stack([total[rows], total[rows + 1]], axis=1)
@@ -219,7 +217,7 @@ class Preference:
         missing = np.isnan(cache[pairs]).any(axis=1)
         if missing.any():
             with disabled_adapters(graph.lora.values()):
-                base = self._logp(self._token_losses(graph, b), rows, length)
+                base = self._logp(token_losses(graph, b), rows, length)
             for k in np.flatnonzero(missing):
                 if np.isnan(cache[pairs[k]]).any():       # a pair twice in a batch: the first value
                     cache[pairs[k]] = base[k]
@@ -234,7 +232,7 @@ class Preference:
     def score(self, graph, b: Batch, cache: np.ndarray, new: list | None = None) -> Scores:
         """The batch's pairs scored by a forward pass (and the reference, see `_reference`)."""
         ref = self._reference(graph, b, cache, new)
-        return self._scores(b, self._token_losses(graph, b), ref)
+        return self._scores(b, token_losses(graph, b), ref)
 
     def terms(self, s: Scores) -> tuple[np.ndarray, np.ndarray]:
         """Per-pair losses (P,) and their derivatives with respect to s.logp, (P, 2)."""

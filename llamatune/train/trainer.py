@@ -229,7 +229,8 @@ def save_sizes(job: Job, iteration: int | str = 0) -> list[tuple[Path, int]]:
     (checkpoint_bytes), the outputs and the files beside them, as the job says, each also
     under the LATEST name."""
     o = job.opts
-    sizes = [(ckpt.iteration_path(o.checkpoint_out, tag), checkpoint_bytes(job)) for tag in (iteration, o.fn_latest)]
+    n = checkpoint_bytes(job)
+    sizes = [(ckpt.iteration_path(o.checkpoint_out, tag), n) for tag in (iteration, o.fn_latest)]
     for template, nbytes in ([job.output_size] if job.output_size is not None else []) + job.side_outputs:
         sizes += [(ckpt.iteration_path(template, tag), nbytes) for tag in (iteration, o.fn_latest)]
     return list(dict(sizes).items())              # a name without ITERATION is one file, written once
@@ -379,8 +380,7 @@ def train(t: Training) -> None:
     """The loop: steps until --adam-iter, --epochs or --early-stop ends it."""
     o, state = t.job.opts, t.state
     t.metrics = MetricsLog(metrics_path(o), state.iteration, write=t.world.is_root)   # rank 0 alone writes
-    spikes = getattr(t.job.objective, "spikes", True)       # GRPO's signed loss has no spikes to test
-    t.guard = Guard(o.spike_threshold if spikes else math.inf, o.max_bad_steps, state.guard)
+    t.guard = Guard(o.spike_threshold if t.job.objective.spikes else math.inf, o.max_bad_steps, state.guard)
     t.grads = distributed.GradientSum(t.world, t.job.params)
     distributed.check_identical_parameters(t.world, t.job.params, state.iteration)
     t.clock = TrainClock()
@@ -423,7 +423,7 @@ def step(t: Training) -> bool:
     objective.settle(t.world, bad)                 # after the save of the state before this step
     lr = learning_rate(step, o) if bad else apply_update(job.params, step, o, gnorm)
     advance(t, loss, bad)
-    t.show.note = objective.progress_note() if hasattr(objective, "progress_note") else ""
+    t.show.note = objective.progress_note()
     t.show(state, loss, lr, gnorm, len(t.losses) * t.tokens_per_step / max(t.clock.seconds(), 1e-9))
     t.metrics.step(state, loss, lr, gnorm, n_targets, extra)
     t.logged = loss
