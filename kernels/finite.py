@@ -23,6 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf.quants import dequantize as _gguf_dequantize
 from numba import njit, prange
 
+from .dequant import _KV_MXFP4
+
 __all__ = ["SCAN_TYPES", "nonfinite_rows_into", "nonfinite_rows", "nonfinite_rows_ref"]
 
 _F16, _BF16, _F32 = 0, 1, 2     # how a float field is stored
@@ -97,7 +99,7 @@ def _nonfinite_rows(data, type_size, offsets, out):
         out[i] = bad
 
 
-_KV_MXFP4_ABS = np.array([0, 1, 2, 3, 4, 6, 8, 12], np.int32)   # |kvalues_mxfp4[q]| by q & 7
+_KV_MXFP4_ABS = _KV_MXFP4[:8].astype(np.int32)   # |kvalues_mxfp4[q]| by q & 7 (kernels/dequant.py)
 
 
 @njit(cache=True, parallel=True)

@@ -340,7 +340,7 @@ def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
             dyb = lora.scale * (dy[a:b] @ lora.b[e])            # (n_e, r)
             d += dyb @ lora.a[e]
             if lora.da is not None:
-                lora.da[e] += dyb.T @ xs[a:b]
+                lora.da[e] += (xs[a:b].T @ dyb).T               # (kernels/lora.py: the fast orientation)
             if lora.db is not None:
                 lora.db[e] += lora.scale * (dy[a:b].T @ xa[a:b])
         if accumulate:

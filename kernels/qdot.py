@@ -41,7 +41,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .dequant import _U, _bits_to_f32, _f16, _field, _i8, _scale_min_k4, _small_int_to_f32
+from .dequant import _U, _bits_to_f32, _f16, _field, _i8, _scale_min_k4
 from .qdot_ref import ACTIVATION, BLOCK, QuantizedRows
 
 __all__ = ["QDOT_TYPES", "quantize_rows", "qdot_into"]
@@ -183,14 +183,6 @@ def _reduce_add(builder, v, n: int):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [ir.VectorType(_I32, n)]),
                                         f"llvm.vector.reduce.add.v{n}i32")
     return builder.call(fn, [v])
-
-
-def _half_sum(builder, v, n: int):
-    """v[:n/2] + v[n/2:] of an <n x i32> vector."""
-    h = n // 2
-    lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h))))
-    hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, h), list(range(h, n))))
-    return builder.add(lo, hi)
 
 
 def _int8_arrays(*arrays) -> bool:
@@ -343,7 +335,6 @@ def _lanes256(typingctx, w, wo, x, xo, sc8, so, aux):
         return None
 
     def codegen(context, builder, sig, args):
-        i16 = ir.IntType(16)
         acc = ir.Constant(ir.VectorType(_I32, 16), [0] * 16)
         idx = lambda v: ir.Constant(ir.VectorType(_I32, len(v)), v)
         for step in range(8):

@@ -45,12 +45,14 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from numba import njit, prange
 
+from .dequant import _KV_IQ4NL
+
 __all__ = ["IQ4_KERNELS", "IQ4_WEIGHTED_KERNELS", "KVALUES_IQ4NL", "quantize_iq4", "quantize_iq4_ref"]
 
 f32 = np.float32
 GROUP_MAX_EPS = f32(1e-15)   # ggml-quants.c: a block with max |x| below this is all zero
 NTRY = 7                     # quantize_iq4_nl / quantize_iq4_xs: scales tried either side
-KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+KVALUES_IQ4NL = _KV_IQ4NL.astype(np.int8)     # the dequantizer's table (kernels/dequant.py)
 _KV = KVALUES_IQ4NL.astype(np.float32)
 _SUPER = {T.IQ4_NL: 32, T.IQ4_XS: 256}   # values per block (super-block for IQ4_XS)
 

@@ -299,8 +299,7 @@ def _v_q6_k(src, o, i, a, b):
 # ------------------------------------------------- 4-bit codebook types
 # y = kv[q] * d: a 4-bit code picks one of 16 integers (kept as float32, exact; a
 # global array, so a constant of the kernel), times its block's or sub-block's scale.
-_KV_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float32)  # e2m1 doubled
-_KV_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+from ..dequant import _KV_IQ4NL, _KV_MXFP4   # noqa: E402  (the CPU kernels' tables: e2m1 doubled, iq4_nl)
 
 
 @cuda.jit(device=True)
