@@ -134,6 +134,11 @@ class Forward:
         the step's own (training); inference appends them to its cache."""
         return k, v, 0
 
+    def recurrent_state(self, i: int):
+        """Layer i's delta-net decoding state (models/deltanet_mixer.RecurrentState) to
+        continue, or None: the step's rows start from zero state (training, no cache)."""
+        return None
+
     # ------------------------------------------------------------------ building blocks
     def base_product(self, y: np.ndarray, x: np.ndarray, W: np.ndarray) -> None:
         """y (N, n_out) = x (N, n_in) W^T, in the compute dtype (products.py)."""

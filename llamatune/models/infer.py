@@ -89,9 +89,11 @@ class Runner(Forward):
     def quantized_rows(self, name: str, lo: int, hi: int | None) -> QuantizedRows | None:
         """Rows lo:hi of base matrix `name` in their blocks where this decode step multiplies
         them there (kernels/qdot.py has the type); None: the dequantized path."""
+        if not self.decoding:
+            return None
         from ..kernels.qdot import QDOT_TYPES
         t = self.base.tensors[name]
-        if not self.decoding or int(t.qtype) not in QDOT_TYPES:
+        if int(t.qtype) not in QDOT_TYPES:
             return None
         return QuantizedRows(t.raw_rows()[lo:hi], int(t.qtype))
 

@@ -60,11 +60,7 @@ class BaseWeights:
 
 
 def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
-    t = f.tensor(name)
-    if t.shape != (n,):
-        raise LlamatuneError(f"{f.path}: tensor '{name}' has shape {t.shape}, expected ({n},)")
-    check_type(f, t)
-    return dequant.dequantize(t.raw_rows(), t.qtype, n).reshape(n).astype(np.float32)
+    return _small(f, name, (n,))
 
 
 def _matrix(f: GGUFFile, name: str, shape: tuple[int, ...]) -> Tensor:
@@ -255,7 +251,7 @@ class Model:
     def _used_tensors(self):
         """(name, Tensor) of every weight the model computes with (the tied output once)."""
         names = {"output_norm.weight"} | {f"{k}.weight" for k in ROPE_FACTORS}
-        names |= {n for n, _ in self.weights.all_matrices()} | {n for n, _ in self.weights.all_experts()}
+        names |= {n for n, _ in self.weights.all_matrices()}       # (layer_tensors name the expert tensors)
         for i in range(self.config.n_layer):
             names |= set(self.config.spec.layer_tensors(i, self.config.spec.kinds(self.config, i)))
         return [(n, t) for n, t in self.file.tensors.items() if n in names]

@@ -101,14 +101,14 @@ class DeltaNet:
 
     def mix(self, fw, a: DeltaNetActs, B: int, T: int):
         """a.y from the projections (training: what the backward needs, returned)."""
-        s, state = self.shape, getattr(fw, "recurrent_state", lambda i: None)(self.i)
+        s, state = self.shape, fw.recurrent_state(self.i)
         args = [a.mixed.reshape(B, T, -1), a.z.reshape(B, T, -1), a.alpha.reshape(B, T, -1), a.b.reshape(B, T, -1),
                 self.params(fw, a.mixed.dtype), s]
         y = a.y.reshape(B, T, -1)
         if state is not None:
             mixer_decode(y, *args, state)
             return None
-        saved = mixer_forward(y, *args, getattr(fw, "segments", None))
+        saved = mixer_forward(y, *args, fw.segments)
         a.g[...] = saved.g
         return saved
 
@@ -153,10 +153,11 @@ class GatedAttention:
         cos, sin = fw.ropes[self.rope_set]
         xn = fw.xn if a.xn is None else a.xn
         _input_norm(fw, cfg, xn, a.rstd, x, residual, self.norm)
-        qg = fw.linear(fw.fused_rows(2 * cfg.n_embd_q), xn, self.q)
+        with fw.products.shared_input(xn, fw.linears.shared_extension([self.q, self.k, self.v], xn.shape[0])):
+            qg = fw.linear(fw.fused_rows(2 * cfg.n_embd_q), xn, self.q)     # xn rounded to bf16 once
+            fw.linear(a.kp, xn, self.k)
+            fw.linear(a.v, xn, self.v)
         a.qp[...], a.gate[...] = split_q_gate(qg, cfg.n_head, cfg.head_dim)
-        fw.linear(a.kp, xn, self.k)
-        fw.linear(a.v, xn, self.v)
         q4, k4 = self.heads(a, a.q, a.k)
         wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
         fw.ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
