@@ -146,6 +146,9 @@ def test_export_compensated_merge_into_mxfp4(models, tmp_path):
     got = gguf.quants.dequantize(t.raw_rows(), QType.MXFP4).reshape(t.shape)
     old = np.array(f32.tensors[name].data).reshape(t.shape)
     assert np.square(got - want).sum() < np.square(old - want).sum()
+    code = gguf.quants.dequantize(base.tensors[name].raw_rows(), QType.MXFP4).reshape(t.shape)
+    e_new, e_base = (np.square(x - want).reshape(-1, 32).sum(1) for x in (got, code))   # per 32-weight block
+    assert np.all(e_new <= e_base) and np.any(e_new < e_base)
     export_lora(path, [(tmp_path / "a.gguf", 0.0)], tmp_path / "z.gguf")
     assert GGUFFile(tmp_path / "z.gguf").tensors[name].raw_rows().tobytes() == base.tensors[name].raw_rows().tobytes()
 
