@@ -7,6 +7,7 @@ trained by transformers and converted by llama.cpp's converter, checks/moe_hf.py
 `slow` test that needs the torch Python."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -14,12 +15,13 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QType
 
-from checks.arch_reference import (Block, _moe, all_ranks, check_forward, check_lora_gradients, check_modes_identical,
+from checks.arch_reference import (_moe, all_ranks, check_forward, check_lora_gradients, check_modes_identical,
                                    forward, model_weights, write_arch_model)
 from conftest import tiny_config
+from test_arch_qwen3 import BLOCK as QWEN3_BLOCK, QWEN3
 from llamatune.backend import cpu
 from llamatune.errors import LlamatuneError
-from llamatune.formats.gguf_io import GGUFFile, tensor_out, write_gguf
+from llamatune.formats.gguf_io import tensor_out, write_gguf
 from llamatune.models.arch import NEOX
 from llamatune.models.config import ModelConfig
 from llamatune.models.forward import Forward
@@ -27,9 +29,8 @@ from llamatune.models.model import Model
 from llamatune.models.moe import moe_forward
 from llamatune.models.weights import FrozenBase
 
-MOE = dict(n_embd=32, n_ff=48, n_head=4, n_head_kv=2, head_dim=12, n_rot=12, rope_freq_base=1e6,
-           n_expert=8, n_expert_used=2, n_ff_exp=16)
-BLOCK = Block(rope_neox=True, qk_norm=True, moe_k=2)
+MOE = QWEN3 | dict(n_expert=8, n_expert_used=2, n_ff_exp=16)     # qwen3's block, its feed-forward of experts
+BLOCK = dataclasses.replace(QWEN3_BLOCK, moe_k=2)
 TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python")
 
 

@@ -441,16 +441,9 @@ def test_grpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model
     common = ["finetune", "--model-base", tiny_model, "--train-data", data, "--method", "grpo", "--reward", "regex:e",
               "--num-generations", 2, "--max-completion-length", 6, "--ctx", 16, "--batch", 4, "--lora-r", 2,
               "--adam-iter", 3, "--save-every", 0, "--warmup", 1, "--beta", 0.05, "--no-plot"]
-    for name, prefix, acc in (("one", [], 2), ("two", launcher, 1)):
-        (tmp_path / name).mkdir()
-        test_mpi.run(prefix + test_mpi.CLI + [str(a) for a in common + [
-            "--grad-acc", acc, "--checkpoint-out", tmp_path / name / "chk-ITERATION.gguf",
-            "--lora-out", tmp_path / name / "adapter-ITERATION.gguf"]])
-    test_mpi.assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
-    timing = ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds")
-    rows = lambda name: [{k: v for k, v in json.loads(x).items() if k not in timing}  # noqa: E731
-                         for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-    assert rows("one") == rows("two") and "kl" in rows("one")[-1]
+    rows = test_mpi.ranks_match_grad_acc(tmp_path, launcher, common, 3,
+                                         ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds"))
+    assert "kl" in rows[-1]
 
 
 @pytest.mark.slow

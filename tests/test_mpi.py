@@ -8,6 +8,7 @@ mpiexec skip with the reason when mpi4py or a working mpiexec is missing
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -93,6 +94,23 @@ def assert_same_training(a: Path, b: Path) -> None:
     for key in ("training.iteration_count", "training.sample_count", "training.token_count",
                 "training.loss_ema", "llamatune.data_state"):
         assert fa.get(key) == fb.get(key), key
+
+
+def ranks_match_grad_acc(tmp_path: Path, launcher: list[str], args: list, iters: int,
+                         timing: tuple[str, ...] = ("tokens_per_s",)) -> list[dict]:
+    """`llamatune ARGS` in one process with --grad-acc 2 (tmp_path/one) and on the launcher's
+    two ranks with --grad-acc 1 (tmp_path/two): the same checkpoint after `iters` steps
+    (assert_same_training) and the same metrics rows but for the `timing` keys; the rows."""
+    for name, prefix, acc in (("one", [], 2), ("two", launcher, 1)):
+        (tmp_path / name).mkdir()
+        run(prefix + CLI + [str(a) for a in args + [
+            "--grad-acc", acc, "--checkpoint-out", tmp_path / name / "chk-ITERATION.gguf",
+            "--lora-out", tmp_path / name / "adapter-ITERATION.gguf"]])
+    assert_same_training(tmp_path / "one" / f"chk-{iters}.gguf", tmp_path / "two" / f"chk-{iters}.gguf")
+    rows = [[{k: v for k, v in json.loads(x).items() if k not in timing}
+             for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()] for name in ("one", "two")]
+    assert rows[0] == rows[1]
+    return rows[0]
 
 
 @pytest.fixture(scope="module")

@@ -324,13 +324,4 @@ def test_dpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model,
     pairs = write_pairs(tmp_path / "train.jsonl", PROMPTS * 2)
     common = ["finetune", "--model-base", tiny_model, "--train-data", pairs, "--method", "dpo", "--ctx", 24,
               "--batch", 2, "--lora-r", 2, "--adam-iter", 3, "--save-every", 0, "--warmup", 1, "--no-plot"]
-    for name, prefix, acc in (("one", [], 2), ("two", launcher, 1)):
-        (tmp_path / name).mkdir()
-        test_mpi.run(prefix + test_mpi.CLI + [str(a) for a in common + [
-            "--grad-acc", acc, "--checkpoint-out", tmp_path / name / "chk-ITERATION.gguf",
-            "--lora-out", tmp_path / name / "adapter-ITERATION.gguf"]])
-    test_mpi.assert_same_training(tmp_path / "one" / "chk-3.gguf", tmp_path / "two" / "chk-3.gguf")
-    one = [json.loads(x) for x in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
-    two = [json.loads(x) for x in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in one] == \
-           [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in two]
+    assert len(test_mpi.ranks_match_grad_acc(tmp_path, launcher, common, 3)) == 3
