@@ -5,6 +5,7 @@ rises, slow)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -462,3 +463,33 @@ def test_regex_reward_rises_on_a_tiny_model(tmp_path):
     assert len(rewards) == 32
     first, last = float(np.mean(rewards[:8])), float(np.mean(rewards[-8:]))
     assert last > first + 0.25 and last > 0.5, (first, last, rewards)
+
+
+def test_validation_generates_greedily_and_scores(tmp_path, tiny_model):
+    """--val-data prompts: each completed greedily by the policy of the moment (the same
+    tokens as `generate`'s argmax decode of the saved adapter), scored by the rewards; the
+    reward, accuracy and mean length in metrics.jsonl, minus the mean reward as val loss."""
+    from llamatune.formats.adapter import load_runtime_adapters
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS[:3])]
+    val = write_prompts(tmp_path / "val.jsonl", rows)
+    o = run_options(tmp_path, tiny_model, val_data=val, eval_every=2, adam_iter=2,
+                    reward=["regex:e", "regex:t"], reward_weights=[1.0, 0.5])
+    finetune(o, quiet=True)
+    evals = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if "val_loss" in e]
+    assert [e["step"] for e in evals] == [0, 2]
+    model = Model(tiny_model)
+    runner = Runner(model, load_runtime_adapters(model, [(str(tmp_path / "adapter-LATEST.gguf"), 1.0)]))
+    stop = set(model.tokenizer.eog_ids)
+    got = [list(generate_ids(runner, model.tokenizer.encode(r["prompt"], add_special=True), 6, temp=0.0, stop=stop))
+           for r in rows]
+    texts = [model.tokenizer.decode(c) for c in got]
+    e = [re.search("e", t) is not None for t in texts]
+    cap = [re.search("t", t) is not None for t in texts]
+    last = evals[-1]
+    assert last["eval_rewards/regex:e/mean"] == pytest.approx(np.mean(e))
+    assert last["eval_rewards/regex:t/mean"] == pytest.approx(np.mean(cap))
+    assert last["eval_reward"] == pytest.approx(np.mean(np.add(e, np.multiply(cap, 0.5))))
+    assert last["val_loss"] == pytest.approx(-last["eval_reward"])
+    assert last["eval_accuracy"] == pytest.approx(np.mean(np.logical_and(e, cap)))
+    assert last["eval_completions/mean_length"] == pytest.approx(np.mean([len(c) for c in got]))

@@ -100,7 +100,8 @@ class TrainOptions:
                                  "healthy losses (non-finite loss or gradient norm: always skipped).", G_OPT)
     max_bad_steps: int = opt(5, "Stop with an error after this many skipped (bad) steps in a row.", G_OPT)
     # ---- validation and metrics
-    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data.", G_VAL)
+    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data (grpo: prompts, completed "
+                                         "greedily and scored: mean reward and accuracy).", G_VAL)
     val_split: float = opt(0.0, "Hold out this fraction of the training samples (a seeded split) for validation.", G_VAL, frozen=True)
     eval_every: int = opt(10, "Validation loss at step 0, every N steps and at the end (0: at step 0 and the end).", G_VAL)
     save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
@@ -408,7 +409,7 @@ def _validate_grpo(o: FinetuneOptions) -> None:
     if o.reward_weights and len(o.reward_weights) != len(o.reward):
         raise LlamatuneError(f"--reward-weights: {len(o.reward_weights)} weight(s) for {len(o.reward)} --reward")
     given = [f for f, v in (("--pack", o.pack), ("--train-on-prompt", o.train_on_prompt), ("--label-smoothing", o.label_smoothing),
-                            ("--val-data", o.val_data), ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
+                            ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
                             ("--merge-aware", o.merge_aware)) if v]
     if o.fine_tune_type != "lora":
         given.append("--fine-tune-type full")

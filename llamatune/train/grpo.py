@@ -25,7 +25,7 @@ One Graph.step per micro-batch: its `reweight` hook turns the forward's per-toke
 cross-entropies into these weights before the backward (preference.py does the same).
 Differences from TRL: logp is the model's (TRL divides the logits by --temperature
 first; the same at the default temperature 1); no --num-iterations > 1, no entropy mask,
-no two-sided delta clipping.
+no two-sided delta clipping. Validation (--val-data prompts) generates: GenerationValidator.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ from . import rewards as R
 from .data import Batch, Batcher
 from .lora import disabled_adapters
 from .objective import token_losses, vocab
+from .validation import Validator
 
 STD_EPS = 1e-4                 # TRL: advantages / (std + 1e-4)
 _SAMPLING_STREAM = 0x67727030  # the sampling Generator's stream beside --seed
@@ -196,9 +197,9 @@ class Sampler:
         ended = completion and completion[-1] in self.stop
         return self.tok.decode(completion[:-1] if ended else completion)
 
-    def score(self, rows: list[dict], completions: list[list[int]]) -> np.ndarray:
-        """(n, R): the rewards of completions, G per row of `rows`."""
-        G = self.opts.num_generations
+    def score(self, rows: list[dict], completions: list[list[int]], per_row: int | None = None) -> np.ndarray:
+        """(n, R): the rewards of completions, G (or per_row) per row of `rows`."""
+        G = per_row or self.opts.num_generations
         prompts = [row["prompt"] for row in rows for _ in range(G)]
         texts = [self.text(c) for c in completions]
         if rows and isinstance(rows[0]["prompt"], list):          # conversational: TRL's message lists
@@ -263,8 +264,11 @@ class GRPO:
         return GroupBatch(inputs, targets, int((targets >= 0).sum()), False, sample_ids=np.repeat(prompts, G),
                           advantages=adv, rewards=table, lengths=lengths, ended=ended)
 
-    def validator(self, job):
-        return None
+    def validator(self, job) -> "GenerationValidator | None":
+        if job.val_samples is None:
+            return None
+        check_fields(self.rewards, job.val_samples.rows, self.opts.val_data)
+        return GenerationValidator(job.val_samples, self.opts, self)
 
     # ---- training
     def begin_step(self, batches: list[GroupBatch]) -> None:
@@ -344,6 +348,55 @@ class GRPO:
             return ""
         return (f"reward {m['reward']:.3f} len {m['completions/mean_length']:.0f} "
                 f"sampling {m['sampling/tokens_per_second']:.1f} tok/s")
+
+
+# --------------------------------------------------------------------------- validation
+class GenerationValidator(Validator):
+    """--val-data prompts, each completed greedily (argmax, up to --max-completion-length
+    tokens, the sampler's stop tokens) by the policy of the moment, and scored by the
+    rewards. Its "loss" is minus the mean total reward (so --save-best keeps the highest
+    reward and --early-stop waits for one); `last_metrics` holds
+      eval_reward                the mean total reward (the --reward-weights sum)
+      eval_rewards/<name>/mean   each reward's mean (None values left out)
+      eval_accuracy              the share of prompts whose every reward is at least 1,
+                                 the built-in rewards' full mark (boxed-answer: right)
+      eval_completions/mean_length
+    Greedy decoding draws no random number: evaluating leaves the sampling state alone,
+    and a resumed run evaluates as the straight one."""
+
+    def __init__(self, samples, opts, objective: GRPO):
+        self.opts, self.samples, self.objective = opts, samples, objective
+        self.last_metrics: dict[str, float] = {}
+
+    def describe(self) -> str:
+        return (f"{len(self.samples)} prompts, completed greedily up to {self.opts.max_completion_length} "
+                "tokens and scored (val loss: minus the mean reward)")
+
+    def completions(self) -> list[list[int]]:
+        """Each prompt's greedy completion by the current adapter (without its stop token)."""
+        from ..models.sampling import generate_ids
+        g, o = self.objective, self.opts
+        g.sampler.use_adapter(g.job.params, g.job.targets)
+        out = []
+        for i in range(len(self.samples)):
+            ids = self.samples.prompt_ids(i)
+            out.append(list(generate_ids(g.sampler.runner, ids, o.max_completion_length, temp=0.0,
+                                         n_ctx=len(ids) + o.max_completion_length, stop=g.sampler.stop)))
+        return out
+
+    def loss(self, graph) -> float:
+        g = self.objective
+        completions = self.completions()
+        table = g.sampler.score(self.samples.rows, completions, per_row=1)
+        total = R.total(table, g.rewards)
+        full = np.where(np.isnan(table), np.inf, table) >= 1.0
+        m = {"eval_reward": float(total.mean()), "eval_accuracy": float(full.all(axis=1).mean())}
+        for j, r in enumerate(g.rewards):
+            col = table[:, j][~np.isnan(table[:, j])]
+            m[f"eval_rewards/{r.name}/mean"] = float(col.mean()) if len(col) else float("nan")
+        m["eval_completions/mean_length"] = float(np.mean([len(c) for c in completions]))
+        self.last_metrics = m
+        return -m["eval_reward"]
 
 
 def step_metrics(batches: list[GroupBatch], rewards: list[R.Reward], G: int, sums: np.ndarray,
