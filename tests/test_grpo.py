@@ -329,13 +329,16 @@ def tensors(path: Path) -> dict[str, np.ndarray]:
     return {n: np.array(t.data) for n, t in GGUFFile(path).tensors.items()}
 
 
-def test_grpo_resume_is_bit_exact(tmp_path, tiny_model):
+@pytest.mark.parametrize("mu", [1, 3])
+def test_grpo_resume_is_bit_exact(tmp_path, tiny_model, mu):
     """4 steps in one run == 2 steps, then resume from LATEST for 2 more: the completions
-    (sampling state in the checkpoint), parameters, moments and the metrics."""
+    (sampling state in the checkpoint), parameters, moments and the metrics. With
+    --num-iterations 3 the cut falls inside a generation's cycle: the checkpoint holds the
+    buffered completions and their sampling log-probabilities, which the resumed run replays."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    over = dict(beta=0.05, grad_acc=2)
+    over = dict(beta=0.05, grad_acc=2, num_iterations=mu)
     finetune(run_options(one, tiny_model, **over), quiet=True)
     finetune(run_options(two, tiny_model, adam_iter=2, **over), quiet=True)
     res = finetune(run_options(two, tiny_model, checkpoint_in=two / "chk-LATEST.gguf", **over), quiet=True)
@@ -445,6 +448,24 @@ def test_grpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model
     rows = test_mpi.ranks_match_grad_acc(tmp_path, launcher, common, 3,
                                          ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds"))
     assert "kl" in rows[-1]
+    (tmp_path / "mu").mkdir()
+    rows = test_mpi.ranks_match_grad_acc(tmp_path / "mu", launcher, common + ["--num-iterations", 2], 3,
+                                         ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds"))
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["clip_ratio/region_mean"] >= 0
+
+
+def test_num_iterations_replays_a_generation(tmp_path, tiny_model):
+    """--num-iterations 2: steps 1 and 2 train on the same completions (same rewards and
+    lengths; no sampling on step 2), step 2's ratios against step 1's sampling log-probabilities
+    (rho != 1: a loss and clipped tokens with a large step); step 3 samples again."""
+    finetune(run_options(tmp_path, tiny_model, num_iterations=2, adam_iter=3, adam_alpha=0.5, epsilon=0.01,
+                         adam_gclip=0), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    same = ("reward", "reward_std", "completions/mean_length", "rewards/regex:e/mean")
+    assert [rows[1][k] for k in same] == [rows[0][k] for k in same]
+    assert "sampling/tokens_per_second" in rows[0] and "sampling/tokens_per_second" not in rows[1]
+    assert "sampling/tokens_per_second" in rows[2]
+    assert rows[0]["clip_ratio/region_mean"] == 0 and rows[1]["clip_ratio/region_mean"] > 0
 
 
 @pytest.mark.slow

@@ -219,6 +219,10 @@ class FinetuneOptions(TrainOptions):
                          G_GRPO, frozen=True)
     epsilon_high: Optional[float] = opt(None, "grpo: the clipping range above 1 (default --epsilon; DAPO "
                                         "suggests 0.28).", G_GRPO, frozen=True)
+    num_iterations: int = opt(1, "grpo: optimizer steps taken on each generated batch (TRL's num_iterations, its "
+                              "mu): the first step samples and scores, the next ones reuse those completions, "
+                              "their ratios taken against the sampling policy's log-probabilities.",
+                              G_GRPO, frozen=True)
     scale_rewards: str = opt("group", "grpo: advantages divided by the group's reward std (group), the batch's "
                              "(batch) or not at all (none).", G_GRPO, frozen=True)
     # ---- full finetune (--fine-tune-type full, train/full.py)
@@ -396,6 +400,7 @@ def _validate_grpo(o: FinetuneOptions) -> None:
         raise LlamatuneError(f"--batch {o.batch}: --method grpo puts whole groups of --num-generations {G} "
                              "completions in a micro-batch: give a multiple of it")
     check_number("--max-completion-length", o.max_completion_length, 1)
+    check_number("--num-iterations", o.num_iterations, 1)
     if o.max_completion_length >= o.ctx:
         raise LlamatuneError(f"--max-completion-length {o.max_completion_length} leaves no room for a prompt in "
                              f"--ctx {o.ctx} (a prompt and its completion share a row): raise --ctx or lower it")

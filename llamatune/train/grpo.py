@@ -1,5 +1,5 @@
-"""GRPO (online RL with verifiable rewards), HF TRL's GRPOTrainer for one policy update
-per generation batch (num_iterations = 1), an objective of the training loop (objective.py).
+"""GRPO (online RL with verifiable rewards), HF TRL's GRPOTrainer, an objective of the
+training loop (objective.py); --num-iterations steps per generation batch (GroupBatcher).
 
 A step: each micro-batch of --batch rows holds --batch / G prompts, each with its G
 (--num-generations) completions sampled by the current policy (the batched decode of
@@ -8,7 +8,8 @@ scored by the rewards (rewards.py). Per group (TRL `_generate_and_score_completi
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)      std with Bessel's correction;
                                                  --scale-rewards batch: the batch's std, none: no division
 Per completion token t (TRL `_compute_loss`, importance sampling per token):
-    rho   = exp(logp - logp_old)                 logp_old: the same forward's value, detached (rho = 1)
+    rho   = exp(logp - logp_old)                 logp_old: the sampling policy's logp (a batch's first
+                                                 step: this forward's, detached, rho = 1)
     l     = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta kl
     kl    = exp(ref - logp) - (ref - logp) - 1   ref: the base with the adapter off (lora.disabled_adapters)
 and the step's loss is sum_i c_i sum_t l_it with the normalisation --loss-type:
@@ -24,8 +25,8 @@ At rho = 1 this is the weighted cross-entropy w_t = c_i A_i (- beta c_i (1 - exp
 One Graph.step per micro-batch: its `reweight` hook turns the forward's per-token
 cross-entropies into these weights before the backward (preference.py does the same).
 Differences from TRL: logp is the model's (TRL divides the logits by --temperature
-first; the same at the default temperature 1); no --num-iterations > 1, no entropy mask,
-no two-sided delta clipping. Validation (--val-data prompts) generates: GenerationValidator.
+first; the same at the default temperature 1); no entropy mask, no two-sided delta
+clipping. Validation (--val-data prompts) generates: GenerationValidator.
 """
 from __future__ import annotations
 
@@ -136,23 +137,45 @@ def layout(prompts: list[list[int]], completions: list[list[int]], B: int, T: in
 class GroupBatcher(Batcher):
     """The training Batcher's shuffled, resumable order over prompts (PromptSamples); a
     batch takes --batch / G prompts and has `rollout` complete and score them. The
-    sampling Generator's state is part of the batcher's state."""
+    sampling Generator's state is part of the batcher's state.
+    --num-iterations mu: the micro-batches a step generated are served again, in the same
+    order, for the next mu - 1 steps (TRL's buffered generation batch with
+    steps_per_generation = --grad-acc, without its row shuffle); `step_taken` counts the
+    steps, and a state taken mid-cycle holds the buffered batches (with the sampling
+    policy's and the reference's log-probabilities), so a resumed run replays them."""
 
     def __init__(self, samples, opts, n_vocab: int, bos_id: int, eos_id: int, rollout):
         super().__init__(samples, opts, n_vocab, bos_id, eos_id)
         self.rollout = rollout
         self.sampling = np.random.default_rng([_SAMPLING_STREAM, opts.seed])
+        self.buffer: list[GroupBatch] = []      # this cycle's generated micro-batches
+        self.served = 0                         # steps of this cycle taken (0: the next one generates)
+        self._cursor = 0
 
     def next_batch(self) -> GroupBatch:
-        self._crossed = False
-        taken = [self._take()[0] for _ in range(self.opts.batch // self.opts.num_generations)]
-        b = self.rollout(taken, self.sampling)
-        b.epoch_done = self._crossed
+        if self.served:                         # a replay of the cycle's generation
+            b = self.buffer[self._cursor]
+            self._cursor += 1
+        else:
+            self._crossed = False
+            taken = [self._take()[0] for _ in range(self.opts.batch // self.opts.num_generations)]
+            b = self.rollout(taken, self.sampling)
+            b.epoch_done = self._crossed
+            self.buffer.append(b)
         self.token_count += b.n_targets
         return b
 
+    def step_taken(self) -> None:
+        """A step consumed its batches: the cycle moves on (and ends after mu steps)."""
+        self.served, self._cursor = self.served + 1, 0
+        if self.served >= self.opts.num_iterations:
+            self.buffer, self.served = [], 0
+
     def state(self) -> dict:
-        return {**super().state(), "sampling_rng_state": self.sampling.bit_generator.state}
+        out = {**super().state(), "sampling_rng_state": self.sampling.bit_generator.state}
+        if self.served:
+            out["replay"] = {"served": self.served, "batches": [batch_state(b) for b in self.buffer]}
+        return out
 
     def load_state(self, state: dict, samples, force_reshuffle: bool = False) -> None:
         super().load_state(state, samples, force_reshuffle)
@@ -160,8 +183,30 @@ class GroupBatcher(Batcher):
             raise LlamatuneError("training state: no sampling state (not a --method grpo checkpoint)")
         try:
             self.sampling.bit_generator.state = state["sampling_rng_state"]
+            replay = state.get("replay") or {"served": 0, "batches": []}
+            self.served, self.buffer = int(replay["served"]), [batch_from_state(d) for d in replay["batches"]]
         except (TypeError, ValueError, KeyError) as e:
             raise LlamatuneError(f"training state: invalid sampling state ({e})") from None
+        if self.served >= self.opts.num_iterations:       # --num-iterations lowered since the save
+            self.buffer, self.served = [], 0
+
+
+_ARRAYS = {"inputs": np.int64, "targets": np.int64, "sample_ids": np.int64, "advantages": np.float64,
+           "rewards": np.float64, "lengths": np.int64, "ended": bool, "old_logp": np.float64, "ref_logp": np.float64}
+
+
+def batch_state(b: GroupBatch) -> dict:
+    """A buffered batch as JSON (floats as Python writes them: read back bit for bit)."""
+    out = {"n_targets": int(b.n_targets), "epoch_done": bool(b.epoch_done)}
+    for k in _ARRAYS:
+        v = getattr(b, k)
+        out[k] = None if v is None else np.asarray(v).tolist()
+    return out
+
+
+def batch_from_state(d: dict) -> GroupBatch:
+    arrays = {k: None if d[k] is None else np.asarray(d[k], dtype) for k, dtype in _ARRAYS.items()}
+    return GroupBatch(n_targets=int(d["n_targets"]), epoch_done=bool(d["epoch_done"]), **arrays)
 
 
 class Sampler:
@@ -237,6 +282,7 @@ class GRPO:
         self._adapter_stale = True              # the sampler's adapter is older than the parameters
         self._batches: list[GroupBatch] = []
         self._tokens: list[np.ndarray] = []     # per micro-batch of this rank: [kl sum, low, high, region, tokens]
+        self._first: list[tuple] = []           # (micro, old_logp, ref_logp) first computed this step here
         self.last: dict[str, float] = {}
 
     # ---- generation (the batcher's rollout)
@@ -315,6 +361,8 @@ class GRPO:
         logp, t = got[0]
         if b.old_logp is None:
             b.old_logp = logp                # detached: what later passes' ratios are taken against
+            if self.opts.num_iterations > 1:     # replays on every rank need it (end_step)
+                self._first.append((key[2], b.old_logp, b.ref_logp))
         self._record(b, t)
         return self._loss(b, t)
 
@@ -330,13 +378,19 @@ class GRPO:
 
     def end_step(self, world) -> dict[str, float]:
         self._adapter_stale = True              # the update follows: the next step samples the new policy
-        every = world.allgather(self._tokens, "grpo metrics")
-        self._tokens = []
+        self._batcher.step_taken()
+        every = world.allgather((self._tokens, self._first), "grpo metrics")
+        self._tokens, self._first = [], []
+        for _, first in every:                  # each rank keeps every buffered batch's log-probabilities
+            for micro, old, ref in first:
+                self._batches[micro].old_logp, self._batches[micro].ref_logp = old, ref
+        every = [tokens for tokens, _ in every]
         sums = np.sum([x for mine in every for x in mine], axis=0) if any(every) else np.zeros(5)
         seconds, tokens = self.sampler.take_speed()
         self.last = step_metrics(self._batches, self.rewards, self.opts.num_generations, sums, self.beta)
-        self.last["sampling/tokens_per_second"] = tokens / max(seconds, 1e-9)
-        self.last["sampling/seconds"] = seconds
+        if tokens:                              # not on the steps that replay a generation
+            self.last["sampling/tokens_per_second"] = tokens / max(seconds, 1e-9)
+            self.last["sampling/seconds"] = seconds
         return self.last
 
     def settle(self, world, bad: str | None) -> None:
@@ -346,8 +400,9 @@ class GRPO:
         m = self.last
         if not m:
             return ""
-        return (f"reward {m['reward']:.3f} len {m['completions/mean_length']:.0f} "
-                f"sampling {m['sampling/tokens_per_second']:.1f} tok/s")
+        speed = m.get("sampling/tokens_per_second")
+        return (f"reward {m['reward']:.3f} len {m['completions/mean_length']:.0f}"
+                + ("" if speed is None else f" sampling {speed:.1f} tok/s"))
 
 
 # --------------------------------------------------------------------------- validation
