@@ -26,6 +26,7 @@ from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantage
 from llamatune.train.objective import token_losses
 from llamatune.train.lora import disabled_adapters, init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
+from llamatune.train.distributed import World
 
 import test_mpi
 from conftest import write_tiny_model
@@ -344,7 +345,7 @@ def test_grpo_resume_is_bit_exact(tmp_path, tiny_model, mu):
     res = finetune(run_options(two, tiny_model, checkpoint_in=two / "chk-LATEST.gguf", **over), quiet=True)
     assert res.state.iteration == 4 and len(res.losses) == 2
     test_mpi.assert_same_training(one / "chk-4.gguf", two / "chk-4.gguf")   # tensors, counters, data state
-    assert "sampling_rng_state" in json.loads(GGUFFile(one / "chk-4.gguf").get("llamatune.data_state"))
+    assert json.loads(GGUFFile(one / "chk-4.gguf").get("llamatune.data_state"))["sampled_batches"] == -(-4 // mu) * 2
     timing = ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds")
     rows = lambda d: [{k: v for k, v in json.loads(x).items() if k not in timing}  # noqa: E731
                       for x in (d / "m.jsonl").read_text().splitlines()]
@@ -419,12 +420,14 @@ def test_bad_prompt_files_and_states(tmp_path, tiny_model):
         load_prompts(write_prompts(tmp_path / "b.jsonl", [{"text": "a"}]), tok, o)
     o.skip_bad_rows = False
     samples = load_prompts(write_prompts(tmp_path / "p.jsonl"), tok, o)
-    batcher = GroupBatcher(samples, o, tok.n_vocab, tok.bos_id, tok.eos_id, rollout=None)
+    batcher = GroupBatcher(samples, o, tok.n_vocab, tok.bos_id, tok.eos_id, rollout=None, world=World())
     state = batcher.state()
     with pytest.raises(LlamatuneError, match=r"invalid sampling state"):
-        batcher.load_state({**state, "sampling_rng_state": {"bit_generator": "MT19937"}}, samples)
-    del state["sampling_rng_state"]
-    with pytest.raises(LlamatuneError, match=r"no sampling state \(not a --method grpo checkpoint\)"):
+        batcher.load_state({**state, "sampled_batches": "many"}, samples)
+    with pytest.raises(LlamatuneError, match=r"invalid sampling state"):
+        batcher.load_state({**state, "replay": {"served": 1, "batches": [{"inputs": [1]}]}}, samples)
+    del state["sampled_batches"]
+    with pytest.raises(LlamatuneError, match=r"no sampling state \(not a --method grpo checkpoint"):
         batcher.load_state(state, samples)
 
 

@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from ..errors import LlamatuneError
+from . import distributed
 from . import rewards as R
 from .data import Batch, Batcher
 from .lora import disabled_adapters
@@ -136,34 +137,54 @@ def layout(prompts: list[list[int]], completions: list[list[int]], B: int, T: in
 
 class GroupBatcher(Batcher):
     """The training Batcher's shuffled, resumable order over prompts (PromptSamples); a
-    batch takes --batch / G prompts and has `rollout` complete and score them. The
-    sampling Generator's state is part of the batcher's state.
-    --num-iterations mu: the micro-batches a step generated are served again, in the same
-    order, for the next mu - 1 steps (TRL's buffered generation batch with
-    steps_per_generation = --grad-acc, without its row shuffle); `step_taken` counts the
-    steps, and a state taken mid-cycle holds the buffered batches (with the sampling
-    policy's and the reference's log-probabilities), so a resumed run replays them."""
+    micro-batch takes --batch / G prompts and has `rollout` complete and score them.
+    A step's micro-batches are made together: the prompts of all of them taken in order,
+    then each MPI rank completes its share (micro-batches m = rank, rank + K, ...) and the
+    ranks exchange the results, so that every rank holds the step's batches, as one
+    process would. Micro-batch i of the run samples from its own Generator
+    ([stream, --seed, i]), which makes the completions independent of which rank draws
+    them; the count of micro-batches drawn is the sampling state in the checkpoint.
+    --num-iterations mu: the step's micro-batches are served again, in the same order, for
+    the next mu - 1 steps (TRL's buffered generation batch with steps_per_generation =
+    --grad-acc, without its row shuffle); `step_taken` counts the steps, and a state taken
+    mid-cycle holds the buffered batches (with the sampling policy's and the reference's
+    log-probabilities), so a resumed run replays them."""
 
-    def __init__(self, samples, opts, n_vocab: int, bos_id: int, eos_id: int, rollout):
+    def __init__(self, samples, opts, n_vocab: int, bos_id: int, eos_id: int, rollout, world):
         super().__init__(samples, opts, n_vocab, bos_id, eos_id)
-        self.rollout = rollout
-        self.sampling = np.random.default_rng([_SAMPLING_STREAM, opts.seed])
-        self.buffer: list[GroupBatch] = []      # this cycle's generated micro-batches
-        self.served = 0                         # steps of this cycle taken (0: the next one generates)
+        self.rollout, self.world = rollout, world
+        self.drawn = 0                          # micro-batches sampled in the run so far
+        self.buffer: list[GroupBatch] = []      # this step's micro-batches (kept for a cycle's replays)
+        self.served = 0                         # steps of this cycle taken (0: the next one samples)
         self._cursor = 0
+        self.speed = (0.0, 0)                   # (wall seconds, completion tokens) of the last sampling
 
     def next_batch(self) -> GroupBatch:
-        if self.served:                         # a replay of the cycle's generation
-            b = self.buffer[self._cursor]
-            self._cursor += 1
-        else:
-            self._crossed = False
-            taken = [self._take()[0] for _ in range(self.opts.batch // self.opts.num_generations)]
-            b = self.rollout(taken, self.sampling)
-            b.epoch_done = self._crossed
-            self.buffer.append(b)
+        if not self.served and self._cursor == 0:
+            self.buffer = self._sample_step()
+        b = self.buffer[self._cursor]
+        self._cursor += 1
         self.token_count += b.n_targets
         return b
+
+    def _sample_step(self) -> list[GroupBatch]:
+        """The step's micro-batches, each rank sampling its share (class doc)."""
+        t = time.perf_counter()
+        n, per = self.opts.grad_acc * self.world.size, self.opts.batch // self.opts.num_generations
+        taken = []
+        for _ in range(n):
+            self._crossed = False
+            taken.append(([self._take()[0] for _ in range(per)], self._crossed))
+        mine = {}
+        for m in range(self.world.rank, n, self.world.size):
+            mine[m] = self.rollout(taken[m][0], np.random.default_rng([_SAMPLING_STREAM, self.opts.seed, self.drawn + m]))
+        batches = {m: b for part in self.world.allgather(mine, "grpo sampling") for m, b in part.items()}
+        self.drawn += n
+        out = [batches[m] for m in range(n)]
+        for b, (_, crossed) in zip(out, taken):
+            b.epoch_done = crossed
+        self.speed = (time.perf_counter() - t, int(sum(b.lengths.sum() for b in out)))
+        return out
 
     def step_taken(self) -> None:
         """A step consumed its batches: the cycle moves on (and ends after mu steps)."""
@@ -171,18 +192,23 @@ class GroupBatcher(Batcher):
         if self.served >= self.opts.num_iterations:
             self.buffer, self.served = [], 0
 
+    def take_speed(self) -> tuple[float, int]:
+        speed, self.speed = self.speed, (0.0, 0)
+        return speed
+
     def state(self) -> dict:
-        out = {**super().state(), "sampling_rng_state": self.sampling.bit_generator.state}
+        out = {**super().state(), "sampled_batches": self.drawn}
         if self.served:
             out["replay"] = {"served": self.served, "batches": [batch_state(b) for b in self.buffer]}
         return out
 
     def load_state(self, state: dict, samples, force_reshuffle: bool = False) -> None:
         super().load_state(state, samples, force_reshuffle)
-        if "sampling_rng_state" not in state:
-            raise LlamatuneError("training state: no sampling state (not a --method grpo checkpoint)")
+        if "sampled_batches" not in state:
+            raise LlamatuneError("training state: no sampling state (not a --method grpo checkpoint, or one "
+                                 "written by an earlier llamatune, whose sampling cannot be continued)")
         try:
-            self.sampling.bit_generator.state = state["sampling_rng_state"]
+            self.drawn = int(state["sampled_batches"])
             replay = state.get("replay") or {"served": 0, "batches": []}
             self.served, self.buffer = int(replay["served"]), [batch_from_state(d) for d in replay["batches"]]
         except (TypeError, ValueError, KeyError) as e:
@@ -219,7 +245,6 @@ class Sampler:
         self.runner = Runner(model, backend=backend)
         self.tok = model.tokenizer
         self.stop = set(self.tok.eog_ids)
-        self.seconds, self.tokens = 0.0, 0                  # generation since the last `take_speed`
 
     def use_adapter(self, params, targets) -> None:
         """The runner's adapters: the trained values now (norm adapters are refused by
@@ -231,12 +256,8 @@ class Sampler:
     def complete(self, ids: list[int], rng: np.random.Generator) -> list[list[int]]:
         from ..models.sampling import generate_group
         o = self.opts
-        t = time.perf_counter()
-        out = generate_group(self.runner, ids, o.num_generations, o.max_completion_length, rng, o.temperature,
-                             o.top_p, self.stop)
-        self.seconds += time.perf_counter() - t
-        self.tokens += sum(len(c) for c in out)
-        return out
+        return generate_group(self.runner, ids, o.num_generations, o.max_completion_length, rng, o.temperature,
+                              o.top_p, self.stop)
 
     def text(self, completion: list[int]) -> str:
         ended = completion and completion[-1] in self.stop
@@ -253,9 +274,6 @@ class Sampler:
         fields = {k: [row.get(k) for row in rows for _ in range(G)] for k in keys}
         return R.score(self.rewards, prompts, texts, fields)
 
-    def take_speed(self) -> tuple[float, int]:
-        seconds, tokens, self.seconds, self.tokens = self.seconds, self.tokens, 0.0, 0
-        return seconds, tokens
 
 
 # --------------------------------------------------------------------------- the objective
@@ -290,7 +308,7 @@ class GRPO:
         check_fields(self.rewards, job.samples.rows, self.opts.train_data)
         self.job = job
         self.sampler = Sampler(self.model, self.opts, self.rewards, job.backend)
-        self._batcher = GroupBatcher(job.samples, self.opts, *vocab(job), self.rollout)
+        self._batcher = GroupBatcher(job.samples, self.opts, *vocab(job), self.rollout, distributed.current())
         return self._batcher
 
     def rollout(self, prompts: list[int], rng: np.random.Generator) -> GroupBatch:
@@ -386,7 +404,7 @@ class GRPO:
                 self._batches[micro].old_logp, self._batches[micro].ref_logp = old, ref
         every = [tokens for tokens, _ in every]
         sums = np.sum([x for mine in every for x in mine], axis=0) if any(every) else np.zeros(5)
-        seconds, tokens = self.sampler.take_speed()
+        seconds, tokens = self._batcher.take_speed()
         self.last = step_metrics(self._batches, self.rewards, self.opts.num_generations, sums, self.beta)
         if tokens:                              # not on the steps that replay a generation
             self.last["sampling/tokens_per_second"] = tokens / max(seconds, 1e-9)
