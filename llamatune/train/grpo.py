@@ -3,7 +3,7 @@ training loop (objective.py); --num-iterations steps per generation batch (Group
 
 A step: each micro-batch of --batch rows holds --batch / G prompts, each with its G
 (--num-generations) completions sampled by the current policy (the batched decode of
-models/sampling.generate_group, from a seeded Generator kept in the checkpoint) and
+models/sampling.generate_group, from a seeded Generator per micro-batch: GroupBatcher) and
 scored by the rewards (rewards.py). Per group (TRL `_generate_and_score_completions`):
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)      std with Bessel's correction;
                                                  --scale-rewards batch: the batch's std, none: no division
