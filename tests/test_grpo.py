@@ -181,6 +181,43 @@ def test_weighted_step_is_the_gradient_of_the_grpo_loss(small_model, loss_type, 
             np.testing.assert_array_equal(b.ref_logp, -token_losses(graph, b))
 
 
+@pytest.fixture(scope="module")
+def capped_model(tmp_path_factory, tiny_vocab):
+    """gemma2's block with a final soft-cap: the temperature divides the capped logits."""
+    return Model(write_tiny_model(tmp_path_factory.mktemp("g2") / "m.gguf", tiny_vocab, arch="gemma2", n_embd=32,
+                                  n_ff=48, n_head=2, n_head_kv=1, head_dim=16, n_rot=16, n_layer=2,
+                                  attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2, tied=True))
+
+
+@pytest.mark.parametrize("which", ["small_model", "capped_model"])
+def test_temperature_divides_the_logits(which, request):
+    """--temperature 0.7: the graph's token log-probabilities are log_softmax(logits / 0.7)
+    of the inference forward's logits (TRL's), and micro_step's gradient is the loss's by
+    float64 finite differences, through the final soft-cap where the family has one."""
+    model = request.getfixturevalue(which)
+    graph, params = setup(model, 4, 9, seed=8)
+    g = GRPO(grpo_options(temperature=0.7, beta=0.1, loss_type="grpo"), model)
+    b = group_batch(model.config.n_vocab, 4, 9, seed=9)
+    g._tempered(graph)
+    with disabled_adapters(graph.lora.values()):
+        logp = -token_losses(graph, b)
+    logits = Runner(model).forward(b.inputs).astype(np.float64) / 0.7
+    z = logits - logits.max(axis=2, keepdims=True)
+    want = z - np.log(np.exp(z).sum(axis=2, keepdims=True))
+    mask = b.targets >= 0
+    picked = np.take_along_axis(want, np.maximum(b.targets, 0)[..., None], axis=2)[..., 0]
+    np.testing.assert_allclose(logp[mask], picked[mask], rtol=1e-5, atol=1e-5)
+    current = -token_losses(graph, b)
+    b.old_logp = current + np.random.default_rng(4).uniform(-0.4, 0.4, current.shape)
+    g.begin_step([b])
+    params.zero_grad()
+    g.micro_step(graph, b, (0,))
+    analytic = params.grad.copy()
+    err = fd_check(lambda p: g.micro_loss(graph, b, (0,)), {"p": params.data}, {"p": analytic}, eps=1e-5,
+                   rtol=1e-5, atol=1e-10, n_probe=150)
+    assert err < 1e-5
+
+
 def test_loss_on_a_fixed_batch_is_trls(small_model):
     """The micro-batch loss equals TRL's formula applied to the graph's own per-token
     log-probabilities (forward only), with clipped ratios and the KL term."""

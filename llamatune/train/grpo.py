@@ -24,8 +24,8 @@ w_t = -c_i dl/dlogp_t (the graph's gradient is linear in its weights, as for DPO
 At rho = 1 this is the weighted cross-entropy w_t = c_i A_i (- beta c_i (1 - exp(ref - logp))).
 One Graph.step per micro-batch: its `reweight` hook turns the forward's per-token
 cross-entropies into these weights before the backward (preference.py does the same).
-Differences from TRL: logp is the model's (TRL divides the logits by --temperature
-first; the same at the default temperature 1); no entropy mask, no two-sided delta
+logp (and the reference's) are of the logits divided by --temperature, as TRL's
+(LossHead.inv_temperature). Differences from TRL: no entropy mask, no two-sided delta
 clipping. Validation (--val-data prompts) generates: GenerationValidator.
 """
 from __future__ import annotations
@@ -344,8 +344,14 @@ class GRPO:
         return coefficients(self.loss_type, b.lengths, rows, tokens, b.n_targets, micro,
                             self.opts.max_completion_length)
 
+    def _tempered(self, graph) -> None:
+        """The graph's log-probabilities of logits / --temperature, as TRL takes them."""
+        T = float(self.opts.temperature)
+        graph.head.inv_temperature = None if T == 1.0 else 1.0 / T
+
     def _reference(self, graph, b: GroupBatch) -> None:
         """b.ref_logp: the completions' log-probabilities under the base (adapter off)."""
+        self._tempered(graph)
         if self.beta == 0.0 or b.ref_logp is not None:
             return
         with disabled_adapters(graph.lora.values()):
