@@ -554,3 +554,21 @@ def test_validation_generates_greedily_and_scores(tmp_path, tiny_model):
     assert last["val_loss"] == pytest.approx(-last["eval_reward"])
     assert last["eval_accuracy"] == pytest.approx(np.mean(np.logical_and(e, cap)))
     assert last["eval_completions/mean_length"] == pytest.approx(np.mean([len(c) for c in got]))
+
+
+def test_arithmetic_task_data_and_scoring(tmp_path):
+    """checks/grpo_arith.py: train, val and test problems share no (a, b, c), every answer is
+    a + b - c >= 0 of the prompt's numbers, and its accuracy is the boxed-answer reward's."""
+    from checks import grpo_arith
+    parts = grpo_arith.write_data(tmp_path, 40, 8, 16, seed=3)
+    seen = {}
+    for name, path in parts.items():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(rows) == {"train": 40, "val": 8, "test": 16}[name]
+        for r in rows:
+            a, b, c = map(int, re.findall(r"\b\d+\b", r["prompt"][0]["content"]))
+            assert int(r["answer"]) == a + b - c >= 0 and all(10 <= v < 100 for v in (a, b, c))
+            assert seen.setdefault((a, b, c), name) == name
+    rows = [{"answer": "7"}, {"answer": "12"}, {"answer": "3"}]
+    got = grpo_arith.score(rows, ["so \\boxed{7}.", "\\boxed{13}", "3"])
+    assert (got["correct"], got["total"]) == (1, 3) and got["accuracy"] == pytest.approx(1 / 3)
