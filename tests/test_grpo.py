@@ -5,6 +5,7 @@ rises, slow)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantage
 from llamatune.train.objective import token_losses
 from llamatune.train.lora import disabled_adapters, init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
+from llamatune.train.distributed import World
 
 import test_mpi
 from conftest import write_tiny_model
@@ -179,6 +181,43 @@ def test_weighted_step_is_the_gradient_of_the_grpo_loss(small_model, loss_type, 
             np.testing.assert_array_equal(b.ref_logp, -token_losses(graph, b))
 
 
+@pytest.fixture(scope="module")
+def capped_model(tmp_path_factory, tiny_vocab):
+    """gemma2's block with a final soft-cap: the temperature divides the capped logits."""
+    return Model(write_tiny_model(tmp_path_factory.mktemp("g2") / "m.gguf", tiny_vocab, arch="gemma2", n_embd=32,
+                                  n_ff=48, n_head=2, n_head_kv=1, head_dim=16, n_rot=16, n_layer=2,
+                                  attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2, tied=True))
+
+
+@pytest.mark.parametrize("which", ["small_model", "capped_model"])
+def test_temperature_divides_the_logits(which, request):
+    """--temperature 0.7: the graph's token log-probabilities are log_softmax(logits / 0.7)
+    of the inference forward's logits (TRL's), and micro_step's gradient is the loss's by
+    float64 finite differences, through the final soft-cap where the family has one."""
+    model = request.getfixturevalue(which)
+    graph, params = setup(model, 4, 9, seed=8)
+    g = GRPO(grpo_options(temperature=0.7, beta=0.1, loss_type="grpo"), model)
+    b = group_batch(model.config.n_vocab, 4, 9, seed=9)
+    g._tempered(graph)
+    with disabled_adapters(graph.lora.values()):
+        logp = -token_losses(graph, b)
+    logits = Runner(model).forward(b.inputs).astype(np.float64) / 0.7
+    z = logits - logits.max(axis=2, keepdims=True)
+    want = z - np.log(np.exp(z).sum(axis=2, keepdims=True))
+    mask = b.targets >= 0
+    picked = np.take_along_axis(want, np.maximum(b.targets, 0)[..., None], axis=2)[..., 0]
+    np.testing.assert_allclose(logp[mask], picked[mask], rtol=1e-5, atol=1e-5)
+    current = -token_losses(graph, b)
+    b.old_logp = current + np.random.default_rng(4).uniform(-0.4, 0.4, current.shape)
+    g.begin_step([b])
+    params.zero_grad()
+    g.micro_step(graph, b, (0,))
+    analytic = params.grad.copy()
+    err = fd_check(lambda p: g.micro_loss(graph, b, (0,)), {"p": params.data}, {"p": analytic}, eps=1e-5,
+                   rtol=1e-5, atol=1e-10, n_probe=150)
+    assert err < 1e-5
+
+
 def test_loss_on_a_fixed_batch_is_trls(small_model):
     """The micro-batch loss equals TRL's formula applied to the graph's own per-token
     log-probabilities (forward only), with clipped ratios and the KL term."""
@@ -328,19 +367,22 @@ def tensors(path: Path) -> dict[str, np.ndarray]:
     return {n: np.array(t.data) for n, t in GGUFFile(path).tensors.items()}
 
 
-def test_grpo_resume_is_bit_exact(tmp_path, tiny_model):
+@pytest.mark.parametrize("mu", [1, 3])
+def test_grpo_resume_is_bit_exact(tmp_path, tiny_model, mu):
     """4 steps in one run == 2 steps, then resume from LATEST for 2 more: the completions
-    (sampling state in the checkpoint), parameters, moments and the metrics."""
+    (sampling state in the checkpoint), parameters, moments and the metrics. With
+    --num-iterations 3 the cut falls inside a generation's cycle: the checkpoint holds the
+    buffered completions and their sampling log-probabilities, which the resumed run replays."""
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
     two.mkdir()
-    over = dict(beta=0.05, grad_acc=2)
+    over = dict(beta=0.05, grad_acc=2, num_iterations=mu)
     finetune(run_options(one, tiny_model, **over), quiet=True)
     finetune(run_options(two, tiny_model, adam_iter=2, **over), quiet=True)
     res = finetune(run_options(two, tiny_model, checkpoint_in=two / "chk-LATEST.gguf", **over), quiet=True)
     assert res.state.iteration == 4 and len(res.losses) == 2
     test_mpi.assert_same_training(one / "chk-4.gguf", two / "chk-4.gguf")   # tensors, counters, data state
-    assert "sampling_rng_state" in json.loads(GGUFFile(one / "chk-4.gguf").get("llamatune.data_state"))
+    assert json.loads(GGUFFile(one / "chk-4.gguf").get("llamatune.data_state"))["sampled_batches"] == -(-4 // mu) * 2
     timing = ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds")
     rows = lambda d: [{k: v for k, v in json.loads(x).items() if k not in timing}  # noqa: E731
                       for x in (d / "m.jsonl").read_text().splitlines()]
@@ -415,12 +457,14 @@ def test_bad_prompt_files_and_states(tmp_path, tiny_model):
         load_prompts(write_prompts(tmp_path / "b.jsonl", [{"text": "a"}]), tok, o)
     o.skip_bad_rows = False
     samples = load_prompts(write_prompts(tmp_path / "p.jsonl"), tok, o)
-    batcher = GroupBatcher(samples, o, tok.n_vocab, tok.bos_id, tok.eos_id, rollout=None)
+    batcher = GroupBatcher(samples, o, tok.n_vocab, tok.bos_id, tok.eos_id, rollout=None, world=World())
     state = batcher.state()
     with pytest.raises(LlamatuneError, match=r"invalid sampling state"):
-        batcher.load_state({**state, "sampling_rng_state": {"bit_generator": "MT19937"}}, samples)
-    del state["sampling_rng_state"]
-    with pytest.raises(LlamatuneError, match=r"no sampling state \(not a --method grpo checkpoint\)"):
+        batcher.load_state({**state, "sampled_batches": "many"}, samples)
+    with pytest.raises(LlamatuneError, match=r"invalid sampling state"):
+        batcher.load_state({**state, "replay": {"served": 1, "batches": [{"inputs": [1]}]}}, samples)
+    del state["sampled_batches"]
+    with pytest.raises(LlamatuneError, match=r"no sampling state \(not a --method grpo checkpoint"):
         batcher.load_state(state, samples)
 
 
@@ -444,6 +488,24 @@ def test_grpo_on_two_mpi_ranks_trains_what_one_process_does(tmp_path, tiny_model
     rows = test_mpi.ranks_match_grad_acc(tmp_path, launcher, common, 3,
                                          ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds"))
     assert "kl" in rows[-1]
+    (tmp_path / "mu").mkdir()
+    rows = test_mpi.ranks_match_grad_acc(tmp_path / "mu", launcher, common + ["--num-iterations", 2], 3,
+                                         ("tokens_per_s", "sampling/tokens_per_second", "sampling/seconds"))
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[1]["clip_ratio/region_mean"] >= 0
+
+
+def test_num_iterations_replays_a_generation(tmp_path, tiny_model):
+    """--num-iterations 2: steps 1 and 2 train on the same completions (same rewards and
+    lengths; no sampling on step 2), step 2's ratios against step 1's sampling log-probabilities
+    (rho != 1: a loss and clipped tokens with a large step); step 3 samples again."""
+    finetune(run_options(tmp_path, tiny_model, num_iterations=2, adam_iter=3, adam_alpha=0.5, epsilon=0.01,
+                         adam_gclip=0), quiet=True)
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    same = ("reward", "reward_std", "completions/mean_length", "rewards/regex:e/mean")
+    assert [rows[1][k] for k in same] == [rows[0][k] for k in same]
+    assert "sampling/tokens_per_second" in rows[0] and "sampling/tokens_per_second" not in rows[1]
+    assert "sampling/tokens_per_second" in rows[2]
+    assert rows[0]["clip_ratio/region_mean"] == 0 and rows[1]["clip_ratio/region_mean"] > 0
 
 
 @pytest.mark.slow
@@ -462,3 +524,51 @@ def test_regex_reward_rises_on_a_tiny_model(tmp_path):
     assert len(rewards) == 32
     first, last = float(np.mean(rewards[:8])), float(np.mean(rewards[-8:]))
     assert last > first + 0.25 and last > 0.5, (first, last, rewards)
+
+
+def test_validation_generates_greedily_and_scores(tmp_path, tiny_model):
+    """--val-data prompts: each completed greedily by the policy of the moment (the same
+    tokens as `generate`'s argmax decode of the saved adapter), scored by the rewards; the
+    reward, accuracy and mean length in metrics.jsonl, minus the mean reward as val loss."""
+    from llamatune.formats.adapter import load_runtime_adapters
+    rows = [{"prompt": p, "answer": str(i)} for i, p in enumerate(PROMPTS[:3])]
+    val = write_prompts(tmp_path / "val.jsonl", rows)
+    o = run_options(tmp_path, tiny_model, val_data=val, eval_every=2, adam_iter=2,
+                    reward=["regex:e", "regex:t"], reward_weights=[1.0, 0.5])
+    finetune(o, quiet=True)
+    evals = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    evals = [e for e in evals if "val_loss" in e]
+    assert [e["step"] for e in evals] == [0, 2]
+    model = Model(tiny_model)
+    runner = Runner(model, load_runtime_adapters(model, [(str(tmp_path / "adapter-LATEST.gguf"), 1.0)]))
+    stop = set(model.tokenizer.eog_ids)
+    got = [list(generate_ids(runner, model.tokenizer.encode(r["prompt"], add_special=True), 6, temp=0.0, stop=stop))
+           for r in rows]
+    texts = [model.tokenizer.decode(c) for c in got]
+    e = [re.search("e", t) is not None for t in texts]
+    cap = [re.search("t", t) is not None for t in texts]
+    last = evals[-1]
+    assert last["eval_rewards/regex:e/mean"] == pytest.approx(np.mean(e))
+    assert last["eval_rewards/regex:t/mean"] == pytest.approx(np.mean(cap))
+    assert last["eval_reward"] == pytest.approx(np.mean(np.add(e, np.multiply(cap, 0.5))))
+    assert last["val_loss"] == pytest.approx(-last["eval_reward"])
+    assert last["eval_accuracy"] == pytest.approx(np.mean(np.logical_and(e, cap)))
+    assert last["eval_completions/mean_length"] == pytest.approx(np.mean([len(c) for c in got]))
+
+
+def test_arithmetic_task_data_and_scoring(tmp_path):
+    """checks/grpo_arith.py: train, val and test problems share no (a, b, c), every answer is
+    a + b - c >= 0 of the prompt's numbers, and its accuracy is the boxed-answer reward's."""
+    from checks import grpo_arith
+    parts = grpo_arith.write_data(tmp_path, 40, 8, 16, seed=3)
+    seen = {}
+    for name, path in parts.items():
+        rows = [json.loads(x) for x in path.read_text().splitlines()]
+        assert len(rows) == {"train": 40, "val": 8, "test": 16}[name]
+        for r in rows:
+            a, b, c = map(int, re.findall(r"\b\d+\b", r["prompt"][0]["content"]))
+            assert int(r["answer"]) == a + b - c >= 0 and all(10 <= v < 100 for v in (a, b, c))
+            assert seen.setdefault((a, b, c), name) == name
+    rows = [{"answer": "7"}, {"answer": "12"}, {"answer": "3"}]
+    got = grpo_arith.score(rows, ["so \\boxed{7}.", "\\boxed{13}", "3"])
+    assert (got["correct"], got["total"]) == (1, 3) and got["accuracy"] == pytest.approx(1 / 3)

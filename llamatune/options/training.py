@@ -100,7 +100,8 @@ class TrainOptions:
                                  "healthy losses (non-finite loss or gradient norm: always skipped).", G_OPT)
     max_bad_steps: int = opt(5, "Stop with an error after this many skipped (bad) steps in a row.", G_OPT)
     # ---- validation and metrics
-    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data.", G_VAL)
+    val_data: Optional[Path] = opt(None, "Validation data, in the same format as --train-data (grpo: prompts, completed "
+                                         "greedily and scored: mean reward and accuracy).", G_VAL)
     val_split: float = opt(0.0, "Hold out this fraction of the training samples (a seeded split) for validation.", G_VAL, frozen=True)
     eval_every: int = opt(10, "Validation loss at step 0, every N steps and at the end (0: at step 0 and the end).", G_VAL)
     save_best: bool = opt(False, "Keep the outputs and checkpoint of the lowest validation loss under the name with BEST in place of ITERATION.", G_VAL)
@@ -218,6 +219,10 @@ class FinetuneOptions(TrainOptions):
                          G_GRPO, frozen=True)
     epsilon_high: Optional[float] = opt(None, "grpo: the clipping range above 1 (default --epsilon; DAPO "
                                         "suggests 0.28).", G_GRPO, frozen=True)
+    num_iterations: int = opt(1, "grpo: optimizer steps taken on each generated batch (TRL's num_iterations, its "
+                              "mu): the first step samples and scores, the next ones reuse those completions, "
+                              "their ratios taken against the sampling policy's log-probabilities.",
+                              G_GRPO, frozen=True)
     scale_rewards: str = opt("group", "grpo: advantages divided by the group's reward std (group), the batch's "
                              "(batch) or not at all (none).", G_GRPO, frozen=True)
     # ---- full finetune (--fine-tune-type full, train/full.py)
@@ -395,6 +400,7 @@ def _validate_grpo(o: FinetuneOptions) -> None:
         raise LlamatuneError(f"--batch {o.batch}: --method grpo puts whole groups of --num-generations {G} "
                              "completions in a micro-batch: give a multiple of it")
     check_number("--max-completion-length", o.max_completion_length, 1)
+    check_number("--num-iterations", o.num_iterations, 1)
     if o.max_completion_length >= o.ctx:
         raise LlamatuneError(f"--max-completion-length {o.max_completion_length} leaves no room for a prompt in "
                              f"--ctx {o.ctx} (a prompt and its completion share a row): raise --ctx or lower it")
@@ -408,7 +414,7 @@ def _validate_grpo(o: FinetuneOptions) -> None:
     if o.reward_weights and len(o.reward_weights) != len(o.reward):
         raise LlamatuneError(f"--reward-weights: {len(o.reward_weights)} weight(s) for {len(o.reward)} --reward")
     given = [f for f, v in (("--pack", o.pack), ("--train-on-prompt", o.train_on_prompt), ("--label-smoothing", o.label_smoothing),
-                            ("--val-data", o.val_data), ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
+                            ("--val-split", o.val_split), ("--lora-dropout", o.lora_dropout),
                             ("--merge-aware", o.merge_aware)) if v]
     if o.fine_tune_type != "lora":
         given.append("--fine-tune-type full")

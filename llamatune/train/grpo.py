@@ -1,14 +1,15 @@
-"""GRPO (online RL with verifiable rewards), HF TRL's GRPOTrainer for one policy update
-per generation batch (num_iterations = 1), an objective of the training loop (objective.py).
+"""GRPO (online RL with verifiable rewards), HF TRL's GRPOTrainer, an objective of the
+training loop (objective.py); --num-iterations steps per generation batch (GroupBatcher).
 
 A step: each micro-batch of --batch rows holds --batch / G prompts, each with its G
 (--num-generations) completions sampled by the current policy (the batched decode of
-models/sampling.generate_group, from a seeded Generator kept in the checkpoint) and
+models/sampling.generate_group, from a seeded Generator per micro-batch: GroupBatcher) and
 scored by the rewards (rewards.py). Per group (TRL `_generate_and_score_completions`):
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)      std with Bessel's correction;
                                                  --scale-rewards batch: the batch's std, none: no division
 Per completion token t (TRL `_compute_loss`, importance sampling per token):
-    rho   = exp(logp - logp_old)                 logp_old: the same forward's value, detached (rho = 1)
+    rho   = exp(logp - logp_old)                 logp_old: the sampling policy's logp (a batch's first
+                                                 step: this forward's, detached, rho = 1)
     l     = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) + beta kl
     kl    = exp(ref - logp) - (ref - logp) - 1   ref: the base with the adapter off (lora.disabled_adapters)
 and the step's loss is sum_i c_i sum_t l_it with the normalisation --loss-type:
@@ -23,9 +24,9 @@ w_t = -c_i dl/dlogp_t (the graph's gradient is linear in its weights, as for DPO
 At rho = 1 this is the weighted cross-entropy w_t = c_i A_i (- beta c_i (1 - exp(ref - logp))).
 One Graph.step per micro-batch: its `reweight` hook turns the forward's per-token
 cross-entropies into these weights before the backward (preference.py does the same).
-Differences from TRL: logp is the model's (TRL divides the logits by --temperature
-first; the same at the default temperature 1); no --num-iterations > 1, no entropy mask,
-no two-sided delta clipping.
+logp (and the reference's) are of the logits divided by --temperature, as TRL's
+(LossHead.inv_temperature). Differences from TRL: no entropy mask, no two-sided delta
+clipping. Validation (--val-data prompts) generates: GenerationValidator.
 """
 from __future__ import annotations
 
@@ -35,10 +36,12 @@ import time
 import numpy as np
 
 from ..errors import LlamatuneError
+from . import distributed
 from . import rewards as R
 from .data import Batch, Batcher
 from .lora import disabled_adapters
 from .objective import token_losses, vocab
+from .validation import Validator
 
 STD_EPS = 1e-4                 # TRL: advantages / (std + 1e-4)
 _SAMPLING_STREAM = 0x67727030  # the sampling Generator's stream beside --seed
@@ -134,33 +137,102 @@ def layout(prompts: list[list[int]], completions: list[list[int]], B: int, T: in
 
 class GroupBatcher(Batcher):
     """The training Batcher's shuffled, resumable order over prompts (PromptSamples); a
-    batch takes --batch / G prompts and has `rollout` complete and score them. The
-    sampling Generator's state is part of the batcher's state."""
+    micro-batch takes --batch / G prompts and has `rollout` complete and score them.
+    A step's micro-batches are made together: the prompts of all of them taken in order,
+    then each MPI rank completes its share (micro-batches m = rank, rank + K, ...) and the
+    ranks exchange the results, so that every rank holds the step's batches, as one
+    process would. Micro-batch i of the run samples from its own Generator
+    ([stream, --seed, i]), which makes the completions independent of which rank draws
+    them; the count of micro-batches drawn is the sampling state in the checkpoint.
+    --num-iterations mu: the step's micro-batches are served again, in the same order, for
+    the next mu - 1 steps (TRL's buffered generation batch with steps_per_generation =
+    --grad-acc, without its row shuffle); `step_taken` counts the steps, and a state taken
+    mid-cycle holds the buffered batches (with the sampling policy's and the reference's
+    log-probabilities), so a resumed run replays them."""
 
-    def __init__(self, samples, opts, n_vocab: int, bos_id: int, eos_id: int, rollout):
+    def __init__(self, samples, opts, n_vocab: int, bos_id: int, eos_id: int, rollout, world):
         super().__init__(samples, opts, n_vocab, bos_id, eos_id)
-        self.rollout = rollout
-        self.sampling = np.random.default_rng([_SAMPLING_STREAM, opts.seed])
+        self.rollout, self.world = rollout, world
+        self.drawn = 0                          # micro-batches sampled in the run so far
+        self.buffer: list[GroupBatch] = []      # this step's micro-batches (kept for a cycle's replays)
+        self.served = 0                         # steps of this cycle taken (0: the next one samples)
+        self._cursor = 0
+        self.speed = (0.0, 0)                   # (wall seconds, completion tokens) of the last sampling
 
     def next_batch(self) -> GroupBatch:
-        self._crossed = False
-        taken = [self._take()[0] for _ in range(self.opts.batch // self.opts.num_generations)]
-        b = self.rollout(taken, self.sampling)
-        b.epoch_done = self._crossed
+        if not self.served and self._cursor == 0:
+            self.buffer = self._sample_step()
+        b = self.buffer[self._cursor]
+        self._cursor += 1
         self.token_count += b.n_targets
         return b
 
+    def _sample_step(self) -> list[GroupBatch]:
+        """The step's micro-batches, each rank sampling its share (class doc)."""
+        t = time.perf_counter()
+        n, per = self.opts.grad_acc * self.world.size, self.opts.batch // self.opts.num_generations
+        taken = []
+        for _ in range(n):
+            self._crossed = False
+            taken.append(([self._take()[0] for _ in range(per)], self._crossed))
+        mine = {}
+        for m in range(self.world.rank, n, self.world.size):
+            mine[m] = self.rollout(taken[m][0], np.random.default_rng([_SAMPLING_STREAM, self.opts.seed, self.drawn + m]))
+        batches = {m: b for part in self.world.allgather(mine, "grpo sampling") for m, b in part.items()}
+        self.drawn += n
+        out = [batches[m] for m in range(n)]
+        for b, (_, crossed) in zip(out, taken):
+            b.epoch_done = crossed
+        self.speed = (time.perf_counter() - t, int(sum(b.lengths.sum() for b in out)))
+        return out
+
+    def step_taken(self) -> None:
+        """A step consumed its batches: the cycle moves on (and ends after mu steps)."""
+        self.served, self._cursor = self.served + 1, 0
+        if self.served >= self.opts.num_iterations:
+            self.buffer, self.served = [], 0
+
+    def take_speed(self) -> tuple[float, int]:
+        speed, self.speed = self.speed, (0.0, 0)
+        return speed
+
     def state(self) -> dict:
-        return {**super().state(), "sampling_rng_state": self.sampling.bit_generator.state}
+        out = {**super().state(), "sampled_batches": self.drawn}
+        if self.served:
+            out["replay"] = {"served": self.served, "batches": [batch_state(b) for b in self.buffer]}
+        return out
 
     def load_state(self, state: dict, samples, force_reshuffle: bool = False) -> None:
         super().load_state(state, samples, force_reshuffle)
-        if "sampling_rng_state" not in state:
-            raise LlamatuneError("training state: no sampling state (not a --method grpo checkpoint)")
+        if "sampled_batches" not in state:
+            raise LlamatuneError("training state: no sampling state (not a --method grpo checkpoint, or one "
+                                 "written by an earlier llamatune, whose sampling cannot be continued)")
         try:
-            self.sampling.bit_generator.state = state["sampling_rng_state"]
+            self.drawn = int(state["sampled_batches"])
+            replay = state.get("replay") or {"served": 0, "batches": []}
+            self.served, self.buffer = int(replay["served"]), [batch_from_state(d) for d in replay["batches"]]
         except (TypeError, ValueError, KeyError) as e:
             raise LlamatuneError(f"training state: invalid sampling state ({e})") from None
+        if self.served >= self.opts.num_iterations:       # --num-iterations lowered since the save
+            self.buffer, self.served = [], 0
+
+
+_ARRAYS = {"inputs": np.int64, "targets": np.int64, "sample_ids": np.int64, "advantages": np.float64,
+           "rewards": np.float64, "lengths": np.int64, "ended": bool, "old_logp": np.float64, "ref_logp": np.float64}
+
+
+def batch_state(b: GroupBatch) -> dict:
+    """A buffered batch as JSON (floats as Python writes them: read back bit for bit)."""
+    out = {"n_targets": int(b.n_targets), "epoch_done": bool(b.epoch_done)}
+    for k in _ARRAYS:
+        v = getattr(b, k)
+        out[k] = None if v is None else np.asarray(v).tolist()
+    return out
+
+
+def batch_from_state(d: dict) -> GroupBatch:
+    arrays = {k: None if d[k] is None else np.asarray(d[k], dtype) for k, dtype in _ARRAYS.items()}
+    return GroupBatch(n_targets=int(d["n_targets"]), epoch_done=bool(d["epoch_done"]), **arrays)
 
 
 class Sampler:
@@ -173,7 +245,6 @@ class Sampler:
         self.runner = Runner(model, backend=backend)
         self.tok = model.tokenizer
         self.stop = set(self.tok.eog_ids)
-        self.seconds, self.tokens = 0.0, 0                  # generation since the last `take_speed`
 
     def use_adapter(self, params, targets) -> None:
         """The runner's adapters: the trained values now (norm adapters are refused by
@@ -185,20 +256,16 @@ class Sampler:
     def complete(self, ids: list[int], rng: np.random.Generator) -> list[list[int]]:
         from ..models.sampling import generate_group
         o = self.opts
-        t = time.perf_counter()
-        out = generate_group(self.runner, ids, o.num_generations, o.max_completion_length, rng, o.temperature,
-                             o.top_p, self.stop)
-        self.seconds += time.perf_counter() - t
-        self.tokens += sum(len(c) for c in out)
-        return out
+        return generate_group(self.runner, ids, o.num_generations, o.max_completion_length, rng, o.temperature,
+                              o.top_p, self.stop)
 
     def text(self, completion: list[int]) -> str:
         ended = completion and completion[-1] in self.stop
         return self.tok.decode(completion[:-1] if ended else completion)
 
-    def score(self, rows: list[dict], completions: list[list[int]]) -> np.ndarray:
-        """(n, R): the rewards of completions, G per row of `rows`."""
-        G = self.opts.num_generations
+    def score(self, rows: list[dict], completions: list[list[int]], per_row: int | None = None) -> np.ndarray:
+        """(n, R): the rewards of completions, G (or per_row) per row of `rows`."""
+        G = per_row or self.opts.num_generations
         prompts = [row["prompt"] for row in rows for _ in range(G)]
         texts = [self.text(c) for c in completions]
         if rows and isinstance(rows[0]["prompt"], list):          # conversational: TRL's message lists
@@ -207,9 +274,6 @@ class Sampler:
         fields = {k: [row.get(k) for row in rows for _ in range(G)] for k in keys}
         return R.score(self.rewards, prompts, texts, fields)
 
-    def take_speed(self) -> tuple[float, int]:
-        seconds, tokens, self.seconds, self.tokens = self.seconds, self.tokens, 0.0, 0
-        return seconds, tokens
 
 
 # --------------------------------------------------------------------------- the objective
@@ -236,6 +300,7 @@ class GRPO:
         self._adapter_stale = True              # the sampler's adapter is older than the parameters
         self._batches: list[GroupBatch] = []
         self._tokens: list[np.ndarray] = []     # per micro-batch of this rank: [kl sum, low, high, region, tokens]
+        self._first: list[tuple] = []           # (micro, old_logp, ref_logp) first computed this step here
         self.last: dict[str, float] = {}
 
     # ---- generation (the batcher's rollout)
@@ -243,7 +308,7 @@ class GRPO:
         check_fields(self.rewards, job.samples.rows, self.opts.train_data)
         self.job = job
         self.sampler = Sampler(self.model, self.opts, self.rewards, job.backend)
-        self._batcher = GroupBatcher(job.samples, self.opts, *vocab(job), self.rollout)
+        self._batcher = GroupBatcher(job.samples, self.opts, *vocab(job), self.rollout, distributed.current())
         return self._batcher
 
     def rollout(self, prompts: list[int], rng: np.random.Generator) -> GroupBatch:
@@ -263,8 +328,11 @@ class GRPO:
         return GroupBatch(inputs, targets, int((targets >= 0).sum()), False, sample_ids=np.repeat(prompts, G),
                           advantages=adv, rewards=table, lengths=lengths, ended=ended)
 
-    def validator(self, job):
-        return None
+    def validator(self, job) -> "GenerationValidator | None":
+        if job.val_samples is None:
+            return None
+        check_fields(self.rewards, job.val_samples.rows, self.opts.val_data)
+        return GenerationValidator(job.val_samples, self.opts, self)
 
     # ---- training
     def begin_step(self, batches: list[GroupBatch]) -> None:
@@ -276,8 +344,14 @@ class GRPO:
         return coefficients(self.loss_type, b.lengths, rows, tokens, b.n_targets, micro,
                             self.opts.max_completion_length)
 
+    def _tempered(self, graph) -> None:
+        """The graph's log-probabilities of logits / --temperature, as TRL takes them."""
+        T = float(self.opts.temperature)
+        graph.head.inv_temperature = None if T == 1.0 else 1.0 / T
+
     def _reference(self, graph, b: GroupBatch) -> None:
         """b.ref_logp: the completions' log-probabilities under the base (adapter off)."""
+        self._tempered(graph)
         if self.beta == 0.0 or b.ref_logp is not None:
             return
         with disabled_adapters(graph.lora.values()):
@@ -311,6 +385,8 @@ class GRPO:
         logp, t = got[0]
         if b.old_logp is None:
             b.old_logp = logp                # detached: what later passes' ratios are taken against
+            if self.opts.num_iterations > 1:     # replays on every rank need it (end_step)
+                self._first.append((key[2], b.old_logp, b.ref_logp))
         self._record(b, t)
         return self._loss(b, t)
 
@@ -326,13 +402,19 @@ class GRPO:
 
     def end_step(self, world) -> dict[str, float]:
         self._adapter_stale = True              # the update follows: the next step samples the new policy
-        every = world.allgather(self._tokens, "grpo metrics")
-        self._tokens = []
+        self._batcher.step_taken()
+        every = world.allgather((self._tokens, self._first), "grpo metrics")
+        self._tokens, self._first = [], []
+        for _, first in every:                  # each rank keeps every buffered batch's log-probabilities
+            for micro, old, ref in first:
+                self._batches[micro].old_logp, self._batches[micro].ref_logp = old, ref
+        every = [tokens for tokens, _ in every]
         sums = np.sum([x for mine in every for x in mine], axis=0) if any(every) else np.zeros(5)
-        seconds, tokens = self.sampler.take_speed()
+        seconds, tokens = self._batcher.take_speed()
         self.last = step_metrics(self._batches, self.rewards, self.opts.num_generations, sums, self.beta)
-        self.last["sampling/tokens_per_second"] = tokens / max(seconds, 1e-9)
-        self.last["sampling/seconds"] = seconds
+        if tokens:                              # not on the steps that replay a generation
+            self.last["sampling/tokens_per_second"] = tokens / max(seconds, 1e-9)
+            self.last["sampling/seconds"] = seconds
         return self.last
 
     def settle(self, world, bad: str | None) -> None:
@@ -342,8 +424,58 @@ class GRPO:
         m = self.last
         if not m:
             return ""
-        return (f"reward {m['reward']:.3f} len {m['completions/mean_length']:.0f} "
-                f"sampling {m['sampling/tokens_per_second']:.1f} tok/s")
+        speed = m.get("sampling/tokens_per_second")
+        return (f"reward {m['reward']:.3f} len {m['completions/mean_length']:.0f}"
+                + ("" if speed is None else f" sampling {speed:.1f} tok/s"))
+
+
+# --------------------------------------------------------------------------- validation
+class GenerationValidator(Validator):
+    """--val-data prompts, each completed greedily (argmax, up to --max-completion-length
+    tokens, the sampler's stop tokens) by the policy of the moment, and scored by the
+    rewards. Its "loss" is minus the mean total reward (so --save-best keeps the highest
+    reward and --early-stop waits for one); `last_metrics` holds
+      eval_reward                the mean total reward (the --reward-weights sum)
+      eval_rewards/<name>/mean   each reward's mean (None values left out)
+      eval_accuracy              the share of prompts whose every reward is at least 1,
+                                 the built-in rewards' full mark (boxed-answer: right)
+      eval_completions/mean_length
+    Greedy decoding draws no random number: evaluating leaves the sampling state alone,
+    and a resumed run evaluates as the straight one."""
+
+    def __init__(self, samples, opts, objective: GRPO):
+        self.opts, self.samples, self.objective = opts, samples, objective
+        self.last_metrics: dict[str, float] = {}
+
+    def describe(self) -> str:
+        return (f"{len(self.samples)} prompts, completed greedily up to {self.opts.max_completion_length} "
+                "tokens and scored (val loss: minus the mean reward)")
+
+    def completions(self) -> list[list[int]]:
+        """Each prompt's greedy completion by the current adapter (without its stop token)."""
+        from ..models.sampling import generate_ids
+        g, o = self.objective, self.opts
+        g.sampler.use_adapter(g.job.params, g.job.targets)
+        out = []
+        for i in range(len(self.samples)):
+            ids = self.samples.prompt_ids(i)
+            out.append(list(generate_ids(g.sampler.runner, ids, o.max_completion_length, temp=0.0,
+                                         n_ctx=len(ids) + o.max_completion_length, stop=g.sampler.stop)))
+        return out
+
+    def loss(self, graph) -> float:
+        g = self.objective
+        completions = self.completions()
+        table = g.sampler.score(self.samples.rows, completions, per_row=1)
+        total = R.total(table, g.rewards)
+        full = np.where(np.isnan(table), np.inf, table) >= 1.0
+        m = {"eval_reward": float(total.mean()), "eval_accuracy": float(full.all(axis=1).mean())}
+        for j, r in enumerate(g.rewards):
+            col = table[:, j][~np.isnan(table[:, j])]
+            m[f"eval_rewards/{r.name}/mean"] = float(col.mean()) if len(col) else float("nan")
+        m["eval_completions/mean_length"] = float(np.mean([len(c) for c in completions]))
+        self.last_metrics = m
+        return -m["eval_reward"]
 
 
 def step_metrics(batches: list[GroupBatch], rewards: list[R.Reward], G: int, sums: np.ndarray,

@@ -25,6 +25,7 @@ class LossHead:
 
     def __init__(self, graph):
         self.graph = graph
+        self.inv_temperature = None      # 1 / T: the loss of logits / T (GRPO's --temperature, as TRL); None: 1
 
     def blocked_head(self, n: int, adapter, dW) -> bool:
         """Whether a chunk of n tokens goes through `_bf16_chunk` (`blocked_head`)."""
@@ -48,12 +49,17 @@ class LossHead:
         ce, n, V = graph.ops.cross_entropy, x.shape[0], graph.cfg.n_vocab
         logits = graph.logits.reshape(-1)[: n * V]
         blocks = [(lo, min(V, lo + width)) for lo in range(0, V, width)]
+        tau = self.inv_temperature
         with graph.products.shared_input(x):
             for vlo, vhi in blocks:
                 graph.products(ce.column_block(logits, n, vlo, vhi), x, rows((vlo, vhi)), trans_b=True)
+        if tau is not None:                  # logits / T (no cap or scale on this path), and dx by 1 / T below
+            logits *= logits.dtype.type(tau)
         ce.cross_entropy_blocked(losses, logits, width, targets, weights, grad=backward)
         if backward:
             self._dx_from_blocks(dx, blocks, rows, lambda lo, hi: ce.column_block_grad(logits, n, lo, hi))
+            if tau is not None:
+                dx *= dx.dtype.type(tau)
 
     def _dx_from_blocks(self, dx, blocks, rows, grad_of, each=None) -> None:
         """dx = sum over the head's blocks of g W (g = grad_of(lo, hi), W = rows((lo, hi))),
@@ -140,15 +146,28 @@ class LossHead:
             logits *= inv_scale
         if cfg.final_softcap:                                # cap * tanh(logits / cap), in place
             graph.ops.softcap.softcap_forward(logits, logits, cfg.final_softcap)
+        tau = None if self.inv_temperature is None else logits.dtype.type(self.inv_temperature)
+        ce_forward_backward = graph.ops.cross_entropy.cross_entropy_forward_backward
         if not backward:                                     # the step's kernel: the same losses bit for bit
-            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+            if tau is not None:
+                logits *= tau
+            ce_forward_backward(losses, logits, logits, targets, weights)
             return                                           # (the gradient dropped)
         if cfg.final_softcap:                                # d(capped) aside, then back through the cap
             dcap = graph.dlogits[:n]
-            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, dcap, logits, targets, weights)
+            if tau is None:
+                ce_forward_backward(losses, dcap, logits, targets, weights)
+            else:                                            # the capped logits / T aside, then d(capped)
+                xp.multiply(logits, tau, out=dcap)
+                ce_forward_backward(losses, dcap, dcap, targets, weights)
+                dcap *= tau
             graph.ops.softcap.softcap_backward(logits, dcap, logits, cfg.final_softcap)
         else:
-            graph.ops.cross_entropy.cross_entropy_forward_backward(losses, logits, logits, targets, weights)
+            if tau is not None:
+                logits *= tau
+            ce_forward_backward(losses, logits, logits, targets, weights)
+            if tau is not None:
+                logits *= tau
         if inv_scale is not None:                            # back through the scale
             logits *= inv_scale
         weight_grad = None

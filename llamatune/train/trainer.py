@@ -522,6 +522,8 @@ def evaluate(t: Training) -> bool:
     text = f"step {state.iteration}: val loss {loss:.4f}"
     if "eval_rewards/accuracies" in extra:
         text += f", reward accuracy {extra['eval_rewards/accuracies']:.1%}"
+    if "eval_accuracy" in extra:                       # grpo: greedy completions scored
+        text += f", reward {extra['eval_reward']:.3f}, accuracy {extra['eval_accuracy']:.1%}"
     text += " (best)" if improved else f" (best {vs.best_loss:.4f} at step {vs.best_step})"
     if improved and t.job.opts.save_best:
         text += " -> " + ", ".join(str(p) for p in save(t, "BEST"))
