@@ -179,7 +179,7 @@ def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, b
 def peft_names(arch: str) -> PeftNames:
     """The PEFT module names of an architecture, from its declaration."""
     spec = get_arch(arch)
-    return PeftNames(arch, dict(spec.peft_modules), spec.peft_permute_qk)
+    return PeftNames(arch, dict(spec.peft_modules), spec.peft_permute_qk, spec.peft_experts)
 
 
 def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_name: str) -> tuple[str, list[str]]:

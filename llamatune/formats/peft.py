@@ -16,6 +16,8 @@ models/arch.Arch.peft_modules, so this module knows no model): llama/qwen2 as ab
 phi3's fused self_attn.qkv_proj -> attn_qkv and mlp.gate_up_proj -> ffn_up hold the same
 rows as llama.cpp's tensors (q | k | v, gate | up) and map as they are. A PEFT module the
 architecture does not have (q_proj of a phi3, whose HF model has only qkv_proj) is refused.
+PEFT's LoRA on fused 3-D expert parameters (`target_parameters`) maps to llama.cpp's
+per-expert pairs in peft_experts.py.
 
 Llama q/k rows: llama.cpp's convert_hf_to_gguf.py reorders the rows of q_proj
 and k_proj for its rope layout (`permute`, per head: HF row i and i + head_dim/2
@@ -43,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import LlamatuneError
+from . import peft_experts as X
 from .adapter import LoraAdapter, is_norm
 
 PREFIX = "base_model.model."
@@ -61,6 +64,7 @@ class PeftNames:
     arch: str
     layer: dict[str, str]
     permute_qk: bool = False
+    experts: X.Experts = ()           # fused 3-D expert parameters (peft_experts.py)
 
     @property
     def modules(self) -> str:
@@ -231,32 +235,55 @@ def _halves(tensors: dict[str, np.ndarray], where: str) -> dict[str, dict[str, n
     return halves
 
 
+def _alpha(cfg: dict, module: str, r: int, where: str) -> float:
+    """The alpha a GGUF adapter needs for a module's scale: PEFT's alpha_m / r (rslora:
+    alpha_m / sqrt(r)) == alpha / r; alpha_m from alpha_pattern or lora_alpha."""
+    alpha_m = _pattern_value(cfg.get("alpha_pattern"), module, float(cfg.get("lora_alpha", 8)))  # PEFT's default 8
+    if isinstance(alpha_m, bool) or not isinstance(alpha_m, (int, float)) or not math.isfinite(alpha_m):
+        raise LlamatuneError(f"{where}: alpha_pattern gives module '{module}' the alpha {str(alpha_m)[:40]!r}, "
+                             "expected a number")
+    return float(alpha_m) * math.sqrt(r) if cfg.get("use_rslora") else float(alpha_m)
+
+
+def _expert_pairs(cfg: dict, module: str, found: tuple[int, str, int], h: dict, names: PeftNames, where: str) -> dict:
+    """The GGUF pairs (with their alphas) of one PEFT expert module (peft_experts.py)."""
+    layer, _, nested = found
+    params = X.targeted(layer, names.experts, list(cfg.get("target_parameters") or []))
+    if nested >= len(params):
+        raise LlamatuneError(f"{where}: module '{module}' matches none of target_parameters "
+                             f"{cfg.get('target_parameters')} (this model's: {', '.join(p for _, p in names.experts)})")
+    kinds, param = params[len(params) - 1 - nested]
+    full = f"model.layers.{layer}.{param}"
+    r = _pattern_value(cfg.get("rank_pattern"), full, cfg.get("r", 8))
+    if isinstance(r, float) and r.is_integer():
+        r = int(r)
+    if isinstance(r, bool) or not isinstance(r, int):
+        raise LlamatuneError(f"{where}: the rank of '{full}' is {str(r)[:40]!r}, expected an integer")
+    alpha_eq = _alpha(cfg, full, r, where)
+    return {w: (a, b, alpha_eq) for w, (a, b) in X.from_peft(h["A"], h["B"], r, kinds, layer, where).items()}
+
+
 def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
     """A PEFT LoRA directory as a GGUF-layout adapter for `names.arch`. Returns (adapter, notes, base model name)."""
     cfg, where = _read_config(path), f"{path}: PEFT adapter"
-    lora_alpha = float(cfg.get("lora_alpha", 8))            # PEFT LoraConfig default
-    rslora = bool(cfg.get("use_rslora"))
     halves = _halves(read_safetensors(path / "adapter_model.safetensors"), where)
     pairs: dict[str, tuple[np.ndarray, np.ndarray, float]] = {}
     for module, h in halves.items():
+        if len(h) != 2:
+            raise LlamatuneError(f"{where}: module '{module}' has only lora_{next(iter(h))}")
+        found = X.expert_module(module, names.experts) if names.experts else None
+        if found is not None:
+            pairs.update(_expert_pairs(cfg, module, found, h, names, where))
+            continue
         weight = gguf_weight(module, names)
         if weight is None:
             raise LlamatuneError(f"{where}: module '{module}' has no llama.cpp tensor in a {names.arch} model "
                                  f"(its modules: {names.modules})")
-        if len(h) != 2:
-            raise LlamatuneError(f"{where}: module '{module}' has only lora_{next(iter(h))}")
         a, b = h["A"], h["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
             raise LlamatuneError(f"{where}: module '{module}' has lora_A {a.shape} and lora_B {b.shape}, not a "
                                  "rank-r pair")
-        r = a.shape[0]
-        alpha_m = _pattern_value(cfg.get("alpha_pattern"), module, lora_alpha)
-        if isinstance(alpha_m, bool) or not isinstance(alpha_m, (int, float)) or not math.isfinite(alpha_m):
-            raise LlamatuneError(f"{where}: alpha_pattern gives module '{module}' the alpha {str(alpha_m)[:40]!r}, "
-                                 "expected a number")
-        alpha_m = float(alpha_m)
-        # the alpha a GGUF adapter needs for this module's scale: alpha_m/r (rslora: alpha_m/sqrt(r)) == alpha/r
-        alpha_eq = alpha_m * math.sqrt(r) if rslora else alpha_m
+        alpha_eq = _alpha(cfg, module, a.shape[0], where)
         if weight == "token_embd.weight":
             a = a.T                                   # (V, r): llama.cpp's flipped embedding layout
         else:
@@ -285,6 +312,39 @@ def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAd
 
 # --------------------------------------------------------------------------- GGUF -> PEFT
 
+def _expert_tensors(experts: dict, names: PeftNames, adapter: LoraAdapter, base: tuple[int, float], tensors: dict,
+                    rank_pattern: dict, alpha_pattern: dict) -> list[str]:
+    """The PEFT tensors of the adapter's 3-D expert pairs, added to `tensors` (with their
+    ranks and alphas where not the config's `base` (r, alpha)); returns target_parameters."""
+    by_param: dict[tuple[int, str], dict[str, tuple]] = {}
+    owner = {k: (kinds, path) for kinds, path in names.experts for k in kinds}
+    for name, pair in experts.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
+        if not m or m.group(2) not in owner:
+            raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT parameter in a {names.arch} model")
+        by_param.setdefault((int(m.group(1)), owner[m.group(2)][1]), {})[m.group(2)] = pair
+    used = [path for _, path in names.experts if any(p == path for _, p in by_param)]
+    for (layer, path), got in sorted(by_param.items()):
+        kinds = next(k for k, p in names.experts if p == path)
+        ranks = {b.shape[-1] for _, b in got.values()}
+        if len(ranks) > 1:
+            raise LlamatuneError(f"layer {layer}: {', '.join(kinds)} have different ranks {sorted(ranks)}; PEFT's "
+                                 f"{path} holds them as one pair")
+        first = next(iter(got.values()))
+        pairs = [got[k] if k in got else (first[0], np.zeros_like(first[1])) for k in kinds]   # an absent kind: B = 0
+        lora_a, lora_b, r_param = X.to_peft(pairs)
+        module = X.key(layer, path, len(used) - 1 - used.index(path))
+        tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = lora_a, lora_b
+        r_kind = ranks.pop()
+        alpha_param = (float(adapter.alpha) if adapter.alpha else float(r_kind)) * r_param / r_kind   # alpha / r kept
+        full = f"model.layers.{layer}.{path}"
+        if r_param != base[0]:
+            rank_pattern[full] = int(r_param)
+        if alpha_param != base[1]:
+            alpha_pattern[full] = alpha_param
+    return sorted(used)
+
+
 def peft_files(adapter: LoraAdapter, names: PeftNames, heads: Heads | None,
                base_name: str = "") -> tuple[dict, dict[str, np.ndarray], list[str]]:
     """(adapter_config, safetensors tensors, notes) for a GGUF-layout adapter of `names.arch`."""
@@ -293,18 +353,21 @@ def peft_files(adapter: LoraAdapter, names: PeftNames, heads: Heads | None,
     if norms:
         notes.append(f"{len(norms)} norm adapter(s) left out: PEFT has no LoRA for norm weights "
                      "(llama.cpp ignores them at run time as well)")
-    entries = []
+    entries, experts = [], {}
     for name, (a, b) in adapter.pairs.items():
         if is_norm(name):
+            continue
+        if a.ndim == 3:
+            experts[name] = (a, b)
             continue
         module = hf_module(name, names)
         if module is None:
             raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT module in a {names.arch} model")
         entries.append((name, module, a, b, b.shape[-1]))
-    if not entries:
+    if not entries and not experts:
         raise LlamatuneError("the adapter has no tensors PEFT can hold (only norm adapters)")
 
-    r = Counter(e[4] for e in entries).most_common(1)[0][0]
+    r = Counter([e[4] for e in entries] + [b.shape[-1] for _, b in experts.values()]).most_common(1)[0][0]
     alpha = float(adapter.alpha) if adapter.alpha else float(r)
     tensors: dict[str, np.ndarray] = {}
     rank_pattern, alpha_pattern = {}, {}
@@ -324,10 +387,12 @@ def peft_files(adapter: LoraAdapter, names: PeftNames, heads: Heads | None,
         tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
         tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
 
+    targets = _expert_tensors(experts, names, adapter, (r, alpha), tensors, rank_pattern, alpha_pattern)
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_name or None,
         "r": int(r), "lora_alpha": alpha, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern,
-        "target_modules": sorted({e[1].rsplit(".", 1)[-1] for e in entries}),
+        "target_modules": sorted({e[1].rsplit(".", 1)[-1] for e in entries}) or None,
+        **({"target_parameters": targets} if targets else {}),
         "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "init_lora_weights": True, "modules_to_save": None,
     }

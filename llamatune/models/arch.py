@@ -69,6 +69,10 @@ class Arch:
         ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
         ("ffn_down", "mlp.down_proj"))
     peft_permute_qk: bool = False     # convert_hf_to_gguf.py reorders q/k rows for NORM rope (llama)
+    # HF's fused 3-D expert parameters (PEFT target_parameters, formats/peft_experts.py):
+    # ((the GGUF expert kinds whose rows they stack, in order), the parameter under
+    # model.layers.N.), in the HF module's parameter order
+    peft_experts: tuple[tuple[tuple[str, ...], str], ...] = ()
     scratch: bool = True              # train-from-scratch can build one (`--arch`)
     activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma
