@@ -362,3 +362,45 @@ def test_finetune_resume_perplexity_generate_export_through_the_cli(written, tmp
     merged = GGUFFile(tmp_path / "merged.gguf")
     assert not np.array_equal(np.array(merged.tensors["blk.0.ssm_alpha.weight"].data),
                               np.array(GGUFFile(model).tensors["blk.0.ssm_alpha.weight"].data))
+
+
+def test_peft_adapters_of_every_kind_both_ways(written, tmp_path):
+    """A PEFT adapter on the delta-net projections (HF's grouped value heads) and the
+    attention and FFN modules converts to a GGUF adapter whose s B A is HF's s B A in the
+    converter's tiled order (`_tiled`, as the HF-autograd test checks it), and back to the
+    same PEFT tensors; without a base model the reordered kinds are refused in one line."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from llamatune.commands.convert import convert
+    from llamatune.formats.adapter import read_adapter
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.arch import tensor_shape
+    cfg, path = written
+    rng, tensors, want = np.random.default_rng(5), {}, {}
+    for i in range(cfg.n_layer):
+        for kind in (k for k in HF_LINEARS if f"blk.{i}.{k}.weight" in GGUFFile(path).tensors):
+            module, axis = HF_LINEARS[kind]
+            n_out, n_in = tensor_shape(cfg, kind)
+            a, b = rng.normal(0, 0.3, (3, n_in)).astype(np.float32), rng.normal(0, 0.3, (n_out, 3)).astype(np.float32)
+            key = f"base_model.model.model.layers.{i}.{module}"
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = a, b
+            want[f"blk.{i}.{kind}.weight"] = _tiled(2.0 * (b @ a), kind, axis, cfg)
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    save_file(tensors, str(peft / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (peft / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 3, "lora_alpha": 6.0}))
+    convert(peft, tmp_path / "a.gguf", model_base=path)
+    got = read_adapter(tmp_path / "a.gguf", GGUFFile(path))
+    assert {n.split(".")[2] for n in want} >= {"attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out", "attn_q"}
+    assert got.pairs.keys() == want.keys()
+    for name, (a, b) in got.pairs.items():
+        np.testing.assert_allclose(got.scale(name) * (b @ a), want[name], rtol=1e-5, atol=1e-6)
+    convert(tmp_path / "a.gguf", tmp_path / "back", "peft", model_base=path)
+    back = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert back.keys() == tensors.keys()
+    for k in tensors:
+        np.testing.assert_array_equal(back[k], tensors[k])
+    with pytest.raises(LlamatuneError, match=r"--model-base is required: qwen35's \w+ adapters are reordered"):
+        convert(tmp_path / "a.gguf", tmp_path / "nobase", "peft")

@@ -176,16 +176,19 @@ def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, b
             + (f"; checked against {base.path.name}" if base else "") + ")")
 
 
-def peft_names(arch: str) -> PeftNames:
-    """The PEFT module names of an architecture, from its declaration."""
+def peft_names(arch: str, cfg: ModelConfig | None = None) -> PeftNames:
+    """The PEFT module names of an architecture, from its declaration (with the base model's
+    config, the orders of the kinds the converter reorders)."""
     spec = get_arch(arch)
-    return PeftNames(arch, dict(spec.peft_modules), spec.peft_permute_qk, spec.peft_experts)
+    orders = spec.peft_orders(cfg) if spec.peft_orders else {}
+    return PeftNames(arch, dict(spec.peft_modules), spec.peft_permute_qk, spec.peft_experts, orders)
 
 
-def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_name: str) -> tuple[str, list[str]]:
+def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_name: str,
+                cfg: ModelConfig | None = None) -> tuple[str, list[str]]:
     """Write a PEFT adapter directory: built beside `output`, then renamed into place."""
     from safetensors.numpy import save_file
-    config, tensors, notes = peft_files(adapter, peft_names(adapter.arch), heads, base_name)
+    config, tensors, notes = peft_files(adapter, peft_names(adapter.arch, cfg), heads, base_name)
     if output.exists() and not output.is_dir():
         raise LlamatuneError(f"{output}: exists and is a file; a PEFT adapter is a directory")
     if output.is_dir() and any(output.iterdir()) and not (output / "adapter_config.json").exists():
@@ -221,7 +224,7 @@ def _write_peft(output: Path, adapter: LoraAdapter, heads: Heads | None, base_na
 def _adapter_out(to: str, output: Path, adapter: LoraAdapter, base: Base | None, heads: Heads | None,
                  base_name: str, record: list = ()) -> tuple[str, list[str]]:
     if to == "peft":
-        return _write_peft(output, adapter, heads, base.name if base else base_name)
+        return _write_peft(output, adapter, heads, base.name if base else base_name, base.cfg if base else None)
     return _write_gguf_adapter(output, adapter, base, base.path.name if base else base_name, record), []
 
 
@@ -357,7 +360,7 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
     elif src.kind == "peft":
         base = _need_base(base, src, "it gives the architecture, the head counts for the q/k row order and the "
                                      "shapes to check")
-        adapter, notes, _ = read_peft(src.path, peft_names(base.file.arch), base.heads)
+        adapter, notes, _ = read_peft(src.path, peft_names(base.file.arch, base.cfg), base.heads)
         # safetensors sorts names: write the tensors in the base model's (llama.cpp's) order
         adapter.pairs = {n: adapter.pairs[n] for n in base.file.tensors if n in adapter.pairs} | adapter.pairs
         done = _write_gguf_adapter(output, adapter, base, base.path.name)

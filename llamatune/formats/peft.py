@@ -39,7 +39,7 @@ import json
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -65,6 +65,9 @@ class PeftNames:
     layer: dict[str, str]
     permute_qk: bool = False
     experts: X.Experts = ()           # fused 3-D expert parameters (peft_experts.py)
+    # kind -> ("rows" of B or "cols" of A, p): the converter's order of that kind is HF's
+    # indexed by p (gguf = hf[p]); a kind -> None: reordered by head counts no base gave
+    orders: dict[str, tuple[str, np.ndarray] | None] = field(default_factory=dict)
 
     @property
     def modules(self) -> str:
@@ -92,7 +95,7 @@ def gguf_weight(module: str, names: PeftNames) -> str | None:
         return "token_embd.weight"
     if module == "lm_head":
         return "output.weight"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn\.\w+|mlp\.\w+)", module)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+)", module)
     back = {v: k for k, v in names.layer.items()}
     if m and m.group(2) in back:
         return f"blk.{m.group(1)}.{back[m.group(2)]}.weight"
@@ -123,6 +126,20 @@ def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     """GGUF -> HF row order of q/k: the inverse of `permute_rows`."""
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def reordered(name: str, a: np.ndarray, b: np.ndarray, names: PeftNames, to_gguf: bool):
+    """(a, b) in the GGUF order (to_gguf) or back in HF's, where the converter reorders the
+    kind's rows or columns (PeftNames.orders; qwen35's value heads)."""
+    kind = name.split(".")[-2]
+    if kind not in names.orders:
+        return a, b
+    if names.orders[kind] is None:
+        raise LlamatuneError(f"--model-base is required: {names.arch}'s {kind} adapters are reordered by the "
+                             "converter as the base model's head counts say")
+    axis, p = names.orders[kind]
+    p = p if to_gguf else np.argsort(p)
+    return (a, b[p]) if axis == "rows" else (a[:, p], b)
 
 
 # --------------------------------------------------------------------------- safetensors
@@ -291,6 +308,7 @@ def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAd
             if n_head:
                 _check_rows(b, n_head, module)
                 b = permute_rows(b, n_head)
+            a, b = reordered(weight, a, b, names, to_gguf=True)
         pairs[weight] = (np.ascontiguousarray(a, np.float32), np.ascontiguousarray(b, np.float32), alpha_eq)
 
     alpha = Counter(p[2] for p in pairs.values()).most_common(1)[0][0]
@@ -384,6 +402,7 @@ def peft_files(adapter: LoraAdapter, names: PeftNames, heads: Heads | None,
         if n_head:
             _check_rows(b, n_head, name)
             b = unpermute_rows(b, n_head)
+        a, b = reordered(name, a, b, names, to_gguf=False)
         tensors[f"{PREFIX}{module}.lora_A.weight"] = np.ascontiguousarray(a, np.float32)
         tensors[f"{PREFIX}{module}.lora_B.weight"] = np.ascontiguousarray(b, np.float32)
 

@@ -73,6 +73,10 @@ class Arch:
     # ((the GGUF expert kinds whose rows they stack, in order), the parameter under
     # model.layers.N.), in the HF module's parameter order
     peft_experts: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # peft_orders(cfg) -> {kind: ("rows" | "cols", p)}: kinds whose B rows or A columns the
+    # converter reorders (gguf = hf[p]); cfg None (no base model): {kind: None} for each
+    # kind it may reorder
+    peft_orders: Callable[[Any], dict[str, Any]] | None = None
     scratch: bool = True              # train-from-scratch can build one (`--arch`)
     activation: str = "silu"          # feed-forward gate: "silu" (SwiGLU) or "gelu" (GeGLU, tanh approximation)
     embd_scale: bool = False          # token embeddings times sqrt(n_embd) (f32), as gemma

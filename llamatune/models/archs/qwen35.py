@@ -25,6 +25,8 @@ The norm weights of the file are HF's plus one (the converter adds it), except s
 """
 from __future__ import annotations
 
+import numpy as np
+
 from ...errors import LlamatuneError
 from ..arch import NEOX, Arch
 
@@ -110,12 +112,37 @@ def hparams_metadata(cfg) -> dict:
     return md
 
 
+REORDERED = {"attn_qkv": "rows", "attn_gate": "rows", "ssm_alpha": "rows", "ssm_beta": "rows", "ssm_out": "cols"}
+
+
+def peft_orders(cfg) -> dict:
+    """The converter's value-head order (conversion/qwen.py _reorder_v_heads): HF keeps a
+    delta-net layer's NV value heads grouped by their NK key heads, the GGUF tiled (head j
+    of group g at j NK + g), in the rows of in_proj_qkv's v part, in_proj_z, in_proj_a and
+    in_proj_b and the columns of out_proj; {kind: None} without the base's config."""
+    if cfg is None:
+        return dict.fromkeys(REORDERED)
+    NK, NV = cfg.ssm_group_count, cfg.ssm_time_step_rank
+    if NK == NV:
+        return {}
+
+    def tiled(head: int, lead: int = 0):
+        v = np.arange(NV * head).reshape(NK, NV // NK, head).transpose(1, 0, 2).reshape(-1)
+        return np.concatenate([np.arange(lead), lead + v])
+    DV = cfg.ssm_inner_size // NV
+    perms = {"attn_qkv": tiled(DV, 2 * NK * cfg.ssm_state_size), "attn_gate": tiled(DV), "ssm_alpha": tiled(1),
+             "ssm_beta": tiled(1), "ssm_out": tiled(DV)}
+    return {k: (REORDERED[k], p) for k, p in perms.items()}
+
+
 ARCH = Arch(name="qwen35", rope_mode=NEOX, layer=tuple(dict.fromkeys(RECURRENT + ATTENTION)), read_hparams=read_hparams,
             hparams_metadata=hparams_metadata, layer_kinds=layer_kinds, parts=parts, shapes=shapes, vectors=VECTORS,
-            # PEFT names for the attention layers' and FFN's modules only: the delta-net
-            # projections' value heads are in the converter's tiled order, which
-            # convert-checkpoint does not reorder yet
+            # the delta-net projections' value heads are in the converter's tiled order (peft_orders)
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+                          ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
+                          ("ssm_alpha", "linear_attn.in_proj_a"), ("ssm_beta", "linear_attn.in_proj_b"),
+                          ("ssm_out", "linear_attn.out_proj")),
+            peft_orders=peft_orders,
             scratch=False)
