@@ -18,7 +18,11 @@ the two implementations, not of the files); trained `--steps` AdamW steps on
 shakespeare.txt (ctx 64, batch 8) so that sinks, routers and experts are not random.
 
 `logits` runs the saved model in float64 on ids (B, T) int64 and writes `logits`
-(B, T, V), with HF's float32 steps (RMSNorm, the rope tables) made float64.
+(B, T, V), with HF's float32 steps (RMSNorm, the rope tables) made float64. `grads`
+(`hf_lora_grads`) gives the float64 loss and the autograd gradients of LoRA pairs: on
+attention through PEFT, on the experts as llama.cpp's build_lora_mm_id applies them (per
+expert A (r, n_in), B (n_out, r) on the gate, up and down products, which HF keeps fused
+and interleaved in gate_up_proj: HF's expert forward with those terms added).
 """
 from __future__ import annotations
 
@@ -32,9 +36,9 @@ from pathlib import Path
 import numpy as np
 
 if __package__:
-    from .moe_hf import LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
+    from .moe_hf import HF_MODULES, LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
 else:                                          # run as a script under the torch Python
-    from moe_hf import LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
+    from moe_hf import HF_MODULES, LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
 
 ARCH = "gpt-oss"
 ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -128,6 +132,70 @@ def _logits(model_dir: Path, ids_path: Path, out: Path) -> None:
     np.savez(out, logits=logits.numpy())
 
 
+EXPERT_KINDS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+
+def _experts_with_lora(self, hidden_states, router_indices=None, routing_weights=None):
+    """GptOssExperts.forward plus each expert's LoRA terms (self.lora: {"gate" | "up" |
+    "down": (A (E, r, n_in), B (E, n_out, r))}, self.lora_scale)."""
+    import torch
+    out = torch.zeros_like(hidden_states)
+    lora, s = getattr(self, "lora", {}), getattr(self, "lora_scale", 0.0)
+
+    def delta(proj, x, e):
+        if proj not in lora:
+            return 0
+        a, b = lora[proj]
+        return s * (x @ a[e].T) @ b[e].T
+    for e in torch.unique(router_indices).tolist():
+        token_idx, pos = torch.where(router_indices == e)
+        x = hidden_states[token_idx]
+        gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+        gate = (gate_up[..., ::2] + delta("gate", x, e)).clamp(max=self.limit)
+        up = (gate_up[..., 1::2] + delta("up", x, e)).clamp(min=-self.limit, max=self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        y = h @ self.down_proj[e] + self.down_proj_bias[e] + delta("down", h, e)
+        out.index_add_(0, token_idx, y * routing_weights[token_idx, pos, None])
+    return out
+
+
+def _grads(model_dir: Path, inp: Path, out: Path) -> None:
+    """Loss (mean cross-entropy of ids[:, 1:] after ids[:, :-1]) and the autograd gradients
+    of the LoRA pairs given (alpha / r scaling, no dropout): inp holds ids, alpha, r and
+    `blk.I.KIND.lora_a` / `.lora_b` arrays in llama.cpp's layout."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers.models.gpt_oss import modeling_gpt_oss as m
+    m.GptOssExperts.forward = _experts_with_lora
+    d = dict(np.load(inp))
+    r, alpha = int(d.pop("r")), float(d.pop("alpha"))
+    ids = torch.from_numpy(d.pop("ids"))
+    model = get_peft_model(_load(model_dir), LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted({m.split(".")[-1] for m in HF_MODULES.values()})))
+    params = dict(model.named_parameters())
+    layers = model.base_model.model.model.layers
+    ours = {}
+    for name in sorted({n.rsplit(".", 1)[0] for n in d}):                 # blk.I.KIND
+        _, i, kind = name.split(".")
+        if kind in EXPERT_KINDS:
+            pair = [torch.tensor(d[f"{name}.{side}"], requires_grad=True) for side in ("lora_a", "lora_b")]
+            experts = layers[int(i)].mlp.experts
+            experts.lora = getattr(experts, "lora", {}) | {EXPERT_KINDS[kind]: pair}
+            experts.lora_scale = alpha / r
+            ours |= {f"{name}.lora_a": pair[0], f"{name}.lora_b": pair[1]}
+            continue
+        hf = f"base_model.model.model.layers.{i}.{HF_MODULES[kind]}"
+        for side, key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+            p = params[f"{hf}.{key}.default.weight"]
+            with torch.no_grad():
+                p.copy_(torch.from_numpy(d[f"{name}.{side}"]))
+            ours[f"{name}.{side}"] = p
+    logits = model(input_ids=ids[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    loss.backward()
+    np.savez(out, loss=loss.item(), **{n: p.grad.numpy() for n, p in ours.items()})
+
+
 def _hf_side(argv: list[str]) -> None:
     what, *args = argv
     if what == "make":
@@ -136,6 +204,8 @@ def _hf_side(argv: list[str]) -> None:
         _convert(Path(args[0]), Path(args[1]), args[2])
     elif what == "logits":
         _logits(Path(args[0]), Path(args[1]), Path(args[2]))
+    elif what == "grads":
+        _grads(Path(args[0]), Path(args[1]), Path(args[2]))
     else:
         raise SystemExit(f"unknown hf-side command {what}")
 
@@ -172,6 +242,17 @@ def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path) -
     np.save(work / "ids.npy", np.asarray(ids, np.int64))
     hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz", script=__file__)
     return np.load(work / "logits.npz")["logits"]
+
+
+def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dict[str, np.ndarray], r: int,
+                  alpha: float, work: Path) -> dict[str, np.ndarray]:
+    """HF's float64 loss ("loss") and the gradients of the LoRA pairs `lora` (names
+    `blk.I.KIND.weight.lora_a` / `.lora_b`; attention and expert kinds) on ids (B, T + 1)."""
+    np.savez(work / "grads-in.npz", ids=np.asarray(ids, np.int64), r=r, alpha=alpha,
+             **{n.replace(".weight.", "."): a for n, a in lora.items()})
+    hf_run(torch_python, "grads", model_dir, work / "grads-in.npz", work / "grads.npz", script=__file__)
+    out = dict(np.load(work / "grads.npz"))
+    return {"loss": float(out.pop("loss"))} | {n.replace(".lora_", ".weight.lora_"): a for n, a in out.items()}
 
 
 def main(argv=None) -> int:

@@ -13,6 +13,9 @@ shakespeare-eval.txt, 12000 characters, -c 128), perplexity llamatune / llama-pe
     F32    54.96175 / 54.9618 / 54.96175
     Q8_0   54.97662 / 54.9765
     MXFP4  54.98756 / 54.9848
+LoRA (rank 4, alpha 8) on q/k/v/o and the three expert tensors of both layers, float64 loss
+9.226994028 (HF 9.226994060) and the worst gradient's difference 5.9e-7 of its tensor's
+largest (q and k, through the float32 YaRN tables; the experts' 1e-8 to 2e-7).
 """
 from __future__ import annotations
 
@@ -190,3 +193,35 @@ def test_hf_oracle_logits(hf_model, tmp_path):
     ids = np.random.default_rng(0).integers(0, 512, (2, 40))
     hf = hf_logits(TORCH_PYTHON, hf_model["hf"], ids, tmp_path)
     np.testing.assert_allclose(Runner(Model(hf_model["f32"])).forward(ids), hf, rtol=0, atol=2e-6 * np.abs(hf).max())
+
+
+@pytest.mark.slow
+def test_hf_oracle_loss_and_lora_gradients(hf_model, tmp_path):
+    """LoRA on attention (PEFT) and on every expert tensor (per expert, build_lora_mm_id's
+    layout) over the frozen file: the training graph's float64 loss and the gradient of
+    every A and B equal HF autograd's on the same values to 1e-6 relative (per tensor: max
+    |difference| / max |HF's|; the rope tables are float32, as llama.cpp's)."""
+    from checks.gptoss_hf import hf_lora_grads
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(hf_model["f32"])
+    cfg, rng = model.config, np.random.default_rng(3)
+    B, T, r, alpha = 2, 40, 4, 8.0                           # T past the window of 16
+    ids = rng.integers(0, cfg.n_vocab, (B, T + 1))
+    kinds = ("attn_q", "attn_k", "attn_v", "attn_output") + EXPERTS
+    targets = lora_targets(cfg, {k: r for k in kinds}, alpha, tied=False)
+    params = ParamBuffer(lora_specs(targets), np.float64)
+    params.data[...] = rng.normal(0, 0.1, params.size)
+    lora = {n: params[n].copy() for t in targets for n in (t.a, t.b)}
+    hf = hf_lora_grads(TORCH_PYTHON, hf_model["hf"], ids, lora, r, alpha, tmp_path)
+    g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
+    loss = g.step(ids[:, :-1], ids[:, 1:], np.full((B, T), 1 / (B * T)))
+    assert len(lora) == len(kinds) * 2 * cfg.n_layer
+    worst = max(np.abs(params.grad_of(n) - hf[n]).max() / np.abs(hf[n]).max() for n in lora)
+    print("gpt-oss loss", loss, "HF", hf["loss"], "worst gradient difference", worst)
+    assert loss == pytest.approx(hf["loss"], rel=1e-7)     # float32 rope tables and gate constants, as llama.cpp's
+    for name in lora:
+        want = hf[name]
+        assert np.abs(want).max() > 0 and np.abs(params.grad_of(name) - want).max() <= 1e-6 * np.abs(want).max(), name
