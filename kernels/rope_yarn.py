@@ -1,8 +1,9 @@
 """YaRN rope tables (gpt-oss), as ggml computes them: `ggml_rope_cache_init` with
 `rope_yarn` and ext_factor != 0 (ggml-cpu ops.cpp), in float32.
 
-For rotated pair i (i0 = 2 i) of a position p, theta_extrap = p * base^(-2 i / n_rot)
-(ggml's running product theta *= theta_scale, theta_scale = powf(base, -2.0f/n_rot)),
+For rotated pair i (i0 = 2 i) of a position p, theta_extrap = p * base^(-2 i / n_rot) / ff_i
+(ggml's running product theta *= theta_scale, theta_scale = powf(base, -2.0f/n_rot); ff the
+frequency factors, rope_freqs, else 1),
 theta_interp = freq_scale * theta_extrap and
 
     ramp = 1 - clamp((i - low) / max(0.001, high - low), 0, 1)     (rope_yarn_ramp, i0/2 = i)
@@ -54,7 +55,8 @@ def attn_factor(freq_scale: float, file_attn_factor: float = 1.0) -> float:
 
 
 @njit(cache=True)
-def _yarn_cache_kernel(cos, sin, positions, n_rot, freq_base, freq_scale, low, high, ext_factor, mscale):
+def _yarn_cache_kernel(cos, sin, positions, n_rot, freq_base, freq_scale, freq_factors, low, high, ext_factor,
+                       mscale):
     # every operation float32, in ggml's order
     theta_scale = freq_base ** (np.float32(-2.0) / np.float32(n_rot))
     one = np.float32(1.0)
@@ -65,25 +67,31 @@ def _yarn_cache_kernel(cos, sin, positions, n_rot, freq_base, freq_scale, low, h
     for t in range(T):
         theta = np.float32(positions[t])
         for i in range(n_pairs):
-            interp = freq_scale * theta
+            extrap = theta / freq_factors[i]
+            interp = freq_scale * extrap
             angle = interp
             if ext_factor != 0:
                 y = (np.float32(i) - low) / max(np.float32(0.001), high - low)
                 mix = (one - min(one, max(np.float32(0), y))) * ext_factor
-                angle = interp * (one - mix) + theta * mix
+                angle = interp * (one - mix) + extrap * mix
             cos[t, i] = np.cos(angle) * m
             sin[t, i] = np.sin(angle) * m
             theta = theta * theta_scale
 
 
-def rope_cache_yarn(cos, sin, positions, n_rot, freq_base, freq_scale, n_ctx_orig, ext_factor, attn):
+def rope_cache_yarn(cos, sin, positions, n_rot, freq_base, freq_scale, n_ctx_orig, ext_factor, attn,
+                    freq_factors=None):
     """Fill cos, sin (T, n_rot//2) float32 for positions (T,) int64: YaRN tables with the
-    magnitude attn (`attn_factor`) and the ramp of ggml_rope_yarn_corr_dims."""
+    magnitude attn (`attn_factor`) and the ramp of ggml_rope_yarn_corr_dims; freq_factors
+    None or float32 (n_rot//2,) as kernels/rope.py's."""
     shape = (positions.shape[0], n_rot // 2)
     check_array("rope_yarn", "positions", positions, shape[:1], np.int64)
     check_array("rope_yarn", "cos", cos, shape, np.float32)
     check_array("rope_yarn", "sin", sin, shape, np.float32)
+    if freq_factors is None:
+        freq_factors = np.ones(shape[1], np.float32)    # theta / 1.0f == theta exactly
+    check_array("rope_yarn", "freq_factors", freq_factors, shape[1:], np.float32)
     low, high = corr_dims(n_rot, n_ctx_orig, freq_base)
     f32 = np.float32
-    _yarn_cache_kernel(cos, sin, positions, n_rot, f32(freq_base), f32(freq_scale), f32(low), f32(high),
+    _yarn_cache_kernel(cos, sin, positions, n_rot, f32(freq_base), f32(freq_scale), freq_factors, f32(low), f32(high),
                        f32(ext_factor), f32(attn))

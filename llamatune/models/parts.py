@@ -226,6 +226,9 @@ class FeedForward(Part):
         self.down = p + "ffn_down.weight"
         self.post_norm = p + "post_ffw_norm.weight" if spec.post_norms else None
         self.gelu = spec.activation == "gelu"
+        if spec.activation not in ("silu", "gelu"):             # (gpt-oss's clamped SwiGLU: its experts only)
+            raise LlamatuneError(f"architecture {cfg.arch}: a dense feed-forward with activation "
+                                 f"{spec.activation!r} is not supported")
 
     def act_shapes(self, B, T, keep_inputs):
         N, C, F = B * T, self.cfg.n_embd, self.cfg.n_ff

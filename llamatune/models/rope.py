@@ -47,7 +47,8 @@ def rope_cache(cfg, base, positions: np.ndarray, n_ctx: int,
     sin = np.empty_like(cos)
     if cfg.rope_ext_factor:
         rope_yarn.rope_cache_yarn(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, cfg.n_ctx_orig_rope,
-                                  cfg.rope_ext_factor, rope_yarn.attn_factor(freq_scale, cfg.rope_attn_factor))
+                                  cfg.rope_ext_factor, rope_yarn.attn_factor(freq_scale, cfg.rope_attn_factor),
+                                  rope_factors(cfg, base, n_ctx))
         return cos, sin
     host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, rope_factors(cfg, base, n_ctx))
     if cfg.rope_attn_factor != 1.0:
