@@ -82,6 +82,20 @@ def test_yarn_sliding_pattern_and_refusals_from_metadata(gpt_oss):
         ModelConfig.from_metadata(md | {"gpt-oss.rope.scaling.type": "longrope"}, "m")
 
 
+@pytest.mark.parametrize("name,shape,match", [
+    ("blk.1.attn_sinks.weight", None, r"missing tensor 'blk.1.attn_sinks.weight'$"),
+    ("blk.0.ffn_down_exps.bias", (8, 16), r"tensor 'blk.0.ffn_down_exps.bias' has shape \(8, 16\), expected \(8, 64\)$")],
+    ids=["missing-sinks", "expert-bias-shape"])
+def test_a_missing_or_misshapen_tensor_is_named(gpt_oss, tmp_path, name, shape, match):
+    from llamatune.formats.gguf_io import tensor_out, write_gguf
+    f = gpt_oss.file
+    tensors = [tensor_out(n, np.zeros(shape, np.float32) if n == name else np.array(t.data))
+               for n, t in f.tensors.items() if n != name or shape is not None]
+    write_gguf(tmp_path / "bad.gguf", f.arch, f.kvs.values(), tensors)
+    with pytest.raises(LlamatuneError, match=r"bad.gguf: .*" + match):
+        Model(tmp_path / "bad.gguf")
+
+
 def test_decoding_through_the_cache_equals_the_full_forward(gpt_oss):
     """Token by token through the KV cache (past the window of 4, the sinks and the YaRN
     tables at each position) gives the full forward's logits."""
