@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import moe as kmoe
+from ..kernels import swiglu_oai
 
 
 class ExpertWeights:
@@ -87,7 +88,6 @@ def expert_gate(cfg):
     SwiGLU where the architecture declares it (Arch.activation "swiglu_oai")."""
     if cfg.spec.activation != "swiglu_oai":
         return None
-    from ..kernels import swiglu_oai
     return swiglu_oai.swiglu_oai_forward, swiglu_oai.swiglu_oai_backward
 
 
