@@ -123,9 +123,12 @@ def _load(model_dir: Path):
                                              experts_implementation="eager")
 
 
-def _logits(model_dir: Path, ids_path: Path, out: Path) -> None:
+def _logits(model_dir: Path, ids_path: Path, out: Path, peft_dir: str = "") -> None:
     import torch
     model = _load(model_dir)
+    if peft_dir:                                  # a PEFT adapter on top (llamatune's convert-checkpoint --to peft)
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, peft_dir).to(torch.float64)
     ids = torch.from_numpy(np.load(ids_path))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
@@ -203,7 +206,7 @@ def _hf_side(argv: list[str]) -> None:
     elif what == "convert":
         _convert(Path(args[0]), Path(args[1]), args[2])
     elif what == "logits":
-        _logits(Path(args[0]), Path(args[1]), Path(args[2]))
+        _logits(Path(args[0]), Path(args[1]), Path(args[2]), *args[3:])
     elif what == "grads":
         _grads(Path(args[0]), Path(args[1]), Path(args[2]))
     else:
@@ -237,10 +240,11 @@ def make(work: Path, torch_python: str, steps: int = 300, llama_bin: Path | None
     return paths
 
 
-def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path) -> np.ndarray:
-    """HF's float64 logits (B, T, V) on ids (B, T)."""
+def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path, peft_dir: Path | None = None) -> np.ndarray:
+    """HF's float64 logits (B, T, V) on ids (B, T), with the PEFT adapter `peft_dir` where given."""
     np.save(work / "ids.npy", np.asarray(ids, np.int64))
-    hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz", script=__file__)
+    hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz", *([peft_dir] if peft_dir else []),
+           script=__file__)
     return np.load(work / "logits.npz")["logits"]
 
 

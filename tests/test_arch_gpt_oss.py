@@ -274,3 +274,31 @@ def test_hf_oracle_lora_finetune_llama_cpp_lora_and_mxfp4_export(hf_model, tmp_p
     assert tuned == pytest.approx(figures["llama_cpp_tuned"], rel=5e-3)
     assert before - figures["llama_cpp_merged"] >= 0.9 * (before - tuned)
     assert figures["merged"] == pytest.approx(figures["llama_cpp_merged"], rel=1e-3)
+
+
+@pytest.mark.slow
+def test_hf_oracle_peft_export(hf_model, tmp_path):
+    """An attention adapter (a few steps, --no-lora-experts) written as a PEFT adapter by
+    convert-checkpoint and loaded by PEFT onto HF's model gives llamatune's logits with the
+    GGUF adapter (float32 rounding)."""
+    from checks.gptoss_hf import hf_logits
+    from llamatune.commands.convert import convert
+    from llamatune.commands.finetune import finetune
+    from llamatune.formats.adapter import load_runtime_adapters
+    from llamatune.models.infer import Runner
+    from llamatune.options import FinetuneOptions
+    train = tmp_path / "train.txt"
+    train.write_text(need(REPO.parent / "shared" / "data" / "shakespeare.txt").read_text(encoding="utf-8")[:50_000],
+                     encoding="utf-8")
+    finetune(FinetuneOptions(model_base=hf_model["f32"], train_data=train, ctx=32, batch=4, lora_r=4, adam_iter=5,
+                             adam_alpha=1e-2, no_lora_experts=True, save_every=0,
+                             checkpoint_out=tmp_path / "chk-ITERATION.gguf", lora_out=tmp_path / "adapter-ITERATION.gguf"),
+             quiet=True)
+    adapter = tmp_path / "adapter-LATEST.gguf"
+    convert(adapter, tmp_path / "peft", to="peft", model_base=hf_model["f32"])
+    ids = np.random.default_rng(1).integers(0, 512, (2, 40))
+    hf = hf_logits(TORCH_PYTHON, hf_model["hf"], ids, tmp_path, tmp_path / "peft")
+    model = Model(hf_model["f32"])
+    ours = Runner(model, load_runtime_adapters(model, [(str(adapter), 1.0)])).forward(ids)
+    assert np.abs(ours - Runner(model).forward(ids)).max() > 1e-3                    # the adapter matters
+    np.testing.assert_allclose(ours, hf, rtol=0, atol=2e-6 * np.abs(hf).max())
