@@ -51,7 +51,7 @@ QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[
 
 
 # --------------------------------------------------------------------------- the torch side
-def _tokenizer(out: Path, text: str):
+def _tokenizer(out: Path, text: str, vocab_size: int = CONFIG["vocab_size"]):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     tok = Tokenizer(models.BPE())
@@ -59,7 +59,7 @@ def _tokenizer(out: Path, text: str):
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=CONFIG["vocab_size"], special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([text], trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
@@ -208,10 +208,10 @@ def _hf_side(argv: list[str]) -> None:
 
 
 # --------------------------------------------------------------------------- this side
-def hf_run(torch_python: str, *args) -> None:
-    """This file under the torch Python (`--hf-side`), with llama.cpp's converter and gguf-py
-    importable; raises with its output on failure."""
-    cmd = [torch_python, str(Path(__file__).resolve()), "--hf-side", *map(str, args)]
+def hf_run(torch_python: str, *args, script: str = __file__) -> None:
+    """`script` (this file, or a sibling check's) under the torch Python (`--hf-side`), with
+    llama.cpp's converter and gguf-py importable; raises with its output on failure."""
+    cmd = [torch_python, str(Path(script).resolve()), "--hf-side", *map(str, args)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(LLAMA_CPP), str(LLAMA_CPP / "gguf-py")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:

@@ -322,13 +322,16 @@ def _used(offsets):
             if offsets[e + 1] > offsets[e]]
 
 
-def _project(out, xs, w, lora, xa, used):
-    """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)."""
+def _project(out, xs, w, lora, xa, used, bias=None):
+    """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)
+    (+ bias[e], the expert's bias (E, n_out): gpt-oss)."""
     for e, a, b in used:
         np.matmul(xs[a:b], w[e].T, out=out[a:b])
         if lora is not None:
             np.matmul(xs[a:b], lora.a[e].T, out=xa[a:b])
             out[a:b] += lora.scale * (xa[a:b] @ lora.b[e].T)
+        if bias is not None:
+            out[a:b] += bias[e]
 
 
 def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
@@ -351,12 +354,15 @@ def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
             dw[e] += dy[a:b].T @ xs[a:b]
 
 
-def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None):
+def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, bias=None, gate=None):
     """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
     ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
     chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
-    ExpertLora} on those projections, or None."""
-    lora = lora or {}
+    ExpertLora} on those projections, or None. gpt-oss's experts: bias {"gate" | "up" |
+    "down": (E, n_out)} added to each projection (frozen), and gate = (forward, backward)
+    kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward."""
+    lora, bias = lora or {}, bias or {}
+    gate_forward = swiglu_forward if gate is None else gate[0]
     N, k = idx.shape
     order, offsets, pos = expert_order(idx, w_gate.shape[0])
     P, F, C, dt = order.shape[0], w_gate.shape[1], x.shape[1], x.dtype
@@ -365,18 +371,20 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None):
     xa = {name: np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
     used = _used(offsets)
     _gather_pairs(xs, x, order, k)
-    _project(g, xs, w_gate, lora.get("gate"), xa.get("gate"), used)
-    _project(u, xs, w_up, lora.get("up"), xa.get("up"), used)
-    swiglu_forward(h, g, u)
-    _project(y, h, w_down, lora.get("down"), xa.get("down"), used)
+    _project(g, xs, w_gate, lora.get("gate"), xa.get("gate"), used, bias.get("gate"))
+    _project(u, xs, w_up, lora.get("up"), xa.get("up"), used, bias.get("up"))
+    gate_forward(h, g, u)
+    _project(y, h, w_down, lora.get("down"), xa.get("down"), used, bias.get("down"))
     _combine(out, y, w, pos)
     return ExpertRows(order, offsets, pos, xs, g, u, h, y, xa)
 
 
-def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None):
+def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None,
+                     gate=None):
     """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows; the LoRA's
-    gradients accumulate into its da, db."""
+    gradients accumulate into its da, db; gate as in the forward (the biases need nothing)."""
     lora = lora or {}
+    gate_backward = swiglu_backward if gate is None else gate[1]
     k = w.shape[1]
     P, F, C, dt = rows.g.shape[0], rows.g.shape[1], x.shape[1], x.dtype
     dys, dxs = np.empty((P, C), dt), np.empty((P, C), dt)
@@ -384,7 +392,7 @@ def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, 
     used = _used(rows.offsets)
     _weighted_rows(dys, dw, dout, w, rows.y, rows.order, k)
     _project_backward(dh, dys, rows.h, w_down, lora.get("down"), rows.lora_in.get("down"), used, dw_down, False)
-    swiglu_backward(dg, du, dh, rows.g, rows.u)
+    gate_backward(dg, du, dh, rows.g, rows.u)
     _project_backward(dxs, dg, rows.xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, dw_gate, False)
     _project_backward(dxs, du, rows.xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, dw_up, True)
     _combine(dx, dxs, None, rows.pos)

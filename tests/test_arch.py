@@ -70,6 +70,6 @@ def test_each_layer_is_built_from_the_part_kinds_its_declaration_names(monkeypat
     assert [type(parts[1]) for parts in layers] == [FeedForward, Other]
     assert "other.g" in layer_act_shapes(layers[1], 2, 4) and "feed_forward.g" in layer_act_shapes(layers[0], 2, 4)
     with pytest.raises(LlamatuneError, match=r"architecture llama: layer 1 has part kind\(s\) \['other'\], "
-                                             r"not one of \['attention', 'delta_net', 'feed_forward', 'feed_forward_post', "
-                                             r"'gated_attention', 'moe'\]"):
+                                             r"not one of \['attention', 'attention_sinks', 'delta_net', 'feed_forward', "
+                                             r"'feed_forward_post', 'gated_attention', 'moe', 'moe_post'\]"):
         layer_parts(cfg)

@@ -1,8 +1,8 @@
 """Files llamatune cannot run yet are refused in one line, before anything computes: a
 mixture-of-experts model of a family not declared with experts (a family llama.cpp knows
-as one, qwen2moe, gpt-oss, llama4, ..., or any file whose `{arch}.expert_count` is above
-0, as Mixtral's `llama`) names its architecture and lists the supported ones (qwen3moe is
-one); a tensor of an unknown ggml type, or of a
+as one, qwen2moe, olmoe, llama4, ..., or any file whose `{arch}.expert_count` is above
+0, as Mixtral's `llama`) names its architecture and lists the supported ones (qwen3moe and
+gpt-oss are); a tensor of an unknown ggml type, or of a
 type nothing here dequantizes, is named with its type. The files are small synthetic
 GGUFs (the tiny llama's tensors under another architecture's keys, plus 3-D expert
 tensors as llama.cpp names them); the CLI cases run `llamatune perplexity` as a user
@@ -68,8 +68,8 @@ def perplexity(model: Path, tmp_path: Path) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("arch,n_experts", [("qwen2moe", 8), ("gpt-oss", 4), ("llama", 8)],
-                         ids=["qwen2moe", "gpt-oss", "mixtral-llama"])
+@pytest.mark.parametrize("arch,n_experts", [("qwen2moe", 8), ("olmoe", 4), ("llama", 8)],
+                         ids=["qwen2moe", "olmoe", "mixtral-llama"])
 def test_cli_refuses_a_mixture_of_experts(tmp_path, tiny_model, arch, n_experts):
     path = as_arch(tiny_model, tmp_path / "moe.gguf", arch, n_experts)
     assert perplexity(path, tmp_path) == (

@@ -31,7 +31,8 @@ LLAMA_LAYER = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                "ffn_gate", "ffn_up", "ffn_down", "ffn_norm")
 QK_NORMS = ("attn_q_norm", "attn_k_norm")               # per-head RMSNorm of q and k before rope (head_dim,)
 POST_NORMS = ("post_attention_norm", "post_ffw_norm")   # RMSNorm of a sublayer's output before its residual add
-ACTIVATIONS = ("silu", "gelu")                          # feed-forward gate: SwiGLU or GeGLU (gelu-tanh)
+ACTIVATIONS = ("silu", "gelu", "swiglu_oai")            # feed-forward gate: SwiGLU, GeGLU (gelu-tanh), or
+#                                                         gpt-oss's clamped SwiGLU (its experts only)
 
 
 def block_layer(biases: bool = False, qk_norm: bool = False, post_norms: bool = False) -> tuple[str, ...]:
@@ -214,7 +215,13 @@ def _declared() -> tuple[str, ...]:
     # listed once: `cfg.spec` looks an architecture up on every access, about a hundred
     # times a training step, and listing the package's folder each time cost 1 % of it
     from . import archs
-    return tuple(sorted(m.name for m in pkgutil.iter_modules(archs.__path__) if not m.name.startswith("_")))
+    return tuple(sorted(_arch_name(m.name) for m in pkgutil.iter_modules(archs.__path__) if not m.name.startswith("_")))
+
+
+def _arch_name(module: str) -> str:
+    """general.architecture of the module models/archs/<module>.py: its name, '_' read as
+    '-' (gpt_oss.py declares gpt-oss; no architecture name has an underscore)."""
+    return module.replace("_", "-")
 
 
 # general.architecture of llama.cpp's mixture-of-experts families (src/llama-arch.cpp, the
@@ -251,4 +258,4 @@ def get_arch(name: str) -> Arch:
     """The declaration of architecture `name`; an error listing the supported ones otherwise."""
     if name not in _declared():
         raise LlamatuneError(f"architecture '{name}' is not supported (supported: {', '.join(supported())})")
-    return importlib.import_module(f"{__package__}.archs.{name}").ARCH
+    return importlib.import_module(f"{__package__}.archs.{name.replace('-', '_')}").ARCH

@@ -48,6 +48,8 @@ class ModelConfig:
     n_ctx_orig: int = 0            # rope.scaling.original_context_length (0: n_ctx_train): contexts above it
     #                                rotate with rope_factors_long, the others with rope_factors_short
     rope_attn_factor: float = 1.0  # rope.scaling.attn_factor: cos and sin are multiplied by it (ggml_rope_ext)
+    rope_ext_factor: float = 0.0   # YaRN's extrapolation mix (rope.scaling.type yarn: 1, as llama_context sets
+    #                                it); 0: no YaRN. Its ramp counts from n_ctx_orig (models/rope.py)
     # what some families add (read by their Arch.read_hparams); the defaults are llama's
     attn_scale: float = 0.0        # q.k multiplier; 0: 1/sqrt(head_dim)
     attn_softcap: float = 0.0      # attention scores cap*tanh(s/cap) (gemma2); 0: none
@@ -78,7 +80,7 @@ class ModelConfig:
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
-        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor", "attn_scale",
+        for name in ("norm_eps", "rope_freq_base", "rope_freq_scale", "rope_attn_factor", "rope_ext_factor", "attn_scale",
                      "attn_softcap", "final_softcap", "rope_freq_base_swa", "rope_freq_scale_swa",
                      "embd_multiplier", "residual_scale", "logit_scale"):
             object.__setattr__(self, name, float(np.float32(getattr(self, name))))
@@ -255,13 +257,17 @@ class ModelConfig:
                                  "expected a string")
         factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in md else "rope.scale_linear"
         factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
-        if scaling_type not in ("none", "linear") and factor != 1.0:
-            raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
+            raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear "
+                                 "and yarn)")
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
                       n_layer=count("block_count"), n_ff=count("feed_forward_length"), n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
+        if scaling_type == "yarn" and factor != 1.0:
+            values |= dict(rope_ext_factor=1.0, n_ctx_orig=count("rope.scaling.original_context_length",
+                                                                 values["n_ctx_train"]))
         if spec.read_hparams is not None:
             values |= spec.read_hparams(SimpleNamespace(count=count, number=number, source=source, arch=arch,
                                                         raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
@@ -288,8 +294,10 @@ class ModelConfig:
             f"{a}.rope.freq_base": float(self.rope_freq_base),
         }
         if self.rope_freq_scale != 1.0:
-            md[f"{a}.rope.scaling.type"] = "linear"
+            md[f"{a}.rope.scaling.type"] = "yarn" if self.rope_ext_factor else "linear"
             md[f"{a}.rope.scaling.factor"] = float(1.0 / self.rope_freq_scale)
+        if self.rope_ext_factor:
+            md[f"{a}.rope.scaling.original_context_length"] = self.n_ctx_orig_rope
         if self.spec.hparams_metadata is not None:
             md |= self.spec.hparams_metadata(self)
         return md

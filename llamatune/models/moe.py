@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..kernels import moe as kmoe
+from ..kernels import swiglu_oai
 
 
 class ExpertWeights:
@@ -82,12 +83,32 @@ def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.n
     return idx, w, probs
 
 
+def expert_gate(cfg):
+    """The experts' gate kernels (forward, backward): None for SwiGLU, gpt-oss's clamped
+    SwiGLU where the architecture declares it (Arch.activation "swiglu_oai")."""
+    if cfg.spec.activation != "swiglu_oai":
+        return None
+    return swiglu_oai.swiglu_oai_forward, swiglu_oai.swiglu_oai_backward
+
+
+def expert_biases(base, i: int, dtype) -> dict[str, np.ndarray]:
+    """Layer i's expert biases {"gate" | "up" | "down": (E, n_out)} (gpt-oss; none elsewhere)."""
+    out = {}
+    for proj, kind in PROJECTIONS:
+        b = base.vector(f"blk.{i}.{kind}.bias")
+        if b is not None:
+            out[proj] = b.astype(dtype, copy=False)
+    return out
+
+
 def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int) -> MoeActs:
     """out (N, C) = layer i's mixture of experts of xn (N, C) (overwritten), through the
-    Forward `fwd` (its `linear` runs the router, its base hands out the experts)."""
+    Forward `fwd` (its `linear` runs the router, with its bias where it has one; its base
+    hands out the experts and their biases)."""
     cfg = fwd.cfg
     logits = np.empty((xn.shape[0], cfg.n_expert), xn.dtype)
     fwd.linear(logits, xn, f"blk.{i}.ffn_gate_inp.weight")
     idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm)
-    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i), lora=expert_adapters(fwd, i))
+    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i), lora=expert_adapters(fwd, i),
+                                bias=expert_biases(fwd.base, i, xn.dtype), gate=expert_gate(cfg))
     return MoeActs(probs, idx, w, rows)

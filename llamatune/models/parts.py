@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LlamatuneError
+from ..kernels.attention_sinks import sinks_forward
 from .config import ModelConfig
 from .moe import MoeActs, moe_forward
 from .qwen35_parts import DeltaNet, GatedAttention
@@ -225,6 +226,9 @@ class FeedForward(Part):
         self.down = p + "ffn_down.weight"
         self.post_norm = p + "post_ffw_norm.weight" if spec.post_norms else None
         self.gelu = spec.activation == "gelu"
+        if spec.activation not in ("silu", "gelu"):             # (gpt-oss's clamped SwiGLU: its experts only)
+            raise LlamatuneError(f"architecture {cfg.arch}: a dense feed-forward with activation "
+                                 f"{spec.activation!r} is not supported")
 
     def act_shapes(self, B, T, keep_inputs):
         N, C, F = B * T, self.cfg.n_embd, self.cfg.n_ff
@@ -310,8 +314,45 @@ class FeedForwardPost(FeedForward):
         self.norm, self.post_norm = self.p + "post_attention_norm.weight", None
 
 
+class SinkAttention(Attention):
+    """gpt-oss's attention (models/archs/gpt_oss.py): attn_norm, q/k/v (+ biases), rope,
+    attention whose softmax rows also hold the layer's per-head sink (`attn_sinks`:
+    attention_forward, then kernels/attention_sinks.py's sinks_forward on its output and
+    log-sum-exp, kept as the backward reads them), attn_output (+ bias)."""
+    kind = "attention_sinks"
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.post_norm = None                    # post_attention_norm is the experts' input norm
+        self.sinks = self.p + "attn_sinks.weight"
+
+    def forward(self, fw, a: AttentionActs, x, residual, y) -> None:
+        cos, sin = fw.ropes[self.rope_set]
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        q4, k4 = self.heads(a, a.q, a.k)
+        self.project(fw, a.q, a.k, a.v, xn)
+        self.rope(fw.ops, q4, k4, cos, sin)
+        k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
+        att4 = a.att.reshape(q4.shape)
+        fw.attention.attention_forward(att4, a.lse, q4, k_all, v_all, n_past, segments=fw.segments, **self.options)
+        sinks_forward(att4, a.lse, fw.base.vector(self.sinks))
+        self.output(fw, y, a.att, self.out, None, None, None)
+
+
+class MoePostNorm(MoeFeedForward):
+    """gpt-oss's mixture of experts: post_attention_norm is its input norm (llama.cpp's
+    openai-moe graph norms ffn_inp with attn_post_norm)."""
+    kind = "moe_post"
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.norm = self.p + "post_attention_norm.weight"
+
+
 PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
-                                                    DeltaNet, GatedAttention)}   # kind -> forward class
+                                                    DeltaNet, GatedAttention, SinkAttention, MoePostNorm)}
+#                                                   kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import rope as host_rope
+from ..kernels import rope_yarn
 
 
 CONTEXT_PAD = 256     # llama_context rounds n_ctx_seq up to a multiple of this
@@ -44,6 +45,11 @@ def rope_cache(cfg, base, positions: np.ndarray, n_ctx: int,
     freq_base, freq_scale = rope or (cfg.rope_freq_base, cfg.rope_freq_scale)
     cos = np.empty((positions.shape[0], cfg.n_rot // 2), np.float32)
     sin = np.empty_like(cos)
+    if cfg.rope_ext_factor:
+        rope_yarn.rope_cache_yarn(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, cfg.n_ctx_orig_rope,
+                                  cfg.rope_ext_factor, rope_yarn.attn_factor(freq_scale, cfg.rope_attn_factor),
+                                  rope_factors(cfg, base, n_ctx))
+        return cos, sin
     host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, rope_factors(cfg, base, n_ctx))
     if cfg.rope_attn_factor != 1.0:
         cos *= np.float32(cfg.rope_attn_factor)

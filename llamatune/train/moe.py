@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import moe as kmoe
-from ..models.moe import PROJECTIONS, MoeActs, experts_of
+from ..models.moe import PROJECTIONS, MoeActs, expert_gate, experts_of
 
 
 def router_backward(dlogits: np.ndarray, dw: np.ndarray, acts: MoeActs, normalize: bool) -> None:
@@ -45,7 +45,7 @@ def moe_backward(graph, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts:
     linears.backward takes the router's product and adapter)."""
     dw = np.empty_like(acts.w)
     kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(graph.base, i), acts.rows,
-                          lora=trained_expert_adapters(graph, i))
+                          lora=trained_expert_adapters(graph, i), gate=expert_gate(graph.cfg))
     dlogits = np.empty_like(acts.probs)
     router_backward(dlogits, dw, acts, graph.cfg.spec.expert_norm)
     graph.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)

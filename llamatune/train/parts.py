@@ -17,7 +17,7 @@ import numpy as np
 from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
-                            MoeFeedForward, MoeFeedForwardActs, Part)
+                            MoeFeedForward, MoeFeedForwardActs, MoePostNorm, Part, SinkAttention)
 from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
@@ -208,6 +208,16 @@ class GatedAttentionBackward(GatedAttention):
         input_norm_backward(self, g, a, x)
 
 
+class SinkAttentionBackward(AttentionBackward, SinkAttention):
+    """gpt-oss's attention: the attention backward on the output and log-sum-exp the sinks
+    left (exact for them, kernels/attention_sinks.py); the sinks stay frozen."""
+
+
+class MoePostNormBackward(MoeFeedForwardBackward, MoePostNorm):
+    pass
+
+
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
                                                           MoeFeedForwardBackward, FeedForwardPostBackward,
-                                                          DeltaNetBackward, GatedAttentionBackward)}
+                                                          DeltaNetBackward, GatedAttentionBackward,
+                                                          SinkAttentionBackward, MoePostNormBackward)}
