@@ -1,7 +1,8 @@
 """PEFT's LoRA on fused 3-D expert parameters (target_parameters) <-> llama.cpp's per-expert
-adapters (formats/peft_experts.py), on a tiny qwen3moe: the layout by PEFT's own formula,
-both ways, and (slow, with TORCH_PYTHON) against peft itself: its get_delta_weight of an
-adapter it saved, and of ours loaded with PeftModel.from_pretrained."""
+adapters (formats/peft_experts.py), on a tiny qwen3moe (gate | up stacked) and gpt-oss (gate
+and up in alternate rows): the layout by PEFT's own formula, both ways, and (slow, with
+TORCH_PYTHON) against peft itself: its get_delta_weight of an adapter it saved, and of ours
+loaded with PeftModel.from_pretrained."""
 from __future__ import annotations
 
 import json
@@ -26,13 +27,19 @@ P = "base_model.model.model.layers.{}.mlp.experts"
 
 
 @pytest.fixture(scope="module")
+def gpt_oss_base(tmp_path_factory, tiny_vocab) -> Path:
+    cfg = tiny_config("gpt-oss", n_ff=16, n_expert=8, n_expert_used=2, n_ff_exp=16, sliding_window=4, swa_pattern=2)
+    return write_arch_model(tmp_path_factory.mktemp("oss") / "gpt-oss.gguf", cfg, tiny_vocab, seed=4)
+
+
+@pytest.fixture(scope="module")
 def base(tmp_path_factory, tiny_vocab) -> Path:
     cfg = tiny_config("qwen3moe", **MOE)
     return write_arch_model(tmp_path_factory.mktemp("moe") / "qwen3moe.gguf", cfg, tiny_vocab, seed=4)
 
 
 def peft_delta(lora_a: np.ndarray, lora_b: np.ndarray, scale: float) -> np.ndarray:
-    """peft's ParamWrapper.get_delta_weight for a (E, out, in) parameter (in and out swapped)."""
+    """peft's ParamWrapper.get_delta_weight for a 3-D parameter, as (E, out, in)."""
     a = lora_a.reshape(E, -1, lora_a.shape[-1])
     b = lora_b.reshape(lora_b.shape[0], -1, E)
     return np.einsum("ore,eri->eoi", b, a) * scale
@@ -123,6 +130,31 @@ def test_gguf_experts_with_their_own_gate_and_up_a(base, tmp_path):
     assert sorted(st) == [f"{P.format(1)}.lora_A.weight", f"{P.format(1)}.lora_B.weight"]
 
 
+def test_gpt_oss_gate_and_up_alternate_rows(gpt_oss_base, tmp_path):
+    """gpt-oss's gate_up_proj holds gate and up in alternate outputs (llama.cpp's converter
+    takes [..., ::2] and [..., 1::2]): PEFT's delta's even rows are ffn_gate_exps', the odd
+    ffn_up_exps'; and back to the same tensors."""
+    rng, t = np.random.default_rng(6), {}
+    for i in range(2):
+        t[f"{P.format(i)}.base_layer.lora_A.weight"] = rng.normal(0, 0.3, (R * 8, 64)).astype(np.float32)
+        t[f"{P.format(i)}.base_layer.lora_B.weight"] = rng.normal(0, 0.3, (32, R * 8)).astype(np.float32)
+        t[f"{P.format(i)}.lora_A.weight"] = rng.normal(0, 0.3, (R * 8, 16)).astype(np.float32)
+        t[f"{P.format(i)}.lora_B.weight"] = rng.normal(0, 0.3, (64, R * 8)).astype(np.float32)
+    src = write_peft(tmp_path / "peft", t, r=R, lora_alpha=2, target_parameters=["gate_up_proj", "down_proj"])
+    convert(src, tmp_path / "a.gguf", model_base=gpt_oss_base)
+    got = read_adapter(tmp_path / "a.gguf", GGUFFile(gpt_oss_base))
+    for i in range(2):
+        a, b = t[f"{P.format(i)}.base_layer.lora_A.weight"], t[f"{P.format(i)}.base_layer.lora_B.weight"]
+        fused = np.einsum("ore,eri->eoi", b.reshape(32, R, 8), a.reshape(8, R, 64))       # (E, 2F, C), scale 1
+        np.testing.assert_allclose(gguf_delta(got.pairs, f"blk.{i}.ffn_gate_exps.weight", 1.0), fused[:, ::2], rtol=1e-6)
+        np.testing.assert_allclose(gguf_delta(got.pairs, f"blk.{i}.ffn_up_exps.weight", 1.0), fused[:, 1::2], rtol=1e-6)
+    convert(tmp_path / "a.gguf", tmp_path / "back", "peft")
+    back = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert back.keys() == t.keys()
+    for k in t:
+        np.testing.assert_array_equal(back[k], t[k])
+
+
 def test_bad_peft_expert_adapters(base, tmp_path):
     t = random_peft(np.random.default_rng(2), layers=1)
     src = write_peft(tmp_path / "p1", t, r=R, lora_alpha=4, target_parameters=["mlp.experts.gate_up_proj"])
@@ -136,11 +168,18 @@ def test_bad_peft_expert_adapters(base, tmp_path):
 
 PEFT_SCRIPT = r"""
 import json, sys, numpy as np, torch
-from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from peft import LoraConfig, PeftModel, get_peft_model
-out, ours = sys.argv[1], sys.argv[2]
-cfg = Qwen3MoeConfig(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+out, ours, arch = sys.argv[1], sys.argv[2], sys.argv[3]
+if arch == "qwen3moe":
+    from transformers import Qwen3MoeConfig as Config, Qwen3MoeForCausalLM as Model
+    cfg = Config(vocab_size=400, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2)
+else:
+    from transformers import GptOssConfig as Config, GptOssForCausalLM as Model
+    cfg = Config(vocab_size=400, hidden_size=64, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2)
+Qwen3MoeForCausalLM = Model
+transposed = arch != "qwen3moe"     # gpt-oss's experts are (E, in, out): is_transposed
 torch.manual_seed(0)
 lc = LoraConfig(r=2, lora_alpha=6, target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
                 init_lora_weights=False)
@@ -151,7 +190,8 @@ def deltas(m):
     for i, layer in enumerate(m.base_model.model.model.layers):
         w = layer.mlp.experts
         while hasattr(w, "parameter_name"):
-            d[f"{i}.{w.parameter_name}"] = w.get_delta_weight("default").detach().numpy()
+            delta = w.get_delta_weight("default").detach().numpy()
+            d[f"{i}.{w.parameter_name}"] = delta.transpose(0, 2, 1) if transposed else delta   # (E, out, in)
             w = w.base_layer
     return d
 np.savez(out + "/theirs.npz", **deltas(p))
@@ -161,33 +201,36 @@ np.savez(out + "/loaded.npz", **deltas(q))
 
 
 @pytest.mark.slow
-def test_against_peft_itself(base, tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_against_peft_itself(base, gpt_oss_base, tmp_path, arch):
     """peft's own adapter (random A and B) converts to per-expert pairs whose s B A are its
-    get_delta_weight; our export of an adapter with its own gate and up A loads in peft
-    (PeftModel.from_pretrained) with get_delta_weight equal to ours."""
+    get_delta_weight (gpt-oss: gate and up in alternate rows); our export of an adapter with
+    its own gate and up A loads in peft (PeftModel.from_pretrained) with get_delta_weight
+    equal to ours."""
     torch_py = os.environ.get("TORCH_PYTHON")
     if not torch_py:
         pytest.skip("needs TORCH_PYTHON (a python with torch, transformers and peft)")
+    model = base if arch == "qwen3moe" else gpt_oss_base
+    n_e, f, c = (E, F, 32) if arch == "qwen3moe" else (8, 16, 64)
+    split = (lambda x: (x[:, :f], x[:, f:])) if arch == "qwen3moe" else (lambda x: (x[:, ::2], x[:, 1::2]))
     rng = np.random.default_rng(3)
-    adapter = LoraAdapter("qwen3moe", 4.0)
+    adapter = LoraAdapter(arch, 4.0)
     for i in range(2):
-        for kind, (n_out, n_in) in (("ffn_gate_exps", (F, 32)), ("ffn_up_exps", (F, 32)), ("ffn_down_exps", (32, F))):
-            adapter.pairs[f"blk.{i}.{kind}.weight"] = (rng.normal(0, 0.3, (E, R, n_in)).astype(np.float32),
-                                                       rng.normal(0, 0.3, (E, n_out, R)).astype(np.float32))
+        for kind, (n_out, n_in) in (("ffn_gate_exps", (f, c)), ("ffn_up_exps", (f, c)), ("ffn_down_exps", (c, f))):
+            adapter.pairs[f"blk.{i}.{kind}.weight"] = (rng.normal(0, 0.3, (n_e, R, n_in)).astype(np.float32),
+                                                       rng.normal(0, 0.3, (n_e, n_out, R)).astype(np.float32))
     write(tmp_path / "ours.gguf", adapter)
     convert(tmp_path / "ours.gguf", tmp_path / "ours-peft", "peft")
-    subprocess.run([torch_py, "-c", PEFT_SCRIPT, str(tmp_path), str(tmp_path / "ours-peft")], check=True)
-    convert(tmp_path / "peft", tmp_path / "theirs.gguf", model_base=base)
-    theirs, got = np.load(tmp_path / "theirs.npz"), read_adapter(tmp_path / "theirs.gguf", GGUFFile(base))
+    subprocess.run([torch_py, "-c", PEFT_SCRIPT, str(tmp_path), str(tmp_path / "ours-peft"), arch], check=True)
+    convert(tmp_path / "peft", tmp_path / "theirs.gguf", model_base=model)
+    theirs, got = np.load(tmp_path / "theirs.npz"), read_adapter(tmp_path / "theirs.gguf", GGUFFile(model))
     loaded = np.load(tmp_path / "loaded.npz")
     for i in range(2):
-        s = got.scale(f"blk.{i}.ffn_gate_exps.weight")
-        fused = np.concatenate([gguf_delta(got.pairs, f"blk.{i}.ffn_{k}_exps.weight", s) for k in ("gate", "up")], 1)
-        np.testing.assert_allclose(fused, theirs[f"{i}.gate_up_proj"], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(gguf_delta(got.pairs, f"blk.{i}.ffn_down_exps.weight", s), theirs[f"{i}.down_proj"],
-                                   rtol=1e-5, atol=1e-6)
-        s = adapter.scale(f"blk.{i}.ffn_gate_exps.weight")
-        fused = np.concatenate([gguf_delta(adapter.pairs, f"blk.{i}.ffn_{k}_exps.weight", s) for k in ("gate", "up")], 1)
-        np.testing.assert_allclose(loaded[f"{i}.gate_up_proj"], fused, rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(loaded[f"{i}.down_proj"], gguf_delta(adapter.pairs, f"blk.{i}.ffn_down_exps.weight", s),
-                                   rtol=1e-5, atol=1e-6)
+        for mine, want in ((got, theirs), (adapter, loaded)):
+            s = mine.scale(f"blk.{i}.ffn_gate_exps.weight")
+            gate, up = split(want[f"{i}.gate_up_proj"])
+            for kind, w in (("gate", gate), ("up", up)):
+                np.testing.assert_allclose(gguf_delta(mine.pairs, f"blk.{i}.ffn_{kind}_exps.weight", s), w,
+                                           rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(gguf_delta(mine.pairs, f"blk.{i}.ffn_down_exps.weight", s),
+                                       want[f"{i}.down_proj"], rtol=1e-5, atol=1e-6)

@@ -268,8 +268,8 @@ def _expert_pairs(cfg: dict, module: str, found: tuple[int, str, int], h: dict, 
     params = X.targeted(layer, names.experts, list(cfg.get("target_parameters") or []))
     if nested >= len(params):
         raise LlamatuneError(f"{where}: module '{module}' matches none of target_parameters "
-                             f"{cfg.get('target_parameters')} (this model's: {', '.join(p for _, p in names.experts)})")
-    kinds, param = params[len(params) - 1 - nested]
+                             f"{cfg.get('target_parameters')} (this model's: {', '.join(p for _, p, _ in names.experts)})")
+    kinds, param, rows = params[len(params) - 1 - nested]
     full = f"model.layers.{layer}.{param}"
     r = _pattern_value(cfg.get("rank_pattern"), full, cfg.get("r", 8))
     if isinstance(r, float) and r.is_integer():
@@ -277,7 +277,7 @@ def _expert_pairs(cfg: dict, module: str, found: tuple[int, str, int], h: dict, 
     if isinstance(r, bool) or not isinstance(r, int):
         raise LlamatuneError(f"{where}: the rank of '{full}' is {str(r)[:40]!r}, expected an integer")
     alpha_eq = _alpha(cfg, full, r, where)
-    return {w: (a, b, alpha_eq) for w, (a, b) in X.from_peft(h["A"], h["B"], r, kinds, layer, where).items()}
+    return {w: (a, b, alpha_eq) for w, (a, b) in X.from_peft(h["A"], h["B"], r, kinds, rows, layer, where).items()}
 
 
 def read_peft(path: Path, names: PeftNames, heads: Heads | None) -> tuple[LoraAdapter, list[str], str]:
@@ -335,22 +335,22 @@ def _expert_tensors(experts: dict, names: PeftNames, adapter: LoraAdapter, base:
     """The PEFT tensors of the adapter's 3-D expert pairs, added to `tensors` (with their
     ranks and alphas where not the config's `base` (r, alpha)); returns target_parameters."""
     by_param: dict[tuple[int, str], dict[str, tuple]] = {}
-    owner = {k: (kinds, path) for kinds, path in names.experts for k in kinds}
+    owner = {k: (kinds, path, rows) for kinds, path, rows in names.experts for k in kinds}
     for name, pair in experts.items():
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", name)
         if not m or m.group(2) not in owner:
             raise LlamatuneError(f"adapter tensor '{name}' has no Hugging Face PEFT parameter in a {names.arch} model")
         by_param.setdefault((int(m.group(1)), owner[m.group(2)][1]), {})[m.group(2)] = pair
-    used = [path for _, path in names.experts if any(p == path for _, p in by_param)]
+    used = [path for _, path, _ in names.experts if any(p == path for _, p in by_param)]
     for (layer, path), got in sorted(by_param.items()):
-        kinds = next(k for k, p in names.experts if p == path)
+        kinds, rows = next((k, rw) for k, p, rw in names.experts if p == path)
         ranks = {b.shape[-1] for _, b in got.values()}
         if len(ranks) > 1:
             raise LlamatuneError(f"layer {layer}: {', '.join(kinds)} have different ranks {sorted(ranks)}; PEFT's "
                                  f"{path} holds them as one pair")
         first = next(iter(got.values()))
         pairs = [got[k] if k in got else (first[0], np.zeros_like(first[1])) for k in kinds]   # an absent kind: B = 0
-        lora_a, lora_b, r_param = X.to_peft(pairs)
+        lora_a, lora_b, r_param = X.to_peft(pairs, rows)
         module = X.key(layer, path, len(used) - 1 - used.index(path))
         tensors[f"{PREFIX}{module}.lora_A.weight"], tensors[f"{PREFIX}{module}.lora_B.weight"] = lora_a, lora_b
         r_kind = ranks.pop()

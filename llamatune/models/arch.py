@@ -71,9 +71,9 @@ class Arch:
         ("ffn_down", "mlp.down_proj"))
     peft_permute_qk: bool = False     # convert_hf_to_gguf.py reorders q/k rows for NORM rope (llama)
     # HF's fused 3-D expert parameters (PEFT target_parameters, formats/peft_experts.py):
-    # ((the GGUF expert kinds whose rows they stack, in order), the parameter under
-    # model.layers.N.), in the HF module's parameter order
-    peft_experts: tuple[tuple[tuple[str, ...], str], ...] = ()
+    # ((the GGUF expert kinds whose rows they hold, in order), the parameter under
+    # model.layers.N., "stacked" | "interleaved" rows), in the HF module's parameter order
+    peft_experts: tuple[tuple[tuple[str, ...], str, str], ...] = ()
     # peft_orders(cfg) -> {kind: ("rows" | "cols", p)}: kinds whose B rows or A columns the
     # converter reorders (gguf = hf[p]); cfg None (no base model): {kind: None} for each
     # kind it may reorder

@@ -62,4 +62,6 @@ ARCH = Arch(name="gpt-oss", rope_mode=NEOX, layer=LAYER, experts=EXPERTS, vector
             hparams_metadata=_metadata, scratch=False,
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                          ("ffn_gate_inp", "mlp.router")))
+                          ("ffn_gate_inp", "mlp.router")),
+            peft_experts=((("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.gate_up_proj", "interleaved"),
+                          (("ffn_down_exps",), "mlp.experts.down_proj", "stacked")))

@@ -35,5 +35,5 @@ ARCH = Arch(name="qwen3moe", rope_mode=NEOX, layer=LAYER, experts=EXPERTS, ffn="
             peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
                           ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
                           ("ffn_gate_inp", "mlp.gate")),
-            peft_experts=((("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.gate_up_proj"),
-                          (("ffn_down_exps",), "mlp.experts.down_proj")))
+            peft_experts=((("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.gate_up_proj", "stacked"),
+                          (("ffn_down_exps",), "mlp.experts.down_proj", "stacked")))
