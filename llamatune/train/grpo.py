@@ -34,9 +34,9 @@ import time
 
 import numpy as np
 
+from ..data.samples import Batch, Batcher
 from ..errors import LlamatuneError
 from . import rewards as R
-from .data import Batch, Batcher
 from .lora import disabled_adapters
 from .objective import token_losses, vocab
 

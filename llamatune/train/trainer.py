@@ -28,6 +28,7 @@ import numpy as np
 
 from ..backend import cpu, set_tf32
 from ..console import err, notice, out
+from ..data.samples import Batcher, Samples, describe
 from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV, gguf_nbytes, kv_nbytes
 from ..models.config import ModelConfig
@@ -37,7 +38,6 @@ from ..precision import ComputePolicy
 from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
-from .data import Batcher, Samples, describe
 from .graph import Graph, compile_kernels
 from .guard import Guard
 from .lora import LoraTarget
