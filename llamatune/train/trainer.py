@@ -62,7 +62,7 @@ class Job:
     kind: str                                   # ckpt.KIND_LORA or ckpt.KIND_FULL
     opts: TrainOptions
     cfg: ModelConfig
-    base: object                                # graph.FrozenBase or graph.DenseWeights
+    base: object                                # weights.FrozenBase, params.DenseWeights or full.FullWeights
     params: ParamBuffer
     targets: list[LoraTarget]
     samples: Samples
