@@ -4,7 +4,7 @@ records) against the plain merge, at Llama-2-7B tensor shapes (#52: at most 2x).
 The model is Llama-2-7B-shaped with --layers of its 32 layers (random Q4_K blocks,
 real_size.py's generator; the llama SPM vocabulary of --vocab so that text tokenizes);
 the adapter is random, rank 8 on q, k, v, o, gate, up and down of every layer, and
-records --data as its training data (train/recorded.py, --ctx as the training
+records --data as its training data (data/recorded.py, --ctx as the training
 context). Each export runs in a fresh process (`llamatune export-lora -m M --lora A
 -o OUT [--merge-method plain]`), plain and default alternating for --rounds rounds.
 Both costs grow with the layers (the calibration's forward and passes per layer, the
@@ -55,10 +55,10 @@ def build_model(path: Path, vocab: Path, n_layer: int) -> None:
 
 
 def build_adapter(path: Path, model: Path, data: Path, ctx: int) -> None:
+    from llamatune.data.recorded import data_kvs
     from llamatune.formats.adapter import LoraAdapter, expected_shapes, write_adapter
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.options import FinetuneOptions
-    from llamatune.train.recorded import data_kvs
     f = GGUFFile(model)
     rng = np.random.default_rng(0)
     adapter = LoraAdapter(f.arch, float(R))

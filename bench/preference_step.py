@@ -26,7 +26,7 @@ import numpy as np
 
 
 def make_batch(n_vocab: int, B: int, T: int, seed: int = 0):
-    from llamatune.train.data import Batch
+    from llamatune.data.samples import Batch
     rng = np.random.default_rng(seed)
     inputs = rng.integers(3, n_vocab, (B, T))
     targets = np.full((B, T), -1, np.int64)

@@ -159,11 +159,11 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     token, as trained), and, over the answer's text alone (no EOS: what llama.cpp's
     multiple-choice scorer sees), the same for the sums and for the per-token means (its
     measure); and the mean margin of the sums."""
+    from llamatune.data.datasets import load_pairs
     from llamatune.models.model import Model
+    from llamatune.models.weights import FrozenBase
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
-    from llamatune.train.datasets import load_pairs
-    from llamatune.models.weights import FrozenBase
     from llamatune.train.graph import Graph
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer

@@ -159,9 +159,9 @@ def record_dense(out: dict, key: str, cfg, tied: bool) -> None:
 
 
 def record_preference(out: dict, key: str, model) -> None:
+    from llamatune.data.samples import Batch
     from llamatune.models.weights import FrozenBase
     from llamatune.options import FinetuneOptions
-    from llamatune.train.data import Batch
     from llamatune.train.graph import Graph
     from llamatune.train.preference import Preference
     cfg, T = model.config, 10

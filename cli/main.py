@@ -87,9 +87,9 @@ def _end_job(code: int):
 
 
 def _tokenize(o) -> None:
+    from llamatune.data.samples import read_text
     from llamatune.formats.gguf_io import GGUFFile
     from llamatune.models.tokenizer import Tokenizer
-    from llamatune.train.data import read_text
     text = o.prompt if o.prompt is not None else read_text(o.file)
     tok = Tokenizer.from_gguf(GGUFFile(o.model))
     result = tok.encode(text, add_special=not o.no_bos)
@@ -115,10 +115,10 @@ def _announce(runner) -> None:
 
 
 def _perplexity(o) -> None:
-    from llamatune.console import out
     from llamatune.commands.perplexity import perplexity as run_perplexity
+    from llamatune.console import out
+    from llamatune.data.samples import read_text
     from llamatune.progress import progress_bar
-    from llamatune.train.data import read_text
     text = read_text(o.file)
     runner = _runner(o)
     with progress_bar("perplexity") as bar:
@@ -165,7 +165,7 @@ def _quickstart(o) -> None:
 
 
 def _preview_data(data, o) -> None:
-    from llamatune.train.preview import show_preview
+    from llamatune.data.preview import show_preview
     show_preview(data, o.n, o.json)
 
 

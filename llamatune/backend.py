@@ -3,7 +3,7 @@
     cpu    numpy arrays; numba CPU kernels (llamatune.kernels); matmuls through numpy's BLAS.
     cuda   CuPy arrays (matmuls through cuBLAS); numba-cuda kernels (llamatune.kernels.cuda).
            Quantized base weights are uploaded once in their quantized form and
-           dequantized per matmul into a device scratch buffer (graph.FrozenBase).
+           dequantized per matmul into a device scratch buffer (weights.FrozenBase).
     cuda, simulated   with NUMBA_ENABLE_CUDASIM=1 and no GPU: numpy arrays serve as
            device memory and the numba-cuda kernels run in numba's simulator, each
            array handed over as a simulator device array sharing its memory (the

@@ -36,12 +36,12 @@ def chat_leg(workdir: Path, base: Path, ctx: int = 128, chat_ctx: int | None = N
     """Step 6: conversations, template, answers-only loss, packed rows, one chat turn."""
     import sys
 
+    from .commands.chat import Chat, Sampling
+    from .commands.finetune import finetune
+    from .data.datasets import load_dataset, preview
     from .models.chat_template import load_template
     from .models.runner import make_runner
     from .options import FinetuneOptions
-    from .train.datasets import load_dataset, preview
-    from .commands.chat import Chat, Sampling
-    from .commands.finetune import finetune
 
     opts = FinetuneOptions(model_base=base, train_data=chat_sample(), chat_template="chatml", ctx=ctx, batch=4,
                            pack=True, lora_r=8, adam_iter=40, warmup=5, cos_decay_steps=40, adam_alpha=3e-3,

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from llamatune.commands.chat import Chat, Sampling
-from llamatune.models.chat_template import load_template
 from llamatune.cli.main import app
-from llamatune.train.datasets import load_dataset, preview
-from llamatune.models.sampling import generate_ids
+from llamatune.commands.chat import Chat, Sampling
+from llamatune.data.datasets import load_dataset, preview
+from llamatune.models.chat_template import load_template
 from llamatune.models.infer import Runner
 from llamatune.models.model import Model
+from llamatune.models.sampling import generate_ids
 from llamatune.options import FinetuneOptions
 
 runner = CliRunner()

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 from llamatune.train import checkpoint as ckpt
 from llamatune.formats.adapter import load_runtime_adapters, read_adapter
 from llamatune.commands.convert import convert
-from llamatune.train.llamacpp2023 import ORDER_LABELS, choose_order, param_orders
+from llamatune.formats.llamacpp2023 import ORDER_LABELS, choose_order, param_orders
 from llamatune.errors import LlamatuneError
 from llamatune.commands.finetune import finetune
 from llamatune.formats.gguf_io import GGUFFile, kv

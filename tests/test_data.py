@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from llamatune.train import data
-from llamatune.train.data import Batcher, Samples, describe, load_samples, process_escapes
+from llamatune.data import samples as data
+from llamatune.data.samples import Batcher, Samples, describe, load_samples, process_escapes
 from llamatune.errors import LlamatuneError
 from llamatune.options import TrainOptions
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from numpy.testing import assert_array_equal
 
-from llamatune.train import datasets
-from llamatune.train.data import load_samples
-from llamatune.train.datasets import load_dataset, preview
+from llamatune.data import datasets
+from llamatune.data.datasets import load_dataset, preview
+from llamatune.data.samples import load_samples
 from llamatune.errors import LlamatuneError
 from llamatune.options import FinetuneOptions
 

@@ -1,4 +1,4 @@
-"""export-lora's default statistics (train/recorded.py): finetune records its training
+"""export-lora's default statistics (data/recorded.py): finetune records its training
 data in the adapter; export-lora calibrates on it, rendered as training rendered it,
 while it is there unchanged, else falls back to finetune's imatrix and ends with a
 warning. And what survived the merge (models/survival.py): the summary and its warning."""
@@ -14,12 +14,12 @@ from gguf import GGMLQuantizationType as QType
 from conftest import TEXT, write_tiny_model
 from llamatune.commands.export import export_lora
 from llamatune.commands.finetune import finetune
+from llamatune.data.datasets import load_dataset
+from llamatune.data.recorded import calibration_windows, recorded_data
+from llamatune.data.samples import load_samples
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, MergeOptions
-from llamatune.train.data import load_samples
-from llamatune.train.datasets import load_dataset
-from llamatune.train.recorded import calibration_windows, recorded_data
 from test_export import KCFG, MATS, make_adapter, saved
 
 CHAT = [{"messages": [{"role": "user", "content": f"{w}"}, {"role": "assistant", "content": f"{w} " * (1 + i % 3)}]}

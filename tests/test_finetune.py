@@ -233,8 +233,8 @@ def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
 
 
 def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
+    from llamatune.data.samples import Samples
     from llamatune.train import inputs as ft
-    from llamatune.train.data import Samples
     from llamatune.train.graph import Graph
     rows = Samples([1, 2, 3], [0], [3], [0, 1, 1])
     monkeypatch.setattr(Graph, "step", lambda self, inputs, targets, weights, key=(0,): 0.0)

@@ -443,8 +443,8 @@ def test_bad_grpo_data_and_options(tmp_path, tiny_model):
 
 
 def test_bad_prompt_files_and_states(tmp_path, tiny_model):
+    from llamatune.data.prompts import load_prompts
     from llamatune.train.grpo import GroupBatcher
-    from llamatune.train.prompts import load_prompts
     tok = Model(tiny_model).tokenizer
     o = run_options(tmp_path, tiny_model)
     (tmp_path / "t.txt").write_text("plain text, not rows\n")

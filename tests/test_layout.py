@@ -1,6 +1,6 @@
 """The layout's rules (docs/architecture.md), with no exemptions:
 
-- imports go one way: cli > quickstart > commands > train > models > formats, and
+- imports go one way: cli > quickstart > commands > train > data > models > formats, and
   each may also import the core modules (llamatune/*.py) and llamatune.kernels;
 - the core imports none of those packages (the package's __init__ included), the
   kernels nothing of llamatune but the kernels;
@@ -24,7 +24,7 @@ import llamatune
 ROOT = Path(llamatune.__file__).parent
 REPO = ROOT.parent
 # subpackages, lowest first: each may import those before it (and the core and kernels)
-ORDER = ["formats", "models", "train", "commands", "quickstart", "cli"]
+ORDER = ["formats", "models", "data", "train", "commands", "quickstart", "cli"]
 
 
 def package_roots() -> dict[str, Path]:

@@ -266,8 +266,8 @@ def test_grad_acc_sums_separately_computed_micro_batch_gradients(tmp_path, tiny_
     """One process with --grad-acc 2: the step's gradient is g0 + g1 of the two micro-batches,
     each computed from zero (the order K ranks reproduce), not one buffer accumulated across both."""
     from llamatune.commands.finetune import build_job
+    from llamatune.data.samples import Batcher
     from llamatune.train.graph import Graph
-    from llamatune.train.data import Batcher
     (tmp_path / "t.txt").write_text(TEXT)
     o = FinetuneOptions(model_base=tiny_model, train_data=tmp_path / "t.txt", ctx=16, batch=2, lora_r=2,
                         rank_out=2, rank_att_norm=1, grad_acc=2)

@@ -11,15 +11,15 @@ import pytest
 
 from fdcheck import fd_check
 from llamatune.commands.finetune import finetune
+from llamatune.data.samples import Batch
 from llamatune.formats.gguf_io import GGUFFile
 from llamatune.models.model import Model
-from llamatune.options import FinetuneOptions
-from llamatune.train.data import Batch
 from llamatune.models.weights import FrozenBase
+from llamatune.options import FinetuneOptions
 from llamatune.train.graph import Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
-from llamatune.train.params import ParamBuffer
 from llamatune.train.lora import disabled_adapters
+from llamatune.train.params import ParamBuffer
 from llamatune.train.preference import Preference, dpo_loss, orpo_loss
 
 import test_mpi

@@ -11,11 +11,11 @@ from numpy.testing import assert_array_equal
 from typer.testing import CliRunner
 
 from llamatune.cli.main import app
+from llamatune.data import datasets
+from llamatune.data.datasets import load_dataset, load_pairs, preview
 from llamatune.errors import LlamatuneError
 from llamatune.models.chat_template import load_template
 from llamatune.options import FinetuneOptions, validate
-from llamatune.train import datasets
-from llamatune.train.datasets import load_dataset, load_pairs, preview
 from llamatune.train.preference import PairBatcher, split_pairs
 
 PROMPT = [{"role": "user", "content": "Greet me."}]

@@ -14,22 +14,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llamatune.train import checkpoint as ckpt
-from llamatune.formats.adapter import load_runtime_adapters
-from llamatune.train.data import Samples, load_samples
-from llamatune.errors import LlamatuneError
 from llamatune.commands.finetune import finetune
+from llamatune.data.samples import Samples, load_samples
+from llamatune.errors import LlamatuneError
+from llamatune.formats.adapter import load_runtime_adapters
 from llamatune.formats.gguf_io import GGUFFile
-from llamatune.models.weights import FrozenBase
-from llamatune.train.graph import Graph
-from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
+from llamatune.models.infer import Runner
+from llamatune.models.model import Model
+from llamatune.models.weights import FrozenBase
+from llamatune.options import FinetuneOptions, ScratchOptions, build_options
+from llamatune.plot import read_metrics, smoothed
+from llamatune.train import checkpoint as ckpt
+from llamatune.train.graph import Graph
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.metrics import MetricsLog
-from llamatune.models.model import Model
-from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 from llamatune.train.params import ParamBuffer, ParamSpec
-from llamatune.plot import read_metrics, smoothed
 from llamatune.train.validation import ValidationState, Validator, eval_pieces, split_samples
 
 from conftest import TEXT

@@ -16,7 +16,7 @@ Conversions (first = default --to):
   2023 finetune checkpoint       -> checkpoint (resumable: parameters, Adam moments, counters), gguf-adapter, peft
   2023 train-text-from-scratch   -> model (llama, F32, tokenizer copied), checkpoint (train_model)
   ggla .bin                      -> gguf-adapter, peft
-Layouts and scales: formats/peft.py (PEFT), train/llamacpp2023.py (2023 files).
+Layouts and scales: formats/peft.py (PEFT), formats/llamacpp2023.py (2023 files).
 Every output is written atomically (GGUF through write_gguf; a PEFT directory is
 built beside the target and renamed into place); a GGUF adapter is checked
 against --model-base with read_adapter before it replaces anything.
@@ -34,8 +34,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as QType
 
+from ..data.recorded import KEY as RECORD_KEY
 from ..errors import LlamatuneError
 from ..formats.adapter import LoraAdapter, is_norm, read_adapter, write_adapter
+from ..formats import llamacpp2023
 from ..formats.gguf_io import GGUFFile, atomic_path, check_float, kv, write_error
 from ..formats.peft import Heads, PeftNames, peft_files, read_peft
 from ..formats.tensors import float_array
@@ -45,8 +47,7 @@ from ..models.config import ModelConfig
 from ..models.writer import tensor_names, vocab_kvs, write_model
 from ..outputs import Out, check_paths
 from ..train import checkpoint as ckpt
-from ..train import llamacpp2023
-from ..train.recorded import KEY as RECORD_KEY
+from ..train import legacy
 
 TARGETS = ("gguf-adapter", "peft", "checkpoint", "model")
 # input kind -> (what it is, the --to choices; the first is the default)
@@ -162,7 +163,7 @@ def _need_base(base: Base | None, src: Source, why: str) -> Base:
 def _write_gguf_adapter(output: Path, adapter: LoraAdapter, base: Base | None, base_name: str = "",
                         record: list = ()) -> str:
     """Write a GGUF adapter; with a base it is checked with read_adapter before it replaces the target.
-    `record`: the KVs of finetune's record of its training data, carried over (train/recorded.py)."""
+    `record`: the KVs of finetune's record of its training data, carried over (data/recorded.py)."""
     if output.is_dir():
         raise LlamatuneError(f"{output}: is a directory; a GGUF adapter is one file")
     extra = ([kv("adapter.lora.base_model", base_name)] if base_name else []) + list(record)
@@ -299,12 +300,12 @@ def _frozen_tensors(c: ckpt.Checkpoint, cfg: ModelConfig, base: Base | None) -> 
 
 def _legacy_lora(src: Source, base: Base | None) -> tuple[ModelConfig, dict[str, llamacpp2023.LegacyPair]]:
     f = src.file
-    cfg = llamacpp2023.legacy_config(f)
+    cfg = legacy.legacy_config(f)
     if base is not None:
-        llamacpp2023.check_same_model(cfg, base.cfg, str(src.path), base.path)
+        legacy.check_same_model(cfg, base.cfg, str(src.path), base.path)
         cfg = base.cfg
     tensors = {n: float_array(f.path, t) for n, t in f.tensors.items() if not n.startswith("optimizer.")}
-    return cfg, llamacpp2023.legacy_pairs(cfg, tensors, (".lora_a", ".lora_b"), str(src.path))
+    return cfg, llamacpp2023.legacy_pairs(legacy.base_shapes(cfg), tensors, (".lora_a", ".lora_b"), str(src.path))
 
 
 def _ordered_adapter(arch: str, cfg: ModelConfig, alpha: float, pairs: dict) -> LoraAdapter:
@@ -317,7 +318,7 @@ def _ggla_adapter(src: Source, base: Base) -> tuple[LoraAdapter, list[str]]:
     r, alpha_h, tensors = llamacpp2023.read_ggla(src.path)
     if r == 0:
         raise LlamatuneError(f"{src.path}: ggla header has lora_r 0")
-    pairs = llamacpp2023.legacy_pairs(base.cfg, tensors, (".loraA", ".loraB"),
+    pairs = llamacpp2023.legacy_pairs(legacy.base_shapes(base.cfg), tensors, (".loraA", ".loraB"),
                                 f"{src.path} does not fit the base model {base.path.name}")
     alpha, ours = llamacpp2023.to_ours(pairs, alpha_h, r)
     notes = [f"the ggla header's r {r} and alpha {alpha_h} applied every tensor with scale {alpha_h / r:g}",
@@ -372,7 +373,7 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
     elif src.kind == "finetune-2023" and to == "checkpoint":
         cfg, pairs = _legacy_lora(src, base)
         fingerprint = ckpt.fingerprint(base.file) if base else ""
-        done, notes = llamacpp2023.finetune_checkpoint(src.file, cfg, pairs, output, fingerprint)
+        done, notes = legacy.finetune_checkpoint(src.file, cfg, pairs, output, fingerprint)
     elif src.kind == "finetune-2023":
         cfg, pairs = _legacy_lora(src, base)
         alpha, ours = llamacpp2023.to_ours(pairs, 1, 1)
@@ -381,9 +382,9 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
         done, more = _adapter_out(to, output, adapter, base, (cfg.n_head, cfg.n_head_kv), "")
         notes += more
     elif src.kind == "train-2023" and to == "checkpoint":
-        done, notes = llamacpp2023.train_checkpoint(src.file, output)
+        done, notes = legacy.train_checkpoint(src.file, output)
     elif src.kind == "train-2023":
-        done = _model_from(src.file, llamacpp2023.legacy_config(src.file), output,
+        done = _model_from(src.file, legacy.legacy_config(src.file), output,
                            str(src.file.get("general.name") or "llama"))
     else:   # llamatune-full -> model
         c = ckpt.load(src.path)

@@ -29,7 +29,7 @@ weighted quantizer on the input columns' mean x^2 (from --imatrix or
 moment (from --calibration-data only; Calibration runs the base + adapters over the
 text), and per block the base's own code wherever it is at least as close to the
 merged weight. Given neither, the training data the first adapter records
-(train/recorded.py) is the calibration text while its sha256 matches: a sample of
+(data/recorded.py) is the calibration text while its sha256 matches: a sample of
 --calibration-chunks x --calibration-ctx tokens, rendered as training rendered it, in
 windows of --calibration-ctx, as --calibration-data (rows of a shorter training --ctx
 follow one another, as the text does; windows of a training --ctx of 128 kept 85 % of
@@ -52,6 +52,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as QType
 
 from ..console import notice
+from ..data.recorded import calibration_windows as recorded_windows
+from ..data.recorded import check as check_recorded
+from ..data.recorded import recorded_data
 from ..errors import LlamatuneError, listed
 from ..formats.adapter import LoraAdapter, RuntimeAdapters, is_norm, read_adapter
 from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
@@ -65,9 +68,6 @@ from ..models.survival import Survival
 from ..models.writer import FILE_TYPE, out_type, parse_outtype
 from ..options import MergeOptions
 from ..outputs import Out, check_paths
-from ..train.recorded import calibration_windows as recorded_windows
-from ..train.recorded import check as check_recorded
-from ..train.recorded import recorded_data
 
 TOKEN_EMBD = "token_embd.weight"
 # a merge estimated to keep less of the adapter's KL shift than this ends with a warning (models/survival.py's
@@ -242,7 +242,7 @@ def _statistics(loaded: list[tuple[LoraAdapter, float]], options: MergeOptions,
                 report: ExportReport) -> tuple[Path | None, "_Sample | None"]:
     """Which statistics the compensated merge uses, said in one line before the work:
     --imatrix; --calibration-data; else the training data the first adapter records
-    (train/recorded.py) when it is there unchanged, sampled and rendered as training
+    (data/recorded.py) when it is there unchanged, sampled and rendered as training
     rendered it; else the imatrix finetune wrote beside the adapter, with a warning to
     end the output when recorded data is gone or was edited. Returns (the imatrix file
     to read, the recorded sample to calibrate on)."""

@@ -14,27 +14,27 @@ from pathlib import Path
 
 from ..backend import get_backend
 from ..console import notice
+from ..data.recorded import data_kvs
 from ..errors import LlamatuneError
 from ..formats.adapter import write_adapter
 from ..formats.gguf_io import gguf_nbytes, kv
 from ..formats.imatrix import COUNTS, SUMS, beside, write_imatrix
 from ..locks import hold_training
 from ..models.model import Model, check_is_model
-from ..models.writer import parse_outtype, tensor_names
 from ..models.weights import FrozenBase
+from ..models.writer import parse_outtype, tensor_names
 from ..options import FinetuneOptions
 from ..outputs import check_training_paths
 from ..train import checkpoint as ckpt
 from ..train import distributed
 from ..train.full import FullWeights, load_trained, model_tensors, trained_names, write_full_model
+from ..train.grpo import GRPO
 from ..train.inputs import check_packing, read_training_text, train_and_validation
 from ..train.linear import requantizable
 from ..train.lora import init_lora, lora_specs, lora_targets, to_adapter
-from ..train.grpo import GRPO
 from ..train.objective import SFT
 from ..train.params import ParamBuffer, ParamSpec
 from ..train.preference import Preference
-from ..train.recorded import data_kvs
 from ..train.statistics import PREFIX, TrainingStats
 from ..train.trainer import Job, TrainResult, run
 

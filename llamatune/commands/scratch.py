@@ -1,7 +1,7 @@
 """`llamatune train-from-scratch`: a new model (`--arch`, default llama), every parameter trained.
 
 Same training loop, data, optimizer and checkpoints as `finetune` (trainer.py);
-only the job differs: the weights are dense f32 parameters (graph.DenseWeights),
+only the job differs: the weights are dense f32 parameters (params.DenseWeights),
 the vocabulary is copied from `--vocab-model` or trained with SentencePiece on the
 data, and the output is a complete model GGUF that llama.cpp loads.
 `--checkpoint-in` also accepts a model GGUF: training continues from its weights

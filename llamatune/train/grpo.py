@@ -35,10 +35,10 @@ import time
 
 import numpy as np
 
+from ..data.samples import Batch, Batcher
 from ..errors import LlamatuneError
 from . import distributed
 from . import rewards as R
-from .data import Batch, Batcher
 from .lora import disabled_adapters
 from .objective import token_losses, vocab
 from .validation import Validator

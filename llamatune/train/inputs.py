@@ -6,12 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..console import notice
+from ..data.datasets import load_dataset, load_pairs
+from ..data.prompts import load_prompts
+from ..data.samples import Samples, read_text
 from ..errors import LlamatuneError
 from ..options import TrainOptions
-from .data import Samples, read_text
-from .datasets import load_dataset, load_pairs
 from .preference import split_pairs
-from .prompts import load_prompts
 from .validation import validation_samples
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .data import Batch, Batcher
+from ..data.samples import Batch, Batcher
 from .validation import Validator
 
 

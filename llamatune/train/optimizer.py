@@ -9,17 +9,42 @@ Step: the global gradient norm (`gradient_norm`, computed once: the trainer's
 divergence guard looks at it before anything changes), then `apply_update`:
 optional global-norm clipping of the gradient, then AdamW (decoupled weight decay,
 bias-corrected moments) or SGD, per tensor; weight decay applies only to tensors
-with at least `adam_decay_min_ndim` dimensions.
+with at least `decay_min_ndim` dimensions.
+
+The options keep llama.cpp's names (--adam-iter, --adam-alpha, ...: the command line,
+presets and the options a checkpoint records), though they drive SGD too;
+`Settings.of` reads them once, under the names of what they are.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..backend import cpu
 from ..options import TrainOptions, schedule_steps
 from .params import ParamBuffer
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The optimizer's settings, read from the options' llama.cpp names."""
+    kind: str                   # "adamw" or "sgd" (--optimizer)
+    steps: int                  # optimizer steps of the whole run (--adam-iter)
+    learning_rate: float        # the peak (--adam-alpha)
+    min_learning_rate: float    # the floor, warmup included (--adam-min-alpha)
+    beta1: float                # AdamW's moment decays and epsilon (--adam-beta1, --adam-beta2, --adam-eps)
+    beta2: float
+    eps: float
+    weight_decay: float         # decoupled, AdamW and SGD (--adam-decay)
+    decay_min_ndim: int         # tensors with fewer dimensions get no decay (--adam-decay-min-ndim)
+    grad_clip: float            # the global gradient norm's bound, 0: off (--adam-gclip)
+
+    @classmethod
+    def of(cls, o: TrainOptions) -> "Settings":
+        return cls(o.optimizer, o.adam_iter, o.adam_alpha, o.adam_min_alpha, o.adam_beta1, o.adam_beta2, o.adam_eps,
+                   o.adam_decay, o.adam_decay_min_ndim, o.adam_gclip)
 
 
 def cosine_decay(step: int, decay_steps: int, minimum: float) -> float:
@@ -49,7 +74,8 @@ def schedule(step: int, o: TrainOptions) -> float:
 
 
 def learning_rate(step: int, o: TrainOptions) -> float:
-    return o.adam_min_alpha + schedule(step, o) * (o.adam_alpha - o.adam_min_alpha)
+    s = Settings.of(o)
+    return s.min_learning_rate + schedule(step, o) * (s.learning_rate - s.min_learning_rate)
 
 
 def gradient_norm(params: ParamBuffer) -> float:
@@ -66,12 +92,12 @@ def clip_gradients(params: ParamBuffer, max_norm: float, norm: float) -> None:
         backend.ops.optim.scale_inplace(params.grad, np.float32(max_norm / (norm + 1e-6)))
 
 
-def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int, float]]:
+def decay_segments(params: ParamBuffer, s: Settings) -> list[tuple[int, int, float]]:
     """(lo, hi, weight decay) runs of consecutive tensors that share a weight decay,
     so the update is one kernel call per run (one in all for LoRA: every A and B is 2-D)."""
     runs: list[tuple[int, int, float]] = []
     for spec, lo, hi in params.slices():
-        wd = o.adam_decay if len(spec.shape) >= o.adam_decay_min_ndim else 0.0
+        wd = s.weight_decay if len(spec.shape) >= s.decay_min_ndim else 0.0
         if runs and runs[-1][2] == wd and runs[-1][1] == lo:
             runs[-1] = (runs[-1][0], hi, wd)
         else:
@@ -82,16 +108,16 @@ def decay_segments(params: ParamBuffer, o: TrainOptions) -> list[tuple[int, int,
 def apply_update(params: ParamBuffer, step: int, o: TrainOptions, gnorm: float) -> float:
     """Clip (with the already computed gradient norm) and apply the update for optimizer
     step `step` (0-based). Returns the learning rate used."""
-    lr = learning_rate(step, o)
+    lr, s = learning_rate(step, o), Settings.of(o)
     optim = (getattr(params, "backend", None) or cpu()).ops.optim
-    clip_gradients(params, o.adam_gclip, gnorm)
-    for lo, hi, wd in decay_segments(params, o):
+    clip_gradients(params, s.grad_clip, gnorm)
+    for lo, hi, wd in decay_segments(params, s):
         p, g = params.data[lo:hi], params.grad[lo:hi]
-        if o.optimizer == "sgd":
+        if s.kind == "sgd":
             optim.sgd_update(p, g, lr, wd)
         else:
             update = optim.adamw_update_bf16 if params.m.dtype == np.uint16 else optim.adamw_update
-            update(p, g, params.m[lo:hi], params.v[lo:hi], lr, o.adam_beta1, o.adam_beta2, o.adam_eps, wd, step + 1)
+            update(p, g, params.m[lo:hi], params.v[lo:hi], lr, s.beta1, s.beta2, s.eps, wd, step + 1)
     return lr
 
 

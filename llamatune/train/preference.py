@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from ..data.samples import Batch, Batcher, Samples
 from ..errors import LlamatuneError
-from .data import Batch, Batcher, Samples
 from .lora import disabled_adapters
 from .objective import packing, token_losses, vocab
 from .validation import InOrder, Validator

@@ -115,11 +115,13 @@ class TrainingStats:
         self._step_counts[key] = self._step_counts.get(key, 0) + n
 
     def discard(self) -> None:
-        """Forget the pending step (skipped by the guard, or a forward that is no step)."""
+        """Forget the pending step (skipped by the guard, or a forward that is no step), and
+        the last input seen: a view of the step's buffers, which it would keep alive."""
         self._step.clear()
         self._step_counts.clear()
         self._step_rows = 0
         self._real = None
+        self._prev = None
 
     def commit(self, world=None) -> None:
         """Add the pending step to the totals (under MPI: every rank's, in rank order)."""

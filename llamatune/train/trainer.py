@@ -28,6 +28,7 @@ import numpy as np
 
 from ..backend import cpu, set_tf32
 from ..console import err, notice, out
+from ..data.samples import Batcher, Samples, describe
 from ..errors import Interrupted, LlamatuneError
 from ..formats.gguf_io import KV, gguf_nbytes, kv_nbytes
 from ..models.config import ModelConfig
@@ -37,7 +38,6 @@ from ..precision import ComputePolicy
 from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
-from .data import Batcher, Samples, describe
 from .graph import Graph, compile_kernels
 from .guard import Guard
 from .lora import LoraTarget
@@ -52,7 +52,7 @@ from .memory import (
 )
 from .metrics import MetricsLog
 from .objective import SFT
-from .optimizer import apply_update, gradient_norm, learning_rate
+from .optimizer import Settings, apply_update, gradient_norm, learning_rate
 from .params import ParamBuffer
 from .validation import Validator
 
@@ -62,7 +62,7 @@ class Job:
     kind: str                                   # ckpt.KIND_LORA or ckpt.KIND_FULL
     opts: TrainOptions
     cfg: ModelConfig
-    base: object                                # graph.FrozenBase or graph.DenseWeights
+    base: object                                # weights.FrozenBase, params.DenseWeights or full.FullWeights
     params: ParamBuffer
     targets: list[LoraTarget]
     samples: Samples
@@ -367,7 +367,7 @@ def set_up(job: Job, quiet: bool) -> Training | TrainResult:
         if world.size > 1:
             err.print(distributed.memory_line(world, est.total, job.params.size))
     check_free_space(save_sizes(job))
-    if state.iteration >= o.adam_iter:
+    if state.iteration >= Settings.of(o).steps:
         notice(f"already at iteration {state.iteration} of --adam-iter {o.adam_iter}: nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
     if validator is not None and validator.should_stop(state.validation):
@@ -386,7 +386,7 @@ def train(t: Training) -> None:
     t.clock = TrainClock()
     from ..progress import train_progress
     # numpy's overflow warnings are left out: the guard reports non-finite steps itself
-    with train_progress(o.adam_iter, state.iteration, t.quiet, ranks=t.world.size, every=o.progress_every) as t.show, \
+    with train_progress(Settings.of(o).steps, state.iteration, t.quiet, ranks=t.world.size, every=o.progress_every) as t.show, \
             np.errstate(over="ignore", invalid="ignore"), t.metrics, resume_hint(o, state) as t.saves:
         if t.validator is not None and state.iteration == 0:
             with t.clock.paused():
@@ -427,7 +427,7 @@ def step(t: Training) -> bool:
     t.show(state, loss, lr, gnorm, len(t.losses) * t.tokens_per_step / max(t.clock.seconds(), 1e-9))
     t.metrics.step(state, loss, lr, gnorm, n_targets, extra)
     t.logged = loss
-    done = state.iteration >= o.adam_iter or (o.epochs > 0 and state.epoch >= o.epochs)
+    done = state.iteration >= Settings.of(o).steps or (o.epochs > 0 and state.epoch >= o.epochs)
     if t.validator is not None and t.validator.due(state.iteration, done):
         with t.clock.paused():
             done = evaluate(t) or done

@@ -24,8 +24,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..console import notice
+from ..data.samples import Batch, Batcher, Samples
 from ..errors import LlamatuneError
-from .data import Batch, Batcher, Samples
 
 _SPLIT_STREAM = 0x76616C   # "val": the split draws from its own stream of the run's seed
 

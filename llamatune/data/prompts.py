@@ -15,8 +15,8 @@ import json
 import numpy as np
 
 from ..errors import LlamatuneError
-from .data import Samples, _hash
 from .datasets import RowEncoder, RowError, _messages, _text, concatenated, encoded_rows, rows_text
+from .samples import Samples, _hash
 
 
 class PromptSamples(Samples):

@@ -28,8 +28,8 @@ from gguf import GGUFValueType as VType
 
 from ..errors import LlamatuneError
 from ..formats.gguf_io import KV, GGUFFile, kv
-from .data import load_samples, read_text
 from .datasets import RowEncoder, RowError, detect_format, read_rows
+from .samples import load_samples, read_text
 
 KEY = "llamatune.data."
 # every option the renderer (datasets.RowEncoder, data.load_samples, the batcher's rows) reads

@@ -1,7 +1,7 @@
 """Training and validation data files: format detection, rows, templates, loss masks.
 
-`load_dataset` reads --train-data / --val-data and returns `data.Samples`:
-  * raw text: `data.load_samples`, exactly as before (windows over the text);
+`load_dataset` reads --train-data / --val-data and returns `samples.Samples`:
+  * raw text: `samples.load_samples`, exactly as before (windows over the text);
   * JSONL, or a .json array, of rows, one sample per row:
       {"messages": [{"role", "content"}, ...]}            OpenAI / HF chat
       {"conversations": [{"from", "value"}, ...]}          ShareGPT (human/gpt/system)
@@ -30,7 +30,7 @@ from rich.markup import escape as _esc
 
 from ..console import notice
 from ..errors import LlamatuneError
-from .data import Samples, load_samples, read_text
+from .samples import Samples, load_samples, read_text
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "model": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant",
