@@ -257,14 +257,16 @@ class ModelConfig:
         factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
         if scaling_type not in ("none", "linear") and factor != 1.0:
             raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
+        own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
+            count=count, number=number, source=source, arch=arch,
+            raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
+        n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")   # (qwen35moe: its shared expert's)
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
-                      n_layer=count("block_count"), n_ff=count("feed_forward_length"), n_head=n_head,
+                      n_layer=count("block_count"), n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
-        if spec.read_hparams is not None:
-            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, source=source, arch=arch,
-                                                        raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
+        values |= own
         try:
             return cls(**values)
         except LlamatuneError as e:

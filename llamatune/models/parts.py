@@ -300,6 +300,54 @@ class MoeFeedForward(Part):
         a.state = moe_forward(fw, y, xn, self.i)
 
 
+@dataclass
+class MoeSharedActs(Acts):
+    rstd: np.ndarray     # (N,) the input norm's
+    g: np.ndarray        # (N, F) the shared expert's gate product
+    u: np.ndarray        # (N, F) its up product
+    s: np.ndarray        # (N, C) its output before the sigmoid gate
+    sg: np.ndarray       # (N, 1) its gate's logit
+    xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
+    h: np.ndarray | None = None       # (N, F) silu(g) * u, kept only in mode "none"
+    state: MoeActs | None = None      # the mixture of experts' (made by each forward)
+
+
+class MoeSharedFeedForward(Part):
+    """qwen35moe's feed-forward: post_attention_norm, then the mixture of experts plus the
+    shared expert (a SwiGLU of ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp, width n_ff)
+    times sigmoid(xn . ffn_gate_inp_shexp), llama.cpp's qwen35moe build_layer_ffn."""
+    kind, Acts = "moe_shared_post", MoeSharedActs
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        p = self.p
+        self.norm = p + "post_attention_norm.weight"
+        self.gate_up = [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]
+        self.down, self.shared_gate = p + "ffn_down_shexp.weight", p + "ffn_gate_inp_shexp.weight"
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, C, F = B * T, self.cfg.n_embd, self.cfg.n_ff
+        acts = {"rstd": (N,), "g": (N, F), "u": (N, F), "s": (N, C), "sg": (N, 1)}
+        return acts | ({"xn": (N, C), "h": (N, F)} if keep_inputs else {})
+
+    def forward(self, fw, a: MoeSharedActs, x, residual, y) -> None:
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        a.state = moe_forward(fw, y, xn, self.i)
+        h = fw.h if a.h is None else a.h
+        fw.linear(a.g, xn, self.gate_up[0])
+        fw.linear(a.u, xn, self.gate_up[1])
+        fw.ops.swiglu.swiglu_forward(h, a.g, a.u)
+        fw.linear(a.s, h, self.down)
+        fw.linear(a.sg, xn, self.shared_gate)
+        y += a.s * shared_gate(a.sg)
+
+
+def shared_gate(sg: np.ndarray) -> np.ndarray:
+    """sigmoid(sg), as ggml_sigmoid: 1 / (1 + exp(-sg)) in sg's dtype."""
+    one = sg.dtype.type(1)
+    return one / (one + np.exp(-sg))
+
 
 class FeedForwardPost(FeedForward):
     """feed_forward with post_attention_norm as its input norm and no sandwich norm (qwen35)."""
@@ -311,7 +359,7 @@ class FeedForwardPost(FeedForward):
 
 
 PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
-                                                    DeltaNet, GatedAttention)}   # kind -> forward class
+                                                    DeltaNet, GatedAttention, MoeSharedFeedForward)}   # kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

@@ -17,7 +17,8 @@ import numpy as np
 from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
-                            MoeFeedForward, MoeFeedForwardActs, Part)
+                            MoeFeedForward, MoeFeedForwardActs, MoeSharedActs, MoeSharedFeedForward, Part,
+                            shared_gate)
 from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
@@ -159,6 +160,23 @@ class MoeFeedForwardBackward(MoeFeedForward):
         input_norm_backward(self, g, a, x)
 
 
+class MoeSharedFeedForwardBackward(MoeSharedFeedForward):
+    def backward(self, g, a: MoeSharedActs, x: np.ndarray) -> None:
+        """Through the mixture of experts (train/moe.py), the shared expert and its sigmoid
+        gate, then the norm:  d sg = sum_c(dy s) sig (1 - sig),  d s = dy sig."""
+        xn, dy = normed_input(self, g, a, x), g.dx
+        sig = shared_gate(a.sg)
+        dsg = (dy * a.s).sum(1, keepdims=True) * sig * (1 - sig)
+        if a.h is None:                                       # recompute the shared expert's SwiGLU
+            g.ops.swiglu.swiglu_forward(g.h, a.g, a.u)
+        g.linears.backward(g.dh, dy * sig, g.h if a.h is None else a.h, self.down, accumulate=False)
+        g.ops.swiglu.swiglu_backward(g.dg, g.du, g.dh, a.g, a.u)
+        moe_backward(g, g.dxn, dy, xn, a.state, self.i)
+        for name, d in zip(self.gate_up + [self.shared_gate], (g.dg, g.du, dsg)):
+            g.linears.backward(g.dxn, d, xn, name, accumulate=True)
+        input_norm_backward(self, g, a, x)
+
+
 class FeedForwardPostBackward(FeedForwardBackward, FeedForwardPost):
     pass
 
@@ -210,4 +228,5 @@ class GatedAttentionBackward(GatedAttention):
 
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
                                                           MoeFeedForwardBackward, FeedForwardPostBackward,
-                                                          DeltaNetBackward, GatedAttentionBackward)}
+                                                          DeltaNetBackward, GatedAttentionBackward,
+                                                          MoeSharedFeedForwardBackward)}
