@@ -241,9 +241,14 @@ class ModelConfig:
                 raise LlamatuneError(f"{source}: metadata key '{full}' is {value}, expected a positive number")
             return value
 
+        # the family's own keys first: it may refuse what it cannot run (per-layer arrays, ...)
+        # before the common keys are read, and give n_ff (qwen35moe: its shared expert's)
+        own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
+            count=count, number=number, source=source, arch=arch,
+            raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")
-        n_head_kv = count("attention.head_count_kv", n_head)
+        n_head_kv = own["n_head_kv"] if "n_head_kv" in own else count("attention.head_count_kv", n_head)
         if f"{arch}.attention.key_length" not in md and n_embd % n_head:
             raise LlamatuneError(f"{source}: embedding_length {n_embd} is not a multiple of head_count {n_head} "
                                  f"(and there is no '{arch}.attention.key_length')")
@@ -257,10 +262,7 @@ class ModelConfig:
         factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
         if scaling_type not in ("none", "linear") and factor != 1.0:
             raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
-        own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
-            count=count, number=number, source=source, arch=arch,
-            raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
-        n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")   # (qwen35moe: its shared expert's)
+        n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
                       n_layer=count("block_count"), n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),

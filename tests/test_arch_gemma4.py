@@ -1,0 +1,89 @@
+"""gemma4 (Gemma 4 text): declared and loaded, its forward not built yet. The
+declaration's metadata and tensors as llama.cpp's gemma4 loader reads them (a tiny model
+written by llamatune's writer), the per-layer arrays it accepts (one value for every
+layer; the sliding flags as a period), what it refuses in one line naming it (per-layer
+embeddings, shared KV, full-attention heads of another size, per-layer kv heads or
+widths, an aperiodic window pattern, the experts), and the forward refused in one line,
+from the library and from the command line."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import TEXT
+from llamatune.errors import LlamatuneError
+from llamatune.models.config import ModelConfig
+from llamatune.models.model import Model
+
+GEMMA4 = dict(n_vocab=400, n_ctx_train=64, n_embd=32, n_layer=4, n_ff=48, n_head=4, n_head_kv=2, head_dim=8,
+              n_rot=8, norm_eps=1e-6, attn_scale=1.0, sliding_window=8, swa_pattern=2, rope_freq_base=1e6,
+              rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0, final_softcap=30.0)
+# llama.cpp llama_model_gemma4::load_arch_tensors, a dense layer without per-layer embeddings
+LAYER = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+         "attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "ffn_norm.weight",
+         "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight", "layer_output_scale.weight"}
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, tiny_vocab):
+    from checks.arch_reference import write_arch_model
+    cfg = ModelConfig(arch="gemma4", **GEMMA4)
+    return cfg, write_arch_model(tmp_path_factory.mktemp("gemma4") / "gemma4.gguf", cfg, tiny_vocab, seed=3)
+
+
+def test_metadata_and_tensors_as_llama_cpp_loads_them(written):
+    cfg, path = written
+    model = Model(path)
+    assert model.config == cfg and cfg.spec.embd_scale and cfg.spec.activation == "gelu" and cfg.spec.qk_norm
+    md = model.file.metadata
+    assert md["gemma4.attention.sliding_window_pattern"] == [True, False, True, False]
+    assert md["gemma4.attention.key_length_swa"] == 8 and md["gemma4.rope.dimension_count_swa"] == 8
+    assert [cfg.window(i) for i in range(4)] == [8, 0, 8, 0]
+    for i in range(4):
+        assert {n.removeprefix(f"blk.{i}.") for n in model.file.tensors if n.startswith(f"blk.{i}.")} == LAYER
+    scale = model.weights.layers[1].vectors["layer_output_scale.weight"]
+    assert scale.shape == (1,) and scale.dtype == np.float32
+
+
+def test_one_value_for_every_layer_is_accepted(written):
+    md = dict(Model(written[1]).file.metadata)
+    md["gemma4.attention.head_count_kv"] = [2, 2, 2, 2]
+    md["gemma4.feed_forward_length"] = [48] * 4
+    assert ModelConfig.from_metadata(md, "m.gguf") == written[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gemma4.embedding_length_per_layer_input": 16}, r"gemma4 with per-layer embeddings"),
+    ({"gemma4.attention.shared_kv_layers": 2}, r"gemma4 with KV shared across layers"),
+    ({"gemma4.attention.key_length_swa": 4}, r"gemma4 with full-attention heads of 8 and sliding-window heads of 4"),
+    ({"gemma4.rope.dimension_count_swa": 4}, r"gemma4 with sliding-window layers rotating 4 of 8 dimensions"),
+    ({"gemma4.attention.head_count_kv": [2, 1, 2, 1]}, r"gemma4 with kv head counts \('gemma4\.attention\."
+                                                       r"head_count_kv' per layer\) is not supported yet$"),
+    ({"gemma4.feed_forward_length": [48, 48, 96, 96]}, r"gemma4 with feed-forward widths"),
+    ({"gemma4.attention.sliding_window_pattern": [True, False, False, True]},
+     r"gemma4's sliding-window layers \[1, 0, 0, 1\] have no period"),
+    ({"gemma4.attention.sliding_window_pattern": [True]},
+     r"metadata key 'gemma4\.attention\.sliding_window_pattern' must be a list of 4 booleans"),
+    ({"gemma4.expert_count": 8}, r"architecture 'gemma4' with 8 experts is a mixture of experts not supported yet"),
+])
+def test_what_is_not_supported_is_refused_in_one_line_naming_it(written, change, message):
+    md = dict(Model(written[1]).file.metadata) | change
+    with pytest.raises(LlamatuneError, match=r"^m\.gguf: .*" + message) as e:
+        ModelConfig.from_metadata(md, "m.gguf")
+    assert "\n" not in str(e.value)
+
+
+def test_the_forward_is_refused_in_one_line(written, tmp_path):
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    from llamatune.models.infer import Runner
+    with pytest.raises(LlamatuneError, match=r"^architecture gemma4: its forward is not built yet \(the values' RMS "
+                                             r"norm, the layer output scale"):
+        Runner(Model(written[1]))
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = CliRunner().invoke(app, ["perplexity", "-m", str(written[1]), "-f", str(tmp_path / "t.txt"), "-c", "16"])
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert [ln for ln in r.output.splitlines() if ln.startswith("error:")] == [
+        "error: architecture gemma4: its forward is not built yet (the values' RMS norm, the layer output scale and "
+        "the full-attention layers' rope factors of llama.cpp's gemma4 graph); the file's metadata and tensors load"]
