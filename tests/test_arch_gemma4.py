@@ -1,16 +1,17 @@
-"""gemma4 (Gemma 4 text): declared and loaded, its forward not built yet. The
-declaration's metadata and tensors as llama.cpp's gemma4 loader reads them (a tiny model
-written by llamatune's writer), the per-layer arrays it accepts (one value for every
-layer; the sliding flags as a period), what it refuses in one line naming it (per-layer
-embeddings, shared KV, full-attention heads of another size, per-layer kv heads or
-widths, an aperiodic window pattern, the experts), and the forward refused in one line,
-from the library and from the command line."""
+"""gemma4 (Gemma 4 text, the dense core): the declaration's metadata and tensors as
+llama.cpp's gemma4 loader reads them (a tiny model written by llamatune's writer), the
+per-layer arrays it accepts (one value for every layer; the sliding flags as a period),
+what it refuses in one line naming it (per-layer embeddings, shared KV, full-attention
+heads of another size, per-layer kv heads or widths, an aperiodic window pattern, the
+experts); the forward, decoding and training loss against the float64 reference
+(checks/arch_reference.py: the value norm, the layer output scale, rope_freqs on the
+full-attention layers alone), LoRA gradients by float64 finite differences."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from conftest import TEXT
+from checks.arch_reference import Block
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -24,11 +25,26 @@ LAYER = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", 
          "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight", "post_ffw_norm.weight", "layer_output_scale.weight"}
 
 
+BLOCK = Block(rope_neox=True, gelu=True, embd_scale=True, qk_norm=True, post_norms=True, attn_scale=1.0,
+              final_softcap=30.0, swa=(True, False, True, False), window=8,
+              rope=((10000.0, 1.0), (1e6, 1.0), (10000.0, 1.0), (1e6, 1.0)), v_norm=True, out_scale=True,
+              rope_freqs=(False, True, False, True))
+
+
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, tiny_vocab):
-    from checks.arch_reference import write_arch_model
+    """A tiny gemma4 with the converter's proportional-rope factors (half of the pairs
+    turned, the rest held by 1e30) and layer output scales away from 1."""
+    from checks.arch_reference import random_model_weights
+    from llamatune.models.writer import write_model
     cfg = ModelConfig(arch="gemma4", **GEMMA4)
-    return cfg, write_arch_model(tmp_path_factory.mktemp("gemma4") / "gemma4.gguf", cfg, tiny_vocab, seed=3)
+    w = random_model_weights(cfg, seed=3)
+    w["rope_freqs.weight"] = np.array([1.0, 1.0, 1e30, 1e30], np.float32)
+    for i in range(cfg.n_layer):
+        w[f"blk.{i}.layer_output_scale.weight"] = np.array([0.6 + 0.2 * i], np.float32)
+    path = tmp_path_factory.mktemp("gemma4") / "gemma4.gguf"
+    write_model(path, cfg, w, tiny_vocab)
+    return cfg, path
 
 
 def test_metadata_and_tensors_as_llama_cpp_loads_them(written):
@@ -73,17 +89,19 @@ def test_what_is_not_supported_is_refused_in_one_line_naming_it(written, change,
     assert "\n" not in str(e.value)
 
 
-def test_the_forward_is_refused_in_one_line(written, tmp_path):
-    from typer.testing import CliRunner
+def test_forward_decoding_and_training_loss_match_the_float64_reference(written):
+    from checks.arch_reference import check_forward
+    check_forward(Model(written[1]), BLOCK, T=12)          # past the window of 8
 
-    from llamatune.cli.main import app
-    from llamatune.models.infer import Runner
-    with pytest.raises(LlamatuneError, match=r"^architecture gemma4: its forward is not built yet \(the values' RMS "
-                                             r"norm, the layer output scale"):
-        Runner(Model(written[1]))
-    (tmp_path / "t.txt").write_text(TEXT)
-    r = CliRunner().invoke(app, ["perplexity", "-m", str(written[1]), "-f", str(tmp_path / "t.txt"), "-c", "16"])
-    assert r.exit_code == 1 and "Traceback" not in r.output
-    assert [ln for ln in r.output.splitlines() if ln.startswith("error:")] == [
-        "error: architecture gemma4: its forward is not built yet (the values' RMS norm, the layer output scale and "
-        "the full-attention layers' rope factors of llama.cpp's gemma4 graph); the file's metadata and tensors load"]
+
+def test_lora_gradients_every_kind_by_finite_differences(written):
+    from checks.arch_reference import all_ranks, check_lora_gradients
+    model = Model(written[1])
+    assert check_lora_gradients(model, all_ranks(model.config, tied=True), "layer") < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_checkpointing_modes_identical(written, dtype):
+    from checks.arch_reference import all_ranks, check_modes_identical
+    model = Model(written[1])
+    check_modes_identical(model, all_ranks(model.config, tied=True), dtype, packed=dtype == np.float64)

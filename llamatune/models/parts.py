@@ -210,6 +210,45 @@ class Attention(Part):
         q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
 
 
+@dataclass
+class Gemma4AttentionActs(AttentionActs):
+    vp: np.ndarray | None = None      # (N, NKV*HS) v before its per-head norm
+    rstd_v: np.ndarray | None = None  # (N*NKV,)
+
+
+class Gemma4Attention(Attention):
+    """gemma4's attention: gemma3's (per-head q/k norms, rope, sandwich norm) with the values
+    RMS-normed per head without a weight (llama.cpp's ggml_rms_norm of Vcur); its scale
+    (1) and its layers' rope come from the config."""
+    kind, Acts = "gemma4_attention", Gemma4AttentionActs
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, cfg = B * T, self.cfg
+        return super().act_shapes(B, T, keep_inputs) | {"vp": (N, cfg.n_embd_kv), "rstd_v": (N * cfg.n_head_kv,)}
+
+    def unit(self, dtype) -> np.ndarray:
+        """The value norm's weight: ones (head_dim,)."""
+        return np.ones(self.cfg.head_dim, dtype)
+
+    def forward(self, fw, a: Gemma4AttentionActs, x, residual, y) -> None:
+        cfg, ops = self.cfg, fw.ops
+        cos, sin = fw.ropes[self.rope_set]
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        self.project(fw, a.qp, a.kp, a.vp, xn)
+        HS = cfg.head_dim
+        ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(a.vp.dtype),
+                                    cfg.norm_eps)
+        q4, k4 = self.heads(a, a.q, a.k)
+        wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
+        ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
+                                       a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
+        k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
+        fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                       segments=fw.segments, **self.options)
+        self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+
+
 class FeedForward(Part):
     """ffn_norm (none: olmo2), gate/up (or fused ffn_up), SwiGLU or GeGLU, ffn_down,
     post_ffw_norm (post_norms)."""
@@ -359,7 +398,7 @@ class FeedForwardPost(FeedForward):
 
 
 PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
-                                                    DeltaNet, GatedAttention, MoeSharedFeedForward)}   # kind -> forward class
+                                                    DeltaNet, GatedAttention, MoeSharedFeedForward, Gemma4Attention)}   # kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

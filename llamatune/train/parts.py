@@ -17,8 +17,8 @@ import numpy as np
 from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
-                            MoeFeedForward, MoeFeedForwardActs, MoeSharedActs, MoeSharedFeedForward, Part,
-                            shared_gate)
+                            Gemma4Attention, Gemma4AttentionActs, MoeFeedForward, MoeFeedForwardActs,
+                            MoeSharedActs, MoeSharedFeedForward, Part, shared_gate)
 from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
@@ -129,6 +129,22 @@ class AttentionBackward(Attention):
         g.linears.backward(g.dxn, dqkv, xn, self.fused, accumulate=False)
 
 
+class Gemma4AttentionBackward(AttentionBackward, Gemma4Attention):
+    def backward(self, g, a: Gemma4AttentionActs, x: np.ndarray) -> None:
+        """AttentionBackward's, with g.dv taken back through the values' unit-weight norm."""
+        g.linears.backward(g.datt, g.post_norm_backward(output_grad(self, g), a.o, a.rstd_o, self.post_norm), a.att,
+                           self.out, accumulate=False)
+        dq4, dk4 = core_attention_backward(self, g, a)
+        cos, sin = g.ropes[self.rope_set]
+        self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
+        HS = self.cfg.head_dim
+        dv = g.dv.copy()
+        g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), np.zeros(HS, dv.dtype), dv.reshape(-1, HS),
+                                       a.vp.reshape(-1, HS), self.unit(dv.dtype), a.rstd_v)
+        self.project_backward(g, g.dqp, g.dkp, normed_input(self, g, a, x))
+        input_norm_backward(self, g, a, x)
+
+
 class FeedForwardBackward(FeedForward):
     def backward(self, g, a: FeedForwardActs, x: np.ndarray) -> None:
         gate_forward, gate_backward = self.gate(g.ops)
@@ -229,4 +245,4 @@ class GatedAttentionBackward(GatedAttention):
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
                                                           MoeFeedForwardBackward, FeedForwardPostBackward,
                                                           DeltaNetBackward, GatedAttentionBackward,
-                                                          MoeSharedFeedForwardBackward)}
+                                                          MoeSharedFeedForwardBackward, Gemma4AttentionBackward)}

@@ -1,5 +1,4 @@
-"""gemma4: Gemma 4 text models (llama.cpp src/models/gemma4.cpp, load_arch_hparams there);
-declared and loaded, not yet computed.
+"""gemma4: Gemma 4 text models (llama.cpp src/models/gemma4.cpp, load_arch_hparams there).
 
 gemma3's block (sqrt(n_embd) embedding scale, GeGLU, per-head q/k RMSNorm, sandwich
 norms post_attention_norm / post_ffw_norm, NEOX rope, sliding-window layers with their
@@ -20,9 +19,10 @@ feed-forward widths (use_double_wide_mlp), KV shared across the last layers
 (`embedding_length_per_layer_input`, E2B / E4B), the mixture-of-experts block (26B-A4B:
 refused as a mixture of experts by config.py). Vision and audio towers are not read.
 
-The loader maps every tensor a dense gemma4 has; the forward's parts (the value norm,
-the layer output scale, the full layers' rope factors) are not built yet, so making a
-forward of a gemma4 model is refused in one line (`parts`).
+The layer is the `gemma4_attention` part (models/parts.py: gemma3's attention with the
+value norm) and gemma3's feed-forward; Forward applies the layer output scale
+(`Forward.output_scales`) and rope.py gives rope_freqs to the full-attention layers alone
+(`Arch.swa_rope_factors`).
 """
 from __future__ import annotations
 
@@ -103,13 +103,8 @@ def hparams_metadata(cfg) -> dict:
     return md
 
 
-def parts(cfg, i: int) -> tuple[str, str]:
-    raise LlamatuneError(f"architecture {cfg.arch}: its forward is not built yet (the values' RMS norm, the layer "
-                         "output scale and the full-attention layers' rope factors of llama.cpp's gemma4 graph); "
-                         "the file's metadata and tensors load")
-
-
 ARCH = Arch(name="gemma4", rope_mode=NEOX, layer=LAYER, activation="gelu", embd_scale=True,
-            read_hparams=read_hparams, hparams_metadata=hparams_metadata, parts=parts,
+            read_hparams=read_hparams, hparams_metadata=hparams_metadata, mixer="gemma4_attention",
+            swa_rope_factors=False,
             vectors=("layer_output_scale.weight",), shapes=lambda cfg: {"layer_output_scale.weight": (1,)},
             scratch=False)
