@@ -72,20 +72,24 @@ def perturb_norms(model, std: float = 0.2) -> None:
                 p.add_(std * torch.randn_like(p))
 
 
-CONVERT = """import runpy, sys
+CONVERT = """import json, pathlib, runpy, sys
 sys.path[:0] = [{cpp!r}, {gguf_py!r}]
 from conversion import base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+if {raw_config!r}:
+    base.ModelBase.load_hparams = staticmethod(lambda d, mistral: json.loads((pathlib.Path(d) / "config.json").read_text()))
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 runpy.run_path({script!r}, run_name="__main__")
 """
 
 
 def convert(src: Path, out: Path, outtype: str, llama_cpp: Path = LLAMA_CPP, pre: str = "qwen2",
-            extra: tuple[str, ...] = ()) -> None:
+            extra: tuple[str, ...] = (), raw_config: bool = False) -> None:
     """llama.cpp's convert_hf_to_gguf.py on `src` into `out` (f32, q8_0, ...), the trained
-    vocabulary's pre-tokenizer named `pre`; raises with its output on failure."""
-    code = CONVERT.format(cpp=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"), pre=pre,
+    vocabulary's pre-tokenizer named `pre`; raises with its output on failure. `raw_config`:
+    the converter reads config.json as saved instead of through AutoConfig (whose to_dict
+    drops what a family's config keeps only in its constructor: gemma4's global_head_dim)."""
+    code = CONVERT.format(cpp=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"), pre=pre, raw_config=raw_config,
                           script=str(llama_cpp / "convert_hf_to_gguf.py"))
     proc = subprocess.run([sys.executable, "-c", code, str(src), "--outfile", str(out), "--outtype", outtype,
                            *extra], capture_output=True, text=True, cwd=llama_cpp)

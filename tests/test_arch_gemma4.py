@@ -8,10 +8,16 @@ experts); the forward, decoding and training loss against the float64 reference
 full-attention layers alone), LoRA gradients by float64 finite differences."""
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from checks.arch_reference import Block
+from conftest import TEXT
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -105,3 +111,135 @@ def test_checkpointing_modes_identical(written, dtype):
     from checks.arch_reference import all_ranks, check_modes_identical
     model = Model(written[1])
     check_modes_identical(model, all_ranks(model.config, tied=True), dtype, packed=dtype == np.float64)
+
+
+# --------------------------------------------------------------------------- HF and llama.cpp (slow)
+
+TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python"))
+REPO = Path(__file__).resolve().parents[1]
+HF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def _bins() -> Path | None:
+    bins = os.environ.get("LLAMA_BIN_DIR")
+    return Path(bins) if bins and (Path(bins) / "llama-perplexity").exists() else None
+
+
+def _hf(cmd: str, *args) -> None:
+    subprocess.run([str(TORCH_PY), "-m", "checks.gemma4_hf", cmd, *map(str, args)], check=True, capture_output=True,
+                   cwd=REPO)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    if not TORCH_PY.exists():
+        pytest.skip(f"no interpreter with torch and transformers at {TORCH_PY} (LLAMATUNE_TORCH_PYTHON)")
+    if _bins() is None:
+        pytest.skip("llama.cpp's tools not found (LLAMA_BIN_DIR=<llama.cpp>/build/bin)")
+    d = tmp_path_factory.mktemp("gemma4hf")
+    _hf("build", d / "hf", "--steps", 200)
+    for outtype in ("f32", "q8_0"):
+        _hf("convert", d / "hf", d / f"{outtype}.gguf", "--outtype", outtype,
+            "--llama-cpp", _bins().resolve().parents[1])
+    data = REPO.parent / "shared" / "data" / "shakespeare.txt"
+    (d / "eval.txt").write_text(data.read_text(encoding="utf-8")[-6000:] if data.exists() else TEXT[:6000],
+                                encoding="utf-8")
+    return d
+
+
+def _llama_ppl(d: Path, model: Path, *extra) -> float:
+    out = subprocess.run([str(_bins() / "llama-perplexity"), "-m", str(model), "-f", str(d / "eval.txt"), "-c", "64",
+                          "-b", "64", "-nr", "-t", "2", *map(str, extra)], capture_output=True, text=True, check=True)
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
+
+
+def _our_ppl(model: Path, text: Path, *extra) -> float:
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    r = CliRunner().invoke(app, ["perplexity", "-m", str(model), "-f", str(text), "-c", "64", *map(str, extra)])
+    assert r.exit_code == 0, r.output
+    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", r.output).group(1))
+
+
+@pytest.mark.slow
+def test_hf_model_loads_and_its_logits_equal_hf_float64(hf_model):
+    from llamatune.models.infer import Runner
+    model = Model(hf_model / "f32.gguf")
+    cfg = model.config
+    assert (cfg.swa_pattern, cfg.sliding_window, cfg.attn_scale, cfg.final_softcap) == (4, 16, 1.0, 30.0)
+    np.testing.assert_array_equal(model.weights.rope_freqs, np.float32([1, 1] + [1e30] * 6))   # a quarter turns
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, 40))           # past the window of 16
+    np.save(hf_model / "tokens.npy", tokens)
+    _hf("logits", hf_model / "hf", hf_model / "tokens.npy", hf_model / "logits.npy")
+    want = np.load(hf_model / "logits.npy")
+    np.testing.assert_allclose(Runner(model).forward(tokens), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_perplexity_equals_llama_perplexity_and_hf(hf_model, outtype):
+    """llama-perplexity's windows (64 tokens, BOS first, the second half scored); HF's
+    figure from its float64 logits of the same windows."""
+    from checks.arch_reference import cross_entropy
+    path = hf_model / f"{outtype}.gguf"
+    ours, theirs = _our_ppl(path, hf_model / "eval.txt"), _llama_ppl(hf_model, path)
+    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
+    model = Model(path)
+    ids = model.tokenizer.encode((hf_model / "eval.txt").read_text(encoding="utf-8"))
+    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
+    rows[:, 0] = model.tokenizer.bos_id
+    np.save(hf_model / "rows.npy", rows)
+    _hf("logits", hf_model / "hf", hf_model / "rows.npy", hf_model / "rows-logits.npy")
+    z = np.load(hf_model / "rows-logits.npy")
+    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
+    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+
+
+@pytest.mark.slow
+def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
+    """B = 0: the adapted model is HF's, and dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    model = Model(hf_model / "f32.gguf")
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.n_vocab, (2, 41))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    weights = np.full(targets.shape, 1 / targets.size)
+    np.savez(hf_model / "batch.npz", inputs=inputs, targets=targets, weights=weights)
+    _hf("grads", hf_model / "hf", hf_model / "batch.npz", hf_model / "grads.npz")
+    hf = np.load(hf_model / "grads.npz")
+    ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=True)
+    params = ParamBuffer(lora_specs(ts), np.float64)
+    init_lora(params, ts, rng)
+    g = Graph(cfg, FrozenBase(model), params, ts, 2, 40, "none", dtype=np.float64)
+    loss = g.step(inputs, targets, weights)
+    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
+    for t in ts:
+        G = hf[f"model.layers.{t.weight.split('.')[1]}.{HF_LINEARS[t.kind]}.weight"]
+        want = t.scale * G @ params[t.a].T
+        got = params.grad_of(t.b)
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
+
+
+@pytest.mark.slow
+def test_short_lora_lowers_perplexity_and_llama_cpp_agrees(hf_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    base = hf_model / "q8_0.gguf"
+    r = CliRunner().invoke(app, [str(a) for a in (
+        "finetune", "--model-base", base, "--train-data", hf_model / "eval.txt", "--ctx", 64, "--batch", 4,
+        "--lora-r", 4, "--adam-iter", 40, "--adam-alpha", 3e-3, "--warmup", 2, "--save-every", 0,
+        "--checkpoint-out", tmp_path / "chk-ITERATION.gguf", "--lora-out", tmp_path / "adapter-ITERATION.gguf")])
+    assert r.exit_code == 0, r.output
+    adapter = tmp_path / "adapter-LATEST.gguf"
+    before, after = _our_ppl(base, hf_model / "eval.txt"), _our_ppl(base, hf_model / "eval.txt", "--lora", adapter)
+    assert after < 0.97 * before, (before, after)
+    theirs = _llama_ppl(hf_model, base, "--lora", adapter)
+    assert abs(after - theirs) <= 5e-3 * theirs, (after, theirs)
