@@ -222,4 +222,4 @@ class Forward:
 
     def output_scale(self, i: int, dtype):
         """Layer i's output scale (gemma4's layer_output_scale) as a scalar of `dtype`."""
-        return dtype.type(self.base.vector(self.output_scales[i])[0])
+        return dtype.type(float(self.base.vector(self.output_scales[i])[0]))

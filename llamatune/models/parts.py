@@ -226,9 +226,9 @@ class Gemma4Attention(Attention):
         N, cfg = B * T, self.cfg
         return super().act_shapes(B, T, keep_inputs) | {"vp": (N, cfg.n_embd_kv), "rstd_v": (N * cfg.n_head_kv,)}
 
-    def unit(self, dtype) -> np.ndarray:
-        """The value norm's weight: ones (head_dim,)."""
-        return np.ones(self.cfg.head_dim, dtype)
+    def unit(self, xp, dtype) -> np.ndarray:
+        """The value norm's weight: ones (head_dim,) on the device (xp: numpy or cupy)."""
+        return xp.ones(self.cfg.head_dim, dtype)
 
     def forward(self, fw, a: Gemma4AttentionActs, x, residual, y) -> None:
         cfg, ops = self.cfg, fw.ops
@@ -237,7 +237,7 @@ class Gemma4Attention(Attention):
         self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
         self.project(fw, a.qp, a.kp, a.vp, xn)
         HS = cfg.head_dim
-        ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(a.vp.dtype),
+        ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(fw.xp, a.vp.dtype),
                                     cfg.norm_eps)
         q4, k4 = self.heads(a, a.q, a.k)
         wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)

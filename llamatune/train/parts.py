@@ -139,8 +139,8 @@ class Gemma4AttentionBackward(AttentionBackward, Gemma4Attention):
         self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
         HS = self.cfg.head_dim
         dv = g.dv.copy()
-        g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), np.zeros(HS, dv.dtype), dv.reshape(-1, HS),
-                                       a.vp.reshape(-1, HS), self.unit(dv.dtype), a.rstd_v)
+        g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), g.xp.zeros(HS, dv.dtype), dv.reshape(-1, HS),
+                                       a.vp.reshape(-1, HS), self.unit(g.xp, dv.dtype), a.rstd_v)
         self.project_backward(g, g.dqp, g.dkp, normed_input(self, g, a, x))
         input_norm_backward(self, g, a, x)
 
