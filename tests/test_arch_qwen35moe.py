@@ -70,6 +70,31 @@ def test_shared_width_falls_back_to_feed_forward_length_as_llama_cpp(written):
         ModelConfig.from_metadata(md, "m.gguf")
 
 
+def test_the_multi_token_prediction_layer_is_not_read(written, tmp_path):
+    """A file as the converter writes it without --no-mtp: block_count counts the MTP
+    layer (nextn_predict_layers 1, its tensors blk.4.* and blk.4.nextn.*); the trunk is
+    the 4 layers before it, and the logits are those of the file without it."""
+    from llamatune.formats.gguf_io import KV, GGUFFile, kv, tensor_out, write_gguf
+    from llamatune.models.infer import Runner
+    f = GGUFFile(written[1])
+    change = {"qwen35moe.block_count": 5, "qwen35moe.attention.recurrent_layers": [True, False, True, False, False]}
+    kvs = [kv(k, change[k]) if k in change else KV(k, v.value, v.vtype, v.sub_type) for k, v in f.kvs.items()]
+    kvs.append(kv("qwen35moe.nextn_predict_layers", 1))
+    tensors = [tensor_out(n, np.array(t.data)) for n, t in f.tensors.items()]
+    tensors += [tensor_out(n.replace("blk.3.", "blk.4."), np.array(t.data)) for n, t in f.tensors.items()
+                if n.startswith("blk.3.")]
+    tensors.append(tensor_out("blk.4.nextn.eh_proj.weight", np.zeros((64, 128), np.float32)))
+    write_gguf(tmp_path / "mtp.gguf", "qwen35moe", kvs, tensors)
+    model = Model(tmp_path / "mtp.gguf")
+    assert model.config == written[0]
+    tokens = np.random.default_rng(2).integers(0, 400, (1, 7))
+    np.testing.assert_array_equal(Runner(model).forward(tokens), Runner(Model(written[1])).forward(tokens))
+    md = dict(model.file.metadata) | {"qwen35moe.nextn_predict_layers": 5}
+    with pytest.raises(LlamatuneError, match=r"^m\.gguf: metadata key 'qwen35moe\.nextn_predict_layers' is 5, "
+                                             r"expected 0 to 4 \(block_count 5 includes them\)$"):
+        ModelConfig.from_metadata(md, "m.gguf")
+
+
 def test_runner_forward_decoding_and_training_loss_match_the_float64_reference(written):
     from checks import qwen35_reference as ref
     from checks.arch_reference import batch, cross_entropy, model_weights

@@ -242,7 +242,8 @@ class ModelConfig:
             return value
 
         # the family's own keys first: it may refuse what it cannot run (per-layer arrays, ...)
-        # before the common keys are read, and give n_ff (qwen35moe: its shared expert's)
+        # before the common keys are read, and give n_ff (qwen35moe: its shared expert's),
+        # n_head_kv (gemma4) or n_layer (qwen35: block_count less its MTP layers)
         own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
             count=count, number=number, source=source, arch=arch,
             raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
@@ -264,7 +265,7 @@ class ModelConfig:
             raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear)")
         n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
-                      n_layer=count("block_count"), n_ff=n_ff, n_head=n_head,
+                      n_layer=own["n_layer"] if "n_layer" in own else count("block_count"), n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)

@@ -14,8 +14,9 @@ SwiGLU `ffn_gate_shexp`, `ffn_up_shexp` (F_sh, C), `ffn_down_shexp` (C, F_sh) sc
 the sigmoid of one output, `ffn_gate_inp_shexp` (1, C) (the models/parts.py part
 "moe_shared_post"). F_sh is `expert_shared_feed_forward_length` (llama.cpp's n_ff_shexp,
 default feed_forward_length), held as the config's n_ff: the family has no other dense
-feed-forward. The multi-token-prediction layers some files carry after block_count
-are not read (llama.cpp runs them only as a draft model).
+feed-forward. The multi-token-prediction layers files carry at the end of block_count
+(`nextn_predict_layers`) are not read, as qwen35's (llama.cpp runs them only as a draft
+model).
 """
 from __future__ import annotations
 
