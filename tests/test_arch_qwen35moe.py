@@ -305,3 +305,18 @@ def test_short_lora_lowers_perplexity_and_llama_cpp_agrees(hf_model, tmp_path):
     assert after < 0.97 * before, (before, after)
     theirs = _llama_ppl(hf_model, base, "--lora", adapter)
     assert abs(after - theirs) <= 5e-3 * theirs, (after, theirs)
+
+
+@pytest.mark.slow
+def test_greedy_generation_equals_llama_cpp(hf_model):
+    """48 greedy tokens through the cache (the recurrent states / the sliding window) as llama-completion's."""
+    from typer.testing import CliRunner
+
+    from llamatune.cli.main import app
+    model = hf_model / "f32.gguf"
+    theirs = subprocess.run([str(_bins() / "llama-completion"), "-m", str(model), "-p", "First Citizen:", "-n", "48",
+                             "--temp", "0", "-nr", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
+                            check=True, timeout=300).stdout
+    r = CliRunner().invoke(app, ["generate", "-m", str(model), "-p", "First Citizen:", "-n", "48", "--temp", "0"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == theirs.strip()
