@@ -37,6 +37,10 @@ class Block:
     logit_scale: float = 0.0              # logits / logit_scale (granite)
     moe_k: int = 0                        # mixture of experts: k experts per token (0: dense SwiGLU)
     moe_norm: bool = True                 # their softmax weights normalized to sum 1
+    v_norm: bool = False                  # v RMS-normed per head without a weight (gemma4)
+    out_scale: bool = False               # each layer's output times blk.N.layer_output_scale (gemma4)
+    rope_freqs: tuple[bool, ...] = ()     # per layer: its rope divides the frequencies by rope_freqs (gemma4's
+    #                                       full-attention layers)
 
 
 def _moe(h, W, p, k, normalize):
@@ -59,11 +63,14 @@ def _norm(v, w, eps):
     return v / np.sqrt((v * v).mean(-1, keepdims=True) + eps) * w
 
 
-def _rope(v, pos, base, scale, neox):
-    """v (T, H, HS) rotated at positions pos (T,); all HS dimensions rotate."""
+def _rope(v, pos, base, scale, neox, factors=None):
+    """v (T, H, HS) rotated at positions pos (T,); all HS dimensions rotate (each frequency
+    divided by its factor where given)."""
     HS = v.shape[-1]
     half = HS // 2
     theta = (scale * pos)[:, None] * base ** (-np.arange(half) * 2.0 / HS)      # (T, half)
+    if factors is not None:
+        theta = theta / factors
     c, s = np.cos(theta)[:, None], np.sin(theta)[:, None]
     if neox:
         a, b = v[..., :half], v[..., half:]
@@ -101,9 +108,12 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
         q, k, v = (t.reshape(T, -1, HS) for t in (q, k, v))
         if blk.qk_norm:
             q, k = _norm(q, W[p + "attn_q_norm.weight"], eps), _norm(k, W[p + "attn_k_norm.weight"], eps)
+        if blk.v_norm:
+            v = _norm(v, 1.0, eps)
         base, scale = blk.rope[i] if blk.rope else (cfg.rope_freq_base, cfg.rope_freq_scale)
+        f = W["rope_freqs.weight"] if blk.rope_freqs and blk.rope_freqs[i] else None
         if not (blk.nope and blk.nope[i]):
-            q, k = _rope(q, pos, base, scale, blk.rope_neox), _rope(k, pos, base, scale, blk.rope_neox)
+            q, k = _rope(q, pos, base, scale, blk.rope_neox, f), _rope(k, pos, base, scale, blk.rope_neox, f)
         visible = np.tril(np.ones((T, T), bool))
         if blk.swa and blk.swa[i]:
             visible &= (np.arange(T)[:, None] - np.arange(T)[None, :]) < blk.window
@@ -125,6 +135,8 @@ def forward(cfg, blk: Block, W: dict[str, np.ndarray], tokens: np.ndarray) -> np
             g, u = lin(h, "ffn_gate"), lin(h, "ffn_up")
             f = lin((_gelu(g) if blk.gelu else g / (1 + np.exp(-g))) * u, "ffn_down")
         x = x + res * (_norm(f, W[p + "post_ffw_norm.weight"], eps) if blk.post_norms else f)
+        if blk.out_scale:
+            x = x * W[p + "layer_output_scale.weight"][0]
     logits = _norm(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
     if blk.logit_scale:
         logits = logits / blk.logit_scale

@@ -1,5 +1,5 @@
-"""A float64 forward of qwen35 (Qwen3.5 dense) from a GGUF's tensors, written from
-llama.cpp's graph (src/models/qwen35.cpp): numpy for the norms, rope, attention and the
+"""A float64 forward of qwen35 (Qwen3.5 dense) and qwen35moe from a GGUF's tensors, written from
+llama.cpp's graphs (src/models/qwen35.cpp, qwen35moe.cpp): numpy for the norms, rope, attention and the
 feed-forward, the project's delta-net mixer (llamatune/models/deltanet_mixer.py) for the
 linear-attention layers, and its gated-attention helpers. The architecture tests compare
 it with HF's float64 logits (checks/qwen35_hf.py) and with llama-perplexity; it is the
@@ -60,6 +60,19 @@ def _delta_layer(cfg, W, p, h, state=None):
     return y[0] @ W[p + "ssm_out.weight"].T
 
 
+def _swiglu(W, p, h, suffix):
+    g, u = h @ W[f"{p}ffn_gate{suffix}.weight"].T, h @ W[f"{p}ffn_up{suffix}.weight"].T
+    return (g / (1 + np.exp(-g)) * u) @ W[f"{p}ffn_down{suffix}.weight"].T
+
+
+def _moe_shared(cfg, W, p, h):
+    """qwen35moe's feed-forward (src/models/qwen35moe.cpp build_layer_ffn): the experts
+    (top n_expert_used, weights normalized) plus the shared expert times the sigmoid of its gate."""
+    from checks.arch_reference import _moe
+    gate = h @ W[p + "ffn_gate_inp_shexp.weight"].T
+    return _moe(h, W, p, cfg.n_expert_used, True) + _swiglu(W, p, h, "_shexp") / (1 + np.exp(-gate))
+
+
 def forward(cfg, W: dict, tokens: np.ndarray) -> np.ndarray:
     """logits (T, V) of one row of tokens (T,), float64."""
     T, eps = len(tokens), cfg.norm_eps
@@ -70,8 +83,7 @@ def forward(cfg, W: dict, tokens: np.ndarray) -> np.ndarray:
         h = _norm(x, W[p + "attn_norm.weight"], eps)
         x = x + (_delta_layer(cfg, W, p, h) if cfg.is_recurrent(i) else _attention_layer(cfg, W, p, h, pos))
         h = _norm(x, W[p + "post_attention_norm.weight"], eps)
-        g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-        x = x + (g / (1 + np.exp(-g)) * u) @ W[p + "ffn_down.weight"].T
+        x = x + (_moe_shared(cfg, W, p, h) if p + "ffn_gate_inp.weight" in W else _swiglu(W, p, h, ""))
     return _norm(x, W["output_norm.weight"], eps) @ W.get("output.weight", W["token_embd.weight"]).T
 
 

@@ -23,6 +23,8 @@ CONFIGS = {
     "olmo2": dict(MICRO, head_dim=8, n_rot=8),        # n_head * head_dim = n_embd, as llama.cpp's olmo2
     "smollm3": dict(MICRO, n_layer=4, nope_step=4),
     "granite": dict(MICRO, embd_multiplier=12.0, attn_scale=0.0625, residual_scale=0.375, logit_scale=8.0),
+    "gemma4": dict(MICRO, n_layer=4, sliding_window=3, swa_pattern=2, rope_freq_base=1e6, rope_freq_base_swa=10000.0,
+                   rope_freq_scale_swa=1.0, attn_scale=1.0, final_softcap=2.5),     # the value norm, output scales
 }
 
 
@@ -51,4 +53,5 @@ def test_logits_and_training_step_match_cpu(cuda, arch, tmp_path, tiny_vocab):
         g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, "selective", backend=backend)
         results.append((g.step(inputs, labels, w), params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
-    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)
+    # gemma4: one more float32 norm (the values') whose sums the device orders its own way
+    np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=3e-6 if arch == "gemma4" else 1e-6)

@@ -77,7 +77,7 @@ def test_cli_refuses_a_mixture_of_experts(tmp_path, tiny_model, arch, n_experts)
         f"yet {SUPPORTED}")
 
 
-@pytest.mark.parametrize("arch", ["qwen35moe", "llama4", "openai-moe", "qwen2moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3next", "llama4", "openai-moe", "qwen2moe", "deepseek2"])
 def test_known_moe_families_are_refused_without_an_expert_count(tmp_path, tiny_model, arch):
     md = GGUFFile(as_arch(tiny_model, tmp_path / "m.gguf", arch)).metadata
     assert arch in MOE_ARCHS and f"{arch}.expert_count" not in md

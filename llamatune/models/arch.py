@@ -108,6 +108,8 @@ class Arch:
     # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
     mixer: str = "attention"
     ffn: str = "feed_forward"
+    swa_rope_factors: bool = True     # the sliding-window layers' rope takes rope_freqs too (gemma4: only
+    #                                   the full-attention layers', llama.cpp's layer.rope_freqs)
     parts: Callable[[Any, int], tuple[str, str]] | None = None
 
     def __post_init__(self):

@@ -243,9 +243,15 @@ class ModelConfig:
                 raise LlamatuneError(f"{source}: metadata key '{full}' is {value}, expected a positive number")
             return value
 
+        # the family's own keys first: it may refuse what it cannot run (per-layer arrays, ...)
+        # before the common keys are read, and give n_ff (qwen35moe: its shared expert's),
+        # n_head_kv (gemma4) or n_layer (qwen35: block_count less its MTP layers)
+        own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
+            count=count, number=number, source=source, arch=arch,
+            raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")
-        n_head_kv = count("attention.head_count_kv", n_head)
+        n_head_kv = own["n_head_kv"] if "n_head_kv" in own else count("attention.head_count_kv", n_head)
         if f"{arch}.attention.key_length" not in md and n_embd % n_head:
             raise LlamatuneError(f"{source}: embedding_length {n_embd} is not a multiple of head_count {n_head} "
                                  f"(and there is no '{arch}.attention.key_length')")
@@ -260,17 +266,16 @@ class ModelConfig:
         if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
             raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear "
                                  "and yarn)")
+        n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
-                      n_layer=count("block_count"), n_ff=count("feed_forward_length"), n_head=n_head,
+                      n_layer=own["n_layer"] if "n_layer" in own else count("block_count"), n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
         if scaling_type == "yarn" and factor != 1.0:
             values |= dict(rope_ext_factor=1.0, n_ctx_orig=count("rope.scaling.original_context_length",
                                                                  values["n_ctx_train"]))
-        if spec.read_hparams is not None:
-            values |= spec.read_hparams(SimpleNamespace(count=count, number=number, source=source, arch=arch,
-                                                        raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
+        values |= own
         try:
             return cls(**values)
         except LlamatuneError as e:

@@ -40,6 +40,8 @@ from .config import ModelConfig
 from .parts import LayerActs, Part, layer_parts
 from .products import make_products
 
+OUTPUT_SCALE = "layer_output_scale.weight"
+
 
 class Linears:
     """How the linears of a Forward compute beyond their base product, by weight name:
@@ -102,6 +104,9 @@ class Forward:
         train.linear.LoraLinears)."""
         self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
         self.layer_parts = layer_parts(cfg, parts)          # (mixer, feed-forward) per layer
+        # gemma4: each layer's output times its blk.N.layer_output_scale (1,), a frozen vector
+        self.output_scales = [f"blk.{i}.{OUTPUT_SCALE}" if OUTPUT_SCALE in cfg.spec.vectors else None
+                              for i in range(cfg.n_layer)]
         self.xp, self.ops = backend.xp, backend.ops
         self.products = make_products(backend, policy)    # every product with a base weight
         self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
@@ -212,3 +217,9 @@ class Forward:
         mixer.forward(self, a.mixer, a.x, None, a.x_mid)      # x_mid = mixer(x)
         ffn.forward(self, a.ffn, a.x_mid, a.x, x_out)        # x_mid += x; x_out = ffn(x_mid)
         x_out += a.x_mid
+        if self.output_scales[i] is not None:
+            x_out *= self.output_scale(i, x_out.dtype)
+
+    def output_scale(self, i: int, dtype):
+        """Layer i's output scale (gemma4's layer_output_scale) as a scalar of `dtype`."""
+        return dtype.type(float(self.base.vector(self.output_scales[i])[0]))

@@ -211,6 +211,45 @@ class Attention(Part):
         q[...], k[...], v[...] = qkv[:, :Cq], qkv[:, Cq:Cq + Ckv], qkv[:, Cq + Ckv:]
 
 
+@dataclass
+class Gemma4AttentionActs(AttentionActs):
+    vp: np.ndarray | None = None      # (N, NKV*HS) v before its per-head norm
+    rstd_v: np.ndarray | None = None  # (N*NKV,)
+
+
+class Gemma4Attention(Attention):
+    """gemma4's attention: gemma3's (per-head q/k norms, rope, sandwich norm) with the values
+    RMS-normed per head without a weight (llama.cpp's ggml_rms_norm of Vcur); its scale
+    (1) and its layers' rope come from the config."""
+    kind, Acts = "gemma4_attention", Gemma4AttentionActs
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, cfg = B * T, self.cfg
+        return super().act_shapes(B, T, keep_inputs) | {"vp": (N, cfg.n_embd_kv), "rstd_v": (N * cfg.n_head_kv,)}
+
+    def unit(self, xp, dtype) -> np.ndarray:
+        """The value norm's weight: ones (head_dim,) on the device (xp: numpy or cupy)."""
+        return xp.ones(self.cfg.head_dim, dtype)
+
+    def forward(self, fw, a: Gemma4AttentionActs, x, residual, y) -> None:
+        cfg, ops = self.cfg, fw.ops
+        cos, sin = fw.ropes[self.rope_set]
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        self.project(fw, a.qp, a.kp, a.vp, xn)
+        HS = cfg.head_dim
+        ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(fw.xp, a.vp.dtype),
+                                    cfg.norm_eps)
+        q4, k4 = self.heads(a, a.q, a.k)
+        wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
+        ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
+                                       a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
+        k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
+        fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                       segments=fw.segments, **self.options)
+        self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+
+
 class FeedForward(Part):
     """ffn_norm (none: olmo2), gate/up (or fused ffn_up), SwiGLU or GeGLU, ffn_down,
     post_ffw_norm (post_norms)."""
@@ -304,6 +343,54 @@ class MoeFeedForward(Part):
         a.state = moe_forward(fw, y, xn, self.i)
 
 
+@dataclass
+class MoeSharedActs(Acts):
+    rstd: np.ndarray     # (N,) the input norm's
+    g: np.ndarray        # (N, F) the shared expert's gate product
+    u: np.ndarray        # (N, F) its up product
+    s: np.ndarray        # (N, C) its output before the sigmoid gate
+    sg: np.ndarray       # (N, 1) its gate's logit
+    xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
+    h: np.ndarray | None = None       # (N, F) silu(g) * u, kept only in mode "none"
+    state: MoeActs | None = None      # the mixture of experts' (made by each forward)
+
+
+class MoeSharedFeedForward(Part):
+    """qwen35moe's feed-forward: post_attention_norm, then the mixture of experts plus the
+    shared expert (a SwiGLU of ffn_gate_shexp, ffn_up_shexp, ffn_down_shexp, width n_ff)
+    times sigmoid(xn . ffn_gate_inp_shexp), llama.cpp's qwen35moe build_layer_ffn."""
+    kind, Acts = "moe_shared_post", MoeSharedActs
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        p = self.p
+        self.norm = p + "post_attention_norm.weight"
+        self.gate_up = [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"]
+        self.down, self.shared_gate = p + "ffn_down_shexp.weight", p + "ffn_gate_inp_shexp.weight"
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, C, F = B * T, self.cfg.n_embd, self.cfg.n_ff
+        acts = {"rstd": (N,), "g": (N, F), "u": (N, F), "s": (N, C), "sg": (N, 1)}
+        return acts | ({"xn": (N, C), "h": (N, F)} if keep_inputs else {})
+
+    def forward(self, fw, a: MoeSharedActs, x, residual, y) -> None:
+        xn = fw.xn if a.xn is None else a.xn
+        self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        a.state = moe_forward(fw, y, xn, self.i)
+        h = fw.h if a.h is None else a.h
+        fw.linear(a.g, xn, self.gate_up[0])
+        fw.linear(a.u, xn, self.gate_up[1])
+        fw.ops.swiglu.swiglu_forward(h, a.g, a.u)
+        fw.linear(a.s, h, self.down)
+        fw.linear(a.sg, xn, self.shared_gate)
+        y += a.s * shared_gate(a.sg)
+
+
+def shared_gate(sg: np.ndarray) -> np.ndarray:
+    """sigmoid(sg), as ggml_sigmoid: 1 / (1 + exp(-sg)) in sg's dtype."""
+    one = sg.dtype.type(1)
+    return one / (one + np.exp(-sg))
+
 
 class FeedForwardPost(FeedForward):
     """feed_forward with post_attention_norm as its input norm and no sandwich norm (qwen35)."""
@@ -351,8 +438,8 @@ class MoePostNorm(MoeFeedForward):
 
 
 PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
-                                                    DeltaNet, GatedAttention, SinkAttention, MoePostNorm)}
-#                                                   kind -> forward class
+                                                    DeltaNet, GatedAttention, SinkAttention, MoePostNorm,
+                                                    MoeSharedFeedForward, Gemma4Attention)}   # kind -> forward class
 
 
 def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:

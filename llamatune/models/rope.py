@@ -45,12 +45,16 @@ def rope_cache(cfg, base, positions: np.ndarray, n_ctx: int,
     freq_base, freq_scale = rope or (cfg.rope_freq_base, cfg.rope_freq_scale)
     cos = np.empty((positions.shape[0], cfg.n_rot // 2), np.float32)
     sin = np.empty_like(cos)
+    factors = rope_factors(cfg, base, n_ctx)
+    if not cfg.spec.swa_rope_factors and rope is not None and rope not in [
+            cfg.rope_params(i) for i in range(cfg.n_layer) if not cfg.is_swa(i)]:
+        factors = None        # gemma4: rope_freqs is the full-attention layers' alone
     if cfg.rope_ext_factor:
         rope_yarn.rope_cache_yarn(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, cfg.n_ctx_orig_rope,
                                   cfg.rope_ext_factor, rope_yarn.attn_factor(freq_scale, cfg.rope_attn_factor),
-                                  rope_factors(cfg, base, n_ctx))
+                                  factors)
         return cos, sin
-    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, rope_factors(cfg, base, n_ctx))
+    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, factors)
     if cfg.rope_attn_factor != 1.0:
         cos *= np.float32(cfg.rope_attn_factor)
         sin *= np.float32(cfg.rope_attn_factor)

@@ -161,16 +161,17 @@ class FinetuneOptions(TrainOptions):
     rank_wv: Optional[int] = opt(None, "Rank for attn_v.", G_LORA, frozen=True)
     rank_wo: Optional[int] = opt(None, "Rank for attn_output.", G_LORA, frozen=True)
     rank_wqkv: Optional[int] = opt(None, "Rank for the fused attn_qkv of models that have one (phi3).", G_LORA, frozen=True)
-    rank_ffn_gate: Optional[int] = opt(None, "Rank for ffn_gate.", G_LORA, frozen=True)
-    rank_ffn_up: Optional[int] = opt(None, "Rank for ffn_up.", G_LORA, frozen=True)
-    rank_ffn_down: Optional[int] = opt(None, "Rank for ffn_down.", G_LORA, frozen=True)
+    rank_ffn_gate: Optional[int] = opt(None, "Rank for ffn_gate (and a shared expert's ffn_gate_shexp).", G_LORA,
+                                       frozen=True)
+    rank_ffn_up: Optional[int] = opt(None, "Rank for ffn_up (and ffn_up_shexp).", G_LORA, frozen=True)
+    rank_ffn_down: Optional[int] = opt(None, "Rank for ffn_down (and ffn_down_shexp).", G_LORA, frozen=True)
     rank_ffn_exps: Optional[int] = opt(None, "Rank of the per-expert adapters on a mixture of experts' "
                                        "ffn_gate_exps, ffn_up_exps and ffn_down_exps (default --lora-r).",
                                        G_LORA, frozen=True)
     no_lora_experts: bool = opt(False, "No adapters on the experts of a mixture of experts (attention, and the "
                                 "router where --rank-ffn-gate-inp asks, only).", G_LORA, frozen=True)
-    rank_ffn_gate_inp: int = opt(0, "Rank for a mixture of experts' router ffn_gate_inp (0: frozen).", G_LORA,
-                                 frozen=True)
+    rank_ffn_gate_inp: int = opt(0, "Rank for a mixture of experts' router ffn_gate_inp (and a shared expert's "
+                                 "gate ffn_gate_inp_shexp; 0: frozen).", G_LORA, frozen=True)
     rank_attn_gate: Optional[int] = opt(None, "Rank for attn_gate, the delta-net layers' output gate projection "
                                         "(qwen35).", G_LORA, frozen=True)
     rank_ssm_out: Optional[int] = opt(None, "Rank for ssm_out, the delta-net layers' output projection (qwen35).",
@@ -261,7 +262,10 @@ class FinetuneOptions(TrainOptions):
                 "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
                 "attn_q_norm": self.rank_q_norm, "attn_k_norm": self.rank_k_norm,
                 "post_attention_norm": self.rank_post_att_norm, "post_ffw_norm": self.rank_post_ffn_norm,
-                "ffn_gate_inp": self.rank_ffn_gate_inp} | {
+                "ffn_gate_inp": self.rank_ffn_gate_inp, "ffn_gate_inp_shexp": self.rank_ffn_gate_inp,
+                # a shared expert (qwen35moe) is a dense SwiGLU: the feed-forward's ranks
+                "ffn_gate_shexp": pick(self.rank_ffn_gate), "ffn_up_shexp": pick(self.rank_ffn_up),
+                "ffn_down_shexp": pick(self.rank_ffn_down)} | {
                 k: 0 if self.no_lora_experts else pick(self.rank_ffn_exps)
                 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}
 

@@ -181,6 +181,8 @@ class Graph(Forward):
         backward in reverse (train/parts.py), each adding its share to the residual's."""
         mixer, ffn = self.layer_parts[i]
         a = self.layers[i]
+        if self.output_scales[i] is not None:               # gemma4: the output was scaled
+            self.dx *= self.output_scale(i, self.dx.dtype)
         ffn.backward(self, a.ffn, a.x_mid)
         mixer.backward(self, a.mixer, a.x)
 

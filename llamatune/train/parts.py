@@ -17,7 +17,8 @@ import numpy as np
 from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
-                            MoeFeedForward, MoeFeedForwardActs, MoePostNorm, Part, SinkAttention)
+                            Gemma4Attention, Gemma4AttentionActs, MoeFeedForward, MoeFeedForwardActs,
+                            MoePostNorm, MoeSharedActs, MoeSharedFeedForward, Part, SinkAttention, shared_gate)
 from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
@@ -128,6 +129,22 @@ class AttentionBackward(Attention):
         g.linears.backward(g.dxn, dqkv, xn, self.fused, accumulate=False)
 
 
+class Gemma4AttentionBackward(AttentionBackward, Gemma4Attention):
+    def backward(self, g, a: Gemma4AttentionActs, x: np.ndarray) -> None:
+        """AttentionBackward's, with g.dv taken back through the values' unit-weight norm."""
+        g.linears.backward(g.datt, g.post_norm_backward(output_grad(self, g), a.o, a.rstd_o, self.post_norm), a.att,
+                           self.out, accumulate=False)
+        dq4, dk4 = core_attention_backward(self, g, a)
+        cos, sin = g.ropes[self.rope_set]
+        self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
+        HS = self.cfg.head_dim
+        dv = g.dv.copy()
+        g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), g.xp.zeros(HS, dv.dtype), dv.reshape(-1, HS),
+                                       a.vp.reshape(-1, HS), self.unit(g.xp, dv.dtype), a.rstd_v)
+        self.project_backward(g, g.dqp, g.dkp, normed_input(self, g, a, x))
+        input_norm_backward(self, g, a, x)
+
+
 class FeedForwardBackward(FeedForward):
     def backward(self, g, a: FeedForwardActs, x: np.ndarray) -> None:
         gate_forward, gate_backward = self.gate(g.ops)
@@ -156,6 +173,23 @@ class MoeFeedForwardBackward(MoeFeedForward):
     def backward(self, g, a: MoeFeedForwardActs, x: np.ndarray) -> None:
         """Through the experts each token chose and the router (train/moe.py), then the norm."""
         moe_backward(g, g.dxn, g.dx, normed_input(self, g, a, x), a.state, self.i)
+        input_norm_backward(self, g, a, x)
+
+
+class MoeSharedFeedForwardBackward(MoeSharedFeedForward):
+    def backward(self, g, a: MoeSharedActs, x: np.ndarray) -> None:
+        """Through the mixture of experts (train/moe.py), the shared expert and its sigmoid
+        gate, then the norm:  d sg = sum_c(dy s) sig (1 - sig),  d s = dy sig."""
+        xn, dy = normed_input(self, g, a, x), g.dx
+        sig = shared_gate(a.sg)
+        dsg = (dy * a.s).sum(1, keepdims=True) * sig * (1 - sig)
+        if a.h is None:                                       # recompute the shared expert's SwiGLU
+            g.ops.swiglu.swiglu_forward(g.h, a.g, a.u)
+        g.linears.backward(g.dh, dy * sig, g.h if a.h is None else a.h, self.down, accumulate=False)
+        g.ops.swiglu.swiglu_backward(g.dg, g.du, g.dh, a.g, a.u)
+        moe_backward(g, g.dxn, dy, xn, a.state, self.i)
+        for name, d in zip(self.gate_up + [self.shared_gate], (g.dg, g.du, dsg)):
+            g.linears.backward(g.dxn, d, xn, name, accumulate=True)
         input_norm_backward(self, g, a, x)
 
 
@@ -220,4 +254,5 @@ class MoePostNormBackward(MoeFeedForwardBackward, MoePostNorm):
 TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, FeedForwardBackward,
                                                           MoeFeedForwardBackward, FeedForwardPostBackward,
                                                           DeltaNetBackward, GatedAttentionBackward,
-                                                          SinkAttentionBackward, MoePostNormBackward)}
+                                                          SinkAttentionBackward, MoePostNormBackward,
+                                                          MoeSharedFeedForwardBackward, Gemma4AttentionBackward)}

@@ -22,6 +22,9 @@ norm; there is no ffn_norm):
     output times sigmoid(gate) before `attn_output`.
 
 The norm weights of the file are HF's plus one (the converter adds it), except ssm_norm.
+The multi-token-prediction layers the converter appends after the trunk (block_count
+includes `nextn_predict_layers` of them) are not read: llama.cpp runs them only as a
+draft model; n_layer is the trunk's.
 """
 from __future__ import annotations
 
@@ -70,6 +73,16 @@ def _recurrent_layers(read, n_layer: int) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
+def _mtp_layers(read, n_all: int) -> int:
+    """The multi-token-prediction layers at the end of block_count (`nextn_predict_layers`):
+    llama.cpp runs them only as a draft model, so they are not read here (n_layer is the trunk)."""
+    n = read.raw("nextn_predict_layers", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n < n_all:
+        raise LlamatuneError(f"{read.source}: metadata key '{read.arch}.nextn_predict_layers' is {n!r}, expected 0 "
+                             f"to {n_all - 1} (block_count {n_all} includes them)")
+    return n
+
+
 def _rope_sections(read, n_rot: int) -> tuple[int, ...]:
     """The multi-rope sections, checked to rotate every pair of the n_rot dimensions with
     the token's position (ggml's interleaved mrope: pair i is in section i % 3 when
@@ -94,8 +107,10 @@ def read_hparams(read) -> dict:
                              f"state_size {DK}: expected inner_size = time_step_rank x state_size (value heads of "
                              "the q/k heads' size, as llama.cpp's qwen35 reads them) and time_step_rank a multiple "
                              "of group_count")
-    n_layer = read.count("block_count")
-    values["recurrent_layers"] = _recurrent_layers(read, n_layer)
+    n_all = read.count("block_count")
+    n_layer = n_all - _mtp_layers(read, n_all)
+    values["n_layer"] = n_layer
+    values["recurrent_layers"] = _recurrent_layers(read, n_all)[:n_layer]
     values["full_attention_interval"] = read.count("full_attention_interval", INTERVAL)
     head_dim = read.count("attention.key_length", read.count("embedding_length") // read.count("attention.head_count"))
     values["rope_sections"] = _rope_sections(read, read.count("rope.dimension_count", head_dim))

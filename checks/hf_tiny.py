@@ -1,0 +1,113 @@
+"""What the Hugging Face oracles of the newer families share: a byte-level BPE vocabulary
+trained on the text, a short AdamW training of a tiny model so that no weight keeps its
+initial value, llama.cpp's convert_hf_to_gguf.py with the trained vocabulary's
+pre-tokenizer named, and HF's own source re-executed with its float32 casts made float64.
+
+Imported by the torch side of checks/qwen35moe_hf.py and checks/gemma4_hf.py (run under
+a Python with torch and transformers, never a dependency of the project); it imports
+nothing of llamatune.
+
+The converter names a byte-level BPE by the hash of a fixed text's tokens; a vocabulary
+trained here has no known hash, so the converter runs with that lookup answering the
+split the vocabulary was trained with ("qwen2": Qwen2's regex, then bytes). Nothing else
+of the conversion is changed.
+"""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SHARED = Path(__file__).resolve().parents[2] / "shared"
+TRAIN_TEXT = SHARED / "data" / "shakespeare.txt"
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(text: str, out: Path, vocab_size: int = 512, specials: tuple[str, ...] = (EOS,), **named):
+    """A byte-level BPE of `vocab_size` tokens with Qwen2's split, saved in `out`; `named`
+    are the tokenizer's special-token roles (eos_token=..., bos_token=...)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([text], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **({"eos_token": EOS} | named))
+    fast.save_pretrained(out)
+    return fast
+
+
+def train(model, ids, steps: int, ctx: int = 64, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+          label: str = "") -> None:
+    """`steps` AdamW steps on random windows of `ids` (a 1-D token tensor), ctx tokens each."""
+    import torch
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        starts = torch.randint(0, len(ids) - ctx - 1, (batch,), generator=gen)
+        rows = torch.stack([ids[s:s + ctx] for s in starts])
+        loss = model(input_ids=rows, labels=rows.clone()).loss        # HF shifts the labels itself
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            print(f"{label} step {step}: loss {loss.item():.4f}", flush=True)
+
+
+def perturb_norms(model, std: float = 0.2) -> None:
+    """Every norm weight moved off its initial value, so that each one matters."""
+    import torch
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.add_(std * torch.randn_like(p))
+
+
+CONVERT = """import json, pathlib, runpy, sys
+sys.path[:0] = [{cpp!r}, {gguf_py!r}]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: {pre!r}
+if {raw_config!r}:
+    base.ModelBase.load_hparams = staticmethod(lambda d, mistral: json.loads((pathlib.Path(d) / "config.json").read_text()))
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def convert(src: Path, out: Path, outtype: str, llama_cpp: Path = LLAMA_CPP, pre: str = "qwen2",
+            extra: tuple[str, ...] = (), raw_config: bool = False) -> None:
+    """llama.cpp's convert_hf_to_gguf.py on `src` into `out` (f32, q8_0, ...), the trained
+    vocabulary's pre-tokenizer named `pre`; raises with its output on failure. `raw_config`:
+    the converter reads config.json as saved instead of through AutoConfig (whose to_dict
+    drops what a family's config keeps only in its constructor: gemma4's global_head_dim)."""
+    code = CONVERT.format(cpp=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"), pre=pre, raw_config=raw_config,
+                          script=str(llama_cpp / "convert_hf_to_gguf.py"))
+    proc = subprocess.run([sys.executable, "-c", code, str(src), "--outfile", str(out), "--outtype", outtype,
+                           *extra], capture_output=True, text=True, cwd=llama_cpp)
+    if proc.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py {src} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+def redo_float64(module, obj, replace: tuple[tuple[str, str], ...] = (("torch.float32", "torch.float64"),
+                                                                      (".float()", ".double()"))):
+    """`obj` (a function or method of HF's `module`) re-executed from its own source with
+    the float32 casts made float64 (or the given replacements), in the module's namespace;
+    returns the new function."""
+    src = inspect.getsource(inspect.unwrap(obj))
+    lines = src.splitlines()
+    indent = len(lines[0]) - len(lines[0].lstrip())
+    src = "\n".join(ln[indent:] for ln in lines if not ln.lstrip().startswith("@"))
+    for old, new in replace:
+        src = src.replace(old, new)
+    ns = vars(module)
+    exec(src, ns)  # noqa: S102
+    return ns[obj.__name__]
