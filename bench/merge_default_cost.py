@@ -13,6 +13,13 @@ beside a layer), so the ratio at a few layers is the ratio at 32.
 
     python bench/merge_default_cost.py --vocab shared/vocab/ggml-vocab-llama-spm.gguf \
         --data shared/data/shakespeare.txt [--layers 2] [--ctx 128] [--rounds 2] [--threads 2]
+
+With --model and --adapter it times those instead (a real model and an adapter whose
+training data is still where it records it, e.g. Qwen2.5-Coder-0.5B and a finetune
+run's adapter-LATEST.gguf):
+
+    python bench/merge_default_cost.py --model qwen2.5-coder-0.5b-instruct.gguf \
+        --adapter run/adapter-LATEST.gguf [--rounds 2]
 """
 from __future__ import annotations
 
@@ -90,8 +97,10 @@ def export(model: Path, adapter: Path, out: Path, threads: int, plain: bool) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--vocab", type=Path, required=True)
-    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--vocab", type=Path)
+    ap.add_argument("--data", type=Path)
+    ap.add_argument("--model", type=Path, help="a model to merge into (with --adapter), in place of the 7B shape")
+    ap.add_argument("--adapter", type=Path)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -99,20 +108,27 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-merge-cost"))
     a = ap.parse_args()
     a.workdir.mkdir(parents=True, exist_ok=True)
-    model, adapter = a.workdir / f"7b-{a.layers}l.Q4_K.gguf", a.workdir / "adapter.gguf"
-    if not model.exists():
-        build_model(model, a.vocab, a.layers)
-    build_adapter(adapter, model, a.data, a.ctx)
+    if (a.model is None) != (a.adapter is None) or (a.model is None and (a.vocab is None or a.data is None)):
+        ap.error("give --model and --adapter, or --vocab and --data (the 7B shape)")
+    if a.model is not None:
+        model, adapter, shape = a.model, a.adapter, a.model.name
+    else:
+        model, adapter = a.workdir / f"7b-{a.layers}l.Q4_K.gguf", a.workdir / "adapter.gguf"
+        shape = f"{a.layers} layers of Llama-2-7B, Q4_K, r {R}"
+        if not model.exists():
+            build_model(model, a.vocab, a.layers)
+        build_adapter(adapter, model, a.data, a.ctx)
     times = {"plain": [], "default": []}
     for r in range(a.rounds):
         for kind in ("plain", "default"):
             s, cpu, log = export(model, adapter, a.workdir / f"{kind}.gguf", a.threads, kind == "plain")
             times[kind].append((s, cpu))
-            print(f"round {r + 1} {kind}: {s:.1f} s wall, {cpu:.1f} s CPU", flush=True)
+            print(f"round {r + 1} {kind}: {s:.1f} s wall, {cpu:.1f} s CPU (load average {os.getloadavg()[0]:.1f})",
+                  flush=True)
             if r == 0:
                 print("  " + "\n  ".join(line for line in log.splitlines() if line.strip()), flush=True)
     (p, pc), (d, dc) = (np.median(np.array(times[k]), axis=0) for k in ("plain", "default"))
-    print(f"{a.layers} layers of Llama-2-7B, Q4_K, r {R}: plain {p:.1f} s wall / {pc:.1f} s CPU, default "
+    print(f"{shape}: plain {p:.1f} s wall / {pc:.1f} s CPU, default "
           f"{d:.1f} s / {dc:.1f} s (medians of {a.rounds}): {d / p:.2f}x wall, {dc / pc:.2f}x CPU")
 
 

@@ -114,13 +114,14 @@ def _inverse_cholesky(hd: np.ndarray, damp: float) -> np.ndarray:
     return np.ascontiguousarray(m_inv[::-1, ::-1])
 
 
-def _group_codes(wg, qtype, qw, sig, base_g, cost):
+def _group_codes(wg, qtype, qw, sig, base_g, cost, base_w=None):
     """Quantize one column group, choose per row between the new codes and base_g by
-    cost(error) (n_out,), and return (codes, error)."""
+    cost(error) (n_out,), and return (codes, error). base_w: base_g dequantized, when
+    the caller has it (one call for the whole matrix, not one per group)."""
     q = quantize_weighted(wg.astype(np.float32, copy=False), qtype, qw, sig)
     e = wg - dequantize(q, qtype, wg.shape[1])
     if base_g is not None:
-        e_base = wg - dequantize(base_g, qtype, wg.shape[1])
+        e_base = wg - (dequantize(base_g, qtype, wg.shape[1]) if base_w is None else base_w)
         keep = cost(e_base) <= cost(e)
         q[keep] = base_g[keep]
         e[keep] = e_base[keep]
@@ -162,9 +163,12 @@ def quantize_compensated(w: np.ndarray, qtype, u: np.ndarray, quant_weights: np.
     if sum(b.shape[0] for b in blocks) != n_in or any(b.shape[0] % g for b in blocks):
         raise ValueError(f"factor blocks {[b.shape for b in blocks]} do not tile {n_in} inputs in groups of {g}")
 
+    base_w = None if base is None else dequantize(base, qtype, n_in)      # the base's weights, once
+
     def group(c0, c1, wg, cost):                      # codes of columns c0:c1 into out; their error
         base_g = None if base is None else base[:, c0 // g * ts:c1 // g * ts]
-        q, e = _group_codes(wg, qtype, None if qw is None else qw[c0:c1], sig, base_g, cost)
+        q, e = _group_codes(wg, qtype, None if qw is None else qw[c0:c1], sig, base_g, cost,
+                            None if base is None else base_w[:, c0:c1])
         out[:, c0 // g * ts:c1 // g * ts] = q
         return e
     if blocks[0].ndim == 1:                           # diagonal H: groups are independent
