@@ -320,3 +320,59 @@ def test_greedy_generation_equals_llama_cpp(hf_model):
     r = CliRunner().invoke(app, ["generate", "-m", str(model), "-p", "First Citizen:", "-n", "48", "--temp", "0"])
     assert r.exit_code == 0, r.output
     assert r.stdout.strip() == theirs.strip()
+
+
+def test_peft_adapters_of_every_kind_both_ways(written, tmp_path):
+    """A PEFT adapter on the delta-net projections (value heads in HF's grouped order), the
+    attention, the shared expert and its gate, and the experts (target_parameters) converts
+    to a GGUF adapter whose s B A is HF's in the converter's order, and back to the same
+    PEFT tensors."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    from llamatune.commands.convert import convert
+    from llamatune.formats.adapter import read_adapter
+    from llamatune.formats.gguf_io import GGUFFile
+    from llamatune.models.arch import get_arch, tensor_shape
+    from test_arch_qwen35 import _tiled
+    cfg, path = written
+    f = GGUFFile(path)
+    axes = {"attn_qkv": 0, "attn_gate": 0, "ssm_alpha": 0, "ssm_beta": 0, "ssm_out": 1}
+    rng, tensors, want, R, E = np.random.default_rng(5), {}, {}, 3, cfg.n_expert
+    for i in range(cfg.n_layer):
+        for kind, module in get_arch("qwen35moe").peft_modules:
+            if f"blk.{i}.{kind}.weight" not in f.tensors:
+                continue
+            n_out, n_in = tensor_shape(cfg, kind)
+            a, b = rng.normal(0, 0.3, (R, n_in)).astype(np.float32), rng.normal(0, 0.3, (n_out, R)).astype(np.float32)
+            key = f"base_model.model.model.layers.{i}.{module}"
+            tensors[key + ".lora_A.weight"], tensors[key + ".lora_B.weight"] = a, b
+            want[f"blk.{i}.{kind}.weight"] = _tiled(2.0 * (b @ a), kind, axes.get(kind), cfg)
+        experts = f"base_model.model.model.layers.{i}.mlp.experts"
+        for nest, kinds, (n_out, n_in) in (("base_layer.", ("gate", "up"), (2 * cfg.n_ff_exp, cfg.n_embd)),
+                                            ("", ("down",), (cfg.n_embd, cfg.n_ff_exp))):
+            a = rng.normal(0, 0.3, (R * E, n_in)).astype(np.float32)
+            b = rng.normal(0, 0.3, (n_out, R * E)).astype(np.float32)
+            tensors[f"{experts}.{nest}lora_A.weight"], tensors[f"{experts}.{nest}lora_B.weight"] = a, b
+            delta = 2.0 * np.einsum("ore,eri->eoi", b.reshape(n_out, R, E), a.reshape(E, R, n_in))
+            for j, k in enumerate(kinds):
+                want[f"blk.{i}.ffn_{k}_exps.weight"] = delta[:, j * (n_out // len(kinds)):(j + 1) * (n_out // len(kinds))]
+    peft = tmp_path / "peft"
+    peft.mkdir()
+    save_file(tensors, str(peft / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (peft / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": R, "lora_alpha": 6.0,
+        "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}))
+    convert(peft, tmp_path / "a.gguf", model_base=path)
+    got = read_adapter(tmp_path / "a.gguf", f)
+    assert got.pairs.keys() == want.keys()
+    assert {n.split(".")[2] for n in want} >= {"attn_qkv", "ssm_out", "ffn_gate_inp_shexp", "ffn_down_exps", "attn_q"}
+    for name, (a, b) in got.pairs.items():
+        delta = np.einsum("eor,eri->eoi", b, a) if a.ndim == 3 else b @ a
+        np.testing.assert_allclose(got.scale(name) * delta, want[name], rtol=1e-5, atol=1e-6)
+    convert(tmp_path / "a.gguf", tmp_path / "back", "peft", model_base=path)
+    back = load_file(str(tmp_path / "back" / "adapter_model.safetensors"))
+    assert back.keys() == tensors.keys()
+    for k in tensors:
+        np.testing.assert_array_equal(back[k], tensors[k])

@@ -95,7 +95,7 @@ def gguf_weight(module: str, names: PeftNames) -> str | None:
         return "token_embd.weight"
     if module == "lm_head":
         return "output.weight"
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(\w+\.\w+)", module)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.([\w.]+)", module)
     back = {v: k for k, v in names.layer.items()}
     if m and m.group(2) in back:
         return f"blk.{m.group(1)}.{back[m.group(2)]}.weight"

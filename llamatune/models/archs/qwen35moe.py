@@ -67,11 +67,12 @@ def hparams_metadata(cfg) -> dict:
 ARCH = Arch(name="qwen35moe", rope_mode=NEOX, layer=tuple(dict.fromkeys(RECURRENT + ATTENTION)), experts=EXPERTS,
             read_hparams=read_hparams, hparams_metadata=hparams_metadata, layer_kinds=layer_kinds, parts=parts,
             shapes=shapes, vectors=qwen35.VECTORS,
-            # PEFT names for the attention layers only (as qwen35: the delta-net projections'
-            # value heads are in the converter's order)
-            peft_modules=(("attn_q", "self_attn.q_proj"), ("attn_k", "self_attn.k_proj"),
-                          ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-                          ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"),
-                          ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
-                          ("ffn_down_shexp", "mlp.shared_expert.down_proj")),
+            # PEFT names as qwen35's (the delta-net value heads in the converter's order), the
+            # shared expert and its gate, and the experts (Qwen3_5MoeExperts: gate | up stacked)
+            peft_modules=tuple(m for m in qwen35.ARCH.peft_modules if not m[0].startswith("ffn_")) + (
+                ("ffn_gate_shexp", "mlp.shared_expert.gate_proj"), ("ffn_up_shexp", "mlp.shared_expert.up_proj"),
+                ("ffn_down_shexp", "mlp.shared_expert.down_proj"), ("ffn_gate_inp_shexp", "mlp.shared_expert_gate")),
+            peft_orders=qwen35.peft_orders,
+            peft_experts=((("ffn_gate_exps", "ffn_up_exps"), "mlp.experts.gate_up_proj", "stacked"),
+                          (("ffn_down_exps",), "mlp.experts.down_proj", "stacked")),
             scratch=False)
