@@ -40,7 +40,7 @@ from ..errors import LlamatuneError
 from . import distributed
 from . import rewards as R
 from .lora import disabled_adapters
-from .objective import token_losses, vocab
+from .objective import reweighted_step, token_losses, vocab
 from .validation import Validator
 
 STD_EPS = 1e-4                 # TRL: advantages / (std + 1e-4)
@@ -368,21 +368,13 @@ class GRPO:
     def micro_step(self, graph, b: GroupBatch, key: tuple) -> float:
         """One micro-batch: the gradient of its share of the step's loss added to params.grad."""
         self._reference(graph, b)
-        got = []
 
-        def reweight(g, w):                 # g: the graph of the batch's columns up to its last target
+        def weigh(ce):                      # the batch's columns up to its last target
             logp = np.zeros(b.targets.shape)
-            logp[:, :g.T] = -g.backend.to_host(g.losses).reshape(g.B, g.T).astype(np.float64)
+            logp[:, :ce.shape[1]] = -ce
             t = self.terms(b, logp)
-            got.append((logp, t))
-            weights = -self._coefficients(b)[:, None] * t.dlogp
-            return g.backend.to_device(np.ascontiguousarray(weights[:, :g.T]).reshape(-1).astype(g.tmp.dtype))
-        graph.reweight = reweight
-        try:
-            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key)
-        finally:
-            graph.reweight = None
-        logp, t = got[0]
+            return (-self._coefficients(b)[:, None] * t.dlogp)[:, :ce.shape[1]], (logp, t)
+        logp, t = reweighted_step(graph, b, key, weigh)
         if b.old_logp is None:
             b.old_logp = logp                # detached: what later passes' ratios are taken against
             if self.opts.num_iterations > 1:     # replays on every rank need it (end_step)

@@ -43,6 +43,25 @@ def token_losses(graph, b: Batch) -> np.ndarray:
     return graph.backend.to_host(graph.losses).reshape(b.targets.shape).astype(np.float64)
 
 
+def reweighted_step(graph, b: Batch, key: tuple, weigh):
+    """One Graph.step whose backward weights come from its own forward (DPO/ORPO, GRPO): the
+    graph's `reweight` hook hands `weigh` the (B, T') float64 cross-entropies of the batch's
+    columns up to its last target; weigh returns ((B, T') weights, what to keep), and this
+    returns what it kept."""
+    kept = []
+
+    def reweight(g, w):
+        weights, k = weigh(g.backend.to_host(g.losses).reshape(g.B, g.T).astype(np.float64))
+        kept.append(k)
+        return g.backend.to_device(np.ascontiguousarray(weights).reshape(-1).astype(g.tmp.dtype))
+    graph.reweight = reweight
+    try:
+        graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key, **packing(b))
+    finally:
+        graph.reweight = None
+    return kept[0]
+
+
 class SFT:
     """Supervised finetuning: the mean cross-entropy over every target of the step.
     `statistics` (statistics.TrainingStats, LoRA sft): the imatrix sums of the forward's

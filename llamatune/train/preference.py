@@ -38,7 +38,7 @@ import numpy as np
 from ..data.samples import Batch, Batcher, Samples
 from ..errors import LlamatuneError
 from .lora import disabled_adapters
-from .objective import packing, token_losses, vocab
+from .objective import reweighted_step, token_losses, vocab
 from .validation import InOrder, Validator
 
 STATE_KEY = "reference"        # the reference cache's key in the batcher's state
@@ -262,21 +262,12 @@ class Preference:
         One Graph.step: after its forward and the head's losses, `graph.reweight` turns
         them into the pair losses and the weights its backward then uses."""
         ref = self._reference(graph, b, cache, self._new)
-        got = []
 
-        def reweight(g, w):                 # g: the graph of the batch's columns up to its last target
-            ce = g.backend.to_host(g.losses).reshape(g.B, g.T).astype(np.float64)
+        def weigh(ce):                      # the batch's columns up to its last target
             s = self._scores(b, ce, ref)
             losses, d = self.terms(s)
-            got.append((s, losses))
-            weights = self.weights(s, d, b.targets[:, :g.T], n_pairs, n_chosen)
-            return g.backend.to_device(weights.reshape(-1).astype(g.tmp.dtype))
-        graph.reweight = reweight
-        try:
-            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key, **packing(b))
-        finally:
-            graph.reweight = None
-        s, losses = got[0]
+            return self.weights(s, d, b.targets[:, :ce.shape[1]], n_pairs, n_chosen), (s, losses)
+        s, losses = reweighted_step(graph, b, key, weigh)
         self._record(s, losses)
         return float(losses.sum() / n_pairs + (s.nll.sum() / n_chosen if self.method == "orpo" else 0.0))
 
