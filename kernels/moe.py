@@ -155,11 +155,14 @@ def moe_ffn_backward_ref(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_
 # The router runs per token (a prange over tokens, float32 softmax, the top k by
 # repeated selection: k passes over E, ties to the lower expert as the reference's
 # stable sort). The experts run on all (token, slot) pairs sorted by expert at once
-# (`expert_order`, a counting sort: the reference's stable order, exactly): one gather
-# of the sorted rows, per-expert products through numpy/BLAS on contiguous slices,
-# one SwiGLU over all rows, and a per-token sum over the token's k rows weighted by
-# the router (no two threads write one token; slot order, not the reference's expert
-# order, so the sums agree to float32 rounding).
+# (`expert_order`, a counting sort: the reference's stable order, exactly), once per
+# layer and micro-batch (the backward reuses the order): one gather of the sorted rows,
+# per-expert products on contiguous slices (`expert_matmul`: oneDNN's float32 matmul,
+# or the run's bf16 products), one SwiGLU over all rows, and a per-token sum over the
+# token's k rows weighted by the router (no two threads write one token; slot order,
+# not the reference's expert order, so the sums agree to float32 rounding). The
+# forward keeps the sorted order and the gate inputs g, u; the backward gathers its
+# inputs again and recomputes h = silu(g) u into the shared scratch.
 
 @njit(cache=True, parallel=True)
 def _router_forward(idx, w, probs, logits, normalize):
@@ -274,15 +277,16 @@ def _combine(out, ys, w, pos):
 
 
 @njit(cache=True, parallel=True)
-def _weighted_rows(dys, dw, dout, w, ys, order, k):
-    # dw[t, s] = dout[t] . ys[r];  dys[r] = w[t, s] * dout[t]   for sorted row r of (t, s)
+def _weighted_rows(dw, dh, q, h, w, order, k):
+    # dw[t, s] = q[r] . h[r];  dh[r] = w[t, s] * q[r]   for sorted row r of (t, s) (dh may be q)
     for r in prange(order.shape[0]):
         t, s = order[r] // k, order[r] % k
-        acc = dout[t, 0] * 0
-        for c in range(dout.shape[1]):
-            acc += dout[t, c] * ys[r, c]
-            dys[r, c] = w[t, s] * dout[t, c]
+        acc = q[r, 0] * 0
+        for f in range(q.shape[1]):
+            acc += q[r, f] * h[r, f]
         dw[t, s] = acc
+        for f in range(q.shape[1]):
+            dh[r, f] = w[t, s] * q[r, f]
 
 
 @dataclass
@@ -302,19 +306,37 @@ class ExpertLora:
     db: np.ndarray | None = None        # (E, n_out, r)
 
 
+SCRATCH = ("xs", "ys", "h", "dh", "dg", "du")     # the rows' buffers every layer reuses
+
+
+def scratch_shapes(P: int, C: int, F: int) -> dict[str, tuple[int, int]]:
+    """The experts' scratch for P = N k rows, by name: xs (P, C) gathered inputs; ys (P, C)
+    the down products (backward: the gathered output gradient, then dL/dxs); h (P, F) the
+    SwiGLU output; dh, dg, du (P, F) its backward."""
+    return {"xs": (P, C), "ys": (P, C), "h": (P, F), "dh": (P, F), "dg": (P, F), "du": (P, F)}
+
+
+def _buffers(buffers, P, C, F, dtype, names):
+    """{name: array} of `names` from `buffers` (planned: train/buffers.py), the missing
+    ones allocated (inference, tests)."""
+    shapes = scratch_shapes(P, C, F) | {"g": (P, F), "u": (P, F)}
+    have = buffers or {}
+    return {n: have[n] if have.get(n) is not None else np.empty(shapes[n], dtype) for n in names}
+
+
 @dataclass
 class ExpertRows:
-    """What moe_ffn_forward saves for its backward: every (token, slot) pair's row,
-    sorted by expert (rows offsets[e]:offsets[e+1] are expert e's)."""
+    """What moe_ffn_forward keeps for its backward: the (token, slot) pairs sorted by
+    expert (rows offsets[e]:offsets[e+1] are expert e's) and their gate inputs; the
+    scratch (ys, h, ...) is shared with the next layers and the backward recomputes
+    what it needs there (h = silu(g) u, xs gathered again)."""
     order: np.ndarray       # (P,) int64, P = N k: pair k t + s of each sorted row
     offsets: np.ndarray     # (E + 1,) int64
     pos: np.ndarray         # (P,) int64: sorted row of each pair
-    xs: np.ndarray          # (P, C) gathered inputs
     g: np.ndarray           # (P, F) X_e W_gate[e]^T
     u: np.ndarray           # (P, F) X_e W_up[e]^T
-    h: np.ndarray           # (P, F) silu(g) * u
-    y: np.ndarray           # (P, C) h W_down[e]^T
     lora_in: dict           # projection -> (P, r) X_e A[e]^T of its LoRA
+    scratch: dict           # SCRATCH name -> array (planned, or allocated by the forward)
 
 
 def _used(offsets):
@@ -322,69 +344,99 @@ def _used(offsets):
             if offsets[e + 1] > offsets[e]]
 
 
-def _project(out, xs, w, lora, xa, used):
+def expert_matmul(out, a, W, trans_b):
+    """out = a @ W^T (trans_b) or a @ W: one expert's rows (a few dozen) times its
+    (n_out, n_in) matrix. float32 through oneDNN's float32 matmul where it loaded
+    (kernels/bf16.py gemm), else numpy in the orientation OpenBLAS runs fast for few
+    rows, (W a^T)^T: OpenBLAS 0.3.31 multiplies (32, 2048) x (2048, 768) as a @ W^T at
+    about 2 GFLOP/s, as W a^T at about 20, oneDNN at 30-60 (2 cores, bench/moe.py);
+    float64 (the tests): numpy as written."""
+    if a.dtype == np.float32 and W.dtype == np.float32:
+        from . import bf16
+        if bf16.available():
+            bf16.gemm(out, a, W, trans_b=trans_b)
+        else:
+            out[...] = (W @ a.T).T if trans_b else (W.T @ a.T).T
+        return out
+    return np.matmul(a, W.T if trans_b else W, out=out)
+
+
+def _project(out, xs, w, lora, xa, used, mm):
     """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)."""
     for e, a, b in used:
-        np.matmul(xs[a:b], w[e].T, out=out[a:b])
+        mm(out[a:b], xs[a:b], w[e], True)
         if lora is not None:
-            np.matmul(xs[a:b], lora.a[e].T, out=xa[a:b])
+            expert_matmul(xa[a:b], xs[a:b], lora.a[e], True)
             out[a:b] += lora.scale * (xa[a:b] @ lora.b[e].T)
 
 
-def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
-    """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); dw[e] +=
-    dy^T xs where dw is given; the LoRA's da, db likewise."""
+def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, dw=None, row_w=None, accumulate=False):
+    """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); the weight
+    gradients take dy's rows times row_w (None: 1): dw[e] += dy^T xs where dw is given,
+    the LoRA's da, db likewise."""
     for e, a, b in used:
-        d = dy[a:b] @ w[e]
+        d = mm(np.empty((b - a, dxs.shape[1]), dxs.dtype) if accumulate else dxs[a:b], dy[a:b], w[e], False)
+        dyb = None
         if lora is not None:
             dyb = lora.scale * (dy[a:b] @ lora.b[e])            # (n_e, r)
             d += dyb @ lora.a[e]
-            if lora.da is not None:
-                lora.da[e] += (xs[a:b].T @ dyb).T               # (kernels/lora.py: the fast orientation)
-            if lora.db is not None:
-                lora.db[e] += lora.scale * (dy[a:b].T @ xa[a:b])
         if accumulate:
             dxs[a:b] += d
-        else:
-            dxs[a:b] = d
+        dyw = dy[a:b] if row_w is None else dy[a:b] * row_w[a:b, None]
+        if lora is not None:
+            dybw = dyb if row_w is None else dyb * row_w[a:b, None]
+            if lora.da is not None:
+                lora.da[e] += (xs[a:b].T @ dybw).T              # (kernels/lora.py: the fast orientation)
+            if lora.db is not None:
+                lora.db[e] += lora.scale * (dyw.T @ xa[a:b])
         if dw is not None:
-            dw[e] += dy[a:b].T @ xs[a:b]
+            dw[e] += dyw.T @ xs[a:b]
 
 
-def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None):
+def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=None, mm=expert_matmul):
     """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
     ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
     chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
-    ExpertLora} on those projections, or None."""
+    ExpertLora} on those projections, or None. buffers: {name: array} for the kept g, u
+    (P, F), the LoRAs' "xa.<projection>" (P, r) and the SCRATCH, P = N k (missing ones
+    are allocated). mm(out, a, W, trans_b): the per-expert product (expert_matmul, or
+    the run's bf16 products with bf16 weights)."""
     lora = lora or {}
     N, k = idx.shape
     order, offsets, pos = expert_order(idx, w_gate.shape[0])
     P, F, C, dt = order.shape[0], w_gate.shape[1], x.shape[1], x.dtype
-    xs, y = np.empty((P, C), dt), np.empty((P, C), dt)
-    g, u, h = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
-    xa = {name: np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
+    b = _buffers(buffers, P, C, F, dt, ("g", "u") + SCRATCH)
+    have = buffers or {}
+    xa = {name: have.get(f"xa.{name}") if have.get(f"xa.{name}") is not None
+          else np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
     used = _used(offsets)
-    _gather_pairs(xs, x, order, k)
-    _project(g, xs, w_gate, lora.get("gate"), xa.get("gate"), used)
-    _project(u, xs, w_up, lora.get("up"), xa.get("up"), used)
-    swiglu_forward(h, g, u)
-    _project(y, h, w_down, lora.get("down"), xa.get("down"), used)
-    _combine(out, y, w, pos)
-    return ExpertRows(order, offsets, pos, xs, g, u, h, y, xa)
+    _gather_pairs(b["xs"], x, order, k)
+    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm)
+    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm)
+    swiglu_forward(b["h"], b["g"], b["u"])
+    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm)
+    _combine(out, b["ys"], w, pos)
+    return ExpertRows(order, offsets, pos, b["g"], b["u"], xa, {n: b[n] for n in SCRATCH})
 
 
-def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None):
-    """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows; the LoRA's
-    gradients accumulate into its da, db."""
+def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None,
+                     mm=expert_matmul):
+    """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows (x: the forward's
+    input, gathered again); the LoRA's gradients accumulate into its da, db. The router
+    weight's gradient without the down products kept: with q = dout[t] W_down[e] (+ its
+    LoRA's scale (dout[t] B[e]) A[e]), dout[t] . y = q . h, and dL/dh = w[t, s] q."""
     lora = lora or {}
     k = w.shape[1]
-    P, F, C, dt = rows.g.shape[0], rows.g.shape[1], x.shape[1], x.dtype
-    dys, dxs = np.empty((P, C), dt), np.empty((P, C), dt)
-    dh, dg, du = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
+    sc = rows.scratch
+    xs, ys, h, dh, dg, du = (sc[n] for n in SCRATCH)
     used = _used(rows.offsets)
-    _weighted_rows(dys, dw, dout, w, rows.y, rows.order, k)
-    _project_backward(dh, dys, rows.h, w_down, lora.get("down"), rows.lora_in.get("down"), used, dw_down, False)
+    row_w = w.reshape(-1)[rows.order]                           # router weight of each sorted row
+    _gather_pairs(ys, dout, rows.order, k)                      # dout of each row, unweighted
+    swiglu_forward(h, rows.g, rows.u)
+    _project_backward(dh, ys, h, w_down, lora.get("down"), rows.lora_in.get("down"), used, mm, dw_down, row_w)
+    _weighted_rows(dw, dh, dh, h, w, rows.order, k)
     swiglu_backward(dg, du, dh, rows.g, rows.u)
-    _project_backward(dxs, dg, rows.xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, dw_gate, False)
-    _project_backward(dxs, du, rows.xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, dw_up, True)
-    _combine(dx, dxs, None, rows.pos)
+    _gather_pairs(xs, x, rows.order, k)
+    _project_backward(ys, dg, xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, mm, dw_gate)
+    _project_backward(ys, du, xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, mm, dw_up, accumulate=True)
+    _combine(dx, ys, None, rows.pos)

@@ -34,8 +34,10 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
+from ..kernels.moe import SCRATCH
 from ..models.config import ModelConfig
 from ..models.forward import Forward
+from ..models.moe import PROJECTIONS
 from ..models.parts import layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
@@ -137,6 +139,18 @@ class Graph(Forward):
         dg and du, idle in a forward (and in `layer` mode's recompute, which runs
         before that layer's backward)."""
         return self.dg, self.du
+
+    def expert_buffers(self, i: int) -> dict:
+        """Layer i's planned mixture-of-experts buffers (buffers.expert_plan): the experts'
+        scratch and its expert adapters' x A^T as "xa.<projection>"."""
+        out = {k: self.buffers[f"moe.{k}"] for k in SCRATCH}
+        for proj, kind in PROJECTIONS:
+            lora = self.lora.get(f"blk.{i}.{kind}.weight")
+            if lora is not None:
+                t = lora.target
+                out[f"xa.{proj}"] = self.buffers[f"moe.xa.{kind}.{t.rank}" if self.mode == "layer"
+                                                 else f"moe.xa.{t.weight}"]
+        return out
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (the plan's)."""

@@ -9,14 +9,14 @@ takes it through torch.topk's values:
 
 The expert weights are frozen; their adapters (per expert A, B: models/moe.py) get their
 gradients here, and each chosen expert is dequantized again, one at a time, as the
-forward did.
+forward did, and multiplied as the forward's products (models/moe.expert_products).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..kernels import moe as kmoe
-from ..models.moe import PROJECTIONS, MoeActs, experts_of
+from ..models.moe import PROJECTIONS, MoeActs, expert_products, experts_of
 
 
 def router_backward(dlogits: np.ndarray, dw: np.ndarray, acts: MoeActs, normalize: bool) -> None:
@@ -44,8 +44,9 @@ def moe_backward(graph, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts:
     dL/d(its output); xn the forward's input. `graph` is the training graph (its
     linears.backward takes the router's product and adapter)."""
     dw = np.empty_like(acts.w)
-    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(graph.base, i), acts.rows,
-                          lora=trained_expert_adapters(graph, i))
+    bf16, mm = expert_products(graph, xn.shape[0])
+    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(graph.base, i, bf16), acts.rows,
+                          lora=trained_expert_adapters(graph, i), mm=mm)
     dlogits = np.empty_like(acts.probs)
     router_backward(dlogits, dw, acts, graph.cfg.spec.expert_norm)
     graph.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)
