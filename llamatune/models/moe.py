@@ -50,6 +50,7 @@ class MoeActs:
     idx: np.ndarray                 # (N, k) int64 experts chosen, largest first
     w: np.ndarray                   # (N, k) their weights
     rows: kmoe.ExpertRows           # the grouped pairs and their SwiGLU activations
+    prob_sum: np.ndarray            # (E,) probs summed over the tokens (the load-balancing loss)
 
 
 PROJECTIONS = (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps"))
@@ -115,4 +116,4 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     buffers = fwd.expert_buffers(i) | {k: kept.get(k) for k in ("g", "u")}
     rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i, bf16), lora=expert_adapters(fwd, i),
                                 buffers=buffers, mm=mm)
-    return MoeActs(probs, idx, w, rows)
+    return MoeActs(probs, idx, w, rows, probs.sum(axis=0))
