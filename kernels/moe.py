@@ -344,17 +344,48 @@ def _used(offsets):
             if offsets[e + 1] > offsets[e]]
 
 
+ROW_STEP = 16    # oneDNN's products over an expert's rows padded to a multiple of this
+
+
+def row_padded(mm, step: int = ROW_STEP):
+    """mm(out, a, W, trans_b) over a's rows padded with zeros to a multiple of `step`:
+    oneDNN builds (and keeps) a primitive per product shape, 0.6 MB each, and the
+    experts' row counts are all different (80 shapes of (n, 2048) x (2048, 768) took 47
+    MB); padded, a layer's products take a handful of shapes."""
+    def padded(out, a, W, trans_b):
+        M = a.shape[0]
+        Mp = -(-M // step) * step
+        if Mp == M:
+            return mm(out, a, W, trans_b)
+        ap = np.zeros((Mp, a.shape[1]), a.dtype)
+        ap[:M] = a
+        op = np.empty((Mp, out.shape[1]), out.dtype)
+        mm(op, ap, W, trans_b)
+        out[...] = op[:M]
+        return out
+    return padded
+
+
+def _onednn_f32(out, a, W, trans_b):
+    from . import bf16
+    bf16.gemm(out, a, W, trans_b=trans_b)
+    return out
+
+
+_onednn_padded = row_padded(_onednn_f32)
+
+
 def expert_matmul(out, a, W, trans_b):
     """out = a @ W^T (trans_b) or a @ W: one expert's rows (a few dozen) times its
     (n_out, n_in) matrix. float32 through oneDNN's float32 matmul where it loaded
-    (kernels/bf16.py gemm), else numpy in the orientation OpenBLAS runs fast for few
-    rows, (W a^T)^T: OpenBLAS 0.3.31 multiplies (32, 2048) x (2048, 768) as a @ W^T at
-    about 2 GFLOP/s, as W a^T at about 20, oneDNN at 30-60 (2 cores, bench/moe.py);
-    float64 (the tests): numpy as written."""
+    (kernels/bf16.py gemm; rows padded, `row_padded`), else numpy in the orientation
+    OpenBLAS runs fast for few rows, (W a^T)^T: OpenBLAS 0.3.31 multiplies (32, 2048) x
+    (2048, 768) as a @ W^T at about 2 GFLOP/s, as W a^T at about 20, oneDNN at 30-60
+    (2 cores, bench/moe.py); float64 (the tests): numpy as written."""
     if a.dtype == np.float32 and W.dtype == np.float32:
         from . import bf16
         if bf16.available():
-            bf16.gemm(out, a, W, trans_b=trans_b)
+            _onednn_padded(out, a, W, trans_b)
         else:
             out[...] = (W @ a.T).T if trans_b else (W.T @ a.T).T
         return out

@@ -373,3 +373,31 @@ def test_memory_plan_and_dry_run_name_the_experts(qwen3moe):
     assert file_share(planner, est) == (f"of the layer estimate: the model file {gib(est.model)} (the experts "
                                         f"{gib(experts)} of it), mapped and read in place; the run's own memory "
                                         f"{gib(est.total - est.model)}")
+
+
+def test_bf16_products_take_the_experts_in_bf16(qwen3moe, monkeypatch):
+    """With bf16 products the experts come dequantized to bf16 (FrozenBase.expert_matrix_bf16)
+    and multiply through the run's Products: the step's loss and LoRA gradients (experts'
+    and attention's) close to the float32 step's."""
+    from llamatune.kernels import bf16
+    from llamatune.precision import policy
+    from llamatune.train.graph import Graph
+    from checks.arch_reference import batch, lora_setup
+    if not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    ranks = {"ffn_gate_exps": 2, "ffn_down_exps": 2, "attn_q": 2}
+    inputs, tg, w = batch(qwen3moe.config, 2, 16)
+    got = {}
+    for dtype in ("f32", "bf16"):
+        targets, params = lora_setup(qwen3moe, ranks, np.float32)
+        base = FrozenBase(qwen3moe)
+        seen = []
+        real = base.expert_matrix_bf16
+        monkeypatch.setattr(base, "expert_matrix_bf16", lambda name, e: seen.append(e) or real(name, e))
+        g = Graph(qwen3moe.config, base, params, targets, 2, 16, "layer", policy=policy(dtype))
+        params.zero_grad()
+        got[dtype] = (g.step(inputs, tg, w), params.grad.copy(), len(seen))
+    assert got["f32"][2] == 0 and got["bf16"][2] > 0
+    assert got["bf16"][0] == pytest.approx(got["f32"][0], rel=1e-2)
+    a, b = got["f32"][1], got["bf16"][1]
+    assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
