@@ -17,19 +17,25 @@ The ops run in alternation within each round (the cores may be shared), so a cha
 in the machine's load falls on all of them alike. The expert weights take 2.4 GB
 (float32); each pass reads all of them, the dense FFN reads 151 MB.
 
-Measured on 2 shared cores of an Intel Xeon (load average 6-20 on them), 512 tokens,
-2 threads, `measure(512, 2, 8)` (two alternated rounds):
-       op     fwd ms    bwd ms   total   / dense
-      moe    24288.6   17190.0   41479    13.3
- moe+lora    17017.8   18480.8   35499    11.4
-    dense     1531.6    1588.8    3120     1.0
-   router       12.7       6.6      19
-The experts' products are the cost: one expert's (32, 2048) x (2048, 768) product runs
-at about 2.5 GFLOP/s through numpy/OpenBLAS (16 of them: 650 ms), the dense (512, 2048)
-x (2048, 6144) one at about 25: with 32 rows an expert, packing each 6 MB weight matrix
-costs as much as the product. Not yet the issue's target (MoE at least half the dense
-tokens/s): the products need a kernel that streams each expert's weights once
-(or dequantizes them tile by tile) instead of a BLAS call per expert.
+With Q4_K weights (`... q4_k`, random blocks as bench/real_size.py writes them) every
+expert (and each dense matrix) is dequantized into one scratch right before its
+product, as training does: the MoE then dequantizes 16 times the dense FFN's weights.
+
+Measured on 2 shared cores of an Intel Xeon with AMX (load average 10 on
+them), 512 tokens, 2 threads, `python bench/moe.py --tokens 512 --repeat 3`:
+           op     fwd ms    bwd ms    total  / dense
+          moe     2036.8    2334.6     4371     2.11
+     moe+lora     2217.2    2426.9     4644     2.24
+        dense      995.0    1074.6     2070     1.00
+       router        5.7       0.3        6
+     moe q4_k     1853.0    2167.0     4020     1.89
+moe+lora q4_k     2274.0    2513.6     4788     2.25   (/ dense q4_k)
+   dense q4_k     1130.3     993.4     2124     1.00
+Before (numpy's x W[e]^T per expert, a product per expert for the adapters): moe 13.3x
+and moe+lora 11.4x the dense FFN (load 6-20), moe+lora q4_k 3.8x (load 10): OpenBLAS
+multiplies an expert's few dozen rows times W^T at about 2 GFLOP/s, oneDNN's float32
+matmul (kernels/moe.expert_matmul) at 30-60; the adapters' rank-r products now run
+over all rows at once (kernels/moe.py `_lora_*`).
 
     python bench/moe.py [--threads 2] [--tokens 512] [--repeat 5] [--rank 8] [--json]
 """

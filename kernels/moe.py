@@ -49,6 +49,7 @@ import numpy as np
 from numba import njit, prange
 
 from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_forward, swiglu_forward_ref
+from .vecmath import FASTMATH
 
 __all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "expert_groups", "expert_order", "moe_ffn_backward",
            "moe_ffn_backward_ref", "moe_ffn_forward", "moe_ffn_forward_ref", "router_backward",
@@ -392,36 +393,101 @@ def expert_matmul(out, a, W, trans_b):
     return np.matmul(a, W.T if trans_b else W, out=out)
 
 
-def _project(out, xs, w, lora, xa, used, mm):
+# The adapters' rank-r products over all rows at once, each row with its expert's A or B
+# (offsets: expert e's rows offsets[e]:offsets[e+1]), in parallel over the experts: one
+# call per projection where a product per expert cost more in calls than in flops.
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_in(xa, xs, A, offsets):
+    # xa[r] = xs[r] A[e]^T                       A (E, R, K)
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for j in range(A.shape[1]):
+                acc = xs[r, 0] * 0
+                for c in range(A.shape[2]):
+                    acc += xs[r, c] * A[e, j, c]
+                xa[r, j] = acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_out(out, xa, B, scale, offsets):
+    # out[r] += scale * xa[r] B[e]^T             B (E, n_out, R)
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for o in range(B.shape[1]):
+                acc = xa[r, 0] * 0
+                for j in range(B.shape[2]):
+                    acc += xa[r, j] * B[e, o, j]
+                out[r, o] += scale * acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_back(d, dyb, dy, A, B, scale, offsets):
+    # dyb[r] = scale * dy[r] B[e];  d[r] += dyb[r] A[e]
+    R = A.shape[1]
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for j in range(R):
+                dyb[r, j] = 0
+            for o in range(B.shape[1]):
+                v = dy[r, o]
+                for j in range(R):
+                    dyb[r, j] += v * B[e, o, j]
+            for j in range(R):
+                dyb[r, j] *= scale
+            for c in range(A.shape[2]):
+                acc = dyb[r, 0] * 0
+                for j in range(R):
+                    acc += dyb[r, j] * A[e, j, c]
+                d[r, c] += acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_grads(da, db, dyb, dy, xs, xa, row_w, scale, offsets):
+    # da[e] += sum_r w_r dyb[r]^T xs[r];  db[e] += scale sum_r w_r dy[r]^T xa[r]   (rows of e)
+    R = da.shape[1]
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            wr = row_w[r]
+            for j in range(R):
+                f = wr * dyb[r, j]
+                for c in range(da.shape[2]):
+                    da[e, j, c] += f * xs[r, c]
+            for o in range(db.shape[1]):
+                f = scale * wr * dy[r, o]
+                for j in range(R):
+                    db[e, o, j] += f * xa[r, j]
+
+
+def _project(out, xs, w, lora, xa, used, mm, offsets):
     """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)."""
     for e, a, b in used:
         mm(out[a:b], xs[a:b], w[e], True)
-        if lora is not None:
-            expert_matmul(xa[a:b], xs[a:b], lora.a[e], True)
-            out[a:b] += lora.scale * (xa[a:b] @ lora.b[e].T)
+    if lora is not None:
+        _lora_in(xa, xs, lora.a, offsets)
+        _lora_out(out, xa, lora.b, out.dtype.type(lora.scale), offsets)
 
 
-def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, dw=None, row_w=None, accumulate=False):
+def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, offsets, dw=None, row_w=None, accumulate=False):
     """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); the weight
     gradients take dy's rows times row_w (None: 1): dw[e] += dy^T xs where dw is given,
     the LoRA's da, db likewise."""
     for e, a, b in used:
-        d = mm(np.empty((b - a, dxs.shape[1]), dxs.dtype) if accumulate else dxs[a:b], dy[a:b], w[e], False)
-        dyb = None
-        if lora is not None:
-            dyb = lora.scale * (dy[a:b] @ lora.b[e])            # (n_e, r)
-            d += dyb @ lora.a[e]
         if accumulate:
-            dxs[a:b] += d
-        dyw = dy[a:b] if row_w is None else dy[a:b] * row_w[a:b, None]
-        if lora is not None:
-            dybw = dyb if row_w is None else dyb * row_w[a:b, None]
-            if lora.da is not None:
-                lora.da[e] += (xs[a:b].T @ dybw).T              # (kernels/lora.py: the fast orientation)
-            if lora.db is not None:
-                lora.db[e] += lora.scale * (dyw.T @ xa[a:b])
+            dxs[a:b] += mm(np.empty((b - a, dxs.shape[1]), dxs.dtype), dy[a:b], w[e], False)
+        else:
+            mm(dxs[a:b], dy[a:b], w[e], False)
         if dw is not None:
-            dw[e] += dyw.T @ xs[a:b]
+            dw[e] += (dy[a:b] if row_w is None else dy[a:b] * row_w[a:b, None]).T @ xs[a:b]
+    if lora is None:
+        return
+    scale = dxs.dtype.type(lora.scale)
+    dyb = np.empty((dy.shape[0], lora.a.shape[1]), dy.dtype)
+    _lora_back(dxs, dyb, dy, lora.a, lora.b, scale, offsets)
+    if lora.da is not None or lora.db is not None:
+        da = lora.da if lora.da is not None else np.zeros_like(lora.a)
+        db = lora.db if lora.db is not None else np.zeros_like(lora.b)
+        rw = row_w if row_w is not None else np.ones(dy.shape[0], dy.dtype)
+        _lora_grads(da, db, dyb, dy, xs, xa, rw, scale, offsets)
 
 
 def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=None, mm=expert_matmul):
@@ -442,10 +508,10 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=Non
           else np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
     used = _used(offsets)
     _gather_pairs(b["xs"], x, order, k)
-    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm)
-    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm)
+    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm, offsets)
+    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm, offsets)
     swiglu_forward(b["h"], b["g"], b["u"])
-    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm)
+    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets)
     _combine(out, b["ys"], w, pos)
     return ExpertRows(order, offsets, pos, b["g"], b["u"], xa, {n: b[n] for n in SCRATCH})
 
@@ -464,10 +530,12 @@ def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, 
     row_w = w.reshape(-1)[rows.order]                           # router weight of each sorted row
     _gather_pairs(ys, dout, rows.order, k)                      # dout of each row, unweighted
     swiglu_forward(h, rows.g, rows.u)
-    _project_backward(dh, ys, h, w_down, lora.get("down"), rows.lora_in.get("down"), used, mm, dw_down, row_w)
+    o = rows.offsets
+    _project_backward(dh, ys, h, w_down, lora.get("down"), rows.lora_in.get("down"), used, mm, o, dw_down, row_w)
     _weighted_rows(dw, dh, dh, h, w, rows.order, k)
     swiglu_backward(dg, du, dh, rows.g, rows.u)
     _gather_pairs(xs, x, rows.order, k)
-    _project_backward(ys, dg, xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, mm, dw_gate)
-    _project_backward(ys, du, xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, mm, dw_up, accumulate=True)
+    _project_backward(ys, dg, xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, mm, o, dw_gate)
+    _project_backward(ys, du, xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, mm, o, dw_up,
+                      accumulate=True)
     _combine(dx, ys, None, rows.pos)
