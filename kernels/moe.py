@@ -51,7 +51,8 @@ from numba import njit, prange
 from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_forward, swiglu_forward_ref
 from .vecmath import FASTMATH
 
-__all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "expert_groups", "expert_order", "moe_ffn_backward",
+__all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "SCRATCH", "expert_groups", "expert_matmul", "expert_order",
+           "row_padded", "scratch_shapes", "moe_ffn_backward",
            "moe_ffn_backward_ref", "moe_ffn_forward", "moe_ffn_forward_ref", "router_backward",
            "router_backward_ref", "router_forward", "router_forward_ref"]
 
