@@ -17,19 +17,25 @@ The ops run in alternation within each round (the cores may be shared), so a cha
 in the machine's load falls on all of them alike. The expert weights take 2.4 GB
 (float32); each pass reads all of them, the dense FFN reads 151 MB.
 
-Measured on 2 shared cores of an Intel Xeon (load average 6-20 on them), 512 tokens,
-2 threads, `measure(512, 2, 8)` (two alternated rounds):
-       op     fwd ms    bwd ms   total   / dense
-      moe    24288.6   17190.0   41479    13.3
- moe+lora    17017.8   18480.8   35499    11.4
-    dense     1531.6    1588.8    3120     1.0
-   router       12.7       6.6      19
-The experts' products are the cost: one expert's (32, 2048) x (2048, 768) product runs
-at about 2.5 GFLOP/s through numpy/OpenBLAS (16 of them: 650 ms), the dense (512, 2048)
-x (2048, 6144) one at about 25: with 32 rows an expert, packing each 6 MB weight matrix
-costs as much as the product. Not yet the issue's target (MoE at least half the dense
-tokens/s): the products need a kernel that streams each expert's weights once
-(or dequantizes them tile by tile) instead of a BLAS call per expert.
+With Q4_K weights (`... q4_k`, random blocks as bench/real_size.py writes them) every
+expert (and each dense matrix) is dequantized into one scratch right before its
+product, as training does: the MoE then dequantizes 16 times the dense FFN's weights.
+
+Measured on 2 shared cores of an Intel Xeon with AMX (load average 10 on
+them), 512 tokens, 2 threads, `python bench/moe.py --tokens 512 --repeat 3`:
+           op     fwd ms    bwd ms    total  / dense
+          moe     2036.8    2334.6     4371     2.11
+     moe+lora     2217.2    2426.9     4644     2.24
+        dense      995.0    1074.6     2070     1.00
+       router        5.7       0.3        6
+     moe q4_k     1853.0    2167.0     4020     1.89
+moe+lora q4_k     2274.0    2513.6     4788     2.25   (/ dense q4_k)
+   dense q4_k     1130.3     993.4     2124     1.00
+Before (numpy's x W[e]^T per expert, a product per expert for the adapters): moe 13.3x
+and moe+lora 11.4x the dense FFN (load 6-20), moe+lora q4_k 3.8x (load 10): OpenBLAS
+multiplies an expert's few dozen rows times W^T at about 2 GFLOP/s, oneDNN's float32
+matmul (kernels/moe.expert_matmul) at 30-60; the adapters' rank-r products now run
+over all rows at once (kernels/moe.py `_lora_*`).
 
     python bench/moe.py [--threads 2] [--tokens 512] [--repeat 5] [--rank 8] [--json]
 """
@@ -37,6 +43,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+
+import llamatune  # noqa: F401  (threading policy first: before numpy loads OpenBLAS)
+import numpy as np
 
 from children import median_fwd_bwd_ms, printed_as_json, rows_per_thread_count
 
@@ -45,8 +55,6 @@ EMBD, N_EXPERT, N_ACTIVE, EXPERT_FFN = 2048, 128, 8, 768     # Qwen3-30B-A3B
 
 def _ops(n_tokens: int, rank: int):
     """{name: (forward, backward)} closures over random inputs of the bench shapes."""
-    import llamatune  # noqa: F401  (threading policy first: before numpy loads OpenBLAS)
-    import numpy as np
     from llamatune.kernels import moe, swiglu
 
     rng = np.random.default_rng(0)
@@ -92,13 +100,65 @@ def _ops(n_tokens: int, rank: int):
         np.matmul(dg, dg_w, out=dx)
         dx[:] += du @ du_w
 
+    qm = _q4_k_ops(x, dout, idx, w, lora, n_tokens)
     return {
         "moe": (lambda: moe_fwd(None), lambda: moe_bwd(None)),
         "moe+lora": (lambda: moe_fwd(lora), lambda: moe_bwd(lora)),
         "dense": (dense_fwd, dense_bwd),
         "router": (lambda: moe.router_forward(idx, w, probs, logits),
                    lambda: moe.router_backward(dlogits, dwr, idx, w, probs)),
-    }
+    } | qm
+
+
+class _Q4Experts:
+    """Q4_K expert tensor (E, n_out, n_in) of random blocks (real_size.random_q4_k): w[e]
+    dequantized into one scratch, as FrozenBase.expert_matrix hands an expert out."""
+
+    def __init__(self, E, n_out, n_in, seed):
+        from real_size import random_q4_k
+        self.raw, self.shape = random_q4_k((E * n_out, n_in), seed), (E, n_out, n_in)
+        self.out = np.empty((n_out, n_in), np.float32)
+
+    def __getitem__(self, e):
+        from gguf import GGMLQuantizationType as QType
+        from llamatune.kernels import dequant
+        n = self.shape[1]
+        dequant.dequantize_into(self.raw[e * n:(e + 1) * n], QType.Q4_K, self.out)
+        return self.out
+
+
+def _q4_k_ops(x, dout, idx, w, lora, n_tokens):
+    """moe q4_k, moe+lora q4_k, dense q4_k: the same products with Q4_K weights, each
+    matrix (each expert's) dequantized right before its product, as training does."""
+    from llamatune.kernels import moe, swiglu
+    C, E, k, F = EMBD, N_EXPERT, N_ACTIVE, EXPERT_FFN
+    experts = [_Q4Experts(E, F, C, 1), _Q4Experts(E, F, C, 2), _Q4Experts(E, C, F, 3)]
+    dense = [_Q4Experts(1, k * F, C, 4), _Q4Experts(1, k * F, C, 5), _Q4Experts(1, C, k * F, 6)]
+    out, dx, dw = np.zeros((n_tokens, C), np.float32), np.zeros((n_tokens, C), np.float32), np.zeros_like(w)
+    g, u, h, dh, dg, du = (np.zeros((n_tokens, k * F), np.float32) for _ in range(6))
+    y = np.zeros((n_tokens, C), np.float32)
+    saved = {}
+
+    def moe_fwd(lo):
+        saved["rows"] = moe.moe_ffn_forward(out, x, idx, w, *experts, lo)
+
+    def moe_bwd(lo):
+        moe.moe_ffn_backward(dx, dw, None, None, None, dout, x, w, *experts, saved["rows"], lo)
+
+    def dense_fwd():
+        np.matmul(x, dense[0][0].T, out=g)
+        np.matmul(x, dense[1][0].T, out=u)
+        swiglu.swiglu_forward(h, g, u)
+        np.matmul(h, dense[2][0].T, out=y)
+
+    def dense_bwd():
+        np.matmul(dout, dense[2][0], out=dh)
+        swiglu.swiglu_backward(dg, du, dh, g, u)
+        np.matmul(dg, dense[0][0], out=dx)
+        dx[:] += du @ dense[1][0]
+    return {"moe q4_k": (lambda: moe_fwd(None), lambda: moe_bwd(None)),
+            "moe+lora q4_k": (lambda: moe_fwd(lora), lambda: moe_bwd(lora)),
+            "dense q4_k": (dense_fwd, dense_bwd)}
 
 
 def measure(n_tokens: int, repeat: int, rank: int) -> list[dict]:
@@ -131,11 +191,13 @@ def main() -> None:
         return
     print(f"embd {EMBD}, {N_EXPERT} experts, {N_ACTIVE} active, expert ffn {EXPERT_FFN}; "
           f"dense ffn {N_ACTIVE * EXPERT_FFN}; LoRA rank {args.rank}; float32")
-    print(f"{'threads':>7} {'tokens':>6} {'op':>9} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'/ dense':>8}")
+    print(f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
+    print(f"{'threads':>7} {'tokens':>6} {'op':>13} {'fwd ms':>8} {'bwd ms':>8} {'total':>8} {'/ dense':>8}")
     for r in rows:
-        dense = next(s for s in rows if s["threads"] == r["threads"] and s["op"] == "dense")
+        ref = "dense q4_k" if r["op"].endswith("q4_k") else "dense"
+        dense = next(s for s in rows if s["threads"] == r["threads"] and s["op"] == ref)
         total = r["fwd_ms"] + r["bwd_ms"]
-        print(f"{r['threads']:>7} {r['tokens']:>6} {r['op']:>9} {r['fwd_ms']:>8} {r['bwd_ms']:>8} "
+        print(f"{r['threads']:>7} {r['tokens']:>6} {r['op']:>13} {r['fwd_ms']:>8} {r['bwd_ms']:>8} "
               f"{total:>8.1f} {total / (dense['fwd_ms'] + dense['bwd_ms']):>8.2f}")
 
 

@@ -11,12 +11,23 @@ F32 norms, a dummy vocabulary.
                   q/k/v biases, Q4_K_M as llama.cpp mixes it (Q6_K for the tied
                   embedding/head and for attn_v and ffn_down of the layers that get
                   more bits, Q4_K elsewhere)
+    qwen3-30b-a3b 48 layers, embd 2048, 32/4 heads of 128, 128 experts of ffn 768, 8
+                  active per token, vocab 151936, Q4_K (the router ffn_gate_inp F32, as
+                  llama-quantize leaves it); 3-D expert tensors
+    qwen3-a3b-dense  its dense twin for speed: the same layers (qwen3's attention) with one
+                  SwiGLU of ffn 8 * 768 = 6144, the same active parameters per token
+
+`--layers N` writes and runs the first N layers of a shape only (its own file): the
+MoE shape at 2-4 layers fits beside other work, the whole file (about 17 GB for
+qwen3-30b-a3b) wants the machine to itself; `--steps 0` prints the estimate alone.
 
 Each (shape, ctx, mode) runs in a fresh process: load, estimate (memory.Planner, as
 the trainer computes it), one step (batch 1, LoRA r 8 on q,k,v,o,gate,up,down,
 AdamW), peak RSS (VmHWM). The first step is also the first touch of the model's
 pages; run it twice (`--steps 2`) to see a warm step, or not at all (`--steps 0`)
-for the estimate alone.
+for the estimate alone. Beside the wall time, each row gives the step's CPU time (user +
+system of the process, its threads summed): on a machine others load, the wall time
+counts their share, the CPU time much less.
 
     python bench/real_size.py [--shapes llama2-7b,llama3-8b,qwen2.5-1.5b] [--ctx 512,2048] [--mode layer]
         [--steps 1] [--compute-dtype f32,bf16] [--workdir /tmp/llamatune-real]
@@ -42,7 +53,13 @@ SHAPES = {
                       n_head=32, n_head_kv=8, head_dim=128, n_rot=128, norm_eps=1e-5, rope_freq_base=500000.0),
     "qwen2.5-1.5b": dict(arch="qwen2", n_vocab=151936, n_ctx_train=32768, n_embd=1536, n_layer=28, n_ff=8960,
                          n_head=12, n_head_kv=2, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
+    "qwen3-30b-a3b": dict(arch="qwen3moe", n_vocab=151936, n_ctx_train=40960, n_embd=2048, n_layer=48, n_ff=6144,
+                          n_head=32, n_head_kv=4, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0,
+                          n_expert=128, n_expert_used=8, n_ff_exp=768),
+    "qwen3-a3b-dense": dict(arch="qwen3", n_vocab=151936, n_ctx_train=40960, n_embd=2048, n_layer=48, n_ff=6144,
+                            n_head=32, n_head_kv=4, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
 }
+EXPERT_TARGETS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 TIED = {"qwen2.5-1.5b"}
 MIXED = {"qwen2.5-1.5b"}               # Q4_K_M; the others all Q4_K
 R = 8
@@ -91,7 +108,17 @@ def q4_k_m_type(name: str, n_layer: int):
     return QType.Q4_K
 
 
-def build(path: Path, shape: str) -> None:
+def shape_config(shape: str, layers: int = 0) -> dict:
+    """ModelConfig fields of `shape`, cut to its first `layers` layers (0: all)."""
+    return SHAPES[shape] | ({"n_layer": layers} if layers else {})
+
+
+def model_path(workdir: Path, shape: str, layers: int) -> Path:
+    cut = f"-{layers}l" if layers else ""
+    return workdir / f"random-{shape}{cut}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
+
+
+def build(path: Path, shape: str, layers: int = 0) -> None:
     import numpy as np
     from gguf import GGMLQuantizationType as QType
     from llamatune.models.config import ModelConfig
@@ -99,12 +126,17 @@ def build(path: Path, shape: str) -> None:
     from llamatune.models.writer import tensor_names
     if path.exists():
         return
-    cfg = ModelConfig(**SHAPES[shape])
+    cfg = ModelConfig(**shape_config(shape, layers))
     tensors = []
     for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
             fill = 0.0 if name.endswith(".bias") else 1.0
             tensors.append(TensorOut(name, s, QType.F32, lambda s=s, v=fill: np.full(s, v, np.float32)))
+        elif name.endswith("ffn_gate_inp.weight"):            # the router: F32 (llama-quantize leaves it)
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s, i=i: np.random.default_rng(i).normal(
+                0.0, 0.02, s).astype(np.float32)))
+        elif len(s) == 3:                                     # experts (E, n_out, n_in): E * n_out rows
+            tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k((s[0] * s[1], s[2]), i)))
         else:
             q = q4_k_m_type(name, cfg.n_layer) if shape in MIXED else QType.Q4_K
             make = random_q6_k if q == QType.Q6_K else random_q4_k
@@ -133,7 +165,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     model = Model(path)
     cfg = model.config
     tied = model.weights.output is model.weights.token_embd
-    targets = lora_targets(cfg, {k: R for k in TARGETS}, float(R), tied=tied)
+    targets = lora_targets(cfg, {k: R for k in TARGETS + (EXPERT_TARGETS if cfg.n_expert else ())}, float(R),
+                           tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
@@ -147,23 +180,27 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)
     load_s = time.perf_counter() - t_load
-    times, loss = [], float("nan")
+    times, cpu, loss = [], [], float("nan")
     for i in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         params.zero_grad()
         loss = graph.step(inputs, tg, w, (0, i, 0))
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
     return {"estimate": est.total, "runtime": est.runtime, "graph": est.graph, "model": est.model,
-            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "load_s": load_s, "loss": loss,
+            "scratch": est.scratch, "peak": peak_resident_bytes(), "step_s": times, "cpu_s": cpu, "load_s": load_s, "loss": loss,
             "sgemm_gflops": sgemm_gflops()}
 
 
 def step_gflop(cfg: dict, ctx: int, mode: str) -> float:
     """Matmul GFLOP of one step: forward, backward to inputs (frozen weights), recompute in layer mode, head."""
     C, F, L, V = cfg["n_embd"], cfg["n_ff"], cfg["n_layer"], cfg["n_vocab"]
+    if cfg.get("n_expert"):                                              # the experts a token uses, its router
+        F = cfg["n_expert_used"] * cfg["n_ff_exp"] + cfg["n_expert"] / 3
     Ckv = cfg["n_head_kv"] * cfg["head_dim"]
-    per_token = 2 * (2 * C * C + 2 * C * Ckv + 3 * C * F)               # one forward of a layer
+    Cq = cfg["n_head"] * cfg["head_dim"]
+    per_token = 2 * (2 * C * Cq + 2 * C * Ckv + 3 * C * F)              # one forward of a layer
     passes = 3 if mode == "layer" else 2
     attn = 2 * 2 * cfg["n_head"] * ctx * ctx * cfg["head_dim"] / 2 * (passes + 1.5) * L
     return (ctx * per_token * L * passes + attn + 2 * 2 * ctx * C * V) / 1e9
@@ -177,6 +214,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/llamatune-real"))
     ap.add_argument("--compute-dtype", default="f32", help="f32, bf16, or both alternately (f32,bf16)")
+    ap.add_argument("--layers", type=int, default=0, help="write and run only the first N layers (0: all)")
+    ap.add_argument("--rounds", type=int, default=1, help="run the (shape, dtype) list this many times, "
+                    "alternating (timings on a shared machine)")
     ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -184,16 +224,20 @@ def main() -> None:
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
     print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
+    print(f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"{'shape':12} {'ctx':>5} {'dtype':4} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
           f"{'GFLOP/s':>8} {'sgemm':>6} {'share':>6}")
+    paths = {}
     for shape in a.shapes.split(","):
-        path = a.workdir / f"random-{shape}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
+        paths[shape] = model_path(a.workdir, shape, a.layers)
         t = time.perf_counter()
-        build(path, shape)
-        print(f"# {path} ready ({time.perf_counter() - t:.0f} s)", flush=True)
+        build(paths[shape], shape, a.layers)
+        print(f"# {paths[shape]} ready ({time.perf_counter() - t:.0f} s)", flush=True)
+    for _ in range(a.rounds):
         for ctx in map(int, a.ctx.split(",")):
             for dtype in a.compute_dtype.split(","):
-                report(a, shape, path, ctx, dtype)
+                for shape, path in paths.items():
+                    report(a, shape, path, ctx, dtype)
 
 
 def report(a, shape: str, path: Path, ctx: int, dtype: str) -> None:
@@ -209,12 +253,12 @@ def report(a, shape: str, path: Path, ctx: int, dtype: str) -> None:
               f"graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}; no step run)", flush=True)
         return
     steps = "/".join(f"{s:.0f}" for s in r["step_s"])
-    rate = step_gflop(SHAPES[shape], ctx, a.mode) / r["step_s"][-1]
+    rate = step_gflop(shape_config(shape, a.layers), ctx, a.mode) / r["step_s"][-1]
     print(f"{shape:12} {ctx:5} {dtype:4} {r['estimate'] / g:8.2f} {r['peak'] / g:8.2f} {r['estimate'] / r['peak']:8.1%} "
           f"{steps:>12} {ctx / r['step_s'][-1]:6.1f} {rate:8.1f} {r['sgemm_gflops']:6.1f} "
           f"{rate / r['sgemm_gflops']:6.1%}  "
           f"(runtime {r['runtime'] / g:.2f}, graph {r['graph'] / g:.2f}, model {r['model'] / g:.2f}, "
-          f"load {r['load_s']:.0f} s, loss {r['loss']:.3f})", flush=True)
+          f"CPU {r['cpu_s'][-1]:.1f} s/step ({ctx / r['cpu_s'][-1]:.1f} tok per CPU-s), load {r['load_s']:.0f} s, loss {r['loss']:.3f}, load average {os.getloadavg()[0]:.1f})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -49,8 +49,10 @@ import numpy as np
 from numba import njit, prange
 
 from .swiglu import swiglu_backward, swiglu_backward_ref, swiglu_forward, swiglu_forward_ref
+from .vecmath import FASTMATH
 
-__all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "expert_groups", "expert_order", "moe_ffn_backward",
+__all__ = ["ExpertGroup", "ExpertLora", "ExpertRows", "SCRATCH", "expert_groups", "expert_matmul", "expert_order",
+           "row_padded", "scratch_shapes", "moe_ffn_backward",
            "moe_ffn_backward_ref", "moe_ffn_forward", "moe_ffn_forward_ref", "router_backward",
            "router_backward_ref", "router_forward", "router_forward_ref"]
 
@@ -155,11 +157,14 @@ def moe_ffn_backward_ref(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_
 # The router runs per token (a prange over tokens, float32 softmax, the top k by
 # repeated selection: k passes over E, ties to the lower expert as the reference's
 # stable sort). The experts run on all (token, slot) pairs sorted by expert at once
-# (`expert_order`, a counting sort: the reference's stable order, exactly): one gather
-# of the sorted rows, per-expert products through numpy/BLAS on contiguous slices,
-# one SwiGLU over all rows, and a per-token sum over the token's k rows weighted by
-# the router (no two threads write one token; slot order, not the reference's expert
-# order, so the sums agree to float32 rounding).
+# (`expert_order`, a counting sort: the reference's stable order, exactly), once per
+# layer and micro-batch (the backward reuses the order): one gather of the sorted rows,
+# per-expert products on contiguous slices (`expert_matmul`: oneDNN's float32 matmul,
+# or the run's bf16 products), one SwiGLU over all rows, and a per-token sum over the
+# token's k rows weighted by the router (no two threads write one token; slot order,
+# not the reference's expert order, so the sums agree to float32 rounding). The
+# forward keeps the sorted order and the gate inputs g, u; the backward gathers its
+# inputs again and recomputes h = silu(g) u into the shared scratch.
 
 @njit(cache=True, parallel=True)
 def _router_forward(idx, w, probs, logits, normalize):
@@ -274,15 +279,16 @@ def _combine(out, ys, w, pos):
 
 
 @njit(cache=True, parallel=True)
-def _weighted_rows(dys, dw, dout, w, ys, order, k):
-    # dw[t, s] = dout[t] . ys[r];  dys[r] = w[t, s] * dout[t]   for sorted row r of (t, s)
+def _weighted_rows(dw, dh, q, h, w, order, k):
+    # dw[t, s] = q[r] . h[r];  dh[r] = w[t, s] * q[r]   for sorted row r of (t, s) (dh may be q)
     for r in prange(order.shape[0]):
         t, s = order[r] // k, order[r] % k
-        acc = dout[t, 0] * 0
-        for c in range(dout.shape[1]):
-            acc += dout[t, c] * ys[r, c]
-            dys[r, c] = w[t, s] * dout[t, c]
+        acc = q[r, 0] * 0
+        for f in range(q.shape[1]):
+            acc += q[r, f] * h[r, f]
         dw[t, s] = acc
+        for f in range(q.shape[1]):
+            dh[r, f] = w[t, s] * q[r, f]
 
 
 @dataclass
@@ -302,19 +308,37 @@ class ExpertLora:
     db: np.ndarray | None = None        # (E, n_out, r)
 
 
+SCRATCH = ("xs", "ys", "h", "dh", "dg", "du")     # the rows' buffers every layer reuses
+
+
+def scratch_shapes(P: int, C: int, F: int) -> dict[str, tuple[int, int]]:
+    """The experts' scratch for P = N k rows, by name: xs (P, C) gathered inputs; ys (P, C)
+    the down products (backward: the gathered output gradient, then dL/dxs); h (P, F) the
+    SwiGLU output; dh, dg, du (P, F) its backward."""
+    return {"xs": (P, C), "ys": (P, C), "h": (P, F), "dh": (P, F), "dg": (P, F), "du": (P, F)}
+
+
+def _buffers(buffers, P, C, F, dtype, names):
+    """{name: array} of `names` from `buffers` (planned: train/buffers.py), the missing
+    ones allocated (inference, tests)."""
+    shapes = scratch_shapes(P, C, F) | {"g": (P, F), "u": (P, F)}
+    have = buffers or {}
+    return {n: have[n] if have.get(n) is not None else np.empty(shapes[n], dtype) for n in names}
+
+
 @dataclass
 class ExpertRows:
-    """What moe_ffn_forward saves for its backward: every (token, slot) pair's row,
-    sorted by expert (rows offsets[e]:offsets[e+1] are expert e's)."""
+    """What moe_ffn_forward keeps for its backward: the (token, slot) pairs sorted by
+    expert (rows offsets[e]:offsets[e+1] are expert e's) and their gate inputs; the
+    scratch (ys, h, ...) is shared with the next layers and the backward recomputes
+    what it needs there (h = silu(g) u, xs gathered again)."""
     order: np.ndarray       # (P,) int64, P = N k: pair k t + s of each sorted row
     offsets: np.ndarray     # (E + 1,) int64
     pos: np.ndarray         # (P,) int64: sorted row of each pair
-    xs: np.ndarray          # (P, C) gathered inputs
     g: np.ndarray           # (P, F) X_e W_gate[e]^T
     u: np.ndarray           # (P, F) X_e W_up[e]^T
-    h: np.ndarray           # (P, F) silu(g) * u
-    y: np.ndarray           # (P, C) h W_down[e]^T
     lora_in: dict           # projection -> (P, r) X_e A[e]^T of its LoRA
+    scratch: dict           # SCRATCH name -> array (planned, or allocated by the forward)
 
 
 def _used(offsets):
@@ -322,43 +346,164 @@ def _used(offsets):
             if offsets[e + 1] > offsets[e]]
 
 
-def _project(out, xs, w, lora, xa, used, bias=None):
+ROW_STEP = 16    # oneDNN's products over an expert's rows padded to a multiple of this
+
+
+def row_padded(mm, step: int = ROW_STEP):
+    """mm(out, a, W, trans_b) over a's rows padded with zeros to a multiple of `step`:
+    oneDNN builds (and keeps) a primitive per product shape, 0.6 MB each, and the
+    experts' row counts are all different (80 shapes of (n, 2048) x (2048, 768) took 47
+    MB); padded, a layer's products take a handful of shapes."""
+    def padded(out, a, W, trans_b):
+        M = a.shape[0]
+        Mp = -(-M // step) * step
+        if Mp == M:
+            return mm(out, a, W, trans_b)
+        ap = np.zeros((Mp, a.shape[1]), a.dtype)
+        ap[:M] = a
+        op = np.empty((Mp, out.shape[1]), out.dtype)
+        mm(op, ap, W, trans_b)
+        out[...] = op[:M]
+        return out
+    return padded
+
+
+def _onednn_f32(out, a, W, trans_b):
+    from . import bf16
+    bf16.gemm(out, a, W, trans_b=trans_b)
+    return out
+
+
+_onednn_padded = row_padded(_onednn_f32)
+
+
+def expert_matmul(out, a, W, trans_b):
+    """out = a @ W^T (trans_b) or a @ W: one expert's rows (a few dozen) times its
+    (n_out, n_in) matrix. float32 through oneDNN's float32 matmul where it loaded
+    (kernels/bf16.py gemm; rows padded, `row_padded`), else numpy in the orientation
+    OpenBLAS runs fast for few rows, (W a^T)^T: OpenBLAS 0.3.31 multiplies (32, 2048) x
+    (2048, 768) as a @ W^T at about 2 GFLOP/s, as W a^T at about 20, oneDNN at 30-60
+    (2 cores, bench/moe.py); float64 (the tests): numpy as written."""
+    if a.dtype == np.float32 and W.dtype == np.float32:
+        from . import bf16
+        if bf16.available():
+            _onednn_padded(out, a, W, trans_b)
+        else:
+            out[...] = (W @ a.T).T if trans_b else (W.T @ a.T).T
+        return out
+    return np.matmul(a, W.T if trans_b else W, out=out)
+
+
+# The adapters' rank-r products over all rows at once, each row with its expert's A or B
+# (offsets: expert e's rows offsets[e]:offsets[e+1]), in parallel over the experts: one
+# call per projection where a product per expert cost more in calls than in flops.
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_in(xa, xs, A, offsets):
+    # xa[r] = xs[r] A[e]^T                       A (E, R, K)
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for j in range(A.shape[1]):
+                acc = xs[r, 0] * 0
+                for c in range(A.shape[2]):
+                    acc += xs[r, c] * A[e, j, c]
+                xa[r, j] = acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_out(out, xa, B, scale, offsets):
+    # out[r] += scale * xa[r] B[e]^T             B (E, n_out, R)
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for o in range(B.shape[1]):
+                acc = xa[r, 0] * 0
+                for j in range(B.shape[2]):
+                    acc += xa[r, j] * B[e, o, j]
+                out[r, o] += scale * acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_back(d, dyb, dy, A, B, scale, offsets):
+    # dyb[r] = scale * dy[r] B[e];  d[r] += dyb[r] A[e]
+    R = A.shape[1]
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            for j in range(R):
+                dyb[r, j] = 0
+            for o in range(B.shape[1]):
+                v = dy[r, o]
+                for j in range(R):
+                    dyb[r, j] += v * B[e, o, j]
+            for j in range(R):
+                dyb[r, j] *= scale
+            for c in range(A.shape[2]):
+                acc = dyb[r, 0] * 0
+                for j in range(R):
+                    acc += dyb[r, j] * A[e, j, c]
+                d[r, c] += acc
+
+
+@njit(cache=True, parallel=True, fastmath=FASTMATH)
+def _lora_grads(da, db, dyb, dy, xs, xa, row_w, scale, offsets):
+    # da[e] += sum_r w_r dyb[r]^T xs[r];  db[e] += scale sum_r w_r dy[r]^T xa[r]   (rows of e)
+    R = da.shape[1]
+    for e in prange(offsets.shape[0] - 1):
+        for r in range(offsets[e], offsets[e + 1]):
+            wr = row_w[r]
+            for j in range(R):
+                f = wr * dyb[r, j]
+                for c in range(da.shape[2]):
+                    da[e, j, c] += f * xs[r, c]
+            for o in range(db.shape[1]):
+                f = scale * wr * dy[r, o]
+                for j in range(R):
+                    db[e, o, j] += f * xa[r, j]
+
+
+def _project(out, xs, w, lora, xa, used, mm, offsets, bias=None):
     """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)
     (+ bias[e], the expert's bias (E, n_out): gpt-oss)."""
     for e, a, b in used:
-        np.matmul(xs[a:b], w[e].T, out=out[a:b])
-        if lora is not None:
-            np.matmul(xs[a:b], lora.a[e].T, out=xa[a:b])
-            out[a:b] += lora.scale * (xa[a:b] @ lora.b[e].T)
-        if bias is not None:
+        mm(out[a:b], xs[a:b], w[e], True)
+    if lora is not None:
+        _lora_in(xa, xs, lora.a, offsets)
+        _lora_out(out, xa, lora.b, out.dtype.type(lora.scale), offsets)
+    if bias is not None:
+        for e, a, b in used:
             out[a:b] += bias[e]
 
 
-def _project_backward(dxs, dy, xs, w, lora, xa, used, dw, accumulate):
-    """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); dw[e] +=
-    dy^T xs where dw is given; the LoRA's da, db likewise."""
+def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, offsets, dw=None, row_w=None, accumulate=False):
+    """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); the weight
+    gradients take dy's rows times row_w (None: 1): dw[e] += dy^T xs where dw is given,
+    the LoRA's da, db likewise."""
     for e, a, b in used:
-        d = dy[a:b] @ w[e]
-        if lora is not None:
-            dyb = lora.scale * (dy[a:b] @ lora.b[e])            # (n_e, r)
-            d += dyb @ lora.a[e]
-            if lora.da is not None:
-                lora.da[e] += (xs[a:b].T @ dyb).T               # (kernels/lora.py: the fast orientation)
-            if lora.db is not None:
-                lora.db[e] += lora.scale * (dy[a:b].T @ xa[a:b])
         if accumulate:
-            dxs[a:b] += d
+            dxs[a:b] += mm(np.empty((b - a, dxs.shape[1]), dxs.dtype), dy[a:b], w[e], False)
         else:
-            dxs[a:b] = d
+            mm(dxs[a:b], dy[a:b], w[e], False)
         if dw is not None:
-            dw[e] += dy[a:b].T @ xs[a:b]
+            dw[e] += (dy[a:b] if row_w is None else dy[a:b] * row_w[a:b, None]).T @ xs[a:b]
+    if lora is None:
+        return
+    scale = dxs.dtype.type(lora.scale)
+    dyb = np.empty((dy.shape[0], lora.a.shape[1]), dy.dtype)
+    _lora_back(dxs, dyb, dy, lora.a, lora.b, scale, offsets)
+    if lora.da is not None or lora.db is not None:
+        da = lora.da if lora.da is not None else np.zeros_like(lora.a)
+        db = lora.db if lora.db is not None else np.zeros_like(lora.b)
+        rw = row_w if row_w is not None else np.ones(dy.shape[0], dy.dtype)
+        _lora_grads(da, db, dyb, dy, xs, xa, rw, scale, offsets)
 
 
-def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, bias=None, gate=None):
+def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=None, mm=expert_matmul, bias=None,
+                    gate=None):
     """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
     ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
     chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
-    ExpertLora} on those projections, or None. gpt-oss's experts: bias {"gate" | "up" |
+    ExpertLora} on those projections, or None. buffers: {name: array} for the kept g, u
+    (P, F), the LoRAs' "xa.<projection>" (P, r) and the SCRATCH, P = N k (missing ones
+    are allocated). mm(out, a, W, trans_b): the per-expert product (expert_matmul, or
+    the run's bf16 products with bf16 weights). gpt-oss's experts: bias {"gate" | "up" |
     "down": (E, n_out)} added to each projection (frozen), and gate = (forward, backward)
     kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward."""
     lora, bias = lora or {}, bias or {}
@@ -366,33 +511,47 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, bias=None, 
     N, k = idx.shape
     order, offsets, pos = expert_order(idx, w_gate.shape[0])
     P, F, C, dt = order.shape[0], w_gate.shape[1], x.shape[1], x.dtype
-    xs, y = np.empty((P, C), dt), np.empty((P, C), dt)
-    g, u, h = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
-    xa = {name: np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
+    b = _buffers(buffers, P, C, F, dt, ("g", "u") + SCRATCH)
+    have = buffers or {}
+    xa = {name: have.get(f"xa.{name}") if have.get(f"xa.{name}") is not None
+          else np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
     used = _used(offsets)
-    _gather_pairs(xs, x, order, k)
-    _project(g, xs, w_gate, lora.get("gate"), xa.get("gate"), used, bias.get("gate"))
-    _project(u, xs, w_up, lora.get("up"), xa.get("up"), used, bias.get("up"))
-    gate_forward(h, g, u)
-    _project(y, h, w_down, lora.get("down"), xa.get("down"), used, bias.get("down"))
-    _combine(out, y, w, pos)
-    return ExpertRows(order, offsets, pos, xs, g, u, h, y, xa)
+    _gather_pairs(b["xs"], x, order, k)
+    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm, offsets, bias.get("gate"))
+    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm, offsets, bias.get("up"))
+    gate_forward(b["h"], b["g"], b["u"])
+    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets, bias.get("down"))
+    _combine(out, b["ys"], w, pos)
+    return ExpertRows(order, offsets, pos, b["g"], b["u"], xa, {n: b[n] for n in SCRATCH})
 
 
 def moe_ffn_backward(dx, dw, dw_gate, dw_up, dw_down, dout, x, w, w_gate, w_up, w_down, rows, lora=None,
-                     gate=None):
-    """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows; the LoRA's
-    gradients accumulate into its da, db; gate as in the forward (the biases need nothing)."""
-    lora = lora or {}
-    gate_backward = swiglu_backward if gate is None else gate[1]
+                     mm=expert_matmul, bias=None, gate=None):
+    """moe_ffn_backward_ref's contract with moe_ffn_forward's ExpertRows (x: the forward's
+    input, gathered again); the LoRA's gradients accumulate into its da, db. The router
+    weight's gradient without the down products kept: with q = dout[t] W_down[e] (+ its
+    LoRA's scale (dout[t] B[e]) A[e]), dout[t] . y = q . h (+ dout[t] . bias_down[e]), and
+    dL/dh = w[t, s] q. bias, gate as in the forward (the frozen biases take no gradient)."""
+    lora, bias = lora or {}, bias or {}
+    gate_forward, gate_backward = (swiglu_forward, swiglu_backward) if gate is None else gate
     k = w.shape[1]
-    P, F, C, dt = rows.g.shape[0], rows.g.shape[1], x.shape[1], x.dtype
-    dys, dxs = np.empty((P, C), dt), np.empty((P, C), dt)
-    dh, dg, du = np.empty((P, F), dt), np.empty((P, F), dt), np.empty((P, F), dt)
+    sc = rows.scratch
+    xs, ys, h, dh, dg, du = (sc[n] for n in SCRATCH)
     used = _used(rows.offsets)
-    _weighted_rows(dys, dw, dout, w, rows.y, rows.order, k)
-    _project_backward(dh, dys, rows.h, w_down, lora.get("down"), rows.lora_in.get("down"), used, dw_down, False)
+    row_w = w.reshape(-1)[rows.order]                           # router weight of each sorted row
+    _gather_pairs(ys, dout, rows.order, k)                      # dout of each row, unweighted
+    gate_forward(h, rows.g, rows.u)
+    o = rows.offsets
+    _project_backward(dh, ys, h, w_down, lora.get("down"), rows.lora_in.get("down"), used, mm, o, dw_down, row_w)
+    _weighted_rows(dw, dh, dh, h, w, rows.order, k)
+    if bias.get("down") is not None:                            # dout[t] . bias_down[e] of each row
+        bd = np.empty(rows.order.shape[0], dw.dtype)
+        for e, a, b in used:
+            bd[a:b] = ys[a:b] @ bias["down"][e]
+        dw[rows.order // k, rows.order % k] += bd
     gate_backward(dg, du, dh, rows.g, rows.u)
-    _project_backward(dxs, dg, rows.xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, dw_gate, False)
-    _project_backward(dxs, du, rows.xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, dw_up, True)
-    _combine(dx, dxs, None, rows.pos)
+    _gather_pairs(xs, x, rows.order, k)
+    _project_backward(ys, dg, xs, w_gate, lora.get("gate"), rows.lora_in.get("gate"), used, mm, o, dw_gate)
+    _project_backward(ys, du, xs, w_up, lora.get("up"), rows.lora_in.get("up"), used, mm, o, dw_up,
+                      accumulate=True)
+    _combine(dx, ys, None, rows.pos)

@@ -260,3 +260,144 @@ def test_export_merges_expert_adapters_per_expert(qwen3moe, tmp_path, tiny_vocab
         runtime = Runner(model, load_runtime_adapters(model, [(str(tmp_path / "a.gguf"), 1.0)])).forward(ids)
         assert np.abs(runtime - Runner(model).forward(ids)).max() > 1e-2     # the adapter matters
         np.testing.assert_allclose(Runner(merged).forward(ids), runtime, atol=1e-4 * np.abs(runtime).max())
+
+
+# --------------------------------------------------------------------------- the load-balancing loss
+def _aux_graph(model, ranks, coef, mode="layer"):
+    from checks.arch_reference import batch, lora_setup
+    from llamatune.train.graph import Graph
+    targets, params = lora_setup(model, ranks, np.float64)
+    g = Graph(model.config, FrozenBase(model), params, targets, 2, 6, mode, dtype=np.float64)
+    g.router_aux_coef = coef
+    return g, params, batch(model.config, 2, 6)
+
+
+def test_router_aux_loss_gradients_fd(qwen3moe):
+    """--router-aux-loss-coef: the load-balancing loss's gradient through the router's
+    logits into its adapter and into attention's (the normed input), with the
+    cross-entropy's, by float64 finite differences; the step's loss is the
+    cross-entropy plus coef times load_balancing's (one micro-batch: a share of 1)."""
+    from fdcheck import fd_check
+    g, params, (inputs, tg, w) = _aux_graph(qwen3moe, {"ffn_gate_inp": 2, "attn_v": 2}, 2.0)
+
+    def loss(p):
+        params.zero_grad()
+        return g.step(inputs, tg, w, key=(7,))
+    total = loss(params.data)
+    analytic = params.grad.copy()
+    g.router_aux_coef = 0.0
+    plain = loss(params.data)
+    assert np.abs(params.grad - analytic).max() > 1e-3 * np.abs(analytic).max()     # the loss moves the gradient
+    g.router_aux_coef = 2.0
+    states = [a.ffn.state for a in g.layers]
+    from llamatune.train.moe import load_balancing
+    aux, _ = load_balancing(states, qwen3moe.config.n_expert)
+    assert aux > 0 and total == pytest.approx(plain + 2.0 * aux, rel=1e-12)
+    assert fd_check(loss, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-9, n_probe=150) < 1e-5
+
+
+def test_router_aux_loss_equals_transformers(tmp_path):
+    """train/moe.load_balancing and its softmax backward against transformers'
+    load_balancing_loss_func (qwen3_moe) under torch autograd, on the same float64 router
+    logits of 3 layers (its sums run in float32: agreement to 1e-6)."""
+    import json
+    import subprocess
+    from types import SimpleNamespace
+    from llamatune.models.moe import route
+    from llamatune.train.moe import load_balancing, probs_backward
+    if not Path(TORCH_PYTHON).exists():
+        pytest.skip(f"no Python with torch and transformers at {TORCH_PYTHON} (LLAMATUNE_TORCH_PYTHON)")
+    L, N, E, k = 3, 10, 8, 2
+    logits = np.random.default_rng(3).normal(0, 1.5, (L, N, E))
+    np.save(tmp_path / "logits.npy", logits)
+    script = f"""
+import json, numpy as np, torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+z = torch.tensor(np.load({str(tmp_path / "logits.npy")!r}), dtype=torch.float64, requires_grad=True)
+aux = load_balancing_loss_func(tuple(z), {E}, {k})
+aux.backward()
+print(json.dumps({{"aux": float(aux), "grad": z.grad.tolist()}}))
+"""
+    proc = subprocess.run([TORCH_PYTHON, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hf = json.loads(proc.stdout.strip().splitlines()[-1])
+    states = []
+    for z in logits:
+        idx, _, probs = route(z, k, True)
+        states.append(SimpleNamespace(idx=idx, probs=probs, prob_sum=probs.sum(axis=0)))
+    aux, dp = load_balancing(states, E)
+    assert aux == pytest.approx(hf["aux"], rel=1e-6)
+    grad = np.zeros_like(logits)
+    for g, s in zip(grad, states):
+        probs_backward(g, dp, s.probs)
+    want = np.array(hf["grad"])
+    assert np.abs(grad - want).max() <= 1e-6 * np.abs(want).max()
+
+
+def test_router_options(qwen3moe, tmp_path):
+    from llamatune.options.training import FinetuneOptions
+    from llamatune.train.lora import lora_targets
+    on = lora_targets(qwen3moe.config, FinetuneOptions(lora_r=4, train_router=True).ranks(), 4.0, tied=False)
+    assert {t.rank for t in on if t.kind == "ffn_gate_inp"} == {4} and len([t for t in on if t.kind == "ffn_gate_inp"]) == 2
+    opts = FinetuneOptions(lora_r=4, train_router=True, rank_ffn_gate_inp=2)
+    assert opts.ranks()["ffn_gate_inp"] == 2 and FinetuneOptions(lora_r=4).ranks()["ffn_gate_inp"] == 0
+    with pytest.raises(LlamatuneError, match=r"--router-aux-loss-coef -0.5: must be 0 or more"):
+        FinetuneOptions(router_aux_loss_coef=-0.5).check()
+
+
+def test_memory_plan_and_dry_run_name_the_experts(qwen3moe):
+    """The experts' rows (N k of them) are planned: their scratch once, the kept g, u, probs,
+    w per layer (shared in layer mode), the expert adapters' x A^T; a graph allocates
+    exactly the plan; --dry-run names the model file's share and its experts'."""
+    from llamatune.kernels.moe import scratch_shapes
+    from llamatune.train.buffers import step_plan
+    from llamatune.train.graph import Graph
+    from llamatune.train.lora import lora_targets
+    from llamatune.train.memory import Planner, gib
+    from llamatune.train.trainer import file_share
+    cfg = qwen3moe.config
+    targets = lora_targets(cfg, {"ffn_gate_exps": 2, "ffn_down_exps": 3, "attn_q": 2}, 4.0, tied=False)
+    N, P = 2 * 8, 2 * 8 * cfg.n_expert_used
+    plan = step_plan(cfg, targets, 2, 8, "layer", 4, False).buffers
+    assert {k: plan[f"moe.{k}"] for k in scratch_shapes(P, 1, 1)} == scratch_shapes(P, cfg.n_embd, cfg.n_ff_exp)
+    assert plan["layer.moe.g"] == plan["layer.moe.u"] == (P, cfg.n_ff_exp)
+    assert plan["layer.moe.probs"] == (N, cfg.n_expert) and plan["layer.moe.w"] == (N, cfg.n_expert_used)
+    assert plan["moe.xa.ffn_gate_exps.2"] == (P, 2) and plan["moe.xa.ffn_down_exps.3"] == (P, 3)
+    none = step_plan(cfg, targets, 2, 8, "none", 4, False).buffers
+    assert all(f"blk.{i}.moe.g" in none and f"moe.xa.blk.{i}.ffn_gate_exps.weight" in none for i in range(cfg.n_layer))
+    base = FrozenBase(qwen3moe)
+    planner = Planner(cfg, targets, base, 1 << 20, qwen3moe.path.stat().st_size, 0, 0.0)
+    est = planner.estimate(2, 8, "layer")
+    experts = sum(t.nbytes for t in base.experts.values())
+    assert 0 < experts < est.model
+    assert file_share(planner, est) == (f"of the layer estimate: the model file {gib(est.model)} (the experts "
+                                        f"{gib(experts)} of it), mapped and read in place; the run's own memory "
+                                        f"{gib(est.total - est.model)}")
+
+
+def test_bf16_products_take_the_experts_in_bf16(qwen3moe, monkeypatch):
+    """With bf16 products the experts come dequantized to bf16 (FrozenBase.expert_matrix_bf16)
+    and multiply through the run's Products: the step's loss and LoRA gradients (experts'
+    and attention's) close to the float32 step's."""
+    from llamatune.kernels import bf16
+    from llamatune.precision import policy
+    from llamatune.train.graph import Graph
+    from checks.arch_reference import batch, lora_setup
+    if not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    ranks = {"ffn_gate_exps": 2, "ffn_down_exps": 2, "attn_q": 2}
+    inputs, tg, w = batch(qwen3moe.config, 2, 16)
+    got = {}
+    for dtype in ("f32", "bf16"):
+        targets, params = lora_setup(qwen3moe, ranks, np.float32)
+        base = FrozenBase(qwen3moe)
+        seen = []
+        real = base.expert_matrix_bf16
+        monkeypatch.setattr(base, "expert_matrix_bf16", lambda name, e: seen.append(e) or real(name, e))
+        g = Graph(qwen3moe.config, base, params, targets, 2, 16, "layer", policy=policy(dtype))
+        params.zero_grad()
+        got[dtype] = (g.step(inputs, tg, w), params.grad.copy(), len(seen))
+    assert got["f32"][2] == 0 and got["bf16"][2] > 0
+    assert got["bf16"][0] == pytest.approx(got["f32"][0], rel=1e-2)
+    a, b = got["f32"][1], got["bf16"][1]
+    assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99

@@ -13,7 +13,7 @@ from llamatune.train.buffers import buffer_plan, plan_bytes
 from llamatune.train.graph import Graph
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
-from llamatune.train.memory import Planner
+from llamatune.train.memory import Planner, gib
 from llamatune.models.model import Model
 from llamatune.options import FinetuneOptions, build_options
 from llamatune.train.params import ParamBuffer, ParamSpec
@@ -174,10 +174,12 @@ def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypa
     assert lines[1:4] == [f"  {e['layer'].describe()}  fits", f"  {e['selective'].describe()}  fits",
                           f"  {e['none'].describe()}  does not fit"]
     assert re.fullmatch(r"  available [\d.]+ GiB: --checkpointing auto picks selective", lines[4])
+    assert lines[5] == (f"  of the selective estimate: the model file {gib(e['selective'].model)}, mapped and read "
+                        f"in place; the run's own memory {gib(e['selective'].total - e['selective'].model)}")
     size = r"[\d.]+ [KM]iB"
     assert re.fullmatch(rf"  each save writes {size}: c-ITERATION.gguf {size}, c-LATEST.gguf {size}, "
                         rf"a-ITERATION.gguf {size}, a-LATEST.gguf {size}, a-ITERATION.imatrix.gguf {size}, "
-                        rf"a-LATEST.imatrix.gguf {size}", lines[5])
+                        rf"a-LATEST.imatrix.gguf {size}", lines[6])
     assert steps == [] and sorted(f.name for f in tmp_path.iterdir()) == ["d.txt", "m.gguf"]
     free["bytes"] = e["layer"].added - 1
     r = CliRunner().invoke(app, args + ["--checkpointing", "none"])

@@ -134,6 +134,12 @@ class Forward:
         bf16 bits (training with bf16 products: train.graph.Graph)."""
         raise NotImplementedError("only a training graph keeps g and u as bf16")
 
+    def expert_buffers(self, i: int) -> dict:
+        """Layer i's planned mixture-of-experts buffers (kernels/moe.py SCRATCH, its
+        adapters' "xa.<projection>"): a training graph's (train/buffers.py); none here,
+        the experts' kernels allocate them."""
+        return {}
+
     def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """The keys and values layer i attends over, and the position of k's first row:
         the step's own (training); inference appends them to its cache."""

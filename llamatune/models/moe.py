@@ -11,10 +11,13 @@ For the normed input xn (N, C) of layer i:
 with G, U (E, F_exp, C) = `ffn_gate_exps`, `ffn_up_exps` and D (E, C, F_exp) =
 `ffn_down_exps` (kernels/moe.py: pairs grouped by expert as ggml_mul_mat_id). The
 expert tensors stay as stored; only the experts a batch chose are dequantized, one at a
-time, right before their products (`ExpertWeights`). Adapters on the experts are per
+time, into the dequantizer's one scratch right before their products (`ExpertWeights`),
+and multiplied as the run's products are (`expert_products`: bf16 weights through
+oneDNN with bf16 products, else float32). Adapters on the experts are per
 expert, A (E, r, n_in) and B (E, n_out, r), applied to each expert's rows as llama.cpp's
 build_lora_mm_id does (`expert_adapters`). What the backward reads is kept in a
-`MoeActs` (train/moe.py runs the backward).
+`MoeActs` (train/moe.py runs the backward); a training graph plans its arrays and the
+experts' scratch (`Forward.expert_buffers`), inference allocates them.
 """
 from __future__ import annotations
 
@@ -31,11 +34,13 @@ class ExpertWeights:
     e's (n_out, n_in) float32 matrix, dequantized when asked (valid until the next
     dequantization); `shape` is (E, n_out, n_in)."""
 
-    def __init__(self, base, name: str):
-        self.base, self.name = base, name
+    def __init__(self, base, name: str, bf16: bool = False):
+        self.base, self.name, self.bf16 = base, name, bf16
         self.shape = base.expert_shape(name)
 
     def __getitem__(self, e: int) -> np.ndarray:
+        if self.bf16:                               # bf16 bits (uint16), for bf16 products
+            return self.base.expert_matrix_bf16(self.name, int(e))
         return self.base.expert_matrix(self.name, int(e))
 
 
@@ -46,6 +51,7 @@ class MoeActs:
     idx: np.ndarray                 # (N, k) int64 experts chosen, largest first
     w: np.ndarray                   # (N, k) their weights
     rows: kmoe.ExpertRows           # the grouped pairs and their SwiGLU activations
+    prob_sum: np.ndarray            # (E,) probs summed over the tokens (the load-balancing loss)
 
 
 PROJECTIONS = (("gate", "ffn_gate_exps"), ("up", "ffn_up_exps"), ("down", "ffn_down_exps"))
@@ -66,16 +72,31 @@ def expert_adapters(fw, i: int) -> dict[str, kmoe.ExpertLora]:
     return out
 
 
-def experts_of(base, i: int) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
-    """Layer i's gate, up and down expert tensors."""
-    return tuple(ExpertWeights(base, f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+def experts_of(base, i: int, bf16: bool = False) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+    """Layer i's gate, up and down expert tensors (dequantized to bf16 bits with `bf16`)."""
+    return tuple(ExpertWeights(base, f"blk.{i}.{k}.weight", bf16)
+                 for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
-def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def expert_products(fwd, N: int):
+    """(bf16, mm) of a mixture of experts over N tokens: whether its experts come
+    dequantized to bf16, and the per-expert product mm(out, a, W, trans_b): the run's
+    bf16 products (fwd.products: oneDNN, the dense layers' path) where the run multiplies
+    N rows in bf16 (over rows padded as kernels/moe.row_padded pads them), else
+    kernels/moe.expert_matmul (float32)."""
+    if fwd.products.dtype == "bf16" and fwd.products.bf16_for(N):
+        return True, kmoe.row_padded(fwd.products)
+    return False, kmoe.expert_matmul
+
+
+def route(logits: np.ndarray, k: int, normalize: bool, w: np.ndarray | None = None,
+          probs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(idx (N, k), w (N, k), probs (N, E)) of router logits (N, E): the numba router in
-    float32, the reference in float64 (the gradient tests)."""
+    float32, the reference in float64 (the gradient tests); w, probs written where given."""
     N, E = logits.shape
-    idx, w, probs = np.empty((N, k), np.int64), np.empty((N, k), logits.dtype), np.empty((N, E), logits.dtype)
+    idx = np.empty((N, k), np.int64)
+    w = np.empty((N, k), logits.dtype) if w is None else w
+    probs = np.empty((N, E), logits.dtype) if probs is None else probs
     if logits.dtype == np.float32:
         kmoe.router_forward(idx, w, probs, logits, normalize)
     else:
@@ -101,14 +122,19 @@ def expert_biases(base, i: int, dtype) -> dict[str, np.ndarray]:
     return out
 
 
-def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int) -> MoeActs:
+def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None = None) -> MoeActs:
     """out (N, C) = layer i's mixture of experts of xn (N, C) (overwritten), through the
     Forward `fwd` (its `linear` runs the router, with its bias where it has one; its base
-    hands out the experts and their biases)."""
+    hands out the experts and their biases, its expert_buffers(i) the planned scratch).
+    kept: the part's planned probs (N, E), w (N, k), g and u (N k, F), or None (allocated here)."""
     cfg = fwd.cfg
+    kept = kept or {}
     logits = np.empty((xn.shape[0], cfg.n_expert), xn.dtype)
     fwd.linear(logits, xn, f"blk.{i}.ffn_gate_inp.weight")
-    idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm)
-    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i), lora=expert_adapters(fwd, i),
-                                bias=expert_biases(fwd.base, i, xn.dtype), gate=expert_gate(cfg))
-    return MoeActs(probs, idx, w, rows)
+    idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm, kept.get("w"), kept.get("probs"))
+    bf16, mm = expert_products(fwd, xn.shape[0])
+    buffers = fwd.expert_buffers(i) | {k: kept.get(k) for k in ("g", "u")}
+    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i, bf16), lora=expert_adapters(fwd, i),
+                                buffers=buffers, mm=mm, bias=expert_biases(fwd.base, i, xn.dtype),
+                                gate=expert_gate(cfg))
+    return MoeActs(probs, idx, w, rows, probs.sum(axis=0))

@@ -319,8 +319,12 @@ class FeedForward(Part):
 class MoeFeedForwardActs(Acts):
     rstd: np.ndarray     # (N,) the input norm's
     xn: np.ndarray | None = None      # (N, C) normed input, kept only in checkpointing mode "none"
-    state: MoeActs | None = None      # the router's choice and the experts' grouped rows: made by each
-    #                                   forward (their sizes follow the choice), not planned
+    probs: np.ndarray | None = None   # (N, E) the router's softmax
+    w: np.ndarray | None = None       # (N, k) the weights of the experts chosen
+    g: np.ndarray | None = None       # (N k, F) gate inputs of the (token, slot) rows sorted by expert
+    u: np.ndarray | None = None       # (N k, F)
+    state: MoeActs | None = None      # the router's choice and the rows' order (small integer arrays
+    #                                   made by each forward) over the arrays above
 
 
 class MoeFeedForward(Part):
@@ -334,13 +338,16 @@ class MoeFeedForward(Part):
         self.norm = self.p + "ffn_norm.weight"
 
     def act_shapes(self, B, T, keep_inputs):
-        N = B * T
-        return {"rstd": (N,)} | ({"xn": (N, self.cfg.n_embd)} if keep_inputs else {})
+        N, cfg = B * T, self.cfg
+        P = N * cfg.n_expert_used
+        return ({"rstd": (N,)} | ({"xn": (N, cfg.n_embd)} if keep_inputs else {})
+                | {"probs": (N, cfg.n_expert), "w": (N, cfg.n_expert_used), "g": (P, cfg.n_ff_exp),
+                   "u": (P, cfg.n_ff_exp)})
 
     def forward(self, fw, a: MoeFeedForwardActs, x, residual, y) -> None:
         xn = fw.xn if a.xn is None else a.xn
         self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
-        a.state = moe_forward(fw, y, xn, self.i)
+        a.state = moe_forward(fw, y, xn, self.i, {"probs": a.probs, "w": a.w, "g": a.g, "u": a.u})
 
 
 @dataclass

@@ -147,6 +147,11 @@ class FrozenBase:
         dequantization; only that expert's rows of the stored tensor are read (the CPU)."""
         return self.model.dequantizer.expert(self.experts[name], e)
 
+    def expert_matrix_bf16(self, name: str, e: int) -> np.ndarray:
+        """expert_matrix's rows dequantized straight to bf16 bits (uint16; the bf16 products)."""
+        t = self.experts[name]
+        return self.model.dequantizer.block_bf16(t, e * t.shape[1], (e + 1) * t.shape[1])
+
     def vector(self, name: str):
         return self.vectors.get(name)
 

@@ -171,7 +171,12 @@ class FinetuneOptions(TrainOptions):
     no_lora_experts: bool = opt(False, "No adapters on the experts of a mixture of experts (attention, and the "
                                 "router where --rank-ffn-gate-inp asks, only).", G_LORA, frozen=True)
     rank_ffn_gate_inp: int = opt(0, "Rank for a mixture of experts' router ffn_gate_inp (and a shared expert's "
-                                 "gate ffn_gate_inp_shexp; 0: frozen).", G_LORA, frozen=True)
+                                 "gate ffn_gate_inp_shexp; 0: frozen, unless --train-router).", G_LORA, frozen=True)
+    train_router: bool = opt(False, "Train a mixture of experts' router ffn_gate_inp through an adapter of rank "
+                             "--lora-r (or --rank-ffn-gate-inp where given).", G_LORA, frozen=True)
+    router_aux_loss_coef: float = opt(0.0, "Weight of a mixture of experts' load-balancing loss (Hugging Face's "
+                                      "router_aux_loss_coef, Switch Transformer's auxiliary loss over every layer's "
+                                      "router; 0: none, as PEFT recipes for LoRA).", G_LORA)
     rank_attn_gate: Optional[int] = opt(None, "Rank for attn_gate, the delta-net layers' output gate projection "
                                         "(qwen35).", G_LORA, frozen=True)
     rank_ssm_out: Optional[int] = opt(None, "Rank for ssm_out, the delta-net layers' output projection (qwen35).",
@@ -262,7 +267,8 @@ class FinetuneOptions(TrainOptions):
                 "ffn_norm": self.rank_ffn_norm, "output_norm": self.rank_out_norm,
                 "attn_q_norm": self.rank_q_norm, "attn_k_norm": self.rank_k_norm,
                 "post_attention_norm": self.rank_post_att_norm, "post_ffw_norm": self.rank_post_ffn_norm,
-                "ffn_gate_inp": self.rank_ffn_gate_inp, "ffn_gate_inp_shexp": self.rank_ffn_gate_inp,
+                "ffn_gate_inp": self.rank_ffn_gate_inp or (self.lora_r if self.train_router else 0),
+                "ffn_gate_inp_shexp": self.rank_ffn_gate_inp,
                 # a shared expert (qwen35moe) is a dense SwiGLU: the feed-forward's ranks
                 "ffn_gate_shexp": pick(self.rank_ffn_gate), "ffn_up_shexp": pick(self.rank_ffn_up),
                 "ffn_down_shexp": pick(self.rank_ffn_down)} | {
@@ -325,6 +331,8 @@ def validate(o: TrainOptions) -> None:
             bad(f"--lora-r {o.lora_r}: must be at least 1")
         if not 0 <= o.lora_dropout < 1:
             bad(f"--lora-dropout {o.lora_dropout}: must be in [0, 1)")
+        if not 0 <= o.router_aux_loss_coef < float("inf"):
+            bad(f"--router-aux-loss-coef {o.router_aux_loss_coef}: must be 0 or more")
         negative = [k for k, r in o.ranks().items() if r < 0]
         if negative:
             bad(f"negative LoRA rank for {', '.join(negative)}")

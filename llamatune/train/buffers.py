@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..kernels.moe import scratch_shapes
 from ..models.arch import layer_matrix_shapes
 from ..models.config import ModelConfig
 from ..models.parts import fused_width, layer_act_shapes, layer_parts
@@ -115,6 +116,8 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     for t in targets:                                              # x A^T of each adapter (shared per kind
         if has_xa(cfg, t.kind):                                    # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
+    if cfg.n_expert:
+        plan |= expert_plan(cfg, targets, N, mode)
     room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
     per_token = head_floats(cfg)
     chunk = head_chunk(N, per_token, room)
@@ -138,6 +141,20 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
         head_tmp = max(head_tmp, head_rows * C, *(o * i for o, i in mats))
     if head_tmp:
         plan["head_tmp"] = (head_tmp,)
+    return plan
+
+
+def expert_plan(cfg: ModelConfig, targets: list[LoraTarget], N: int, mode: str) -> dict[str, tuple[int, ...]]:
+    """A mixture of experts' rows, P = N k (token, slot) pairs sorted by expert: the
+    experts' scratch every layer reuses (kernels/moe.py scratch_shapes, `moe.<name>`) and
+    x A^T of each expert adapter (P, r), kept per layer (shared in layer mode). The
+    dequantized expert takes the dequantizer's scratch; the kept probs, w, g, u are the
+    part's activations (models/parts.MoeFeedForward)."""
+    P = N * cfg.n_expert_used
+    plan = {f"moe.{k}": s for k, s in scratch_shapes(P, cfg.n_embd, cfg.n_ff_exp).items()}
+    for t in targets:
+        if t.kind in cfg.spec.experts:
+            plan[f"moe.xa.{t.kind}.{t.rank}" if mode == "layer" else f"moe.xa.{t.weight}"] = (P, t.rank)
     return plan
 
 

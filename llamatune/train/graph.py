@@ -34,15 +34,18 @@ import numpy as np
 from ..backend import Backend, cpu
 from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
+from ..kernels.moe import SCRATCH
 from ..models.config import ModelConfig
 from ..models.forward import Forward
-from ..models.parts import layer_acts
+from ..models.moe import PROJECTIONS
+from ..models.parts import MoeFeedForwardActs, layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
 from .buffers import arena_size, carve, checkpointing_mode, grad_scratch, has_xa, plan_bytes, step_plan
 from .head import LossHead
 from .linear import LoraLinears
 from .lora import Lora, LoraTarget
+from .moe import load_balancing, warm_up_experts
 from .params import ParamBuffer
 from .parts import TRAIN_PARTS
 
@@ -73,6 +76,8 @@ class Graph(Forward):
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
+        self.router_aux_coef = 0.0             # --router-aux-loss-coef (a mixture of experts)
+        self.router_aux_grad = None            # (E,) its dL/d(router probabilities) in a step (router_aux)
         self.head_rows = base.head_rows
         self.plan = step_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable, policy,
                               self.backend.name != "cpu", lora_dropout)
@@ -137,6 +142,18 @@ class Graph(Forward):
         dg and du, idle in a forward (and in `layer` mode's recompute, which runs
         before that layer's backward)."""
         return self.dg, self.du
+
+    def expert_buffers(self, i: int) -> dict:
+        """Layer i's planned mixture-of-experts buffers (buffers.expert_plan): the experts'
+        scratch and its expert adapters' x A^T as "xa.<projection>"."""
+        out = {k: self.buffers[f"moe.{k}"] for k in SCRATCH}
+        for proj, kind in PROJECTIONS:
+            lora = self.lora.get(f"blk.{i}.{kind}.weight")
+            if lora is not None:
+                t = lora.target
+                out[f"xa.{proj}"] = self.buffers[f"moe.xa.{kind}.{t.rank}" if self.mode == "layer"
+                                                 else f"moe.xa.{t.weight}"]
+        return out
 
     def activation_bytes(self) -> int:
         """Bytes of every buffer the graph allocated (the plan's)."""
@@ -254,6 +271,7 @@ class Graph(Forward):
                                                 self.linears.dropout, self.tmp.dtype, self.backend, within=self,
                                                 policy=self.policy)
         g.linears.dropout, g.reweight, g.observer = self.linears.dropout, self.reweight, self.observer
+        g.router_aux_coef = self.router_aux_coef
 
         def cut(a):
             return None if a is None else np.asarray(a).reshape(self.B, self.T)[:, :T]
@@ -285,7 +303,7 @@ class Graph(Forward):
         if self.reweight is not None:                       # the head forward alone: self.losses, then weights
             self.head.loss(tg, w, backward=False)
             w = self.reweight(self, w)
-        loss = self.head.loss(tg, w)
+        loss = self.head.loss(tg, w) + self.router_aux(w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
                 self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
@@ -293,6 +311,20 @@ class Graph(Forward):
         self._embed_backward(tokens)
         self.params.settle()                                # lazily cleared gradients no product wrote
         return loss
+
+    def router_aux(self, w) -> float:
+        """The load-balancing loss of the step's routers (train/moe.load_balancing) times
+        router_aux_coef and the micro-batch's share of the step's loss weights (sum w: 1
+        for a step of one micro-batch, as transformers adds it to its mean loss); its
+        gradient into self.router_aux_grad for the layers' backward. 0 where off."""
+        self.router_aux_grad = None
+        if not self.router_aux_coef:
+            return 0.0
+        states = [a.ffn.state for a in self.layers if isinstance(a.ffn, MoeFeedForwardActs)]
+        aux, dp = load_balancing(states, self.cfg.n_expert)
+        scale = self.router_aux_coef * float(w.sum())
+        self.router_aux_grad = scale * dp
+        return scale * aux
 
     def loss(self, inputs: np.ndarray, targets: np.ndarray, weights: np.ndarray,
              positions: np.ndarray | None = None, segments: np.ndarray | None = None) -> float:
@@ -350,6 +382,8 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
         params[n][...] = a
     graph = Graph(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
     graph.warm_up(packed=getattr(opts, "pack", False))
+    if like is not None and like.spec.moe:
+        warm_up_experts()
     params.grad[...] = 1.0                                      # an update that uses every kernel
     optimizer_step(params, 0, opts)
     from gguf import GGML_QUANT_SIZES

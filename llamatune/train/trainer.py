@@ -128,6 +128,17 @@ def memory_estimate(job: Job, backend, policy: ComputePolicy, quiet: bool) -> Es
     return est
 
 
+def router_options(job: Job) -> float:
+    """--router-aux-loss-coef, refused (as --train-router) for a model without experts."""
+    o = job.opts
+    coef, train = getattr(o, "router_aux_loss_coef", 0.0), getattr(o, "train_router", False)
+    if (coef or train) and not job.cfg.n_expert:
+        flag = "--router-aux-loss-coef" if coef else "--train-router"
+        raise LlamatuneError(f"{job.model_path}: {flag} is for a mixture of experts; this {job.cfg.arch} model "
+                             "has no router")
+    return coef
+
+
 def state_line(params: ParamBuffer) -> str:
     """What the trained values hold (inside each estimate's measured runtime)."""
     n = 4 * params.size
@@ -151,11 +162,22 @@ def dry_run_report(planner: Planner, B: int, T: int, mode: str, have: int | None
         lines.append(f"  available {gib(have)}: no mode fits; {planner.what_fits(B, T, mode, have)}")
     else:
         lines.append(f"  {'' if have is None else f'available {gib(have)}: '}{why} {chosen.mode}")
+    lines.append("  " + file_share(planner, chosen))
     total = sum(n for _, n in saves)
     lines.append(f"  each save writes {file_size(total)}: " + ", ".join(f"{p.name} {file_size(n)}" for p, n in saves))
     if state:
         lines.append(f"  trained values (in each runtime above): {state}")
     return "\n".join(lines)
+
+
+def file_share(planner: Planner, chosen: Estimate) -> str:
+    """The model file's share of an estimate: its pages are mapped and read in place (the
+    page cache's, shared, dropped under pressure and read again), the rest is the run's
+    own; a mixture of experts' 3-D expert tensors named within it."""
+    experts = sum(t.nbytes for t in getattr(planner.base, "experts", {}).values())
+    of = f" (the experts {gib(experts)} of it)" if experts else ""
+    return (f"of the {chosen.mode} estimate: the model file {gib(chosen.model)}{of}, mapped and read in place; "
+            f"the run's own memory {gib(chosen.total - chosen.model)}")
 
 
 def file_size(n: int) -> str:
@@ -353,11 +375,13 @@ def set_up(job: Job, quiet: bool) -> Training | TrainResult:
             err.print(note)                        # warmup and decay fitted to a shorter run
     if backend.name != "cpu":
         job.params.to_device(backend)              # then live where the graph runs
+    router_aux = router_options(job)
     est = memory_estimate(job, backend, policy, quiet)
     if o.dry_run:
         return TrainResult(state, [], [], 0.0, 0.0)
     graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend, policy=policy)
+    graph.router_aux_coef = router_aux
     validator = job.objective.validator(job)
     if validator is not None:
         state.validation = validator.restore(state.validation)
