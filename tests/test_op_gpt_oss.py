@@ -177,7 +177,7 @@ def test_expert_biases_and_gate_forward_and_fd():
 
     dout = randn(rng, N, C, dtype=F64)
     dx, dw = np.empty_like(x), np.empty_like(w)
-    kmoe.moe_ffn_backward(dx, dw, None, None, None, dout, x, w, wg, wu, wd, rows, lora=lora, gate=gate)
+    kmoe.moe_ffn_backward(dx, dw, None, None, None, dout, x, w, wg, wu, wd, rows, lora=lora, bias=bias, gate=gate)
     params = {f"{p}_{s}": getattr(lora[p], s) for p in lora for s in "ab"}
     grads = {f"{p}_{s}": getattr(lora[p], "d" + s) for p in lora for s in "ab"}
 
