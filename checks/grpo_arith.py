@@ -99,7 +99,7 @@ def llama_completion(bin_dir: Path, model: Path, lora: Path | None, prompt: str,
 
 def score(rows: list[dict], texts: list[str]) -> dict:
     """The boxed-answer reward of each completion: the share right."""
-    from llamatune.train.rewards import boxed_answer
+    from llamatune.data.rewards import boxed_answer
     got = boxed_answer(None, texts, [r["answer"] for r in rows])
     return {"correct": int(sum(got)), "total": len(rows), "accuracy": sum(got) / max(len(rows), 1),
             "mean_length_chars": sum(len(t) for t in texts) / max(len(texts), 1)}

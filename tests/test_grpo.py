@@ -20,7 +20,7 @@ from llamatune.models.model import Model
 from llamatune.models.sampling import generate_group, generate_ids
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions
-from llamatune.train import rewards as R
+from llamatune.data import rewards as R
 from llamatune.train.graph import Graph
 from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantages, layout, token_terms
 from llamatune.train.objective import token_losses

@@ -18,6 +18,21 @@ from .arch import Arch, check_dense, get_arch
 
 MAX_COUNT = 2**31 - 1      # llama.cpp holds hyperparameters as int32
 
+def _rope_scaling(md: dict, arch: str, number, source: str) -> tuple[float, bool]:
+    """(the rope scaling factor, whether it is YaRN) from the metadata: linear or yarn
+    (llama.cpp applies YaRN to any family); absent or 0: no scaling."""
+    scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
+    if not isinstance(scaling_type, str):
+        raise LlamatuneError(f"{source}: metadata key '{arch}.rope.scaling.type' is {describe(scaling_type)}, "
+                             "expected a string")
+    factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in md else "rope.scale_linear"
+    factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0
+    if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
+        raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear "
+                             "and yarn)")
+    return factor, scaling_type == "yarn" and factor != 1.0
+
+
 def _tokens_count(md: dict[str, Any], arch: str, source: str) -> int:
     """The vocabulary size of a model without `{arch}.vocab_size`: its tokenizer's tokens."""
     tokens = md.get("tokenizer.ggml.tokens")
@@ -257,22 +272,14 @@ class ModelConfig:
                                  f"(and there is no '{arch}.attention.key_length')")
         head_dim = count("attention.key_length", n_embd // n_head)
         n_vocab = count("vocab_size") if f"{arch}.vocab_size" in md else _tokens_count(md, arch, source)
-        scaling_type = md.get(f"{arch}.rope.scaling.type", "none")
-        if not isinstance(scaling_type, str):
-            raise LlamatuneError(f"{source}: metadata key '{arch}.rope.scaling.type' is {describe(scaling_type)}, "
-                                 "expected a string")
-        factor_key = "rope.scaling.factor" if f"{arch}.rope.scaling.factor" in md else "rope.scale_linear"
-        factor = number(factor_key) if md.get(f"{arch}.{factor_key}") else 1.0   # absent or 0: no scaling
-        if scaling_type not in ("none", "linear", "yarn") and factor != 1.0:
-            raise LlamatuneError(f"{source}: rope scaling type '{scaling_type}' is not supported (only linear "
-                                 "and yarn)")
+        factor, yarn = _rope_scaling(md, arch, number, source)
         n_ff = own["n_ff"] if "n_ff" in own else count("feed_forward_length")
         values = dict(arch=arch, n_vocab=n_vocab, n_ctx_train=count("context_length"), n_embd=n_embd,
                       n_layer=own["n_layer"] if "n_layer" in own else count("block_count"), n_ff=n_ff, n_head=n_head,
                       n_head_kv=n_head_kv, head_dim=head_dim, n_rot=count("rope.dimension_count", head_dim),
                       norm_eps=number("attention.layer_norm_rms_epsilon"),
                       rope_freq_base=number("rope.freq_base", 10000.0), rope_freq_scale=1.0 / factor)
-        if scaling_type == "yarn" and factor != 1.0:
+        if yarn:
             values |= dict(rope_ext_factor=1.0, n_ctx_orig=count("rope.scaling.original_context_length",
                                                                  values["n_ctx_train"]))
         values |= own

@@ -4,7 +4,7 @@ training loop (objective.py); --num-iterations steps per generation batch (Group
 A step: each micro-batch of --batch rows holds --batch / G prompts, each with its G
 (--num-generations) completions sampled by the current policy (the batched decode of
 models/sampling.generate_group, from a seeded Generator per micro-batch: GroupBatcher) and
-scored by the rewards (rewards.py). Per group (TRL `_generate_and_score_completions`):
+scored by the rewards (data/rewards.py). Per group (TRL `_generate_and_score_completions`):
     A_i = (r_i - mean(r)) / (std(r) + 1e-4)      std with Bessel's correction;
                                                  --scale-rewards batch: the batch's std, none: no division
 Per completion token t (TRL `_compute_loss`, importance sampling per token):
@@ -38,7 +38,7 @@ import numpy as np
 from ..data.samples import Batch, Batcher
 from ..errors import LlamatuneError
 from . import distributed
-from . import rewards as R
+from ..data import rewards as R
 from .lora import disabled_adapters
 from .objective import reweighted_step, token_losses, vocab
 from .validation import Validator
