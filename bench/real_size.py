@@ -16,6 +16,10 @@ F32 norms, a dummy vocabulary.
                   llama-quantize leaves it); 3-D expert tensors
     qwen3-a3b-dense  its dense twin for speed: the same layers (qwen3's attention) with one
                   SwiGLU of ffn 8 * 768 = 6144, the same active parameters per token
+    qwen3.5-4b    32 layers, embd 2560, ffn 9216, vocab 248320, tied head, Q4_K_M; every 4th layer
+                  gated full attention (16/4 heads of 256, output gate, partial rotary 64),
+                  the others gated delta-net (16 q/k heads, 32 value heads of 128, conv 4);
+                  conv1d, ssm_a and dt bias in F32 as llama.cpp keeps them (write_qwen35)
 
 `--layers N` writes and runs the first N layers of a shape only (its own file): the
 MoE shape at 2-4 layers fits beside other work, the whole file (about 17 GB for
@@ -58,11 +62,17 @@ SHAPES = {
                           n_expert=128, n_expert_used=8, n_ff_exp=768),
     "qwen3-a3b-dense": dict(arch="qwen3", n_vocab=151936, n_ctx_train=40960, n_embd=2048, n_layer=48, n_ff=6144,
                             n_head=32, n_head_kv=4, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
+    "qwen3.5-4b": dict(arch="qwen35", n_vocab=248320, n_ctx_train=262144, n_embd=2560, n_layer=32, n_ff=9216,
+                       n_head=16, n_head_kv=4, head_dim=256, n_rot=64, norm_eps=1e-6, rope_freq_base=10000000.0,
+                       ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
+                       ssm_inner_size=4096, recurrent_layers=tuple(i % 4 != 3 for i in range(32)),
+                       full_attention_interval=4, rope_sections=(11, 11, 10, 0)),
 }
 EXPERT_TARGETS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-TIED = {"qwen2.5-1.5b"}
-MIXED = {"qwen2.5-1.5b"}               # Q4_K_M; the others all Q4_K
+TIED = {"qwen2.5-1.5b", "qwen3.5-4b"}
+MIXED = {"qwen2.5-1.5b", "qwen3.5-4b"}               # Q4_K_M; the others all Q4_K
 R = 8
+MORE_TARGETS = {"qwen35": ("attn_qkv", "attn_gate", "ssm_out")}   # the delta-net layers' in/out projections
 
 
 def random_q4_k(shape: tuple[int, int], seed: int):
@@ -110,7 +120,10 @@ def q4_k_m_type(name: str, n_layer: int):
 
 def shape_config(shape: str, layers: int = 0) -> dict:
     """ModelConfig fields of `shape`, cut to its first `layers` layers (0: all)."""
-    return SHAPES[shape] | ({"n_layer": layers} if layers else {})
+    cut = {"n_layer": layers} if layers else {}
+    if layers and "recurrent_layers" in SHAPES[shape]:          # qwen35: the kinds of the layers kept
+        cut["recurrent_layers"] = SHAPES[shape]["recurrent_layers"][:layers]
+    return SHAPES[shape] | cut
 
 
 def model_path(workdir: Path, shape: str, layers: int) -> Path:
@@ -127,6 +140,8 @@ def build(path: Path, shape: str, layers: int = 0) -> None:
     if path.exists():
         return
     cfg = ModelConfig(**shape_config(shape, layers))
+    if cfg.arch == "qwen35":
+        return write_qwen35(path, shape, cfg)
     tensors = []
     for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
@@ -144,6 +159,37 @@ def build(path: Path, shape: str, layers: int = 0) -> None:
     file_type = 15 if shape in MIXED else 14        # llama.cpp's MOSTLY_Q4_K_M / MOSTLY_Q4_K_S
     kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
     kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", file_type)] + dummy_vocab(cfg.n_vocab)
+    write_gguf(path, cfg.arch, kvs, tensors)
+
+
+def write_qwen35(path: Path, shape: str, cfg) -> None:
+    """A random qwen35 GGUF as llama.cpp's Q4_K_M makes one: matrices Q4_K, Q6_K for the tied
+    embedding and for the attention-v-like matrices (attn_v, and attn_qkv of the delta-net
+    layers: one a layer) and ffn_down of the layers that get more bits; F32 norms, the
+    conv1d (never quantized), ssm_a = -exp(A_log) (A_log ~ log U(1, 16), HF's init) and the
+    dt bias (1, HF's init); conv taps U(-0.5, 0.5) (a depthwise conv's default init)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QType
+    from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
+    from llamatune.models.writer import tensor_names
+
+    def f32(s, i, name):
+        rng = np.random.default_rng(i)
+        if name.endswith("ssm_a"):
+            return -rng.uniform(1.0, 16.0, s).astype(np.float32)
+        if name.endswith("ssm_conv1d.weight"):
+            return rng.uniform(-0.5, 0.5, s).astype(np.float32)
+        return np.full(s, 0.0 if name.endswith(".bias") and "ssm_dt" not in name else 1.0, np.float32)
+    tensors = []
+    for i, (name, s) in enumerate(tensor_names(cfg, tied=True).items()):
+        if len(s) == 1 or name.endswith("ssm_conv1d.weight"):
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s, i=i, name=name: f32(s, i, name)))
+            continue
+        q = q4_k_m_type(name.replace("attn_qkv.", "attn_v."), cfg.n_layer)
+        make = random_q6_k if q == QType.Q6_K else random_q4_k
+        tensors.append(TensorOut(name, s, q, lambda s=s, i=i, make=make: make(s, i)))
+    kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 15)] + dummy_vocab(cfg.n_vocab)
     write_gguf(path, cfg.arch, kvs, tensors)
 
 
@@ -165,8 +211,8 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     model = Model(path)
     cfg = model.config
     tied = model.weights.output is model.weights.token_embd
-    targets = lora_targets(cfg, {k: R for k in TARGETS + (EXPERT_TARGETS if cfg.n_expert else ())}, float(R),
-                           tied=tied)
+    more = MORE_TARGETS.get(cfg.arch, ()) + (EXPERT_TARGETS if cfg.n_expert else ())
+    targets = lora_targets(cfg, {k: R for k in TARGETS + more}, float(R), tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)

@@ -404,3 +404,44 @@ def test_peft_adapters_of_every_kind_both_ways(written, tmp_path):
         np.testing.assert_array_equal(back[k], tensors[k])
     with pytest.raises(LlamatuneError, match=r"--model-base is required: qwen35's \w+ adapters are reordered"):
         convert(tmp_path / "a.gguf", tmp_path / "nobase", "peft")
+
+
+@pytest.mark.parametrize("T", [64, 256])
+def test_estimate_covers_the_delta_net_backwards_scratch(written, monkeypatch, T):
+    """The numpy scratch a delta-net layer's backward allocates (tracemalloc's peak above
+    what was allocated on entry: the mixer recomputed, its gradients, the rule's work
+    items; a second step, after the first call's one-time allocations) is within the
+    estimate's term for it, which Planner's temporaries count, and at most twice it
+    (the rule's items pad to chunks of 64 steps: the margin at these tiny widths)."""
+    import tracemalloc
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.graph import Graph
+    from llamatune.train.memory import temporaries_bytes
+    from llamatune.train.params import ParamBuffer
+    from llamatune.train.parts import DeltaNetBackward
+    from llamatune.models.weights import FrozenBase
+    model = Model(written[1])
+    cfg = model.config
+    ts = lora_targets(cfg, {k: 2 for k in ("attn_qkv", "attn_gate", "ssm_out", "ffn_up")}, 4.0, tied=False)
+    params = ParamBuffer(lora_specs(ts))
+    init_lora(params, ts, np.random.default_rng(0))
+    g = Graph(cfg, FrozenBase(model), params, ts, 1, T, "layer")
+    peaks, backward = [], DeltaNetBackward.backward
+
+    def traced(self, *args):
+        tracemalloc.start()
+        entry = tracemalloc.get_traced_memory()[0]
+        try:
+            backward(self, *args)
+        finally:
+            peaks.append(tracemalloc.get_traced_memory()[1] - entry)
+            tracemalloc.stop()
+    monkeypatch.setattr(DeltaNetBackward, "backward", traced)
+    rng = np.random.default_rng(1)
+    batch = rng.integers(0, cfg.n_vocab, (1, T)), rng.integers(0, cfg.n_vocab, (1, T)), np.full((1, T), 1 / T)
+    g.step(*batch)
+    peaks.clear()
+    g.step(*batch)
+    est = 4 * DeltaNetBackward.scratch_floats(cfg, 1, T)
+    assert len(peaks) == sum(cfg.recurrent_layers) and max(peaks) <= est <= 2 * max(peaks), (peaks, est)
+    assert temporaries_bytes(cfg, 1, T, 0.0) == est

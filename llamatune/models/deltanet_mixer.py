@@ -183,6 +183,17 @@ def mixer_backward(dmixed, dz, dalpha, db, dy, sv: MixerSaved, p: MixerParams, s
     causal_conv.causal_conv_backward(dmixed, dconv, dc, sv.mixed, p.conv, None, sv.segments)
 
 
+def mixer_backward_floats(s: MixerShape, B: int, T: int, threads: int | None = None) -> int:
+    """Floats of numpy scratch alive at mixer_backward's peak, with what mixer_forward
+    saved for it: per token the saved conv output and rule output (channels + inner), do
+    and dzr (2 inner), q, k, v and their gradients (2 channels), the gates' and decays'
+    (7 NV); then the larger of the rule's work items (kernels/deltanet.working_floats)
+    and the joined conv gradient dc (channels), which come one after the other."""
+    N = B * T
+    held = N * (3 * s.inner + 3 * s.channels + 7 * s.NV)
+    return held + max(deltanet.working_floats(B, T, s.NK, s.NV, s.DK, s.DV, threads), N * s.channels)
+
+
 def mixer_decode(y, mixed, z, alpha, b, p: MixerParams, s: MixerShape, state: RecurrentState) -> None:
     """Decoding and prefill: y (B, T, NV DV) out from the projections of T new tokens, from
     and into `state` (conv inputs and delta state, updated in place)."""

@@ -30,6 +30,7 @@ import numpy as np
 
 from ..precision import F32, ComputePolicy
 from .buffers import StepPlan, step_plan
+from .parts import DeltaNetBackward
 
 FASTEST_FIRST = ("none", "selective", "layer")   # --checkpointing auto tries these in order
 
@@ -137,8 +138,11 @@ class Estimate:
 
 def temporaries_bytes(cfg, B: int, T: int, dropout: float, device: bool = False) -> int:
     """Dropout's mask, its random draw and the masked input, alive together in a step;
-    on a GPU also the attention's working buffers."""
+    the numpy scratch of a delta-net layer's backward (train.parts.DeltaNetBackward),
+    where the model has such layers; on a GPU also the attention's working buffers."""
     n = 3 * 4 * B * T * max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q) if dropout > 0 else 0
+    if any(cfg.is_recurrent(i) for i in range(cfg.n_layer)):
+        n += 4 * DeltaNetBackward.scratch_floats(cfg, B, T)
     if device:
         from ..kernels.cuda.attention import scratch_floats
         n += 4 * scratch_floats(B, T, cfg.n_head, cfg.n_head_kv, cfg.head_dim)

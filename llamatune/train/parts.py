@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..models.deltanet_mixer import MixerGrads, mixer_backward, mixer_forward
+from ..models.deltanet_mixer import MixerGrads, MixerShape, mixer_backward, mixer_backward_floats, mixer_forward
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
                             Gemma4Attention, Gemma4AttentionActs, MoeFeedForward, MoeFeedForwardActs,
@@ -201,6 +201,14 @@ class DeltaNetBackward(DeltaNet):
     """The mixer recomputed from the kept projections (models/deltanet_mixer.py), then its
     backward; LoRA on the projections and ssm_out, ssm_norm through a norm adapter; the
     conv, ssm_a and ssm_dt stay frozen. CPU; its scratch is allocated here."""
+
+    @staticmethod
+    def scratch_floats(cfg, B: int, T: int) -> int:
+        """Floats of the numpy scratch a delta-net layer's backward allocates (one layer at
+        a time): dy and the recomputed y (2 inner), the projections' gradients d
+        (channels + inner + 2 NV) a token, and the mixer's (mixer_backward_floats)."""
+        s = MixerShape.of(cfg)
+        return B * T * (2 * s.inner + s.channels + s.inner + 2 * s.NV) + mixer_backward_floats(s, B, T)
 
     def backward(self, g, a: DeltaNetActs, x: np.ndarray) -> None:
         B, T = a.g.shape[:2]
