@@ -189,6 +189,27 @@ def _int8_arrays(*arrays) -> bool:
     return all(isinstance(a, types.Array) and a.dtype == types.int8 for a in arrays)
 
 
+def _load_i16(context, builder, aty, arr, off):
+    """32 int8 values at flat offset `off` of C-contiguous array `arr`, sign-extended to
+    <32 x i16> (one unaligned load)."""
+    a = context.make_array(aty)(context, builder, arr)
+    ptr = builder.bitcast(cgutils.gep(builder, a.data, off), ir.VectorType(_I8, 32).as_pointer())
+    return builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
+
+
+def _madd_sum(builder, a, b):
+    """sum_i a_i b_i in int32 of two <32 x i16> vectors whose products fit 16 bits (an
+    int8 or 5-bit value times an int8 activation: |p| <= 2^14): the products in 16-bit
+    lanes, pairs added in 32-bit lanes (pmaddwd's shape), then one 16-lane reduction.
+    Exact."""
+    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
+    v16 = ir.VectorType(_I32, 16)
+    half = lambda v, i: builder.sext(builder.shuffle_vector(v, v, i), v16)
+    even, odd = idx(list(range(0, 32, 2))), idx(list(range(1, 32, 2)))
+    p = builder.add(builder.mul(half(a, even), half(b, even)), builder.mul(half(a, odd), half(b, odd)))
+    return _reduce_add(builder, p, 16)
+
+
 @intrinsic
 def _dot32(typingctx, w, wo, x, xo):
     """sum_{i<32} w[wo + i] x[xo + i] in int32 (w, x int8, C-contiguous, flat offsets):
@@ -198,11 +219,41 @@ def _dot32(typingctx, w, wo, x, xo):
         return None
 
     def codegen(context, builder, sig, args):
-        p = builder.mul(_load_i8(context, builder, sig.args[0], args[0], args[1], 32),
-                        _load_i8(context, builder, sig.args[2], args[2], args[3], 32))
-        return _reduce_add(builder, p, 32)
+        return _madd_sum(builder, _load_i16(context, builder, sig.args[0], args[0], args[1]),
+                         _load_i16(context, builder, sig.args[2], args[2], args[3]))
 
     return types.int32(w, wo, x, xo), codegen
+
+
+@intrinsic
+def _f16_at(typingctx, src, o):
+    """The IEEE half at byte offset o of uint8 array src, as float32 (exact: the CPU's
+    half conversion where it has one, F16C's vcvtph2ps, in place of dequant._f16's
+    integer steps)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
+
+    return types.float32(src, o), codegen
+
+
+@intrinsic
+def _u32_at(typingctx, src, o):
+    """The little-endian uint32 at byte offset o of uint8 array src, as int64 (a Q5
+    block's fifth bits: one unaligned load)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), _I32.as_pointer())
+        return builder.zext(builder.load(ptr, align=1), ir.IntType(64))
+
+    return types.int64(src, o), codegen
 
 
 def _splat(builder, value, vtype):
@@ -307,8 +358,7 @@ def _dot_nibbles(typingctx, src, qs, qh, bias, x, xo):
 
     def codegen(context, builder, sig, args):
         v = _nibble_values(context, builder, sig, args)
-        x = _load_i8(context, builder, sig.args[4], args[4], args[5], 32)
-        return _reduce_add(builder, builder.mul(builder.sext(v, ir.VectorType(_I32, 32)), x), 32)
+        return _madd_sum(builder, v, _load_i16(context, builder, sig.args[4], args[4], args[5]))
 
     return types.int32(src, qs, qh, bias, x, xo), codegen
 
@@ -493,6 +543,31 @@ def _legacy_step(code, sumf, sumi, dx, yd, mx, sy):
     return sumf + ((dx * yd) * si + mx * sy)          # Q4_1, Q5_1: + m_x*s_y
 
 
+@njit(cache=True, inline="always")
+def _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs):
+    """sumf after block b of weight row src (s8: its int8 view) with activation row 0:
+    the block's scales and fifth bits read where they lie (no scratch), then
+    `_legacy_step`."""
+    sy, m, qh = F32(0), F32(0), 0
+    if code == Q8_0:
+        o = 34 * b
+        return _legacy_step(code, sumf, _dot32(s8, o + 2, xq, 32 * b), _f16_at(src, o), xd[b, 0], m, sy)
+    if code == Q4_0:
+        o, qs, bias = 18 * b, 18 * b + 2, 8
+    elif code == Q5_0:
+        o, qs, bias = 22 * b, 22 * b + 6, 16
+        qh = _u32_at(src, o + 2)
+    elif code == Q4_1:
+        o, qs, bias = 20 * b, 20 * b + 4, 0
+        m, sy = _f16_at(src, o + 2), xs[b, 0]
+    else:                                             # Q5_1
+        o, qs, bias = 24 * b, 24 * b + 8, 0
+        m, sy = _f16_at(src, o + 2), xs[b, 0]
+        qh = _u32_at(src, o + 4)
+    sumi = _dot_nibbles(src, qs, qh, bias, xq, 32 * b)
+    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], m, sy)
+
+
 @njit(cache=True, parallel=True)
 def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
     """out[g, n] = vec_dot(W row n, x row g) for a 32-value type: sumf += per block in
@@ -511,19 +586,14 @@ def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
         for n in range(c * per, min(N, c * per + per)):
             src = data[n]
             s8 = src.view(np.int8)
-            for b in range(nb):
-                dmc[b, 0], dmc[b, 1], bc[b, 0], bc[b, 1], bc[b, 2] = _legacy_block(code, src, b)
             if G == 1:
                 sumf = F32(0)
                 for b in range(nb):
-                    if code == Q8_0:
-                        sumi = _dot32(s8, bc[b, 0], xq, 32 * b)
-                    else:
-                        sumi = _dot_nibbles(src, bc[b, 0], bc[b, 1], bc[b, 2], xq, 32 * b)
-                    sy = xs[b, 0] if code == Q4_1 or code == Q5_1 else F32(0)
-                    sumf = _legacy_step(code, sumf, sumi, dmc[b, 0], xd[b, 0], dmc[b, 1], sy)
+                    sumf = _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs)
                 out[0, n] = sumf
                 continue
+            for b in range(nb):
+                dmc[b, 0], dmc[b, 1], bc[b, 0], bc[b, 1], bc[b, 2] = _legacy_block(code, src, b)
             ac[:] = 0
             for b in range(nb):
                 dx, mx = dmc[b, 0], dmc[b, 1]
