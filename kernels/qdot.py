@@ -34,6 +34,8 @@ unpacked once into int8 scratch with their scales, then multiplied with each row
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from llvmlite import ir
@@ -691,6 +693,37 @@ def _check(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> None
         raise ValueError(f"out must be a writeable float32 array of shape {(G, data.shape[0])}")
 
 
+_SCRATCH = threading.local()        # qdot_into's buffers, kept per thread (a decode step makes ~170 calls)
+
+
+def _buffer(key: str, shape: tuple, dtype) -> np.ndarray:
+    """A kept (per thread) buffer of `shape` for `key`, grown as needed; not zeroed."""
+    kept = getattr(_SCRATCH, "bufs", None)
+    if kept is None:
+        kept = _SCRATCH.bufs = {}
+    size = int(np.prod(shape))
+    buf = kept.get((key, np.dtype(dtype).str))
+    if buf is None or buf.size < size:
+        buf = kept[(key, np.dtype(dtype).str)] = np.empty(size, dtype)
+    return buf[:size].reshape(shape)
+
+
+def _activations(x: np.ndarray, kind: str, rows: int) -> QuantizedRows:
+    """x (G, K)'s rows quantized to `kind` blocks in kept buffers, padded with zero rows
+    to `rows` (their quants 0, so their sums are 0)."""
+    G, K = x.shape
+    qs, d = _buffer("qs", (rows, K), np.int8), _buffer("d", (rows, K // BLOCK[kind]), F32)
+    s = _buffer("s", (rows, K // 32 if kind == "q8_1" else 0), F32)
+    bsums = _buffer("bsums", (rows, K // 16 if kind == "q8_K" else 0), np.int32)
+    if kind == "q8_K":
+        _quantize_q8_k(x, qs, d, bsums)
+    else:
+        _quantize_q8_0(x, qs, d, s, kind == "q8_1")
+    if rows > G:
+        qs[G:], d[G:], s[G:], bsums[G:] = 0, 0, 0, 0
+    return QuantizedRows(qs, d, s, bsums)
+
+
 def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> None:
     """out (G, N) = x (G, K) W^T, W the N rows of `data` (uint8 (N, row_bytes), GGML type
     `qtype` in QDOT_TYPES), as llama.cpp's CPU backend: x quantized once to the type's
@@ -704,17 +737,15 @@ def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> N
     chunks = max(1, min(N, 16 * numba.get_num_threads()))
     if _SIZES[qtype][1] == 32:
         padded = -(-G // 8) * 8 if G > 1 else 1          # several rows: eight at a time
-        if padded != G:
-            x = np.concatenate([x, np.zeros((padded - G, K), F32)])
-        xq = quantize_rows(x, ACTIVATION[qtype])
+        xq = _activations(x, ACTIVATION[qtype], padded)
         _dot_legacy(data, qtype, xq.qs, np.ascontiguousarray(xq.d.T), np.ascontiguousarray(xq.s.T), out,
-                    np.empty((chunks, K // 32, 2), F32),
-                    np.empty((chunks, K // 32, 3), np.int64), np.empty((chunks, padded), F32),
-                    np.empty((chunks, 8), np.int32))
+                    _buffer("dm", (chunks, K // 32, 2), F32), _buffer("blocks", (chunks, K // 32, 3), np.int64),
+                    _buffer("acc", (chunks, padded), F32), _buffer("sums", (chunks, 8), np.int32))
         return
-    xq = quantize_rows(x, ACTIVATION[qtype])
+    xq = _activations(x, ACTIVATION[qtype], G)
     nb = K // QK_K
-    _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, np.empty((chunks, K), np.int8), np.empty((chunks, nb), F32), np.empty((chunks, nb), F32),
-           np.empty((chunks, K // 16), np.int32), np.empty((chunks, K // 2), np.int32),
-           np.empty((chunks, K // 16), np.int32),
-           np.empty((chunks, 8), np.int32), np.empty((chunks, 8), F32))
+    _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, _buffer("w", (chunks, K), np.int8),
+           _buffer("dw", (chunks, nb), F32), _buffer("mw", (chunks, nb), F32),
+           _buffer("sc", (chunks, K // 16), np.int32), _buffer("sc8", (chunks, K // 2), np.int32),
+           _buffer("mn", (chunks, K // 16), np.int32),
+           _buffer("aux", (chunks, 8), np.int32), _buffer("lanes", (chunks, 8), F32))
