@@ -27,14 +27,16 @@ super-blocks) switching on the GGML type id per block; a `prange` over chunks of
 output rows, each chunk with its own scratch (the wrapper's: the kernels never
 allocate). The integer sums are LLVM vector IR emitted by intrinsics (`_dot32`,
 `_dot_nibbles`, `_lanes256`): written as loops, numba's 32-value sums were unrolled to
-scalar code (0.42 against 0.06 ns a product). Legacy blocks are unpacked in registers
-and, with several activation rows, multiplied with eight rows at a time whose sums are
-reduced together and whose float steps run side by side (`_dot32_x8`); K-quant rows are
-unpacked once into int8 scratch with their scales, then multiplied with each row.
+scalar code (0.42 against 0.06 ns a product). Legacy blocks are unpacked in registers;
+with one activation row (a decode step), eight consecutive blocks of a weight row have
+their integer sums reduced together (`_block_sums8`, one shuffle tree instead of eight
+reductions) and their float steps then run in order, the scales read where they lie
+(the CPU's f16 conversion); with several activation rows, each block is multiplied with
+eight rows at a time whose sums are reduced together and whose float steps run side by
+side (`_dot32_x8`). K-quant rows are unpacked once into int8 scratch with their scales,
+then multiplied with each row.
 """
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
@@ -173,14 +175,6 @@ def quantize_rows(x: np.ndarray, kind: str) -> QuantizedRows:
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 
 
-def _load_i8(context, builder, aty, arr, off, n: int):
-    """n int8 values at flat offset `off` of C-contiguous array `arr`, sign-extended to
-    an <n x i32> vector (one unaligned load)."""
-    a = context.make_array(aty)(context, builder, arr)
-    ptr = builder.bitcast(cgutils.gep(builder, a.data, off), ir.VectorType(_I8, n).as_pointer())
-    return builder.sext(builder.load(ptr, align=1), ir.VectorType(_I32, n))
-
-
 def _reduce_add(builder, v, n: int):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [ir.VectorType(_I32, n)]),
                                         f"llvm.vector.reduce.add.v{n}i32")
@@ -199,17 +193,21 @@ def _load_i16(context, builder, aty, arr, off):
     return builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
 
 
-def _madd_sum(builder, a, b):
-    """sum_i a_i b_i in int32 of two <32 x i16> vectors whose products fit 16 bits (an
-    int8 or 5-bit value times an int8 activation: |p| <= 2^14): the products in 16-bit
-    lanes, pairs added in 32-bit lanes (pmaddwd's shape), then one 16-lane reduction.
-    Exact."""
+def _pairs(builder, a, b):
+    """<16 x i32> of a_2i b_2i + a_2i+1 b_2i+1 for two <32 x i16> vectors whose products
+    fit 16 bits (an int8 or 5-bit value times an int8 activation: |p| <= 2^14): the
+    products in 16-bit lanes, pairs added in 32-bit lanes (pmaddwd's shape). Exact."""
     idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
     v16 = ir.VectorType(_I32, 16)
     half = lambda v, i: builder.sext(builder.shuffle_vector(v, v, i), v16)
     even, odd = idx(list(range(0, 32, 2))), idx(list(range(1, 32, 2)))
-    p = builder.add(builder.mul(half(a, even), half(b, even)), builder.mul(half(a, odd), half(b, odd)))
-    return _reduce_add(builder, p, 16)
+    return builder.add(builder.mul(half(a, even), half(b, even)), builder.mul(half(a, odd), half(b, odd)))
+
+
+def _madd_sum(builder, a, b):
+    """sum_i a_i b_i in int32 of two <32 x i16> vectors (`_pairs`, then one 16-lane
+    reduction). Exact."""
+    return _reduce_add(builder, _pairs(builder, a, b), 16)
 
 
 @intrinsic
@@ -291,16 +289,23 @@ def _nibble_values(context, builder, sig, args):
 
 def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
     """sums[g] = sum_i v_i x[xo + g K + i], g < 8: one block's values v (<32 x i16>) with
-    eight activation rows; the eight sums reduced together (pairs of partial vectors
-    merged level by level: 15 shuffles of pairs instead of 8 full reductions). Exact."""
+    eight activation rows; the eight sums reduced together (`_merge8`). Exact."""
     idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
     w32 = builder.sext(v, ir.VectorType(_I32, 32))
     parts = []
-    for g in range(8):
+    for g in range(8):           # 32-bit products: LLVM's 16-bit form of these eight runs at half the rate
         off = builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))
-        p = builder.mul(w32, _load_i8(context, builder, xty, x, off, 32))
+        p = builder.mul(w32, builder.sext(_load_i16(context, builder, xty, x, off), ir.VectorType(_I32, 32)))
         parts.append(builder.add(builder.shuffle_vector(p, p, idx(list(range(0, 32, 2)))),
                                  builder.shuffle_vector(p, p, idx(list(range(1, 32, 2))))))   # pmaddwd
+    _merge8(context, builder, parts, sty, sums)
+
+
+def _merge8(context, builder, parts, sty, sums):
+    """sums[j] = the sum of the 16 lanes of parts[j] (eight <16 x i32>), j < 8: pairs of
+    vectors merged level by level (15 shuffles of pairs instead of 8 full reductions),
+    stored as one <8 x i32>. Exact."""
+    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
     width = 16                     # lanes each row's partial sums fill in a merged vector
     while len(parts) > 1:
         merged = []
@@ -316,6 +321,44 @@ def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
     total = builder.add(builder.shuffle_vector(parts[0], parts[0], idx(list(range(0, 16, 2)))),
                         builder.shuffle_vector(parts[0], parts[0], idx(list(range(1, 16, 2)))))
     builder.store(total, builder.bitcast(out.data, ir.VectorType(_I32, 8).as_pointer()), align=4)
+
+
+def _block_sums8(size: int, qs: int, qh: int, bias: int):
+    """An intrinsic f(src, o, x, xo, sums): sums[j] = the integer dot of the 32-value block
+    at byte offset o + j size of weight row src with x[xo + 32 j:], j < 8: eight
+    consecutive blocks of one row, reduced together (`_merge8`). The block layout: quants
+    at byte qs of each block (bias subtracted; qs past 2 with qh < 0 and bias 0: Q8_0's
+    int8 quants), its 32 fifth bits at byte qh (qh < 0: none)."""
+    def typer(typingctx, src, o, x, xo, sums):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(x)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            parts = []
+            for j in range(8):
+                off = builder.add(args[1], ir.Constant(args[1].type, size * j))
+                at = lambda k: builder.add(off, ir.Constant(off.type, k))
+                if size == 34:                        # Q8_0: the int8 quants as they lie
+                    w = _load_i16(context, builder, sig.args[0], args[0], at(qs))
+                else:
+                    if qh >= 0:
+                        a = context.make_array(sig.args[0])(context, builder, args[0])
+                        ptr = builder.bitcast(cgutils.gep(builder, a.data, at(qh)), _I32.as_pointer())
+                        bits = builder.zext(builder.load(ptr, align=1), ir.IntType(64))
+                    else:
+                        bits = ir.Constant(ir.IntType(64), 0)
+                    w = _nibble_values(context, builder, sig, [args[0], at(qs), bits, ir.Constant(ir.IntType(64), bias)])
+                xoff = builder.add(args[3], ir.Constant(args[3].type, 32 * j))
+                parts.append(_pairs(builder, w, _load_i16(context, builder, sig.args[2], args[2], xoff)))
+            _merge8(context, builder, parts, sig.args[4], args[4])
+            return context.get_dummy_value()
+
+        return types.none(src, o, x, xo, sums), codegen
+    return intrinsic(typer)
+
+
+_sums8_q8_0, _sums8_q4_0, _sums8_q4_1 = _block_sums8(34, 2, -1, 0), _block_sums8(18, 2, -1, 8), _block_sums8(20, 4, -1, 0)
+_sums8_q5_0, _sums8_q5_1 = _block_sums8(22, 6, 2, 16), _block_sums8(24, 8, 4, 0)
 
 
 @intrinsic
@@ -546,6 +589,32 @@ def _legacy_step(code, sumf, sumi, dx, yd, mx, sy):
 
 
 @njit(cache=True, inline="always")
+def _block_sums(code, src, b, xq, sums):
+    """sums[:8] = the integer dots of blocks b..b+7 of weight row src with activation row 0."""
+    if code == Q8_0:
+        _sums8_q8_0(src, 34 * b, xq, 32 * b, sums)
+    elif code == Q5_0:
+        _sums8_q5_0(src, 22 * b, xq, 32 * b, sums)
+    elif code == Q4_0:
+        _sums8_q4_0(src, 18 * b, xq, 32 * b, sums)
+    elif code == Q4_1:
+        _sums8_q4_1(src, 20 * b, xq, 32 * b, sums)
+    else:
+        _sums8_q5_1(src, 24 * b, xq, 32 * b, sums)
+
+
+@njit(cache=True, inline="always")
+def _legacy_sum_step(code, sumf, sumi, src, b, xd, xs):
+    """sumf after block b of weight row src with activation row 0, its integer dot sumi
+    given: the block's scales read where they lie, then `_legacy_step`."""
+    size = 34 if code == Q8_0 else 18 if code == Q4_0 else 22 if code == Q5_0 else 20 if code == Q4_1 else 24
+    o = size * b
+    if code == Q4_1 or code == Q5_1:
+        return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], _f16_at(src, o + 2), xs[b, 0])
+    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], F32(0), F32(0))
+
+
+@njit(cache=True, inline="always")
 def _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs):
     """sumf after block b of weight row src (s8: its int8 view) with activation row 0:
     the block's scales and fifth bits read where they lie (no scratch), then
@@ -590,8 +659,15 @@ def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
             s8 = src.view(np.int8)
             if G == 1:
                 sumf = F32(0)
-                for b in range(nb):
+                b = 0
+                while b + 8 <= nb:                    # eight blocks' integer sums at once
+                    _block_sums(code, src, b, xq, sc)
+                    for j in range(8):
+                        sumf = _legacy_sum_step(code, sumf, sc[j], src, b + j, xd, xs)
+                    b += 8
+                while b < nb:
                     sumf = _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs)
+                    b += 1
                 out[0, n] = sumf
                 continue
             for b in range(nb):
@@ -693,37 +769,6 @@ def _check(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> None
         raise ValueError(f"out must be a writeable float32 array of shape {(G, data.shape[0])}")
 
 
-_SCRATCH = threading.local()        # qdot_into's buffers, kept per thread (a decode step makes ~170 calls)
-
-
-def _buffer(key: str, shape: tuple, dtype) -> np.ndarray:
-    """A kept (per thread) buffer of `shape` for `key`, grown as needed; not zeroed."""
-    kept = getattr(_SCRATCH, "bufs", None)
-    if kept is None:
-        kept = _SCRATCH.bufs = {}
-    size = int(np.prod(shape))
-    buf = kept.get((key, np.dtype(dtype).str))
-    if buf is None or buf.size < size:
-        buf = kept[(key, np.dtype(dtype).str)] = np.empty(size, dtype)
-    return buf[:size].reshape(shape)
-
-
-def _activations(x: np.ndarray, kind: str, rows: int) -> QuantizedRows:
-    """x (G, K)'s rows quantized to `kind` blocks in kept buffers, padded with zero rows
-    to `rows` (their quants 0, so their sums are 0)."""
-    G, K = x.shape
-    qs, d = _buffer("qs", (rows, K), np.int8), _buffer("d", (rows, K // BLOCK[kind]), F32)
-    s = _buffer("s", (rows, K // 32 if kind == "q8_1" else 0), F32)
-    bsums = _buffer("bsums", (rows, K // 16 if kind == "q8_K" else 0), np.int32)
-    if kind == "q8_K":
-        _quantize_q8_k(x, qs, d, bsums)
-    else:
-        _quantize_q8_0(x, qs, d, s, kind == "q8_1")
-    if rows > G:
-        qs[G:], d[G:], s[G:], bsums[G:] = 0, 0, 0, 0
-    return QuantizedRows(qs, d, s, bsums)
-
-
 def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> None:
     """out (G, N) = x (G, K) W^T, W the N rows of `data` (uint8 (N, row_bytes), GGML type
     `qtype` in QDOT_TYPES), as llama.cpp's CPU backend: x quantized once to the type's
@@ -737,15 +782,17 @@ def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> N
     chunks = max(1, min(N, 16 * numba.get_num_threads()))
     if _SIZES[qtype][1] == 32:
         padded = -(-G // 8) * 8 if G > 1 else 1          # several rows: eight at a time
-        xq = _activations(x, ACTIVATION[qtype], padded)
+        if padded != G:
+            x = np.concatenate([x, np.zeros((padded - G, K), F32)])
+        xq = quantize_rows(x, ACTIVATION[qtype])
         _dot_legacy(data, qtype, xq.qs, np.ascontiguousarray(xq.d.T), np.ascontiguousarray(xq.s.T), out,
-                    _buffer("dm", (chunks, K // 32, 2), F32), _buffer("blocks", (chunks, K // 32, 3), np.int64),
-                    _buffer("acc", (chunks, padded), F32), _buffer("sums", (chunks, 8), np.int32))
+                    np.empty((chunks, K // 32, 2), F32),
+                    np.empty((chunks, K // 32, 3), np.int64), np.empty((chunks, padded), F32),
+                    np.empty((chunks, 8), np.int32))
         return
-    xq = _activations(x, ACTIVATION[qtype], G)
+    xq = quantize_rows(x, ACTIVATION[qtype])
     nb = K // QK_K
-    _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, _buffer("w", (chunks, K), np.int8),
-           _buffer("dw", (chunks, nb), F32), _buffer("mw", (chunks, nb), F32),
-           _buffer("sc", (chunks, K // 16), np.int32), _buffer("sc8", (chunks, K // 2), np.int32),
-           _buffer("mn", (chunks, K // 16), np.int32),
-           _buffer("aux", (chunks, 8), np.int32), _buffer("lanes", (chunks, 8), F32))
+    _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, np.empty((chunks, K), np.int8), np.empty((chunks, nb), F32), np.empty((chunks, nb), F32),
+           np.empty((chunks, K // 16), np.int32), np.empty((chunks, K // 2), np.int32),
+           np.empty((chunks, K // 16), np.int32),
+           np.empty((chunks, 8), np.int32), np.empty((chunks, 8), F32))

@@ -107,6 +107,19 @@ def test_qdot_bit_exact(qtype, G):
     assert_bits(out, qdot_ref(x, data, qtype))
 
 
+@pytest.mark.parametrize("qtype", TYPES[:5], ids=lambda t: t.name)
+@pytest.mark.parametrize("G", [1, 9])
+def test_qdot_bit_exact_partial_groups(qtype, G):
+    """K of 13 blocks (the one-row kernel's eight-block group and five single blocks; the
+    bench model's 896 is 3 x 8 + 4) and G = 9 (a second group of eight rows, padded)."""
+    K = 32 * 13
+    data = random_tensor(qtype, 21, K, seed=5)
+    x = activations(G, K, seed=G + 3)
+    out = np.full((G, 21), np.nan, F32)
+    qdot_into(out, x, data, qtype)
+    assert_bits(out, qdot_ref(x, data, qtype))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_ref_is_the_dequantized_product(qtype):
     """The reference's value: the float64 product of gguf's dequantized W and the
