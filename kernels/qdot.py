@@ -193,15 +193,34 @@ def _load_i16(context, builder, aty, arr, off):
     return builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
 
 
+def _host_has(feature: str) -> bool:
+    """Whether numba compiles for its own host (no CPU override) and the host has
+    `feature` (an LLVM name: avx512bw, f16c): the x86 instructions used where present."""
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return False
+    return bool(binding.get_host_cpu_features().get(feature))
+
+
+_PMADDWD = _host_has("avx512bw")   # `_pairs` calls vpmaddwd (LLVM does not make it of the portable form)
+_F16C = _host_has("f16c")          # `_f16_at` converts with vcvtph2ps (else dequant._f16's integer steps)
+
+
 def _pairs(builder, a, b):
-    """<16 x i32> of a_2i b_2i + a_2i+1 b_2i+1 for two <32 x i16> vectors whose products
-    fit 16 bits (an int8 or 5-bit value times an int8 activation: |p| <= 2^14): the
-    products in 16-bit lanes, pairs added in 32-bit lanes (pmaddwd's shape). Exact."""
-    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
+    """<16 x i32> of a_2i b_2i + a_2i+1 b_2i+1 for two <32 x i16> vectors: x86's
+    vpmaddwd where the CPU has it (`_PMADDWD`), else the products in 32-bit lanes and
+    pairs added. Exact (the products of int8 or 5-bit values with int8 activations, |p| <=
+    2^14; two of them fit 32 bits in any case)."""
     v16 = ir.VectorType(_I32, 16)
-    half = lambda v, i: builder.sext(builder.shuffle_vector(v, v, i), v16)
-    even, odd = idx(list(range(0, 32, 2))), idx(list(range(1, 32, 2)))
-    return builder.add(builder.mul(half(a, even), half(b, even)), builder.mul(half(a, odd), half(b, odd)))
+    if _PMADDWD:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [a.type, b.type]),
+                                            "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(fn, [a, b])
+    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
+    p = builder.mul(builder.sext(a, ir.VectorType(_I32, 32)), builder.sext(b, ir.VectorType(_I32, 32)))
+    return builder.add(builder.shuffle_vector(p, p, idx(list(range(0, 32, 2)))),
+                       builder.shuffle_vector(p, p, idx(list(range(1, 32, 2)))))
 
 
 def _madd_sum(builder, a, b):
@@ -226,10 +245,9 @@ def _dot32(typingctx, w, wo, x, xo):
 
 
 @intrinsic
-def _f16_at(typingctx, src, o):
-    """The IEEE half at byte offset o of uint8 array src, as float32 (exact: the CPU's
-    half conversion where it has one, F16C's vcvtph2ps, in place of dequant._f16's
-    integer steps)."""
+def _f16_hw(typingctx, src, o):
+    """The IEEE half at byte offset o of uint8 array src, as float32 (exact): F16C's
+    vcvtph2ps (without F16C LLVM calls a runtime function numba does not link)."""
     if not (isinstance(src, types.Array) and src.dtype == types.uint8):
         return None
 
@@ -239,6 +257,9 @@ def _f16_at(typingctx, src, o):
         return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
 
     return types.float32(src, o), codegen
+
+
+_f16_at = _f16_hw if _F16C else _f16
 
 
 @intrinsic
@@ -290,14 +311,9 @@ def _nibble_values(context, builder, sig, args):
 def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
     """sums[g] = sum_i v_i x[xo + g K + i], g < 8: one block's values v (<32 x i16>) with
     eight activation rows; the eight sums reduced together (`_merge8`). Exact."""
-    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
-    w32 = builder.sext(v, ir.VectorType(_I32, 32))
-    parts = []
-    for g in range(8):           # 32-bit products: LLVM's 16-bit form of these eight runs at half the rate
-        off = builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))
-        p = builder.mul(w32, builder.sext(_load_i16(context, builder, xty, x, off), ir.VectorType(_I32, 32)))
-        parts.append(builder.add(builder.shuffle_vector(p, p, idx(list(range(0, 32, 2)))),
-                                 builder.shuffle_vector(p, p, idx(list(range(1, 32, 2))))))   # pmaddwd
+    parts = [_pairs(builder, v, _load_i16(context, builder, xty, x,
+                                          builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))))
+             for g in range(8)]
     _merge8(context, builder, parts, sty, sums)
 
 

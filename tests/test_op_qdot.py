@@ -235,3 +235,28 @@ def test_argument_checks():
         quantize_rows(np.ones((1, 96), F32), "q8_K")
     with pytest.raises(ValueError, match="no quantized dot product"):
         qdot_ref(x, data, T.F16)
+
+
+@pytest.mark.slow
+def test_portable_products_bit_exact(tmp_path):
+    """The kernels compiled without vpmaddwd (numba told of a generic CPU: `_pairs`'
+    portable form) give the reference's bits too, one row and eight."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, sys; sys.path.insert(0, %r)\n"
+            "from op_helpers import random_tensor\n"
+            "from llamatune.kernels import qdot\n"
+            "from llamatune.kernels.qdot_ref import qdot_ref\n"
+            "assert not qdot._PMADDWD\n"
+            "for t in (2, 6, 8):\n"
+            "    for G in (1, 8):\n"
+            "        d = random_tensor(t, 9, 32 * 13, seed=t)\n"
+            "        x = np.random.default_rng(G).standard_normal((G, 32 * 13)).astype(np.float32)\n"
+            "        out = np.empty((G, 9), np.float32)\n"
+            "        qdot.qdot_into(out, x, d, t)\n"
+            "        assert np.array_equal(out.view(np.int32), qdot_ref(x, d, t).view(np.int32)), (t, G)\n"
+            % str(Path(__file__).parent))
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
