@@ -604,6 +604,45 @@ def _legacy_step(code, sumf, sumi, dx, yd, mx, sy):
     return sumf + ((dx * yd) * si + mx * sy)          # Q4_1, Q5_1: + m_x*s_y
 
 
+def _float_steps8(order: str):
+    """An intrinsic f(ac, g0, sums, dx, mx, yd, ys, yo): `_legacy_step` of eight activation
+    rows side by side, ac[g0 + i] = that row's sumf after the block, i < 8, as one
+    <8 x float> (each lane its own row's generic order; no fused multiply-add): sums
+    the block's eight int32 dots, dx, mx its scale and min, yd, ys the rows' q8 scales
+    and sums (flat offset yo). order: q4_0 (sumi*d_x)*d_y, q8_0 sumi*(d_x*d_y), q5_0
+    (d_x*d_y)*sumi, _1 (d_x*d_y)*sumi + m_x*s_y."""
+    def typer(typingctx, ac, g0, sums, dx, mx, yd, ys, yo):
+        def codegen(context, builder, sig, args):
+            f8 = ir.VectorType(ir.FloatType(), 8)
+
+            def vec(aty, arr, off, ty):
+                a = context.make_array(aty)(context, builder, arr)
+                return builder.bitcast(cgutils.gep(builder, a.data, off), ty.as_pointer())
+            acc_ptr = vec(sig.args[0], args[0], args[1], f8)
+            si = builder.sitofp(builder.load(vec(sig.args[2], args[2], ir.Constant(ir.IntType(64), 0),
+                                                 ir.VectorType(_I32, 8)), align=4), f8)
+            d = _splat(builder, args[3], f8)
+            y = builder.load(vec(sig.args[5], args[5], args[7], f8), align=4)
+            if order == "q4_0":
+                step = builder.fmul(builder.fmul(si, d), y)
+            elif order == "q8_0":
+                step = builder.fmul(si, builder.fmul(d, y))
+            else:
+                step = builder.fmul(builder.fmul(d, y), si)
+            if order == "_1":
+                m = _splat(builder, args[4], f8)
+                step = builder.fadd(step, builder.fmul(m, builder.load(vec(sig.args[6], args[6], args[7], f8),
+                                                                      align=4)))
+            builder.store(builder.fadd(builder.load(acc_ptr, align=4), step), acc_ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.none(ac, g0, sums, dx, mx, yd, ys, yo), codegen
+    return intrinsic(typer)
+
+
+_steps8_q4_0, _steps8_q8_0, _steps8_q5_0, _steps8_q_1 = (_float_steps8(o) for o in ("q4_0", "q8_0", "q5_0", "_1"))
+
+
 @njit(cache=True, inline="always")
 def _block_sums(code, src, b, xq, sums):
     """sums[:8] = the integer dots of blocks b..b+7 of weight row src with activation row 0."""
@@ -698,17 +737,13 @@ def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
                         _dot_nibbles_x8(src, bc[b, 0], bc[b, 1], bc[b, 2], xq, g0 * K + 32 * b, K, sc)
                     # the eight rows' steps side by side (each row's own order), one branch per block
                     if code == Q4_0:
-                        for i in range(8):
-                            ac[g0 + i] += (F32(sc[i]) * dx) * xd[b, g0 + i]
+                        _steps8_q4_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     elif code == Q8_0:
-                        for i in range(8):
-                            ac[g0 + i] += F32(sc[i]) * (dx * xd[b, g0 + i])
+                        _steps8_q8_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     elif code == Q5_0:
-                        for i in range(8):
-                            ac[g0 + i] += (dx * xd[b, g0 + i]) * F32(sc[i])
+                        _steps8_q5_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     else:
-                        for i in range(8):
-                            ac[g0 + i] += (dx * xd[b, g0 + i]) * F32(sc[i]) + mx * xs[b, g0 + i]
+                        _steps8_q_1(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
             for g in range(G):
                 out[g, n] = ac[g]
 
