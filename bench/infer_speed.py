@@ -10,7 +10,8 @@ with the decode steps on the quantized blocks (`gen f32`/`gen bf16`: the runner'
 kernels/qdot.py) and, as before them, on dequantized float32 weights (`gen deq f32`);
 `gen x8` decodes 8 copies of the prompt together (tokens of all 8 per second).
 llama-perplexity is timed the same way (two sizes, whole processes); llama-completion's
-figure is its own `eval` tokens per second. --gen-only skips the perplexity runs.
+figure is its own `eval` tokens per second. --gen-only skips the perplexity runs,
+--f32-only the bf16 and dequantized-weights generation runs.
 
     python bench/infer_speed.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
         --llama-bin /work/llamacpp/build-avx512/bin [--ctx 512] [--rounds 2]
@@ -138,6 +139,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/llamatune-infer"))
     ap.add_argument("--gen-only", action="store_true", help="skip the perplexity runs")
+    ap.add_argument("--f32-only", action="store_true",
+                    help="skip the bf16 and dequantized-weights generation runs (decode figures only: gen f32, x8)")
     ap.add_argument("--cpu-time", action="store_true",
                     help="generation per CPU second (process time; llama.cpp: its CPU time over two lengths), "
                          "not per wall second: figures a shared machine's load does not swamp")
@@ -151,16 +154,18 @@ def main() -> None:
     small, large = a.work / "small.txt", a.work / "large.txt"
     if not a.gen_only:
         n_small, n_large = text_of(a.model, a.small, a.ctx, small), text_of(a.model, a.large, a.ctx, large)
-    keys = ("gen deq f32", "gen f32", "gen bf16", "gen x8", "gen llama.cpp")
+    keys = ("gen f32", "gen x8", "gen llama.cpp") if a.f32_only else ("gen deq f32", "gen f32", "gen bf16", "gen x8",
+                                                                       "gen llama.cpp")
     res: dict[str, list[float]] = {k: [] for k in (() if a.gen_only else ("ppl f32", "ppl bf16", "ppl llama.cpp"))
                                    + keys}
     for r in range(a.rounds):
-        for dtype in ("f32", "bf16"):
+        for dtype in ("f32",) if a.f32_only else ("f32", "bf16"):
             if not a.gen_only:
                 res[f"ppl {dtype}"].append((n_large - n_small)
                                            / (ours_ppl(a, dtype, large) - ours_ppl(a, dtype, small)))
             res[f"gen {dtype}"].append((a.n_large - 1) / ours_gen(a, dtype, a.n_large))
-        res["gen deq f32"].append((a.n_large - 1) / ours_gen(a, "f32", a.n_large, quantized=False))
+        if not a.f32_only:
+            res["gen deq f32"].append((a.n_large - 1) / ours_gen(a, "f32", a.n_large, quantized=False))
         res["gen x8"].append(ours_gen_batched(a, 8, a.n_large // 2))
         if not a.gen_only:
             res["ppl llama.cpp"].append((n_large - n_small) / (llama_ppl(a, large) - llama_ppl(a, small)))
@@ -172,11 +177,12 @@ def main() -> None:
         print(f"{k:14} {statistics.median(v):8.1f}  ({min(v):.1f}-{max(v):.1f})")
     for what in ("gen",) if a.gen_only else ("ppl", "gen"):
         ll = statistics.median(res[f"{what} llama.cpp"])
-        print(f"{what}: f32 / llama.cpp {statistics.median(res[f'{what} f32']) / ll:.2f}x, "
-              f"bf16 / llama.cpp {statistics.median(res[f'{what} bf16']) / ll:.2f}x")
+        print(f"{what}: f32 / llama.cpp {statistics.median(res[f'{what} f32']) / ll:.2f}x"
+              + ("" if a.f32_only else f", bf16 / llama.cpp {statistics.median(res[f'{what} bf16']) / ll:.2f}x"))
     one = statistics.median(res["gen f32"])
-    print(f"gen: quantized blocks / dequantized f32 {one / statistics.median(res['gen deq f32']):.2f}x, "
-          f"8 sequences together / one {statistics.median(res['gen x8']) / one:.2f}x")
+    if not a.f32_only:
+        print(f"gen: quantized blocks / dequantized f32 {one / statistics.median(res['gen deq f32']):.2f}x")
+    print(f"gen: 8 sequences together / one {statistics.median(res['gen x8']) / one:.2f}x")
 
 
 if __name__ == "__main__":

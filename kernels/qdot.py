@@ -27,10 +27,14 @@ super-blocks) switching on the GGML type id per block; a `prange` over chunks of
 output rows, each chunk with its own scratch (the wrapper's: the kernels never
 allocate). The integer sums are LLVM vector IR emitted by intrinsics (`_dot32`,
 `_dot_nibbles`, `_lanes256`): written as loops, numba's 32-value sums were unrolled to
-scalar code (0.42 against 0.06 ns a product). Legacy blocks are unpacked in registers
-and, with several activation rows, multiplied with eight rows at a time whose sums are
-reduced together and whose float steps run side by side (`_dot32_x8`); K-quant rows are
-unpacked once into int8 scratch with their scales, then multiplied with each row.
+scalar code (0.42 against 0.06 ns a product). Legacy blocks are unpacked in registers;
+with one activation row (a decode step), eight consecutive blocks of a weight row have
+their integer sums reduced together (`_block_sums8`, one shuffle tree instead of eight
+reductions) and their float steps then run in order, the scales read where they lie
+(the CPU's f16 conversion); with several activation rows, each block is multiplied with
+eight rows at a time whose sums are reduced together and whose float steps run side by
+side (`_dot32_x8`). K-quant rows are unpacked once into int8 scratch with their scales,
+then multiplied with each row.
 """
 from __future__ import annotations
 
@@ -171,14 +175,6 @@ def quantize_rows(x: np.ndarray, kind: str) -> QuantizedRows:
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 
 
-def _load_i8(context, builder, aty, arr, off, n: int):
-    """n int8 values at flat offset `off` of C-contiguous array `arr`, sign-extended to
-    an <n x i32> vector (one unaligned load)."""
-    a = context.make_array(aty)(context, builder, arr)
-    ptr = builder.bitcast(cgutils.gep(builder, a.data, off), ir.VectorType(_I8, n).as_pointer())
-    return builder.sext(builder.load(ptr, align=1), ir.VectorType(_I32, n))
-
-
 def _reduce_add(builder, v, n: int):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [ir.VectorType(_I32, n)]),
                                         f"llvm.vector.reduce.add.v{n}i32")
@@ -187,6 +183,50 @@ def _reduce_add(builder, v, n: int):
 
 def _int8_arrays(*arrays) -> bool:
     return all(isinstance(a, types.Array) and a.dtype == types.int8 for a in arrays)
+
+
+def _load_i16(context, builder, aty, arr, off):
+    """32 int8 values at flat offset `off` of C-contiguous array `arr`, sign-extended to
+    <32 x i16> (one unaligned load)."""
+    a = context.make_array(aty)(context, builder, arr)
+    ptr = builder.bitcast(cgutils.gep(builder, a.data, off), ir.VectorType(_I8, 32).as_pointer())
+    return builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
+
+
+def _host_has(feature: str) -> bool:
+    """Whether numba compiles for its own host (no CPU override) and the host has
+    `feature` (an LLVM name: avx512bw, f16c): the x86 instructions used where present."""
+    from llvmlite import binding
+    from numba.core import config
+    if config.CPU_NAME or config.CPU_FEATURES:
+        return False
+    return bool(binding.get_host_cpu_features().get(feature))
+
+
+_PMADDWD = _host_has("avx512bw")   # `_pairs` calls vpmaddwd (LLVM does not make it of the portable form)
+_F16C = _host_has("f16c")          # `_f16_at` converts with vcvtph2ps (else dequant._f16's integer steps)
+
+
+def _pairs(builder, a, b):
+    """<16 x i32> of a_2i b_2i + a_2i+1 b_2i+1 for two <32 x i16> vectors: x86's
+    vpmaddwd where the CPU has it (`_PMADDWD`), else the products in 32-bit lanes and
+    pairs added. Exact (the products of int8 or 5-bit values with int8 activations, |p| <=
+    2^14; two of them fit 32 bits in any case)."""
+    v16 = ir.VectorType(_I32, 16)
+    if _PMADDWD:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [a.type, b.type]),
+                                            "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(fn, [a, b])
+    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
+    p = builder.mul(builder.sext(a, ir.VectorType(_I32, 32)), builder.sext(b, ir.VectorType(_I32, 32)))
+    return builder.add(builder.shuffle_vector(p, p, idx(list(range(0, 32, 2)))),
+                       builder.shuffle_vector(p, p, idx(list(range(1, 32, 2)))))
+
+
+def _madd_sum(builder, a, b):
+    """sum_i a_i b_i in int32 of two <32 x i16> vectors (`_pairs`, then one 16-lane
+    reduction). Exact."""
+    return _reduce_add(builder, _pairs(builder, a, b), 16)
 
 
 @intrinsic
@@ -198,11 +238,43 @@ def _dot32(typingctx, w, wo, x, xo):
         return None
 
     def codegen(context, builder, sig, args):
-        p = builder.mul(_load_i8(context, builder, sig.args[0], args[0], args[1], 32),
-                        _load_i8(context, builder, sig.args[2], args[2], args[3], 32))
-        return _reduce_add(builder, p, 32)
+        return _madd_sum(builder, _load_i16(context, builder, sig.args[0], args[0], args[1]),
+                         _load_i16(context, builder, sig.args[2], args[2], args[3]))
 
     return types.int32(w, wo, x, xo), codegen
+
+
+@intrinsic
+def _f16_hw(typingctx, src, o):
+    """The IEEE half at byte offset o of uint8 array src, as float32 (exact): F16C's
+    vcvtph2ps (without F16C LLVM calls a runtime function numba does not link)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), ir.HalfType().as_pointer())
+        return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
+
+    return types.float32(src, o), codegen
+
+
+_f16_at = _f16_hw if _F16C else _f16
+
+
+@intrinsic
+def _u32_at(typingctx, src, o):
+    """The little-endian uint32 at byte offset o of uint8 array src, as int64 (a Q5
+    block's fifth bits: one unaligned load)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
+        return None
+
+    def codegen(context, builder, sig, args):
+        a = context.make_array(sig.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), _I32.as_pointer())
+        return builder.zext(builder.load(ptr, align=1), ir.IntType(64))
+
+    return types.int64(src, o), codegen
 
 
 def _splat(builder, value, vtype):
@@ -238,16 +310,18 @@ def _nibble_values(context, builder, sig, args):
 
 def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
     """sums[g] = sum_i v_i x[xo + g K + i], g < 8: one block's values v (<32 x i16>) with
-    eight activation rows; the eight sums reduced together (pairs of partial vectors
-    merged level by level: 15 shuffles of pairs instead of 8 full reductions). Exact."""
+    eight activation rows; the eight sums reduced together (`_merge8`). Exact."""
+    parts = [_pairs(builder, v, _load_i16(context, builder, xty, x,
+                                          builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))))
+             for g in range(8)]
+    _merge8(context, builder, parts, sty, sums)
+
+
+def _merge8(context, builder, parts, sty, sums):
+    """sums[j] = the sum of the 16 lanes of parts[j] (eight <16 x i32>), j < 8: pairs of
+    vectors merged level by level (15 shuffles of pairs instead of 8 full reductions),
+    stored as one <8 x i32>. Exact."""
     idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
-    w32 = builder.sext(v, ir.VectorType(_I32, 32))
-    parts = []
-    for g in range(8):
-        off = builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))
-        p = builder.mul(w32, _load_i8(context, builder, xty, x, off, 32))
-        parts.append(builder.add(builder.shuffle_vector(p, p, idx(list(range(0, 32, 2)))),
-                                 builder.shuffle_vector(p, p, idx(list(range(1, 32, 2))))))   # pmaddwd
     width = 16                     # lanes each row's partial sums fill in a merged vector
     while len(parts) > 1:
         merged = []
@@ -263,6 +337,44 @@ def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
     total = builder.add(builder.shuffle_vector(parts[0], parts[0], idx(list(range(0, 16, 2)))),
                         builder.shuffle_vector(parts[0], parts[0], idx(list(range(1, 16, 2)))))
     builder.store(total, builder.bitcast(out.data, ir.VectorType(_I32, 8).as_pointer()), align=4)
+
+
+def _block_sums8(size: int, qs: int, qh: int, bias: int):
+    """An intrinsic f(src, o, x, xo, sums): sums[j] = the integer dot of the 32-value block
+    at byte offset o + j size of weight row src with x[xo + 32 j:], j < 8: eight
+    consecutive blocks of one row, reduced together (`_merge8`). The block layout: quants
+    at byte qs of each block (bias subtracted; qs past 2 with qh < 0 and bias 0: Q8_0's
+    int8 quants), its 32 fifth bits at byte qh (qh < 0: none)."""
+    def typer(typingctx, src, o, x, xo, sums):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(x)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            parts = []
+            for j in range(8):
+                off = builder.add(args[1], ir.Constant(args[1].type, size * j))
+                at = lambda k: builder.add(off, ir.Constant(off.type, k))
+                if size == 34:                        # Q8_0: the int8 quants as they lie
+                    w = _load_i16(context, builder, sig.args[0], args[0], at(qs))
+                else:
+                    if qh >= 0:
+                        a = context.make_array(sig.args[0])(context, builder, args[0])
+                        ptr = builder.bitcast(cgutils.gep(builder, a.data, at(qh)), _I32.as_pointer())
+                        bits = builder.zext(builder.load(ptr, align=1), ir.IntType(64))
+                    else:
+                        bits = ir.Constant(ir.IntType(64), 0)
+                    w = _nibble_values(context, builder, sig, [args[0], at(qs), bits, ir.Constant(ir.IntType(64), bias)])
+                xoff = builder.add(args[3], ir.Constant(args[3].type, 32 * j))
+                parts.append(_pairs(builder, w, _load_i16(context, builder, sig.args[2], args[2], xoff)))
+            _merge8(context, builder, parts, sig.args[4], args[4])
+            return context.get_dummy_value()
+
+        return types.none(src, o, x, xo, sums), codegen
+    return intrinsic(typer)
+
+
+_sums8_q8_0, _sums8_q4_0, _sums8_q4_1 = _block_sums8(34, 2, -1, 0), _block_sums8(18, 2, -1, 8), _block_sums8(20, 4, -1, 0)
+_sums8_q5_0, _sums8_q5_1 = _block_sums8(22, 6, 2, 16), _block_sums8(24, 8, 4, 0)
 
 
 @intrinsic
@@ -307,8 +419,7 @@ def _dot_nibbles(typingctx, src, qs, qh, bias, x, xo):
 
     def codegen(context, builder, sig, args):
         v = _nibble_values(context, builder, sig, args)
-        x = _load_i8(context, builder, sig.args[4], args[4], args[5], 32)
-        return _reduce_add(builder, builder.mul(builder.sext(v, ir.VectorType(_I32, 32)), x), 32)
+        return _madd_sum(builder, v, _load_i16(context, builder, sig.args[4], args[4], args[5]))
 
     return types.int32(src, qs, qh, bias, x, xo), codegen
 
@@ -493,6 +604,96 @@ def _legacy_step(code, sumf, sumi, dx, yd, mx, sy):
     return sumf + ((dx * yd) * si + mx * sy)          # Q4_1, Q5_1: + m_x*s_y
 
 
+def _float_steps8(order: str):
+    """An intrinsic f(ac, g0, sums, dx, mx, yd, ys, yo): `_legacy_step` of eight activation
+    rows side by side, ac[g0 + i] = that row's sumf after the block, i < 8, as one
+    <8 x float> (each lane its own row's generic order; no fused multiply-add): sums
+    the block's eight int32 dots, dx, mx its scale and min, yd, ys the rows' q8 scales
+    and sums (flat offset yo). order: q4_0 (sumi*d_x)*d_y, q8_0 sumi*(d_x*d_y), q5_0
+    (d_x*d_y)*sumi, _1 (d_x*d_y)*sumi + m_x*s_y."""
+    def typer(typingctx, ac, g0, sums, dx, mx, yd, ys, yo):
+        def codegen(context, builder, sig, args):
+            f8 = ir.VectorType(ir.FloatType(), 8)
+
+            def vec(aty, arr, off, ty):
+                a = context.make_array(aty)(context, builder, arr)
+                return builder.bitcast(cgutils.gep(builder, a.data, off), ty.as_pointer())
+            acc_ptr = vec(sig.args[0], args[0], args[1], f8)
+            si = builder.sitofp(builder.load(vec(sig.args[2], args[2], ir.Constant(ir.IntType(64), 0),
+                                                 ir.VectorType(_I32, 8)), align=4), f8)
+            d = _splat(builder, args[3], f8)
+            y = builder.load(vec(sig.args[5], args[5], args[7], f8), align=4)
+            if order == "q4_0":
+                step = builder.fmul(builder.fmul(si, d), y)
+            elif order == "q8_0":
+                step = builder.fmul(si, builder.fmul(d, y))
+            else:
+                step = builder.fmul(builder.fmul(d, y), si)
+            if order == "_1":
+                m = _splat(builder, args[4], f8)
+                step = builder.fadd(step, builder.fmul(m, builder.load(vec(sig.args[6], args[6], args[7], f8),
+                                                                      align=4)))
+            builder.store(builder.fadd(builder.load(acc_ptr, align=4), step), acc_ptr, align=4)
+            return context.get_dummy_value()
+
+        return types.none(ac, g0, sums, dx, mx, yd, ys, yo), codegen
+    return intrinsic(typer)
+
+
+_steps8_q4_0, _steps8_q8_0, _steps8_q5_0, _steps8_q_1 = (_float_steps8(o) for o in ("q4_0", "q8_0", "q5_0", "_1"))
+
+
+@njit(cache=True, inline="always")
+def _block_sums(code, src, b, xq, sums):
+    """sums[:8] = the integer dots of blocks b..b+7 of weight row src with activation row 0."""
+    if code == Q8_0:
+        _sums8_q8_0(src, 34 * b, xq, 32 * b, sums)
+    elif code == Q5_0:
+        _sums8_q5_0(src, 22 * b, xq, 32 * b, sums)
+    elif code == Q4_0:
+        _sums8_q4_0(src, 18 * b, xq, 32 * b, sums)
+    elif code == Q4_1:
+        _sums8_q4_1(src, 20 * b, xq, 32 * b, sums)
+    else:
+        _sums8_q5_1(src, 24 * b, xq, 32 * b, sums)
+
+
+@njit(cache=True, inline="always")
+def _legacy_sum_step(code, sumf, sumi, src, b, xd, xs):
+    """sumf after block b of weight row src with activation row 0, its integer dot sumi
+    given: the block's scales read where they lie, then `_legacy_step`."""
+    size = 34 if code == Q8_0 else 18 if code == Q4_0 else 22 if code == Q5_0 else 20 if code == Q4_1 else 24
+    o = size * b
+    if code == Q4_1 or code == Q5_1:
+        return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], _f16_at(src, o + 2), xs[b, 0])
+    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], F32(0), F32(0))
+
+
+@njit(cache=True, inline="always")
+def _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs):
+    """sumf after block b of weight row src (s8: its int8 view) with activation row 0:
+    the block's scales and fifth bits read where they lie (no scratch), then
+    `_legacy_step`."""
+    sy, m, qh = F32(0), F32(0), 0
+    if code == Q8_0:
+        o = 34 * b
+        return _legacy_step(code, sumf, _dot32(s8, o + 2, xq, 32 * b), _f16_at(src, o), xd[b, 0], m, sy)
+    if code == Q4_0:
+        o, qs, bias = 18 * b, 18 * b + 2, 8
+    elif code == Q5_0:
+        o, qs, bias = 22 * b, 22 * b + 6, 16
+        qh = _u32_at(src, o + 2)
+    elif code == Q4_1:
+        o, qs, bias = 20 * b, 20 * b + 4, 0
+        m, sy = _f16_at(src, o + 2), xs[b, 0]
+    else:                                             # Q5_1
+        o, qs, bias = 24 * b, 24 * b + 8, 0
+        m, sy = _f16_at(src, o + 2), xs[b, 0]
+        qh = _u32_at(src, o + 4)
+    sumi = _dot_nibbles(src, qs, qh, bias, xq, 32 * b)
+    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], m, sy)
+
+
 @njit(cache=True, parallel=True)
 def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
     """out[g, n] = vec_dot(W row n, x row g) for a 32-value type: sumf += per block in
@@ -511,19 +712,21 @@ def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
         for n in range(c * per, min(N, c * per + per)):
             src = data[n]
             s8 = src.view(np.int8)
-            for b in range(nb):
-                dmc[b, 0], dmc[b, 1], bc[b, 0], bc[b, 1], bc[b, 2] = _legacy_block(code, src, b)
             if G == 1:
                 sumf = F32(0)
-                for b in range(nb):
-                    if code == Q8_0:
-                        sumi = _dot32(s8, bc[b, 0], xq, 32 * b)
-                    else:
-                        sumi = _dot_nibbles(src, bc[b, 0], bc[b, 1], bc[b, 2], xq, 32 * b)
-                    sy = xs[b, 0] if code == Q4_1 or code == Q5_1 else F32(0)
-                    sumf = _legacy_step(code, sumf, sumi, dmc[b, 0], xd[b, 0], dmc[b, 1], sy)
+                b = 0
+                while b + 8 <= nb:                    # eight blocks' integer sums at once
+                    _block_sums(code, src, b, xq, sc)
+                    for j in range(8):
+                        sumf = _legacy_sum_step(code, sumf, sc[j], src, b + j, xd, xs)
+                    b += 8
+                while b < nb:
+                    sumf = _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs)
+                    b += 1
                 out[0, n] = sumf
                 continue
+            for b in range(nb):
+                dmc[b, 0], dmc[b, 1], bc[b, 0], bc[b, 1], bc[b, 2] = _legacy_block(code, src, b)
             ac[:] = 0
             for b in range(nb):
                 dx, mx = dmc[b, 0], dmc[b, 1]
@@ -534,17 +737,13 @@ def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
                         _dot_nibbles_x8(src, bc[b, 0], bc[b, 1], bc[b, 2], xq, g0 * K + 32 * b, K, sc)
                     # the eight rows' steps side by side (each row's own order), one branch per block
                     if code == Q4_0:
-                        for i in range(8):
-                            ac[g0 + i] += (F32(sc[i]) * dx) * xd[b, g0 + i]
+                        _steps8_q4_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     elif code == Q8_0:
-                        for i in range(8):
-                            ac[g0 + i] += F32(sc[i]) * (dx * xd[b, g0 + i])
+                        _steps8_q8_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     elif code == Q5_0:
-                        for i in range(8):
-                            ac[g0 + i] += (dx * xd[b, g0 + i]) * F32(sc[i])
+                        _steps8_q5_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
                     else:
-                        for i in range(8):
-                            ac[g0 + i] += (dx * xd[b, g0 + i]) * F32(sc[i]) + mx * xs[b, g0 + i]
+                        _steps8_q_1(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
             for g in range(G):
                 out[g, n] = ac[g]
 

@@ -107,6 +107,19 @@ def test_qdot_bit_exact(qtype, G):
     assert_bits(out, qdot_ref(x, data, qtype))
 
 
+@pytest.mark.parametrize("qtype", TYPES[:5], ids=lambda t: t.name)
+@pytest.mark.parametrize("G", [1, 9])
+def test_qdot_bit_exact_partial_groups(qtype, G):
+    """K of 13 blocks (the one-row kernel's eight-block group and five single blocks; the
+    bench model's 896 is 3 x 8 + 4) and G = 9 (a second group of eight rows, padded)."""
+    K = 32 * 13
+    data = random_tensor(qtype, 21, K, seed=5)
+    x = activations(G, K, seed=G + 3)
+    out = np.full((G, 21), np.nan, F32)
+    qdot_into(out, x, data, qtype)
+    assert_bits(out, qdot_ref(x, data, qtype))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_ref_is_the_dequantized_product(qtype):
     """The reference's value: the float64 product of gguf's dequantized W and the
@@ -222,3 +235,28 @@ def test_argument_checks():
         quantize_rows(np.ones((1, 96), F32), "q8_K")
     with pytest.raises(ValueError, match="no quantized dot product"):
         qdot_ref(x, data, T.F16)
+
+
+@pytest.mark.slow
+def test_portable_products_bit_exact(tmp_path):
+    """The kernels compiled without vpmaddwd (numba told of a generic CPU: `_pairs`'
+    portable form) give the reference's bits too, one row and eight."""
+    import os
+    import subprocess
+    import sys
+    code = ("import numpy as np, sys; sys.path.insert(0, %r)\n"
+            "from op_helpers import random_tensor\n"
+            "from llamatune.kernels import qdot\n"
+            "from llamatune.kernels.qdot_ref import qdot_ref\n"
+            "assert not qdot._PMADDWD\n"
+            "for t in (2, 6, 8):\n"
+            "    for G in (1, 8):\n"
+            "        d = random_tensor(t, 9, 32 * 13, seed=t)\n"
+            "        x = np.random.default_rng(G).standard_normal((G, 32 * 13)).astype(np.float32)\n"
+            "        out = np.empty((G, 9), np.float32)\n"
+            "        qdot.qdot_into(out, x, d, t)\n"
+            "        assert np.array_equal(out.view(np.int32), qdot_ref(x, d, t).view(np.int32)), (t, G)\n"
+            % str(Path(__file__).parent))
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -84,6 +84,7 @@ class Runner(Forward):
                          for name, pairs in (adapters or RuntimeAdapters()).by_weight.items()}
         self.linears = Linears(self, self.adapters)
         self.cache, self.n_past = None, 0
+        self._blocks: dict[str, QuantizedRows | None] = {}   # quantized_rows' matrices, by name
 
     # ---------------------------------------------------- decode steps on the quantized blocks
     def quantized_rows(self, name: str, lo: int, hi: int | None) -> QuantizedRows | None:
@@ -91,11 +92,15 @@ class Runner(Forward):
         them there (kernels/qdot.py has the type); None: the dequantized path."""
         if not self.decoding:
             return None
-        from ..kernels.qdot import QDOT_TYPES
-        t = self.base.tensors[name]
-        if int(t.qtype) not in QDOT_TYPES:
-            return None
-        return QuantizedRows(t.raw_rows()[lo:hi], int(t.qtype))
+        if name not in self._blocks:                  # once a matrix: a decode step asks ~170 times
+            from ..kernels.qdot import QDOT_TYPES
+            t = self.base.tensors[name]
+            self._blocks[name] = (QuantizedRows(np.asarray(t.raw_rows()), int(t.qtype))
+                                  if int(t.qtype) in QDOT_TYPES else None)
+        q = self._blocks[name]
+        if q is None or (lo == 0 and hi is None):
+            return q
+        return QuantizedRows(q.data[lo:hi], q.qtype)
 
     def weight(self, name: str, N: int):
         q = self.quantized_rows(name, 0, None)
