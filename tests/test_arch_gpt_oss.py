@@ -220,7 +220,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model, tmp_path):
     |difference| / max |HF's|; the rope tables are float32, as llama.cpp's)."""
     from checks.gptoss_hf import hf_lora_grads
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model["f32"])
@@ -233,7 +233,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model, tmp_path):
     params.data[...] = rng.normal(0, 0.1, params.size)
     lora = {n: params[n].copy() for t in targets for n in (t.a, t.b)}
     hf = hf_lora_grads(TORCH_PYTHON, hf_model["hf"], ids, lora, r, alpha, tmp_path)
-    g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
     loss = g.step(ids[:, :-1], ids[:, 1:], np.full((B, T), 1 / (B * T)))
     assert len(lora) == len(kinds) * 2 * cfg.n_layer
     worst = max(np.abs(params.grad_of(n) - hf[n]).max() / np.abs(hf[n]).max() for n in lora)

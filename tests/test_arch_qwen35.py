@@ -294,7 +294,7 @@ def _tiled(grad, kind, axis, cfg):
 def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     """B = 0: the adapted model is HF's, dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model / "f32.gguf")
@@ -310,7 +310,7 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=False)
     params = ParamBuffer(lora_specs(ts), np.float64)
     init_lora(params, ts, rng)
-    g = Graph(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
     loss = g.step(inputs, targets, weights)
     assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
     for t in ts:
@@ -415,7 +415,7 @@ def test_estimate_covers_the_delta_net_backwards_scratch(written, monkeypatch, T
     (the rule's items pad to chunks of 64 steps: the margin at these tiny widths)."""
     import tracemalloc
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.memory import temporaries_bytes
     from llamatune.train.params import ParamBuffer
     from llamatune.train.parts import DeltaNetBackward
@@ -425,7 +425,7 @@ def test_estimate_covers_the_delta_net_backwards_scratch(written, monkeypatch, T
     ts = lora_targets(cfg, {k: 2 for k in ("attn_qkv", "attn_gate", "ssm_out", "ffn_up")}, 4.0, tied=False)
     params = ParamBuffer(lora_specs(ts))
     init_lora(params, ts, np.random.default_rng(0))
-    g = Graph(cfg, FrozenBase(model), params, ts, 1, T, "layer")
+    g = StepExecutor(cfg, FrozenBase(model), params, ts, 1, T, "layer")
     peaks, backward = [], DeltaNetBackward.backward
 
     def traced(self, *args):

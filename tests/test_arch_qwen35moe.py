@@ -100,7 +100,7 @@ def test_runner_forward_decoding_and_training_loss_match_the_float64_reference(w
     from checks.arch_reference import batch, cross_entropy, model_weights
     from llamatune.models.infer import KVCache, Runner
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.params import ParamBuffer
     model = Model(written[1])
     cfg = model.config
@@ -112,7 +112,7 @@ def test_runner_forward_decoding_and_training_loss_match_the_float64_reference(w
     cache = KVCache.empty(model, 2, 9)
     steps = [runner.forward(inputs[:, :4], cache)] + [runner.forward(inputs[:, t:t + 1], cache) for t in range(4, 9)]
     np.testing.assert_allclose(np.concatenate(steps, 1), want, rtol=2e-4, atol=2e-4)
-    g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 2, 9, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 2, 9, dtype=np.float64)
     g.loss(inputs, targets, weights)
     ce = np.concatenate([cross_entropy(want[b], targets[b]) for b in range(2)])
     np.testing.assert_allclose(g.losses, ce, rtol=1e-7, atol=1e-8)
@@ -261,7 +261,7 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     """B = 0: the adapted model is HF's, and dL/dB = s dL/dW A^T (per expert for the
     experts) with HF's dL/dW by float64 autograd."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model / "f32.gguf")
@@ -276,7 +276,7 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS} | {k: 2 for k in EXPERT_RANKS}, alpha=8.0, tied=False)
     params = ParamBuffer(lora_specs(ts), np.float64)
     init_lora(params, ts, rng)
-    g = Graph(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
     loss = g.step(inputs, targets, weights)
     assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
     assert {t.kind for t in ts} == set(HF_LINEARS) | set(EXPERT_RANKS)

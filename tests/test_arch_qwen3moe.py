@@ -160,7 +160,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model):
     through the second's experts and router."""
     from checks.moe_hf import hf_lora_grads
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model["f32"])
@@ -172,7 +172,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model):
     params.data[...] = rng.normal(0, 0.1, params.size)
     lora = {n: params[n].copy() for t in targets for n in (t.a, t.b)}
     hf = hf_lora_grads(TORCH_PYTHON, hf_model["hf"], ids, lora, r, alpha, hf_model["work"])
-    g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
     loss = g.step(ids[:, :-1], ids[:, 1:], np.full((B, T), 1 / (B * T)))
     assert loss == pytest.approx(hf["loss"], rel=1e-9)
     assert len(lora) == 4 * 2 * cfg.n_layer
@@ -265,9 +265,9 @@ def test_export_merges_expert_adapters_per_expert(qwen3moe, tmp_path, tiny_vocab
 # --------------------------------------------------------------------------- the load-balancing loss
 def _aux_graph(model, ranks, coef, mode="layer"):
     from checks.arch_reference import batch, lora_setup
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     targets, params = lora_setup(model, ranks, np.float64)
-    g = Graph(model.config, FrozenBase(model), params, targets, 2, 6, mode, dtype=np.float64)
+    g = StepExecutor(model.config, FrozenBase(model), params, targets, 2, 6, mode, dtype=np.float64)
     g.router_aux_coef = coef
     return g, params, batch(model.config, 2, 6)
 
@@ -351,7 +351,7 @@ def test_memory_plan_and_dry_run_name_the_experts(qwen3moe):
     exactly the plan; --dry-run names the model file's share and its experts'."""
     from llamatune.kernels.moe import scratch_shapes
     from llamatune.train.buffers import step_plan
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import lora_targets
     from llamatune.train.memory import Planner, gib
     from llamatune.train.trainer import file_share
@@ -381,7 +381,7 @@ def test_bf16_products_take_the_experts_in_bf16(qwen3moe, monkeypatch):
     and attention's) close to the float32 step's."""
     from llamatune.kernels import bf16
     from llamatune.precision import policy
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from checks.arch_reference import batch, lora_setup
     if not (bf16.cpu_bf16_flags() and bf16.available()):
         pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
@@ -394,7 +394,7 @@ def test_bf16_products_take_the_experts_in_bf16(qwen3moe, monkeypatch):
         seen = []
         real = base.expert_matrix_bf16
         monkeypatch.setattr(base, "expert_matrix_bf16", lambda name, e: seen.append(e) or real(name, e))
-        g = Graph(qwen3moe.config, base, params, targets, 2, 16, "layer", policy=policy(dtype))
+        g = StepExecutor(qwen3moe.config, base, params, targets, 2, 16, "layer", policy=policy(dtype))
         params.zero_grad()
         got[dtype] = (g.step(inputs, tg, w), params.grad.copy(), len(seen))
     assert got["f32"][2] == 0 and got["bf16"][2] > 0

@@ -34,14 +34,14 @@ class ExpertWeights:
     e's (n_out, n_in) float32 matrix, dequantized when asked (valid until the next
     dequantization); `shape` is (E, n_out, n_in)."""
 
-    def __init__(self, base, name: str, bf16: bool = False):
-        self.base, self.name, self.bf16 = base, name, bf16
-        self.shape = base.expert_shape(name)
+    def __init__(self, weights, name: str, bf16: bool = False):
+        self.weights, self.name, self.bf16 = weights, name, bf16
+        self.shape = weights.expert_shape(name)
 
     def __getitem__(self, e: int) -> np.ndarray:
         if self.bf16:                               # bf16 bits (uint16), for bf16 products
-            return self.base.expert_matrix_bf16(self.name, int(e))
-        return self.base.expert_matrix(self.name, int(e))
+            return self.weights.expert_matrix_bf16(self.name, int(e))
+        return self.weights.expert_matrix(self.name, int(e))
 
 
 @dataclass
@@ -72,9 +72,9 @@ def expert_adapters(fw, i: int) -> dict[str, kmoe.ExpertLora]:
     return out
 
 
-def experts_of(base, i: int, bf16: bool = False) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+def experts_of(weights, i: int, bf16: bool = False) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
     """Layer i's gate, up and down expert tensors (dequantized to bf16 bits with `bf16`)."""
-    return tuple(ExpertWeights(base, f"blk.{i}.{k}.weight", bf16)
+    return tuple(ExpertWeights(weights, f"blk.{i}.{k}.weight", bf16)
                  for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
@@ -112,11 +112,11 @@ def expert_gate(cfg):
     return swiglu_oai.swiglu_oai_forward, swiglu_oai.swiglu_oai_backward
 
 
-def expert_biases(base, i: int, dtype) -> dict[str, np.ndarray]:
+def expert_biases(weights, i: int, dtype) -> dict[str, np.ndarray]:
     """Layer i's expert biases {"gate" | "up" | "down": (E, n_out)} (gpt-oss; none elsewhere)."""
     out = {}
     for proj, kind in PROJECTIONS:
-        b = base.vector(f"blk.{i}.{kind}.bias")
+        b = weights.vector(f"blk.{i}.{kind}.bias")
         if b is not None:
             out[proj] = b.astype(dtype, copy=False)
     return out
@@ -134,7 +134,7 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm, kept.get("w"), kept.get("probs"))
     bf16, mm = expert_products(fwd, xn.shape[0])
     buffers = fwd.expert_buffers(i) | {k: kept.get(k) for k in ("g", "u")}
-    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i, bf16), lora=expert_adapters(fwd, i),
-                                buffers=buffers, mm=mm, bias=expert_biases(fwd.base, i, xn.dtype),
+    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.weights, i, bf16), lora=expert_adapters(fwd, i),
+                                buffers=buffers, mm=mm, bias=expert_biases(fwd.weights, i, xn.dtype),
                                 gate=expert_gate(cfg))
     return MoeActs(probs, idx, w, rows, probs.sum(axis=0))

@@ -430,7 +430,7 @@ class SinkAttention(Attention):
         k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
         att4 = a.att.reshape(q4.shape)
         fw.attention.attention_forward(att4, a.lse, q4, k_all, v_all, n_past, segments=fw.segments, **self.options)
-        sinks_forward(att4, a.lse, fw.base.vector(self.sinks))
+        sinks_forward(att4, a.lse, fw.weights.vector(self.sinks))
         self.output(fw, y, a.att, self.out, None, None, None)
 
 

@@ -31,12 +31,12 @@ def router_backward(dlogits: np.ndarray, dw: np.ndarray, acts: MoeActs, normaliz
         kmoe.router_backward_ref(dlogits, dw, acts.idx, acts.w, acts.probs, normalize)
 
 
-def trained_expert_adapters(graph, i: int) -> dict[str, kmoe.ExpertLora]:
+def trained_expert_adapters(executor, i: int) -> dict[str, kmoe.ExpertLora]:
     """The training graph's adapters on layer i's experts with their gradients (da, db
     accumulated by the expert kernels' backward)."""
     out = {}
     for proj, kind in PROJECTIONS:
-        t = graph.linears.adapter(f"blk.{i}.{kind}.weight")
+        t = executor.linears.adapter(f"blk.{i}.{kind}.weight")
         if t is not None:
             out[proj] = kmoe.ExpertLora(t.a, t.b, t.scale, t.da, t.db)
     return out
@@ -66,28 +66,28 @@ def probs_backward(dlogits: np.ndarray, dp: np.ndarray, probs: np.ndarray) -> No
     dlogits += probs * (dp[None, :] - (probs @ dp)[:, None])
 
 
-def moe_backward(graph, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts: MoeActs, i: int) -> None:
+def moe_backward(executor, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts: MoeActs, i: int) -> None:
     """dxn (N, C) = dL/dxn of layer i's mixture of experts (overwritten), from dout (N, C) =
     dL/d(its output); xn the forward's input. `graph` is the training graph (its
     linears.backward takes the router's product and adapter; its router_aux_grad, (E,)
     or None, the load-balancing loss's dL/dp)."""
     dw = np.empty_like(acts.w)
-    bf16, mm = expert_products(graph, xn.shape[0])
-    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(graph.base, i, bf16), acts.rows,
-                          lora=trained_expert_adapters(graph, i), mm=mm,
-                          bias=expert_biases(graph.base, i, xn.dtype), gate=expert_gate(graph.cfg))
+    bf16, mm = expert_products(executor, xn.shape[0])
+    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(executor.weights, i, bf16), acts.rows,
+                          lora=trained_expert_adapters(executor, i), mm=mm,
+                          bias=expert_biases(executor.weights, i, xn.dtype), gate=expert_gate(executor.cfg))
     dlogits = np.empty_like(acts.probs)
-    router_backward(dlogits, dw, acts, graph.cfg.spec.expert_norm)
-    if graph.router_aux_grad is not None:
-        probs_backward(dlogits, graph.router_aux_grad, acts.probs)
-    graph.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)
+    router_backward(dlogits, dw, acts, executor.cfg.spec.expert_norm)
+    if executor.router_aux_grad is not None:
+        probs_backward(dlogits, executor.router_aux_grad, acts.probs)
+    executor.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)
 
 
 def warm_up_experts() -> None:
     """Run the router's and the experts' kernels once on tiny float32 arrays, LoRA
     included (compiling them, or loading them from numba's disk cache, and loading
     oneDNN for the per-expert products), so that the runtime the memory estimate
-    measures holds them (train/graph.compile_kernels)."""
+    measures holds them (train/step.compile_kernels)."""
     rng = np.random.default_rng(0)
     N, C, F, E, k, r = 4, 16, 8, 4, 2, 2
     f32 = np.float32
