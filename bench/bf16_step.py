@@ -1,5 +1,5 @@
 """A training step of bench/finetune_step.py's shape with the frozen base's products in
-bf16 (`Graph(..., policy=precision.policy("bf16"))`, issue #29) against the float32 step, in one
+bf16 (`StepExecutor(..., policy=precision.policy("bf16"))`, issue #29) against the float32 step, in one
 process: rounds alternate f32 step, bf16 step. Printed: each step's best and worst time,
 the share of the step spent in the base's products (models/products.py, rounding to
 bf16 included) and in attention, and the losses. `--f32-attention` adds a third graph,
@@ -74,7 +74,7 @@ def main() -> None:
     from llamatune.options import FinetuneOptions
     from llamatune.models.weights import FrozenBase
     from llamatune.precision import policy
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.optimizer import optimizer_step
     from llamatune.train.params import ParamBuffer
@@ -93,24 +93,24 @@ def main() -> None:
     for name in ("f32", "bf16") + (("bf16, f32 attention",) if a.f32_attention else ()):
         params = ParamBuffer(lora_specs(targets))      # one graph and parameter set each
         init_lora(params, targets, np.random.default_rng(0))
-        graph = Graph(cfg, FrozenBase(model), params, targets, B, T, a.mode, policy=policy(name[:4]))
-        graph.products = Timed(graph.products)
-        kernels = attention if name.endswith("f32 attention") else graph.attention
-        graph.attention = TimedAttention(kernels, graph.products.seconds)
-        runs[name] = (graph, params)
+        executor = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, a.mode, policy=policy(name[:4]))
+        executor.products = Timed(executor.products)
+        kernels = attention if name.endswith("f32 attention") else executor.attention
+        executor.attention = TimedAttention(kernels, executor.products.seconds)
+        runs[name] = (executor, params)
     opts = FinetuneOptions(warmup=1)
     times, losses, split = defaultdict(list), defaultdict(list), defaultdict(list)
     for i in range(a.rounds + 1):                      # round 0 warms up (compiles, builds primitives)
-        for name, (graph, params) in runs.items():
-            graph.products.seconds.clear()
+        for name, (executor, params) in runs.items():
+            executor.products.seconds.clear()
             t = time.perf_counter()
             params.zero_grad()
-            loss = graph.step(inputs, labels, w, (0, i, 0))
+            loss = executor.step(inputs, labels, w, (0, i, 0))
             optimizer_step(params, i, opts)
             if i:
                 times[name].append(time.perf_counter() - t)
                 losses[name].append(loss)
-                split[name].append(dict(graph.products.seconds))
+                split[name].append(dict(executor.products.seconds))
     tok = B * T
     print(f"bench shape ({cfg.n_layer} layers, embd {cfg.n_embd}, ffn {cfg.n_ff}, vocab {cfg.n_vocab}), "
           f"{a.type}, {a.mode}, batch {B} x ctx {T}, {a.rounds} alternating rounds")

@@ -3,7 +3,7 @@
 Chat and instruction data is trained on the answers only: each row is a prompt (no
 targets), an answer (targets) and padding up to --ctx (no targets). A step runs the
 output head on the answer tokens only and stops each micro-batch at its last target
-(graph.py: `_head`, `_trimmed`), so its cost follows the prompt and answer lengths,
+(step.py: `_head`, `_trimmed`), so its cost follows the prompt and answer lengths,
 not the window. Rows here are `prompt`, `answer`, `padding` fractions of --ctx
 (every row alike); tokens are random. Seconds per step are the least of --steps
 after a first step (compilation), CPU seconds of this process with --cpu-clock.
@@ -35,7 +35,7 @@ def main() -> None:
     import numpy as np
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
 
@@ -45,7 +45,7 @@ def main() -> None:
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     B, T = a.batch, a.ctx
-    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective")
+    executor = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, "selective")
     rng = np.random.default_rng(1)
     clock = time.process_time if a.cpu_clock else time.perf_counter
     print(f"{a.model}: batch {B} x ctx {T}, LoRA r {R}, selective; "
@@ -62,7 +62,7 @@ def main() -> None:
         for _ in range(a.steps + 1):
             params.zero_grad()
             t = clock()
-            graph.step(inputs, tg, w)
+            executor.step(inputs, tg, w)
             times.append(clock() - t)
         s = min(times[1:])
         print(f"{prompt:7.2f} {answer:7.2f} {1 - prompt - answer:8.2f} {s:8.2f} {B * T / s:9.0f}", flush=True)

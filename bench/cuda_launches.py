@@ -1,6 +1,6 @@
 """Count the GPU launches of one LoRA training step on the CUDA path, per phase.
 
-Runs one `Graph.step` of a micro model (one layer, F32 weights, LoRA r=2 on every
+Runs one `StepExecutor.step` of a micro model (one layer, F32 weights, LoRA r=2 on every
 layer matrix) on the CUDA backend in numba's CUDA simulator, and counts what a GPU
 would launch:
   kernel   a numba-cuda kernel launch (llamatune.kernels.cuda);
@@ -163,7 +163,7 @@ def build(path: Path, arch: str):
 def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32", mode: str = "selective") -> Counter:
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     install_kernel_counter()
@@ -176,7 +176,7 @@ def count_step(arch: str, B: int = 1, T: int = 6, compute_dtype: str = "f32", mo
         params = ParamBuffer(lora_specs(targets))
         init_lora(params, targets, np.random.default_rng(1))
         params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, B, T, mode, backend=backend,
+        g = StepExecutor(cfg, FrozenBase(model, backend), params, targets, B, T, mode, backend=backend,
                   **({} if compute_dtype == "f32" else {"compute_dtype": compute_dtype}))
         for name, owner, method in (("layer forward", g, "layer_forward"), ("layer backward", g, "layer_backward"),
                                     ("head", g.head, "loss"), ("embed", g, "embed"),

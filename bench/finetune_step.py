@@ -122,7 +122,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     prepare_threads(dtype)  # the OpenMP spin the CLI sets for these products, before OpenMP starts
     import numpy as np
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step
@@ -134,7 +134,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     targets = lora_targets(cfg, ranks, float(R), tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    graph = Graph(cfg, FrozenBase(model), params, targets, B, T, mode, policy=policy(dtype))
+    executor = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, mode, policy=policy(dtype))
     rng = np.random.default_rng(1)
     opts = FinetuneOptions(warmup=1)
     inputs = rng.integers(0, cfg.n_vocab, (B, T))
@@ -145,7 +145,7 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
     for i in range(steps + 1):                      # first step warms up (numba compile/cache load)
         t, c = time.perf_counter(), time.process_time()
         params.zero_grad()
-        loss = graph.step(inputs, targets_ids, w, (0, i, 0))
+        loss = executor.step(inputs, targets_ids, w, (0, i, 0))
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
         cpu.append(time.process_time() - c)
@@ -156,21 +156,21 @@ def run_one(path: Path, mode: str, steps: int, profile: bool = False, B: int = B
         import pstats
         with cProfile.Profile() as pr:
             params.zero_grad()
-            graph.step(inputs, targets_ids, w, (0, steps + 1, 0))
+            executor.step(inputs, targets_ids, w, (0, steps + 1, 0))
             optimizer_step(params, steps + 1, opts)
         pstats.Stats(pr, stream=sys.stderr).sort_stats("tottime").print_stats(14)
         from phases import profile_steps                # and three more split into phases
         clock = time.process_time if cpu_clock else time.perf_counter
-        print(profile_steps(graph, params, inputs, targets_ids, w, steps + 2, opts, clock), file=sys.stderr)
+        print(profile_steps(executor, params, inputs, targets_ids, w, steps + 2, opts, clock), file=sys.stderr)
     if bound:                                       # each product of a step, in it and alone
         from phases import product_bound
-        rows = product_bound(graph, params, inputs, targets_ids, w, steps + 1, opts)
+        rows = product_bound(executor, params, inputs, targets_ids, w, steps + 1, opts)
     gf, gf_cpu = max(gf_before[0], sgemm_gflops()), max(gf_before[1], sgemm_gflops(cpu=True))
     flops = step_flops(cfg, B, T)
     if bound:
         print(bound_table(rows, flops, gf), file=sys.stderr)
     return {"tokens_per_s": B * T / step_s, "step_s": step_s, "peak_rss_mb": peak_mb,
-            "activations_mb": graph.activation_bytes() / 2**20, "step_gflop": flops / 1e9,
+            "activations_mb": executor.activation_bytes() / 2**20, "step_gflop": flops / 1e9,
             "achieved_gflops": flops / step_s / 1e9, "sgemm_gflops": gf, "share_of_sgemm": flops / step_s / 1e9 / gf,
             "cpu_share_of_sgemm": flops / cpu_s / 1e9 / gf_cpu,
             "loss": loss}

@@ -161,7 +161,7 @@ def run_llamatune(spec: dict) -> dict:
     import llamatune  # noqa: F401  (first: threading policy)
     import numpy as np
     from llamatune.backend import get_backend
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step
@@ -197,20 +197,20 @@ def run_llamatune(spec: dict) -> dict:
                                **compute_kwargs(dtype, backend)).estimate(B, T, spec["ckpt"]).total
         except ImportError:
             pass
-    graph = Graph(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, **compute_kwargs(dtype, backend))
+    executor = StepExecutor(cfg, base, params, targets, B, T, spec["ckpt"], backend=backend, **compute_kwargs(dtype, backend))
     inputs, labels = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, B, T))
     w = np.full((B, T), 1.0 / (B * T), np.float32)
     opts = FinetuneOptions(warmup=1)
 
     def step(i):
         params.zero_grad()
-        loss = graph.step(inputs, labels, w, (0, i, 0))
+        loss = executor.step(inputs, labels, w, (0, i, 0))
         optimizer_step(params, i, opts)
         return loss
     res = timed(step, sync, mem, spec["steps"])
     if spec.get("profile"):                      # three more steps split into phases
         from phases import device_clock, profile_steps
-        res["profile"] = profile_steps(graph, params, inputs, labels, w, spec["steps"] + 1, opts,
+        res["profile"] = profile_steps(executor, params, inputs, labels, w, spec["steps"] + 1, opts,
                                        device_clock(sync))
     rng, (N, C, F) = np.random.default_rng(2), (B * T, cfg.n_embd, cfg.n_ff)
     a, wt = (backend.to_device(rng.standard_normal(s, np.float32)) for s in ((N, C), (F, C)))
@@ -222,7 +222,7 @@ def run_llamatune(spec: dict) -> dict:
         backend.ops.bf16.to_bf16(w16, wt)
         mm = lambda: backend.ops.bf16.gemm_bf16(out, a16, w16.T)  # noqa: E731
     rate = matmul_gflops(mm, sync, 3 if backend.on_host else 20, 2 * N * C * F)
-    return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": graph.activation_bytes() / 2**30,
+    return res | {"matmul_ref_gflops": rate, "gpu": gpu, "activations_gb": executor.activation_bytes() / 2**30,
                   "estimate_gb": estimate and estimate / 2**30}
 
 

@@ -41,12 +41,12 @@ def one_step(t, step: int) -> dict:
     """A step as trainer.step runs it, timed in parts (no metrics, saves or guard)."""
     from llamatune.train.optimizer import apply_update, gradient_norm
     job, objective = t.job, t.job.objective
-    job.params.zero_grad(lazy=job.base.lazy_grads)
+    job.params.zero_grad(lazy=job.weights.lazy_grads)
     t0, c0 = time.perf_counter(), time.process_time()
     b = t.batcher.next_batch()
     t1, c1 = time.perf_counter(), time.process_time()
     objective.begin_step([b])
-    objective.micro_step(t.graph, b, (0, step, 0))
+    objective.micro_step(t.executor, b, (0, step, 0))
     apply_update(job.params, step, job.opts, gradient_norm(job.params))
     t2, c2 = time.perf_counter(), time.process_time()
     m = objective.end_step(t.world)

@@ -3,7 +3,7 @@
 The training step computes the head chunk by chunk of tokens (graph.head_chunk): per
 chunk, the quantized head W (V, C) is expanded `head_rows` rows at a time twice, once
 for the logits (chunk x V) and once, in reverse, for the gradient to the chunk's
-input, exactly as Graph._head does. Small chunks expand W more often and multiply it
+input, exactly as StepExecutor._head does. Small chunks expand W more often and multiply it
 in thinner products. This times those expansions and products (random activations;
 the cross-entropy between them is left out) for each --chunks size and reports
 seconds per 512 tokens, the best of --repeat runs.

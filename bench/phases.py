@@ -1,7 +1,7 @@
 """Where a training step's time goes, by phase: every matmul, dequantization, each
 kernel, the LoRA products, Python glue. For the benchmarks only.
 
-`instrument(graph)` times one Graph instance (no module is patched): it gives the
+`instrument(graph)` times one StepExecutor instance (no module is patched): it gives the
 graph an `xp` whose `matmul` is timed, an `ops` whose kernel functions are timed,
 and timed bound methods for the dequantization (`base.matrix_rows`) and the LoRA
 backward. Times are exclusive (a phase's own time, its timed callees subtracted),
@@ -65,20 +65,20 @@ def table(runs: list[tuple[float, dict, dict]]) -> str:
     return "\n".join(lines)
 
 
-def profile_steps(graph, params, inputs, targets, weights, first: int, opts, clock=time.perf_counter,
+def profile_steps(executor, params, inputs, targets, weights, first: int, opts, clock=time.perf_counter,
                   n: int = 3) -> str:
     """`n` training steps of `graph` (iterations first, first + 1, ...; the optimizer
     update included) split into phases: `table` of them. Instruments `graph`."""
     from llamatune.train.optimizer import optimizer_step
     phases = Phases(clock)
-    instrument(graph, phases)
+    instrument(executor, phases)
     update = phases.timed("optimizer", optimizer_step)
     runs = []
     for i in range(first, first + n):
         phases.clear()
         t = clock()
         params.zero_grad()
-        graph.step(inputs, targets, weights, (0, i, 0))
+        executor.step(inputs, targets, weights, (0, i, 0))
         update(params, i, opts)
         runs.append((clock() - t, dict(phases.seconds), dict(phases.calls)))
     return table(runs)
@@ -107,22 +107,22 @@ class _Timed:
         return self._cache[name]
 
 
-def instrument(graph, phases: Phases) -> None:
+def instrument(executor, phases: Phases) -> None:
     """Time the phases of `graph`'s steps into `phases` (this instance only)."""
     def matmul_label():
         return "matmul head" if phases.inside("head") else "matmul layers"
-    graph.xp = _Timed(graph.xp, lambda n, f: phases.timed(matmul_label, f) if n == "matmul" else f)
-    graph.ops = SimpleNamespace(**{
+    executor.xp = _Timed(executor.xp, lambda n, f: phases.timed(matmul_label, f) if n == "matmul" else f)
+    executor.ops = SimpleNamespace(**{
         op: _Timed(mod, lambda n, f, op=op: phases.timed(f"{op}.{n}", f))
-        for op, mod in vars(graph.ops).items()})
-    graph.base.matrix_rows = phases.timed("dequantize", graph.base.matrix_rows)
-    graph.base.embed = phases.timed("embedding rows", graph.base.embed)
-    linears = graph.linears
+        for op, mod in vars(executor.ops).items()})
+    executor.weights.matrix_rows = phases.timed("dequantize", executor.weights.matrix_rows)
+    executor.weights.embed = phases.timed("embedding rows", executor.weights.embed)
+    linears = executor.linears
     linears.lora_backward = phases.timed("lora backward (@ products)", linears.lora_backward)
-    graph.linear = phases.timed("linear glue (+bias, +lora)", graph.linear)
+    executor.linear = phases.timed("linear glue (+bias, +lora)", executor.linear)
     linears.backward = phases.timed("linear_backward glue", linears.backward)
     linears.dropout_mask = phases.timed("dropout masks", linears.dropout_mask)
-    graph.head.loss = phases.timed("head", graph.head.loss)
+    executor.head.loss = phases.timed("head", executor.head.loss)
 
 
 def _operand(a) -> tuple:
@@ -139,8 +139,8 @@ def _rebuild(sig, rng):
     return np.lib.stride_tricks.as_strided(buf, shape, tuple(s * buf.itemsize for s in strides))
 
 
-def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat: int = 10):
-    """Every matmul product of one training step (graph.xp.matmul and the LoRA
+def product_bound(executor, params, inputs, targets, weights, it: int, opts, repeat: int = 10):
+    """Every matmul product of one training step (executor.xp.matmul and the LoRA
     backward's `@` products; not attention's, which are inside its kernel), timed
     where it runs in the step and again alone: each distinct (shape, layout) replayed
     on fresh arrays, the best of `repeat` runs, with its operands hot in cache.
@@ -156,7 +156,7 @@ def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat
     def record(group, a, b, out=None):
         calls[(group, _operand(a), _operand(b), None if out is None else _operand(out))] += 1
 
-    xp = graph.xp
+    xp = executor.xp
 
     def matmul(a, b, out=None):
         record(where[0], a, b, out)
@@ -165,7 +165,7 @@ def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat
         if where[0] != "lora backward":                 # that group is timed as a whole
             in_step[where[0]] += time.perf_counter() - t
         return r
-    lora_backward, head = graph.linears.lora_backward, graph.head.loss
+    lora_backward, head = executor.linears.lora_backward, executor.head.loss
 
     def lora(t, dy, xd, xa, dx, mask=None):            # its three `@` products, then the call
         r = xa.shape[1]
@@ -184,15 +184,15 @@ def product_bound(graph, params, inputs, targets, weights, it: int, opts, repeat
             return head(*args, **kwargs)
         finally:
             where[0] = "layers"
-    graph.xp = _Timed(xp, lambda name, f: matmul if name == "matmul" else f)
-    graph.linears.lora_backward, graph.head.loss = lora, in_head
+    executor.xp = _Timed(xp, lambda name, f: matmul if name == "matmul" else f)
+    executor.linears.lora_backward, executor.head.loss = lora, in_head
     try:
         params.zero_grad()
-        graph.step(inputs, targets, weights, (0, it, 0))
+        executor.step(inputs, targets, weights, (0, it, 0))
         optimizer_step(params, it, opts)
     finally:
-        graph.xp = xp
-        del graph.linears.lora_backward, graph.head.loss
+        executor.xp = xp
+        del executor.linears.lora_backward, executor.head.loss
     rng = np.random.default_rng(0)
     alone: dict[str, float] = defaultdict(float)
     flops: dict[str, float] = defaultdict(float)

@@ -43,7 +43,7 @@ def setup(model_path: Path, B: int, T: int, mode: str):
     from llamatune.models.model import Model
     from llamatune.options import FinetuneOptions
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(model_path)
@@ -52,13 +52,13 @@ def setup(model_path: Path, B: int, T: int, mode: str):
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     params.data[...] += np.random.default_rng(1).normal(0, 1e-3, params.size).astype(np.float32)
-    graph = Graph(model.config, FrozenBase(model), params, targets, B, T, mode)
-    return model, graph, params, targets, FinetuneOptions
+    executor = StepExecutor(model.config, FrozenBase(model), params, targets, B, T, mode)
+    return model, executor, params, targets, FinetuneOptions
 
 
 def run_steps(args) -> dict:
     from llamatune.train.preference import Preference
-    model, graph, params, targets, Opts = setup(args.model, args.batch, args.ctx, args.checkpointing)
+    model, executor, params, targets, Opts = setup(args.model, args.batch, args.ctx, args.checkpointing)
     b = make_batch(model.config.n_vocab, args.batch, args.ctx)
     n = b.n_targets
     n_pairs, n_chosen = Preference.counts([b])
@@ -68,17 +68,17 @@ def run_steps(args) -> dict:
     w = (b.targets >= 0).astype(np.float32) / np.float32(n)
 
     def sft():
-        graph.step(b.inputs, b.targets, w, (0,))
+        executor.step(b.inputs, b.targets, w, (0,))
 
     def dpo_cached():
-        dpo.step(graph, b, cache, n_pairs, n_chosen, (0,))
+        dpo.step(executor, b, cache, n_pairs, n_chosen, (0,))
 
     def dpo_fresh():
         cache[...] = np.nan
-        dpo.step(graph, b, cache, n_pairs, n_chosen, (0,))
+        dpo.step(executor, b, cache, n_pairs, n_chosen, (0,))
 
     def orpo_step():
-        orpo.step(graph, b, cache, n_pairs, n_chosen, (0,))
+        orpo.step(executor, b, cache, n_pairs, n_chosen, (0,))
     kinds = {"sft": sft, "dpo (reference cached)": dpo_cached, "dpo (reference computed)": dpo_fresh,
              "orpo": orpo_step}
     if args.only:

@@ -164,7 +164,7 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     from llamatune.models.weights import FrozenBase
     from llamatune.options import FinetuneOptions
     from llamatune.train import checkpoint as ckpt
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     from llamatune.train.preference import PairValidator, Preference
@@ -175,12 +175,12 @@ def logp_accuracy(model_path: Path, val: Path, adapter: Path | None, ctx: int) -
     params = ParamBuffer(lora_specs(targets))
     if adapter is not None:
         ckpt.load(adapter).load_into(params)
-    graph = Graph(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
+    executor = StepExecutor(model.config, FrozenBase(model), params, targets, o.batch, o.ctx, "layer")
     pref = Preference(o)
     v = PairValidator(samples, o, model.config.n_vocab, model.tokenizer.bos_id, model.tokenizer.eos_id, pref)
     full, text, mean = [], [], []
     for b in v.batches():
-        ce = pref._token_losses(graph, b)
+        ce = pref._token_losses(executor, b)
         s = pref._scores(b, ce, None)
         full.append(s.logp)
         t, m = np.zeros(s.logp.shape), np.zeros(s.logp.shape)

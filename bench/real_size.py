@@ -120,9 +120,9 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     import numpy as np
     from llamatune.backend import cpu
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.graph import compile_kernels
+    from llamatune.train.step import compile_kernels
     from llamatune.train.memory import Planner, measure_runtime, peak_resident_bytes
     from llamatune.models.model import Model
     from llamatune.train.optimizer import optimizer_step
@@ -142,7 +142,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
                       model.dequantizer.nbytes, 0.0, policy=policy(dtype))
     est = planner.estimate(1, ctx, mode)
-    graph = Graph(cfg, base, params, targets, 1, ctx, mode, policy=policy(dtype))
+    executor = StepExecutor(cfg, base, params, targets, 1, ctx, mode, policy=policy(dtype))
     rng = np.random.default_rng(1)
     inputs, tg = rng.integers(0, cfg.n_vocab, (1, ctx)), rng.integers(0, cfg.n_vocab, (1, ctx))
     w = np.full((1, ctx), 1.0 / ctx, np.float32)
@@ -151,7 +151,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     for i in range(steps):
         t = time.perf_counter()
         params.zero_grad()
-        loss = graph.step(inputs, tg, w, (0, i, 0))
+        loss = executor.step(inputs, tg, w, (0, i, 0))
         optimizer_step(params, i, opts)
         times.append(time.perf_counter() - t)
     return {"estimate": est.total, "runtime": est.runtime, "graph": est.graph, "model": est.model,

@@ -198,11 +198,11 @@ def lora_setup(model, ranks, dtype, seed=0):
 
 
 def check_forward(model, blk: Block, T: int = 7):
-    """infer.py's logits (full and token by token through the KV cache) and graph.py's
+    """infer.py's logits (full and token by token through the KV cache) and step.py's
     per-token losses (float64) against the numpy reference."""
     from llamatune.models.infer import KVCache, Runner
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.params import ParamBuffer
     cfg = model.config
     W = model_weights(model)
@@ -213,7 +213,7 @@ def check_forward(model, blk: Block, T: int = 7):
     cache = KVCache.empty(model, 2, T)
     steps = np.concatenate([runner.forward(inputs[:, t:t + 1], cache) for t in range(T)], 1)
     np.testing.assert_allclose(steps, want, rtol=2e-4, atol=2e-4)
-    g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 2, T, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 2, T, dtype=np.float64)
     g.loss(inputs, targets, weights)
     ce = np.concatenate([cross_entropy(want[b], targets[b]) for b in range(2)])
     np.testing.assert_allclose(g.losses, ce, rtol=1e-7, atol=1e-8)   # rope tables are f32, as llama.cpp
@@ -224,11 +224,11 @@ def check_lora_gradients(model, ranks, mode="selective", n_probe=250, packed=Fal
     """Every LoRA parameter's gradient (float64) by finite differences."""
     from fdcheck import fd_check
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     cfg = model.config
     targets, params = lora_setup(model, ranks, np.float64)
     T = 6
-    g = Graph(cfg, FrozenBase(model), params, targets, 2, T, mode, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, targets, 2, T, mode, dtype=np.float64)
     inputs, tg, w = batch(cfg, 2, T)
     pack = PACKED if packed else {}
 
@@ -251,14 +251,14 @@ def check_dense_gradients(cfg, tied: bool, n_probe=250):
     """train-from-scratch: every weight a float64 parameter, gradients by finite differences."""
     from fdcheck import fd_check
     from llamatune.models.writer import tensor_names
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.params import DenseWeights
     from llamatune.train.params import ParamBuffer, ParamSpec
     shapes = tensor_names(cfg, tied=tied)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()], np.float64)
     for n, a in random_model_weights(cfg, seed=3, tied=tied).items():
         params[n][...] = a
-    g = Graph(cfg, DenseWeights(params, tied="output.weight" not in shapes), params, [], 2, 5, "layer",
+    g = StepExecutor(cfg, DenseWeights(params, tied="output.weight" not in shapes), params, [], 2, 5, "layer",
               dtype=np.float64)
     inputs, tg, w = batch(cfg, 2, 5)
 
@@ -273,11 +273,11 @@ def check_dense_gradients(cfg, tied: bool, n_probe=250):
 def check_modes_identical(model, ranks, dtype, packed=False):
     """Checkpointing modes none / selective / layer: the same loss and gradients, bit for bit."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     out = {}
     for mode in ("layer", "selective", "none"):
         targets, params = lora_setup(model, ranks, dtype)
-        g = Graph(model.config, FrozenBase(model), params, targets, 2, 6, mode, 0.2, dtype=dtype)
+        g = StepExecutor(model.config, FrozenBase(model), params, targets, 2, 6, mode, 0.2, dtype=dtype)
         inputs, tg, w = batch(model.config, 2, 6, seed=3)
         loss = g.step(inputs, tg, w, key=(5,), **(PACKED if packed else {}))
         out[mode] = loss, params.grad.copy()

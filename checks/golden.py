@@ -104,16 +104,16 @@ def record_inference(out: dict, key: str, model, adapter: Path) -> None:
             out[f"{key}/infer/{dtype}/{name}/kv"] = np.concatenate([np.array(p) for p in parts], 1)
 
 
-def _step(out: dict, key: str, graph, params, inputs, targets, weights, pack: dict) -> None:
+def _step(out: dict, key: str, executor, params, inputs, targets, weights, pack: dict) -> None:
     params.zero_grad()
-    out[key + "/loss"] = np.array(graph.step(inputs, targets, weights, key=(3,), **pack))
+    out[key + "/loss"] = np.array(executor.step(inputs, targets, weights, key=(3,), **pack))
     out[key + "/grad"] = params.grad.copy()
-    out[key + "/losses"] = np.array(graph.losses).copy()
+    out[key + "/losses"] = np.array(executor.losses).copy()
 
 
 def record_training(out: dict, key: str, model) -> None:
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     cfg = model.config
     inputs, targets, weights = _batch(cfg, 2, 18, seed=2)
     for dtype in ("f32", "bf16"):
@@ -121,21 +121,21 @@ def record_training(out: dict, key: str, model) -> None:
             for mode in ("none", "selective", "layer"):
                 for packed in (False, True):
                     tg, params = _lora(model)
-                    g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, dropout, policy=policy(dtype))
+                    g = StepExecutor(cfg, FrozenBase(model), params, tg, 2, 18, mode, dropout, policy=policy(dtype))
                     name = f"{key}/step/{dtype}/d{dropout}/{mode}/{'packed' if packed else 'plain'}"
                     _step(out, name, g, params, inputs, targets, weights, PACKED if packed else {})
             tg, params = _lora(model)
-            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, "selective", dropout, policy=policy(dtype))
+            g = StepExecutor(cfg, FrozenBase(model), params, tg, 2, 18, "selective", dropout, policy=policy(dtype))
             out[f"{key}/eval/{dtype}/d{dropout}/loss"] = np.array(g.loss(inputs, targets, weights))
             out[f"{key}/eval/{dtype}/d{dropout}/losses"] = np.array(g.losses).copy()
     if model.file.tensors["blk.0.ffn_down.weight"].qtype.name != "F32":        # merge-aware
         for mode in ("none", "layer"):
             tg, params = _lora(model)
-            g = Graph(cfg, FrozenBase(model), params, tg, 2, 18, mode, 0.0, policy=policy("f32", merge_aware=True))
+            g = StepExecutor(cfg, FrozenBase(model), params, tg, 2, 18, mode, 0.0, policy=policy("f32", merge_aware=True))
             _step(out, f"{key}/step/merge_aware/{mode}", g, params, inputs, targets, weights, {})
     # a micro-batch whose last columns have no target (the trimmed graph), and a long one (merged adapters)
     tg, params = _lora(model)
-    g = Graph(cfg, FrozenBase(model), params, tg, 2, 60, "selective", 0.0)
+    g = StepExecutor(cfg, FrozenBase(model), params, tg, 2, 60, "selective", 0.0)
     inputs, targets, weights = _batch(cfg, 2, 60, seed=4)
     targets[:, 40:] = -1
     _step(out, f"{key}/step/trimmed", g, params, inputs, targets, weights, {})
@@ -145,7 +145,7 @@ def record_training(out: dict, key: str, model) -> None:
 
 def record_dense(out: dict, key: str, cfg, tied: bool) -> None:
     from llamatune.models.writer import tensor_names
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.params import DenseWeights, ParamBuffer, ParamSpec
     shapes = tensor_names(cfg, tied=tied)
     params = ParamBuffer([ParamSpec(n, s) for n, s in shapes.items()])
@@ -154,7 +154,7 @@ def record_dense(out: dict, key: str, cfg, tied: bool) -> None:
             params[n][...] = a
     inputs, targets, weights = _batch(cfg, 2, 18, seed=3)
     for mode in ("none", "layer"):
-        g = Graph(cfg, DenseWeights(params, tied="output.weight" not in shapes), params, [], 2, 18, mode)
+        g = StepExecutor(cfg, DenseWeights(params, tied="output.weight" not in shapes), params, [], 2, 18, mode)
         _step(out, f"{key}/dense/{mode}", g, params, inputs, targets, weights, {})
 
 
@@ -162,7 +162,7 @@ def record_preference(out: dict, key: str, model) -> None:
     from llamatune.data.samples import Batch
     from llamatune.models.weights import FrozenBase
     from llamatune.options import FinetuneOptions
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.preference import Preference
     cfg, T = model.config, 10
     rng = np.random.default_rng(6)
@@ -173,7 +173,7 @@ def record_preference(out: dict, key: str, model) -> None:
     b = Batch(inputs, targets, int((targets >= 0).sum()), False, sample_ids=np.arange(4, dtype=np.int64))
     for method in ("dpo", "orpo"):
         tg, params = _lora(model)
-        g = Graph(cfg, FrozenBase(model), params, tg, 4, T, "selective", 0.0)
+        g = StepExecutor(cfg, FrozenBase(model), params, tg, 4, T, "selective", 0.0)
         pref = Preference(FinetuneOptions(method=method, beta=0.5))
         cache = np.full((2, 2), np.nan)
         params.zero_grad()

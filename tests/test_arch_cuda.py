@@ -32,7 +32,7 @@ def test_logits_and_training_step_match_cpu(cuda, arch, tmp_path, tiny_vocab):
     from llamatune.models.infer import Runner
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     model = Model(write_arch_model(tmp_path / "m.gguf", tiny_config(arch, **CONFIGS[arch]), tiny_vocab, seed=1))
     cfg = model.config
     tokens = np.array([[1, 5, 9, 33, 7, 2]])           # 6 tokens: the window of 3 matters
@@ -48,7 +48,7 @@ def test_logits_and_training_step_match_cpu(cuda, arch, tmp_path, tiny_vocab):
         targets, params = lora_setup(model, all_ranks(cfg, tied), np.float32)
         if backend is not cpu():
             params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, "selective", backend=backend)
+        g = StepExecutor(cfg, FrozenBase(model, backend), params, targets, 1, 6, "selective", backend=backend)
         results.append((g.step(inputs, labels, w), params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)

@@ -1,5 +1,5 @@
 """olmo2, smollm3 and granite: tensors and metadata as llama.cpp's converter writes them,
-the forward of infer.py and graph.py against the independent numpy forward
+the forward of infer.py and step.py against the independent numpy forward
 (checks/arch_reference.py), LoRA gradients on every kind by finite differences (through
 olmo2's whole-width q/k norms and missing pre-norms, smollm3's rope-less layers and
 granite's multipliers), checkpointing modes bit-identical, and dense (train-from-scratch)

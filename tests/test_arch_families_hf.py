@@ -151,12 +151,12 @@ def test_loss_and_lora_gradients_equal_hf_autograd(made):
     from llamatune.commands.convert import peft_names
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     fam, work = made
     model = Model(work / f"{fam}-F32.gguf")
     cfg = model.config
     targets, params, inputs, tg, w = lora_inputs(model)
-    g = Graph(cfg, FrozenBase(model), params, targets, *inputs.shape, "none", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, targets, *inputs.shape, "none", dtype=np.float64)
     params.zero_grad()
     loss = g.step(inputs, tg, w)
     names = peft_names(cfg.arch)

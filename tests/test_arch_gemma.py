@@ -1,5 +1,5 @@
 """gemma, gemma2, gemma3: tensors and metadata as llama.cpp's converter writes them,
-hyperparameters as llama.cpp reads them, the forward of infer.py and graph.py against
+hyperparameters as llama.cpp reads them, the forward of infer.py and step.py against
 an independent numpy forward (embedding scale, GeGLU, sandwich norms, q/k norms,
 soft-capping, sliding windows, per-layer rope), LoRA gradients on every kind by finite
 differences, checkpointing modes bit-identical, dense gradients."""
@@ -186,7 +186,7 @@ def test_packed_rows_equal_samples_alone(model):
     """Two samples packed in one row give the per-token losses they give alone: rope
     positions (both rope caches) restart, attention (sliding window included) stays in each."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.params import ParamBuffer
     cfg = model.config
     rng = np.random.default_rng(4)
@@ -194,10 +194,10 @@ def test_packed_rows_equal_samples_alone(model):
     ta, tb = rng.integers(0, cfg.n_vocab, 5), rng.integers(0, cfg.n_vocab, 6)
     alone = []
     for x, t in ((a, ta), (b, tb)):
-        g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, len(x), dtype=np.float64)
+        g = StepExecutor(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, len(x), dtype=np.float64)
         g.loss(x[None], t[None], np.ones((1, len(x))))
         alone.append(g.losses.copy())
-    g = Graph(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, 11, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), ParamBuffer([], np.float64), [], 1, 11, dtype=np.float64)
     g.loss(np.concatenate([a, b])[None], np.concatenate([ta, tb])[None], np.ones((1, 11)),
            positions=np.concatenate([np.arange(5), np.arange(6)])[None], segments=np.array([[0] * 5 + [1] * 6]))
     np.testing.assert_allclose(g.losses, np.concatenate(alone), rtol=1e-12, atol=1e-12)

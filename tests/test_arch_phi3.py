@@ -18,7 +18,7 @@ from llamatune.models.infer import KVCache, Runner
 from llamatune.models.model import Model
 from llamatune.models.weights import FrozenBase
 from llamatune.models.writer import random_weights, tensor_names, write_model
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer, ParamSpec
@@ -174,7 +174,7 @@ def test_graph_forward_matches_numpy(phi3, B, T):
     init_lora(params, targets, np.random.default_rng(0))       # B A = 0: the base model
     rng = np.random.default_rng(3)
     inputs, labels = rng.integers(0, cfg.n_vocab, (B, T)), rng.integers(0, cfg.n_vocab, (B, T))
-    g = Graph(cfg, FrozenBase(phi3), params, targets, B, T)
+    g = StepExecutor(cfg, FrozenBase(phi3), params, targets, B, T)
     g.step(inputs, labels, np.full((B, T), 1 / (B * T), np.float32))
     logits = np.concatenate([reference_logits(phi3, row, T) for row in inputs])
     want = np.empty(B * T, np.float32)
@@ -202,7 +202,7 @@ def test_lora_on_the_fused_tensors_is_one_pair_on_the_whole_product(phi3):
 def test_lora_gradient_matches_finite_differences(phi3, mode):
     cfg = phi3.config
     targets, params = lora_setup(phi3, np.float64)
-    g = Graph(cfg, FrozenBase(phi3), params, targets, 2, 5, mode, 0.2, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(phi3), params, targets, 2, 5, mode, 0.2, dtype=np.float64)
     rng = np.random.default_rng(4)
     inputs, labels = rng.integers(0, cfg.n_vocab, (2, 5)), rng.integers(0, cfg.n_vocab, (2, 5))
     w = np.full((2, 5), 0.1)
@@ -225,7 +225,7 @@ def test_dense_gradient_matches_finite_differences(arch):
     rng = np.random.default_rng(2)
     for n, a in random_weights(cfg, seed=3, std=0.2).items():
         params[n][...] = a + (rng.normal(0, 0.2, a.shape) if n.endswith(".bias") else 0)
-    g = Graph(cfg, DenseWeights(params), params, [], 2, 4, "layer", dtype=np.float64)
+    g = StepExecutor(cfg, DenseWeights(params), params, [], 2, 4, "layer", dtype=np.float64)
     rng = np.random.default_rng(5)
     inputs, labels = rng.integers(0, cfg.n_vocab, (2, 4)), rng.integers(0, cfg.n_vocab, (2, 4))
 
@@ -247,7 +247,7 @@ def test_checkpointing_modes_give_bit_identical_gradients(phi3):
     grads = []
     for mode in ("none", "selective", "layer"):
         targets, params = lora_setup(phi3, np.float32)
-        Graph(cfg, FrozenBase(phi3), params, targets, 2, 10, mode, 0.1).step(
+        StepExecutor(cfg, FrozenBase(phi3), params, targets, 2, 10, mode, 0.1).step(
             inputs, labels, np.full((2, 10), 0.05, np.float32), key=(1,))
         grads.append(params.grad.copy())
     np.testing.assert_array_equal(grads[0], grads[1])
@@ -352,7 +352,7 @@ def test_cuda_runs_phi3_as_the_cpu(tmp_path, tiny_vocab):
         params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
         if backend is not cpu():
             params.to_device(backend)
-        loss = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 10, "layer", backend=backend).step(
+        loss = StepExecutor(cfg, FrozenBase(model, backend), params, targets, 1, 10, "layer", backend=backend).step(
             tokens, labels, w)
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)

@@ -1,5 +1,5 @@
 """qwen3: tensors and metadata as llama.cpp's converter writes them, the forward of
-infer.py and graph.py against an independent numpy forward, LoRA gradients on every
+infer.py and step.py against an independent numpy forward, LoRA gradients on every
 kind (the per-head q/k norms included) by finite differences, checkpointing modes
 bit-identical, and dense (train-from-scratch) gradients."""
 from __future__ import annotations

@@ -294,7 +294,7 @@ def _tiled(grad, kind, axis, cfg):
 def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     """B = 0: the adapted model is HF's, dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model / "f32.gguf")
@@ -310,7 +310,7 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=False)
     params = ParamBuffer(lora_specs(ts), np.float64)
     init_lora(params, ts, rng)
-    g = Graph(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
     loss = g.step(inputs, targets, weights)
     assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
     for t in ts:

@@ -160,7 +160,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model):
     through the second's experts and router."""
     from checks.moe_hf import hf_lora_grads
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(hf_model["f32"])
@@ -172,7 +172,7 @@ def test_hf_oracle_loss_and_lora_gradients(hf_model):
     params.data[...] = rng.normal(0, 0.1, params.size)
     lora = {n: params[n].copy() for t in targets for n in (t.a, t.b)}
     hf = hf_lora_grads(TORCH_PYTHON, hf_model["hf"], ids, lora, r, alpha, hf_model["work"])
-    g = Graph(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, "selective", dtype=np.float64)
     loss = g.step(ids[:, :-1], ids[:, 1:], np.full((B, T), 1 / (B * T)))
     assert loss == pytest.approx(hf["loss"], rel=1e-9)
     assert len(lora) == 4 * 2 * cfg.n_layer

@@ -126,14 +126,14 @@ def adapted_graph(model, kinds, B: int, T: int, mode: str = "selective", dtype: 
     """(graph, params): a training graph of `model` with rank-4 adapters on `kinds`, their
     factors moved off their initialisation (B = 0) so that every adapter matters."""
     from llamatune.models.weights import FrozenBase
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     targets = lora_targets(model.config, {k: 4 for k in kinds}, 4.0, tied=False)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
-    return Graph(model.config, FrozenBase(model), params, targets, B, T, mode, policy=precision.policy(dtype)), params
+    return StepExecutor(model.config, FrozenBase(model), params, targets, B, T, mode, policy=precision.policy(dtype)), params
 
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_0", "F16"])
@@ -165,8 +165,8 @@ def test_bf16_weights_and_shared_inputs_change_no_bit(tiny_model, monkeypatch):
     model = Model(tiny_model)
     fast = Runner(model, policy=precision.policy("bf16")).forward(tokens)
     monkeypatch.setattr(Products, "shared_input", lambda self, x, extension=0: contextlib.nullcontext())
-    monkeypatch.setattr(Forward, "weight", lambda self, name, N: self.base.matrix(name))
-    monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi, N: self.base.matrix_rows(name, lo, hi))
+    monkeypatch.setattr(Forward, "weight", lambda self, name, N: self.weights.matrix(name))
+    monkeypatch.setattr(Forward, "weight_rows", lambda self, name, lo, hi, N: self.weights.matrix_rows(name, lo, hi))
     plain = Runner(model, policy=precision.policy("bf16")).forward(tokens)
     np.testing.assert_array_equal(fast, plain)
 
@@ -301,7 +301,7 @@ def test_bf16_head_kept_whole_in_wider_blocks(tiny_model, monkeypatch):
         if not kept:
             monkeypatch.setattr(buffers, "kept_head_bytes", lambda cfg, chunk: 0)
         g, params = adapted_graph(model, ("attn_v", "ffn_down"), B, T)
-        assert g.base.is_kept_bf16("output.weight") == kept
+        assert g.weights.is_kept_bf16("output.weight") == kept
         loss = g.step(inputs, tg, w)
         runs.append((loss, g.losses.copy(), params.grad.copy()))
         assert widths[-1] == (4096 if kept else 96)

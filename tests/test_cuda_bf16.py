@@ -101,7 +101,7 @@ def test_a_training_step_with_bf16_products_is_the_f32_step_within_bf16s_roundin
     from llamatune.models.model import Model
     from llamatune.models.weights import FrozenBase
     from llamatune.precision import policy
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.train.params import ParamBuffer
     model = Model(micro_model)
@@ -117,7 +117,7 @@ def test_a_training_step_with_bf16_products_is_the_f32_step_within_bf16s_roundin
         params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
         if backend.name != "cpu":
             params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend,
+        g = StepExecutor(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend,
                   policy=policy(dtype, backend.name))
         assert g.products.dtype == dtype
         results.append((g.step(inputs, labels, w), params.host(params.grad).copy()))

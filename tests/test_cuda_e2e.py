@@ -116,8 +116,8 @@ PACKED = dict(positions=np.array([[0, 1, 2, 0, 1, 0]]), segments=np.array([[0, 0
 def test_training_step_matches_cpu(cuda, micro_model, packing, monkeypatch):
     """answer: targets in columns 1-3 only, so the head gathers its rows and the step
     runs on the first 4 columns (TRIM_TOKENS 2 here) on both backends."""
-    from llamatune.train import graph as graph_module
-    from llamatune.train.graph import Graph
+    from llamatune.train import step as graph_module
+    from llamatune.train.step import StepExecutor
     from llamatune.backend import cpu
     from llamatune.train.lora import init_lora, lora_specs, lora_targets
     from llamatune.models.model import Model
@@ -142,12 +142,12 @@ def test_training_step_matches_cpu(cuda, micro_model, packing, monkeypatch):
         params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
         if backend is not cpu():
             params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend)
+        g = StepExecutor(cfg, FrozenBase(model, backend), params, targets, 1, 6, backend=backend)
         evaluated = g.loss(inputs, labels, w, **packing)      # forward only: no gradient
         assert not params.host(params.grad).any()
         loss = g.step(inputs, labels, w, **packing)
         assert loss == pytest.approx(evaluated, rel=1e-6)
-        assert list(g._trimmed_graphs) == ([4] if (labels < 0).any() else [])
+        assert list(g._trimmed_executors) == ([4] if (labels < 0).any() else [])
         results.append((loss, params.host(params.grad).copy()))
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-5)
     np.testing.assert_allclose(results[1][1], results[0][1], rtol=1e-3, atol=1e-6)

@@ -235,9 +235,9 @@ def test_chat_finetune_resumes_the_same_trajectory(tmp_path, tiny_model, pack):
 def test_pack_needs_segment_aware_attention(monkeypatch, tmp_path):
     from llamatune.data.samples import Samples
     from llamatune.train import inputs as ft
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     rows = Samples([1, 2, 3], [0], [3], [0, 1, 1])
-    monkeypatch.setattr(Graph, "step", lambda self, inputs, targets, weights, key=(0,): 0.0)
+    monkeypatch.setattr(StepExecutor, "step", lambda self, inputs, targets, weights, key=(0,): 0.0)
     with pytest.raises(LlamatuneError, match="--pack: this build's attention cannot confine packed samples"):
         ft.check_packing(FinetuneOptions(pack=True), rows)
     got = []

@@ -22,7 +22,7 @@ from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, validate
 from llamatune.train import checkpoint as ckpt
 from llamatune.train.full import FullWeights, load_trained, trained_names
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.params import ParamBuffer, ParamSpec
 
 from conftest import TEXT, write_tiny_model
@@ -71,7 +71,7 @@ def test_gradient_of_every_tensor_kind_matches_finite_differences(models, name, 
     for s in params.specs:                                        # norms away from 1: their grads matter
         if s.name.endswith("norm.weight"):
             params[s.name][...] += np.random.default_rng(1).normal(0, 0.1, s.shape)
-    g = Graph(model.config, weights, params, [], 2, 5, mode, dtype=np.float64)
+    g = StepExecutor(model.config, weights, params, [], 2, 5, mode, dtype=np.float64)
     inputs, tg, w = batch(model.config, 2, 5, seed=3)
 
     def loss(**_):
@@ -213,7 +213,7 @@ def test_written_model_keeps_the_base_and_gives_the_trained_losses(tmp_path, mod
     c.load_into(params)
     cfg = model.config
     inputs, tg, w = batch(cfg, 2, 8, seed=4)
-    trained = Graph(cfg, weights, params, [], 2, 8)
+    trained = StepExecutor(cfg, weights, params, [], 2, 8)
     trained.loss(inputs, tg, w)
     losses = {"trained": trained.losses.copy()}
     for typ in ("f32", "q8_0"):
@@ -226,7 +226,7 @@ def test_written_model_keeps_the_base_and_gives_the_trained_losses(tmp_path, mod
             from llamatune.train.full import write_full_model
             write_full_model(path, model.file, params, None)
         m = Model(path)
-        g = Graph(cfg, FrozenBase(m), ParamBuffer([]), [], 2, 8)
+        g = StepExecutor(cfg, FrozenBase(m), ParamBuffer([]), [], 2, 8)
         g.loss(inputs, tg, w)
         losses[typ] = g.losses.copy()
     np.testing.assert_allclose(losses["f32"], losses["trained"], rtol=2e-6, atol=2e-6)

@@ -12,7 +12,7 @@ import pytest
 from fdcheck import fd_check
 from llamatune import precision
 from llamatune.models.weights import FrozenBase
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.params import DenseWeights
 from llamatune.models.infer import Runner
 from llamatune.kernels import cross_entropy
@@ -58,7 +58,7 @@ def lora_setup(model, ranks, dtype, seed=0):
 def test_lora_gradient_matches_finite_differences(small_model, checkpointing, dropout):
     cfg = small_model.config
     targets, params = lora_setup(small_model, ALL_RANKS, np.float64)
-    g = Graph(cfg, FrozenBase(small_model), params, targets, 2, 5, checkpointing, dropout, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(small_model), params, targets, 2, 5, checkpointing, dropout, dtype=np.float64)
     inputs, tg, w = batch(cfg, 2, 5)
 
     def loss(p):
@@ -81,9 +81,9 @@ def test_dense_gradient_matches_finite_differences(tiny_vocab):
     for n in shapes:                                         # norms away from 1 to test their grads
         if n.endswith("norm.weight"):
             params[n][...] += np.random.default_rng(1).normal(0, 0.1, shapes[n])
-    g = Graph(cfg, DenseWeights(params), params, [], 2, 4, "selective", dtype=np.float64)
+    g = StepExecutor(cfg, DenseWeights(params), params, [], 2, 4, "selective", dtype=np.float64)
     with pytest.raises(ValueError, match="bf16 products are for a frozen base"):   # trained weights: f32
-        Graph(cfg, DenseWeights(params), params, [], 2, 4, policy=precision.ComputePolicy("bf16"))
+        StepExecutor(cfg, DenseWeights(params), params, [], 2, 4, policy=precision.ComputePolicy("bf16"))
     inputs, tg, w = batch(cfg, 2, 4, seed=5)
 
     def loss(p):
@@ -101,7 +101,7 @@ def test_checkpointing_gives_identical_gradients(small_model):
     grads = []
     for ckpt in ("selective", "none"):
         targets, params = lora_setup(small_model, ALL_RANKS, np.float32)
-        g = Graph(cfg, FrozenBase(small_model), params, targets, 2, 8, ckpt)
+        g = StepExecutor(cfg, FrozenBase(small_model), params, targets, 2, 8, ckpt)
         inputs, tg, w = batch(cfg, 2, 8)
         g.step(inputs, tg, w)
         grads.append(params.grad.copy())
@@ -122,7 +122,7 @@ def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_
     runs = []
     for merge in (True, False):
         targets, params = lora_setup(model, ALL_RANKS, np.float32)
-        g = Graph(cfg, FrozenBase(model), params, targets, B, T, mode,
+        g = StepExecutor(cfg, FrozenBase(model), params, targets, B, T, mode,
                   policy=dataclasses.replace(precision.F32, merge_adapters=merge))
         assert g.linears.matrix("blk.0.ffn_down.weight", B * T)[1] is merge
         runs.append((g.step(inputs, tg, w), params.grad.copy()))
@@ -131,10 +131,10 @@ def test_adapters_merged_into_dequantized_weights_change_nothing(tmp_path, tiny_
     np.testing.assert_allclose(grad_m, grad_f, rtol=2e-4, atol=2e-5 * np.abs(grad_f).max())
     targets, params = lora_setup(model, ALL_RANKS, np.float32)
     down = "blk.0.ffn_down.weight"
-    assert not Graph(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1).linears.matrix(down, B * T)[1]
-    assert not Graph(cfg, FrozenBase(model), params, targets, 1, 8, mode).linears.matrix(down, 8)[1]
+    assert not StepExecutor(cfg, FrozenBase(model), params, targets, B, T, mode, 0.1).linears.matrix(down, B * T)[1]
+    assert not StepExecutor(cfg, FrozenBase(model), params, targets, 1, 8, mode).linears.matrix(down, 8)[1]
     f32 = Model(write_tiny_model(tmp_path / "f32.gguf", tiny_vocab))
-    assert not Graph(cfg, FrozenBase(f32), params, targets, B, T, mode).linears.matrix(down, B * T)[1]
+    assert not StepExecutor(cfg, FrozenBase(f32), params, targets, B, T, mode).linears.matrix(down, B * T)[1]
 
 
 def test_step_zero_equals_base_model(small_model):
@@ -145,7 +145,7 @@ def test_step_zero_equals_base_model(small_model):
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     B, T = 2, 8
-    g = Graph(cfg, FrozenBase(small_model), params, targets, B, T)
+    g = StepExecutor(cfg, FrozenBase(small_model), params, targets, B, T)
     inputs, tg, w = batch(cfg, B, T, pad=False)
     loss = g.step(inputs, tg, w)
     logits = Runner(small_model).forward(inputs).reshape(B * T, -1)
@@ -161,9 +161,9 @@ def test_gradient_accumulation_equals_one_big_batch(small_model):
     n = int((tg >= 0).sum())
     w = (tg >= 0).astype(np.float32) / n
     targets, big = lora_setup(small_model, ALL_RANKS, np.float32)
-    Graph(cfg, FrozenBase(small_model), big, targets, 4, 8).step(inputs, tg, w)
+    StepExecutor(cfg, FrozenBase(small_model), big, targets, 4, 8).step(inputs, tg, w)
     _, acc = lora_setup(small_model, ALL_RANKS, np.float32)
-    g2 = Graph(cfg, FrozenBase(small_model), acc, targets, 2, 8)
+    g2 = StepExecutor(cfg, FrozenBase(small_model), acc, targets, 2, 8)
     for half in (slice(0, 2), slice(2, 4)):           # two micro-batches, weights normalised by the total
         g2.step(inputs[half], tg[half], w[half])
     # same sum, different summation order: equal to float32 rounding
@@ -228,7 +228,7 @@ def test_qwen2_bias_and_neox_rope(qwen2_model):
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
 
     targets, params = lora_setup(m, ALL_RANKS, np.float64)
-    g = Graph(cfg, FrozenBase(m), params, targets, 1, 5, dtype=np.float64)
+    g = StepExecutor(cfg, FrozenBase(m), params, targets, 1, 5, dtype=np.float64)
     inputs, tg, w = batch(cfg, 1, 5, pad=False)
 
     def loss(p):
@@ -261,7 +261,7 @@ def mode_grads(make, dtype, B=2, T=6, dropout=0.0, packed=False):
     out = {}
     for mode in MODES:
         cfg, base, params, targets = make(dtype)
-        g = Graph(cfg, base, params, targets, B, T, mode, dropout, dtype=dtype)
+        g = StepExecutor(cfg, base, params, targets, B, T, mode, dropout, dtype=dtype)
         inputs, tg, w = batch(cfg, B, T, seed=3)
         loss = g.step(inputs, tg, w, key=(5,), positions=positions, segments=segments)
         out[mode] = loss, params.grad.copy()
@@ -333,11 +333,11 @@ def test_head_in_blocks_equals_full_matrix(tied_model):
     for full in (False, True):
         params = ParamBuffer(lora_specs(targets))
         params.data[...] = np.random.default_rng(1).normal(0, 0.05, params.size)
-        g = Graph(cfg, FrozenBase(m), params, targets, B, T)
+        g = StepExecutor(cfg, FrozenBase(m), params, targets, B, T)
         if full:                               # one block: the whole matrix
             g.head_rows = cfg.n_vocab
-            blocked = g.base.matrix_rows
-            g.base.matrix_rows = lambda name, lo, hi: W[lo:hi] if name == "output.weight" else blocked(name, lo, hi)
+            blocked = g.weights.matrix_rows
+            g.weights.matrix_rows = lambda name, lo, hi: W[lo:hi] if name == "output.weight" else blocked(name, lo, hi)
         loss = g.step(inputs, tg, w)
         results.append((loss, g.losses.copy(), params.grad.copy()))
     (l0, losses0, g0), (l1, losses1, g1) = results
@@ -377,7 +377,7 @@ def test_logits_overlay_the_gradient_scratch_and_chunking_changes_nothing(small_
     results = []
     for chunk in (None, 1, B * T):
         targets, params = lora_setup(small_model, ALL_RANKS, np.float64)
-        g = Graph(small_model.config, FrozenBase(small_model), params, targets, B, T, mode, dtype=np.float64)
+        g = StepExecutor(small_model.config, FrozenBase(small_model), params, targets, B, T, mode, dtype=np.float64)
         assert np.shares_memory(g.logits, g.dg) and g.logits.base is g.dg.base
         views = [getattr(g, name) for name in grad_scratch(small_model.config, B * T, mode)]
         assert len(views) == (8 if mode == "none" else 9)
@@ -406,7 +406,7 @@ def test_tokens_without_target_skip_the_head(small_model, mode):
 
     def run(targets, weights):
         lora, params = lora_setup(small_model, ALL_RANKS, np.float64)
-        g = Graph(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
+        g = StepExecutor(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
         rows = []
         ce = g.ops.cross_entropy
         g.ops = SimpleNamespace(**vars(g.ops))
@@ -437,7 +437,7 @@ def test_columns_after_the_last_target_are_left_out(small_model, mode, packed, m
     """A micro-batch runs on its columns up to the last target (rounded up to
     TRIM_TOKENS), in a graph over the full graph's memory; loss, per-token losses and
     gradients equal the full rows' in float64, for the step and for the evaluation loss."""
-    from llamatune.train import graph as graph_module
+    from llamatune.train import step as graph_module
     B, T = 2, 12
     cfg = small_model.config
     inputs, tg, _ = batch(cfg, B, T, seed=6, pad=False)
@@ -451,18 +451,18 @@ def test_columns_after_the_last_target_are_left_out(small_model, mode, packed, m
     def run(trim):
         monkeypatch.setattr(graph_module, "TRIM_TOKENS", trim)
         lora, params = lora_setup(small_model, ALL_RANKS, np.float64)
-        g = Graph(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
+        g = StepExecutor(cfg, FrozenBase(small_model), params, lora, B, T, mode, dtype=np.float64)
         loss = g.step(inputs, tg, w, **packing)
         losses, grad = g.losses.copy(), params.grad.copy()
         return g, loss, losses, grad, g.loss(inputs, tg, w, **packing)
 
     g, loss, losses, grad, eval_loss = run(4)
-    assert list(g._trimmed_graphs) == [8]                     # 7 columns, rounded up to 8
-    short = g._trimmed_graphs[8]
+    assert list(g._trimmed_executors) == [8]                     # 7 columns, rounded up to 8
+    short = g._trimmed_executors[8]
     assert short.arena is g.arena and short.activation_bytes() < g.activation_bytes()
     assert all(np.shares_memory(c, full) for (c, _), (full, _) in zip(short.rope_rows, g.rope_rows))
     g_full, loss_full, losses_full, grad_full, eval_full = run(T)
-    assert not g_full._trimmed_graphs
+    assert not g_full._trimmed_executors
     assert loss == pytest.approx(loss_full, rel=1e-12) and eval_loss == pytest.approx(eval_full, rel=1e-12)
     assert eval_loss == pytest.approx(loss, rel=1e-12)
     np.testing.assert_allclose(losses, losses_full, rtol=1e-12, atol=1e-15)

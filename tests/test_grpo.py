@@ -20,7 +20,7 @@ from llamatune.models.sampling import generate_group, generate_ids
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions
 from llamatune.train import rewards as R
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.grpo import GRPO, GroupBatch, coefficients, group_advantages, layout, token_terms
 from llamatune.train.objective import token_losses
 from llamatune.train.lora import disabled_adapters, init_lora, lora_specs, lora_targets
@@ -149,8 +149,8 @@ def setup(model, B, T, seed=0):
     params = ParamBuffer(lora_specs(targets), np.float64)
     init_lora(params, targets, np.random.default_rng(seed))
     params.data[...] += np.random.default_rng(seed + 1).normal(0, 0.05, params.size)   # policy != base
-    graph = Graph(model.config, FrozenBase(model), params, targets, B, T, "selective", 0.0, dtype=np.float64)
-    return graph, params
+    executor = StepExecutor(model.config, FrozenBase(model), params, targets, B, T, "selective", 0.0, dtype=np.float64)
+    return executor, params
 
 
 @pytest.mark.parametrize("loss_type, beta, shift", [("dapo", 0.0, False), ("grpo", 0.1, False),
@@ -159,40 +159,40 @@ def test_weighted_step_is_the_gradient_of_the_grpo_loss(small_model, loss_type, 
     """params.grad after GRPO.micro_step == finite differences of the loss from forward passes
     alone (old and reference log-probabilities held fixed), float64 through the whole model;
     `shift`: old log-probabilities moved off the policy's so that ratios clip."""
-    graph, params = setup(small_model, 4, 9)
+    executor, params = setup(small_model, 4, 9)
     g = GRPO(grpo_options(loss_type=loss_type, beta=beta), small_model)
     b = group_batch(small_model.config.n_vocab, 4, 9, seed=3)
     if shift:
-        current = -token_losses(graph, b)
+        current = -token_losses(executor, b)
         b.old_logp = current + np.random.default_rng(4).uniform(-0.4, 0.4, current.shape)
     g.begin_step([b])
     params.zero_grad()
-    loss = g.micro_step(graph, b, (0,))
+    loss = g.micro_step(executor, b, (0,))
     analytic = params.grad.copy()
     assert (b.ref_logp is not None) == (beta > 0) and b.old_logp is not None
-    assert g.micro_loss(graph, b, (0,)) == pytest.approx(loss, rel=1e-12, abs=1e-15)
-    err = fd_check(lambda p: g.micro_loss(graph, b, (0,)), {"p": params.data}, {"p": analytic}, eps=1e-5,
+    assert g.micro_loss(executor, b, (0,)) == pytest.approx(loss, rel=1e-12, abs=1e-15)
+    err = fd_check(lambda p: g.micro_loss(executor, b, (0,)), {"p": params.data}, {"p": analytic}, eps=1e-5,
                    rtol=1e-5, atol=1e-10, n_probe=150)
     assert err < 1e-5
     if beta:                                                     # the reference is the base, adapter off
-        with disabled_adapters(graph.lora.values()):
-            np.testing.assert_array_equal(b.ref_logp, -token_losses(graph, b))
+        with disabled_adapters(executor.lora.values()):
+            np.testing.assert_array_equal(b.ref_logp, -token_losses(executor, b))
 
 
 def test_loss_on_a_fixed_batch_is_trls(small_model):
     """The micro-batch loss equals TRL's formula applied to the graph's own per-token
     log-probabilities (forward only), with clipped ratios and the KL term."""
-    graph, params = setup(small_model, 4, 9, seed=5)
+    executor, params = setup(small_model, 4, 9, seed=5)
     g = GRPO(grpo_options(beta=0.05, epsilon=0.1, epsilon_high=0.3, loss_type="grpo"), small_model)
     b = group_batch(small_model.config.n_vocab, 4, 9, seed=6)
-    logp = -token_losses(graph, b)
-    with disabled_adapters(graph.lora.values()):
-        ref = -token_losses(graph, b)
+    logp = -token_losses(executor, b)
+    with disabled_adapters(executor.lora.values()):
+        ref = -token_losses(executor, b)
     b.old_logp = logp + np.random.default_rng(7).uniform(-0.3, 0.3, logp.shape)
     g.begin_step([b])
     mask = b.targets >= 0
     want = trl_loss(logp, b.old_logp, ref, b.advantages, mask, 0.1, 0.3, 0.05, "grpo", 6, mask.sum())
-    assert g.micro_loss(graph, b, (0,)) == pytest.approx(want, rel=1e-12)
+    assert g.micro_loss(executor, b, (0,)) == pytest.approx(want, rel=1e-12)
 
 
 # --------------------------------------------------------------------------- rewards

@@ -237,6 +237,6 @@ def test_architecture_doc_names_only_files_that_exist():
     files = [p.relative_to(REPO).as_posix() for folder in ("llamatune", "kernels", "cli", "tests", "bench", "checks")
              for p in (REPO / folder).rglob("*.py")]
     assert missing_sources((REPO / "docs" / "architecture.md").read_text(), files) == []
-    assert missing_sources("`convert*.py`, kernels/*.py, `graph.py`, old/legacy.py",
-                           ["llamatune/commands/convert.py", "kernels/rope.py", "llamatune/train/graph.py"]) \
+    assert missing_sources("`convert*.py`, kernels/*.py, `step.py`, old/legacy.py",
+                           ["llamatune/commands/convert.py", "kernels/rope.py", "llamatune/train/step.py"]) \
         == ["convert*.py", "old/legacy.py"]

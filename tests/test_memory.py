@@ -10,7 +10,7 @@ import pytest
 from llamatune.errors import LlamatuneError
 from llamatune.models.weights import FrozenBase
 from llamatune.train.buffers import buffer_plan, plan_bytes
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.memory import Planner
@@ -25,7 +25,7 @@ RANKS = {k: 2 for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
                         "token_embd", "output", "attn_norm")}
 
 
-def graph_arrays(g: Graph) -> list[np.ndarray]:
+def graph_arrays(g: StepExecutor) -> list[np.ndarray]:
     """Every distinct buffer the graph holds, found by walking its attributes (a view,
     e.g. of the shared gradient / logits buffer, counts as the buffer it views)."""
     found: dict[int, np.ndarray] = {}
@@ -59,7 +59,7 @@ def test_allocated_buffers_are_the_plan(model, mode):
     targets = lora_targets(cfg, RANKS, 2.0, tied=False)
     params = ParamBuffer(lora_specs(targets))
     base = FrozenBase(model)
-    g = Graph(cfg, base, params, targets, 3, 16, mode)
+    g = StepExecutor(cfg, base, params, targets, 3, 16, mode)
     plan = buffer_plan(cfg, targets, 3, 16, mode, base.head_rows, False)
     arrays = graph_arrays(g)                      # the arena and the rope tables, nothing else
     assert sum(a.nbytes for a in arrays) == plan_bytes(plan) == g.activation_bytes()
@@ -76,7 +76,7 @@ def test_allocated_buffers_are_the_plan(model, mode):
 def test_dense_graph_allocates_its_plan():
     cfg = tiny_config(n_layer=3)
     params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
-    g = Graph(cfg, DenseWeights(params), params, [], 2, 8, "layer")
+    g = StepExecutor(cfg, DenseWeights(params), params, [], 2, 8, "layer")
     assert sum(a.nbytes for a in graph_arrays(g)) == g.activation_bytes() == \
         plan_bytes(buffer_plan(cfg, [], 2, 8, "layer", cfg.n_vocab, True))
 
@@ -148,7 +148,7 @@ def test_dry_run_reports_every_mode_and_writes_nothing(model, tmp_path, monkeypa
     (tmp_path / "d.txt").write_text(TEXT)
     (tmp_path / "m.gguf").write_bytes(model.path.read_bytes())      # its own file: the module's model
     steps = []                                                        # stays the only mapping of that one
-    monkeypatch.setattr(Graph, "step", lambda *a, **k: steps.append(1))
+    monkeypatch.setattr(StepExecutor, "step", lambda *a, **k: steps.append(1))
     args = ["finetune", "--model-base", str(tmp_path / "m.gguf"), "--train-data", str(tmp_path / "d.txt"), "-c", "32",
             "-b", "2", "--checkpoint-out", str(tmp_path / "out/c-ITERATION.gguf"),
             "--lora-out", str(tmp_path / "out/a-ITERATION.gguf"), "--output-dir", str(tmp_path / "out"), "--dry-run"]
@@ -224,7 +224,7 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch
     from numba.core.registry import CPUDispatcher
     from conftest import write_tiny_model
     from llamatune.backend import cpu
-    from llamatune.train.graph import compile_kernels
+    from llamatune.train.step import compile_kernels
     family = dict(attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2) if arch == "gemma2" else {}
     m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0, arch=arch, n_layer=3, **family))
     backend = cpu()
@@ -240,7 +240,7 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch
                            2.0, tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    g = Graph(cfg, FrozenBase(m), params, targets, 2, 8, "layer")
+    g = StepExecutor(cfg, FrozenBase(m), params, targets, 2, 8, "layer")
     ids = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 8))
     w = np.full((2, 8), 1 / 16, np.float32)
     positions, segments = np.tile(np.r_[0:4, 0:4], (2, 1)), np.tile(np.r_[[0] * 4, [1] * 4], (2, 1)).astype(np.int32)
@@ -255,7 +255,7 @@ def test_gpu_estimate_adds_the_attention_buffers(model):
     and the line says GPU memory; the host estimate has none without dropout."""
     from llamatune.kernels.cuda.attention import scratch_floats
     host = planner(model)
-    gpu = Planner(host.cfg, host.targets, host.base, 100 << 20, model.path.stat().st_size,
+    gpu = Planner(host.cfg, host.targets, host.weights, 100 << 20, model.path.stat().st_size,
                   model.dequantizer.nbytes, 0.0, device=True)
     cfg = model.config
     for mode in ("none", "selective", "layer"):
@@ -295,7 +295,7 @@ def test_gpu_bf16_estimate_is_the_f32_one_with_bf16_copies(model):
     from llamatune import precision
     from llamatune.train.buffers import gpu_bf16_bytes
     host = planner(model)
-    args = (host.cfg, host.targets, host.base, 100 << 20, model.path.stat().st_size, model.dequantizer.nbytes, 0.0)
+    args = (host.cfg, host.targets, host.weights, 100 << 20, model.path.stat().st_size, model.dequantizer.nbytes, 0.0)
     f32, b16 = Planner(*args, device=True), Planner(*args, device=True, policy=precision.policy("bf16", "cuda"))
     cfg = model.config
     for mode in ("none", "selective", "layer"):
@@ -303,4 +303,4 @@ def test_gpu_bf16_estimate_is_the_f32_one_with_bf16_copies(model):
         assert b.graph == a.graph
         assert b.scratch == model.dequantizer.nbytes_bf16 == a.scratch // 2
         chunk = head_chunk(256, head_floats(cfg), sum(n * m for n, m in grad_scratch(cfg, 256, mode).values()))
-        assert b.temporaries - a.temporaries == gpu_bf16_bytes(cfg, 256, chunk, host.base.head_rows) > 2 * 256 * cfg.n_ff
+        assert b.temporaries - a.temporaries == gpu_bf16_bytes(cfg, 256, chunk, host.weights.head_rows) > 2 * 256 * cfg.n_ff

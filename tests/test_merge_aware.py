@@ -19,7 +19,7 @@ from llamatune.models.model import Model
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, MergeOptions
 from llamatune.precision import policy
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.lora import init_lora, lora_specs, lora_targets, to_adapter
 from llamatune.train.params import ParamBuffer
 
@@ -54,7 +54,7 @@ def test_forward_is_the_plain_merge(tmp_path, q4_model):
     cfg = q4_model.config
     targets, params = lora(q4_model, np.float32, std=0.2)
     B, T = 2, 48
-    g = Graph(cfg, FrozenBase(q4_model), params, targets, B, T, "selective", policy=policy("f32", merge_aware=True))
+    g = StepExecutor(cfg, FrozenBase(q4_model), params, targets, B, T, "selective", policy=policy("f32", merge_aware=True))
     adapter = tmp_path / "a.gguf"
     write_adapter(adapter, to_adapter(params, targets, cfg.arch, 3.0))
     merged = tmp_path / "merged.gguf"
@@ -95,7 +95,7 @@ class Shifted(FrozenBase):
 def test_gradients_are_straight_through(q4_model, checkpointing):
     cfg = q4_model.config
     targets, params = lora(q4_model, np.float64)
-    g = Graph(cfg, FrozenBase(q4_model), params, targets, 2, 5, checkpointing, dtype=np.float64,
+    g = StepExecutor(cfg, FrozenBase(q4_model), params, targets, 2, 5, checkpointing, dtype=np.float64,
               policy=policy("f32", merge_aware=True))
     inputs, tg = batch(cfg, 2, 5, seed=3)
     w = np.full((2, 5), 0.1)
@@ -107,7 +107,7 @@ def test_gradients_are_straight_through(q4_model, checkpointing):
         W = FrozenBase(q4_model).matrix(t.weight).astype(np.float64)
         shift[t.weight] = g.linears.matrix(t.weight, 10)[0] - (W + t.scale * params[t.b] @ params[t.a])
         assert np.abs(shift[t.weight]).max() > 0
-    s = Graph(cfg, Shifted(q4_model, shift), params, targets, 2, 5, checkpointing, dtype=np.float64)
+    s = StepExecutor(cfg, Shifted(q4_model, shift), params, targets, 2, 5, checkpointing, dtype=np.float64)
 
     def loss(p):
         params.zero_grad()

@@ -267,14 +267,14 @@ def test_grad_acc_sums_separately_computed_micro_batch_gradients(tmp_path, tiny_
     each computed from zero (the order K ranks reproduce), not one buffer accumulated across both."""
     from llamatune.commands.finetune import build_job
     from llamatune.data.samples import Batcher
-    from llamatune.train.graph import Graph
+    from llamatune.train.step import StepExecutor
     (tmp_path / "t.txt").write_text(TEXT)
     o = FinetuneOptions(model_base=tiny_model, train_data=tmp_path / "t.txt", ctx=16, batch=2, lora_r=2,
                         rank_out=2, rank_att_norm=1, grad_acc=2)
     job = build_job(o)
     job.init_params(np.random.default_rng(0))
     job.params.data[...] += np.random.default_rng(1).normal(0, 0.01, job.params.size).astype(np.float32)
-    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx)
+    executor = StepExecutor(job.cfg, job.weights, job.params, job.targets, o.batch, o.ctx)
     batcher = Batcher(job.samples, o, job.cfg.n_vocab, job.tokenizer.bos_id, job.tokenizer.eos_id)
     batches = [batcher.next_batch(), batcher.next_batch()]
     n = sum(b.n_targets for b in batches)
@@ -282,11 +282,11 @@ def test_grad_acc_sums_separately_computed_micro_batch_gradients(tmp_path, tiny_
     separate, losses = [], []
     for b, w in zip(batches, weights):
         job.params.zero_grad()
-        losses.append(graph.step(b.inputs, b.targets, w, (1, 0, len(separate))))
+        losses.append(executor.step(b.inputs, b.targets, w, (1, 0, len(separate))))
         separate.append(job.params.grad.copy())
     grads = distributed.GradientSum(distributed.World(), job.params)
     for m, b in grads.mine(batches):
-        grads.add(graph.step(b.inputs, b.targets, weights[m], (1, 0, m)))
+        grads.add(executor.step(b.inputs, b.targets, weights[m], (1, 0, m)))
     assert grads.finish() == 0.0 + losses[0] + losses[1]
     np.testing.assert_array_equal(job.params.grad, separate[0] + separate[1])
 

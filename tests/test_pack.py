@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from llamatune.models.weights import FrozenBase
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.params import DenseWeights
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.models.model import Model
@@ -107,7 +107,7 @@ def test_packed_rows_equal_samples_alone_lora(tmp_path, tiny_vocab, arch):
     init_lora(params, targets, np.random.default_rng(0))
     params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size)  # B != 0: every path carries gradient
     base = FrozenBase(model)
-    check_equivalence(lambda B, T: Graph(cfg, base, params, targets, B, T, dtype=np.float64), params,
+    check_equivalence(lambda B, T: StepExecutor(cfg, base, params, targets, B, T, dtype=np.float64), params,
                       cfg.n_vocab)
 
 
@@ -118,7 +118,7 @@ def test_packed_rows_equal_samples_alone_dense():
     for n, a in random_weights(cfg, seed=3, std=0.2).items():
         params[n][...] = a
     weights = DenseWeights(params)
-    check_equivalence(lambda B, T: Graph(cfg, weights, params, [], B, T, dtype=np.float64), params,
+    check_equivalence(lambda B, T: StepExecutor(cfg, weights, params, [], B, T, dtype=np.float64), params,
                       cfg.n_vocab)
 
 
@@ -128,8 +128,8 @@ def test_positions_beyond_the_row_and_bad_packing(tiny_vocab, tmp_path):
     model = Model(write_tiny_model(tmp_path / "m.gguf", tiny_vocab, n_embd=32, n_ff=48, head_dim=8, n_rot=8))
     cfg = model.config
     params = ParamBuffer([], np.float64)
-    long = Graph(cfg, FrozenBase(model), params, [], 1, 10, dtype=np.float64)
-    short = Graph(cfg, FrozenBase(model), params, [], 1, 4, dtype=np.float64)
+    long = StepExecutor(cfg, FrozenBase(model), params, [], 1, 10, dtype=np.float64)
+    short = StepExecutor(cfg, FrozenBase(model), params, [], 1, 4, dtype=np.float64)
     rng = np.random.default_rng(2)
     inputs, targets = rng.integers(0, cfg.n_vocab, (1, 10)), rng.integers(0, cfg.n_vocab, (1, 10))
     w = np.full((1, 10), 0.1)

@@ -16,7 +16,7 @@ from llamatune.formats.gguf_io import GGUFFile
 from llamatune.models.model import Model
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.lora import disabled_adapters
 from llamatune.train.params import ParamBuffer
@@ -112,8 +112,8 @@ def setup(model, B, T, seed=0):
     params = ParamBuffer(lora_specs(targets), np.float64)
     init_lora(params, targets, np.random.default_rng(seed))
     params.data[...] += np.random.default_rng(seed + 1).normal(0, 0.05, params.size)   # B != 0: policy != base
-    graph = Graph(model.config, FrozenBase(model), params, targets, B, T, "selective", 0.0, dtype=np.float64)
-    return graph, params, targets
+    executor = StepExecutor(model.config, FrozenBase(model), params, targets, B, T, "selective", 0.0, dtype=np.float64)
+    return executor, params, targets
 
 
 @pytest.mark.parametrize("method, loss_type, smoothing", [("dpo", "sigmoid", 0.0), ("dpo", "sigmoid", 0.3),
@@ -122,20 +122,20 @@ def test_weighted_step_is_the_gradient_of_the_preference_loss(small_model, metho
     """params.grad after Preference.step == finite differences of the step's loss computed
     from forward passes alone (reference held fixed), in float64 through the whole model."""
     cfg = small_model.config
-    graph, params, targets = setup(small_model, 4, 8)
+    executor, params, targets = setup(small_model, 4, 8)
     pref = Preference(FinetuneOptions(method=method, beta=0.7, loss_type=loss_type, label_smoothing=smoothing))
     b = pair_batch(cfg.n_vocab, [0, 1], 8, seed=2)
     cache = np.full((2, 2), np.nan)
     n_pairs, n_chosen = Preference.counts([b])
     params.zero_grad()
-    loss = pref.step(graph, b, cache, n_pairs, n_chosen, (0,))
+    loss = pref.step(executor, b, cache, n_pairs, n_chosen, (0,))
     analytic = params.grad.copy()
     if method == "dpo":
         assert np.isfinite(cache).all() and pref._new == [(0, cache[0].tolist()), (1, cache[1].tolist())]
     ref = cache.copy()
 
     def objective(p):
-        return pref.loss(graph, b, ref, n_pairs, n_chosen)
+        return pref.loss(executor, b, ref, n_pairs, n_chosen)
     assert objective(params.data) == loss
     err = fd_check(objective, {"p": params.data}, {"p": analytic}, eps=1e-5, rtol=1e-5, atol=1e-10, n_probe=200)
     assert err < 1e-5
@@ -149,10 +149,10 @@ def test_split_micro_batches_give_the_same_gradient(small_model):
     both = pair_batch(cfg.n_vocab, [0, 1], 8, seed=4)
     halves = [Batch(both.inputs[k:k + 2], both.targets[k:k + 2], 0, False, sample_ids=both.sample_ids[k:k + 2])
               for k in (0, 2)]
-    graph, params, targets = setup(small_model, 4, 8)
+    executor, params, targets = setup(small_model, 4, 8)
     pref = Preference(o)
     params.zero_grad()
-    loss = pref.step(graph, both, np.full((2, 2), np.nan), *Preference.counts([both]), (0,))
+    loss = pref.step(executor, both, np.full((2, 2), np.nan), *Preference.counts([both]), (0,))
     one = params.grad.copy()
     graph2, params2, targets2 = setup(small_model, 2, 8)
     pref2 = Preference(o)
@@ -170,24 +170,24 @@ def test_disabled_adapters_are_the_base_model_and_switch_back_on(small_model):
     adapter (B A = 0) bit for bit, in the trimmed graphs too (short rows), and leaves the
     parameters untouched."""
     cfg = small_model.config
-    graph, params, targets = setup(small_model, 4, 40)
+    executor, params, targets = setup(small_model, 4, 40)
     b = pair_batch(cfg.n_vocab, [0, 1], 8, seed=5)                  # rows padded to 40 columns without targets
     b = Batch(np.pad(b.inputs, ((0, 0), (0, 32))), np.pad(b.targets, ((0, 0), (0, 32)), constant_values=-1),
               b.n_targets, False, sample_ids=b.sample_ids)
     w = (b.targets >= 0).astype(np.float64)
     before = params.data.copy()
-    with disabled_adapters(graph.lora.values()):
-        graph.loss(b.inputs, b.targets, w)                          # columns up to 32: a trimmed graph
-        off = graph.losses.copy()
-    assert graph._trimmed_graphs and not any(a.disabled for a in graph.lora.values())
+    with disabled_adapters(executor.lora.values()):
+        executor.loss(b.inputs, b.targets, w)                          # columns up to 32: a trimmed graph
+        off = executor.losses.copy()
+    assert executor._trimmed_executors and not any(a.disabled for a in executor.lora.values())
     np.testing.assert_array_equal(params.data, before)
     base = ParamBuffer(lora_specs(targets), np.float64)
     init_lora(base, targets, np.random.default_rng(9))                # a fresh adapter: B A = 0
-    fresh = Graph(cfg, FrozenBase(small_model), base, targets, 4, 40, "selective", 0.0, dtype=np.float64)
+    fresh = StepExecutor(cfg, FrozenBase(small_model), base, targets, 4, 40, "selective", 0.0, dtype=np.float64)
     fresh.loss(b.inputs, b.targets, w)
     np.testing.assert_array_equal(off, fresh.losses)
-    graph.loss(b.inputs, b.targets, w)
-    assert not np.array_equal(graph.losses, off)                      # the adapter is back on
+    executor.loss(b.inputs, b.targets, w)
+    assert not np.array_equal(executor.losses, off)                      # the adapter is back on
 
 
 # --------------------------------------------------------------------------- runs
@@ -306,7 +306,7 @@ def test_dpo_step_on_cuda_matches_cpu(tmp_path, tiny_vocab):
         params.data += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
         if backend is not cpu():
             params.to_device(backend)
-        g = Graph(cfg, FrozenBase(model, backend), params, targets, 2, 6, backend=backend)
+        g = StepExecutor(cfg, FrozenBase(model, backend), params, targets, 2, 6, backend=backend)
         pref = Preference(FinetuneOptions(method="dpo", beta=0.5))
         cache = np.full((1, 2), np.nan)
         loss = pref.step(g, b, cache, 1, 1, (0,))

@@ -328,15 +328,15 @@ def test_huge_learning_rate_leaves_no_diverged_latest_and_a_sane_one_resumes(wor
 
 
 def poisoned_step(monkeypatch, bad_steps: dict[int, float]):
-    """Graph.step returns `value` at the given 0-based optimizer steps (a corrupted batch)."""
-    from llamatune.train.graph import Graph
-    real = Graph.step
+    """StepExecutor.step returns `value` at the given 0-based optimizer steps (a corrupted batch)."""
+    from llamatune.train.step import StepExecutor
+    real = StepExecutor.step
 
     def step(self, inputs, targets, weights, key=(0,), **kw):
         loss = real(self, inputs, targets, weights, key, **kw)
         return bad_steps.get(int(key[1]), loss)
 
-    monkeypatch.setattr(Graph, "step", step)
+    monkeypatch.setattr(StepExecutor, "step", step)
 
 
 @pytest.mark.parametrize("value", [float("nan"), 1e3])      # a NaN loss, a spike
@@ -376,15 +376,15 @@ def test_save_waits_for_a_healthy_step_and_resumes_exactly(work, monkeypatch):
 def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypatch):
     """No later step verifies the last update, so the loss of its batches is recomputed
     (the 4th forward of a 3-step run): when that is not sane, LATEST stays at iteration 2."""
-    from llamatune.train.graph import Graph
-    real, calls = Graph.step, []
+    from llamatune.train.step import StepExecutor
+    real, calls = StepExecutor.step, []
 
     def step(self, *args, **kw):
         calls.append(1)
         loss = real(self, *args, **kw)
         return float("nan") if len(calls) == 4 else loss
 
-    monkeypatch.setattr(Graph, "step", step)
+    monkeypatch.setattr(StepExecutor, "step", step)
     res = finetune(options(work, adam_iter=3), quiet=True)
     assert len(calls) == 4 and len(res.losses) == 3 and res.state.iteration == 3
     assert not (work / "out/chk-3.gguf").exists()
@@ -394,10 +394,10 @@ def test_final_state_is_saved_only_if_its_recomputed_loss_is_sane(work, monkeypa
 
 
 def interrupt_at(monkeypatch, call: int, signum: int | None = None) -> list:
-    """Graph.step is stopped at its `call`-th call (1-based) of the list returned: by
+    """StepExecutor.step is stopped at its `call`-th call (1-based) of the list returned: by
     Ctrl-C (KeyboardInterrupt), or by `signum` sent to this process."""
-    from llamatune.train.graph import Graph
-    real, calls = Graph.step, []
+    from llamatune.train.step import StepExecutor
+    real, calls = StepExecutor.step, []
 
     def step(self, *args, **kw):
         calls.append(1)
@@ -406,7 +406,7 @@ def interrupt_at(monkeypatch, call: int, signum: int | None = None) -> list:
                 raise KeyboardInterrupt
             os.kill(os.getpid(), signum)
         return real(self, *args, **kw)
-    monkeypatch.setattr(Graph, "step", step)
+    monkeypatch.setattr(StepExecutor, "step", step)
     return calls
 
 

@@ -19,7 +19,7 @@ from llamatune.models.infer import Runner
 from llamatune.models.model import Model
 from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, MergeOptions
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.params import ParamBuffer
 from llamatune.train.statistics import TrainingStats
@@ -44,7 +44,7 @@ def test_counted_tokens_run_to_each_rows_last_target():
 
 @pytest.mark.parametrize("checkpointing", ["selective", "layer"])
 def test_training_forward_collects_what_calibration_does(small_model, checkpointing):
-    """Two micro-batches through Graph.step (rows padded, so the graph is trimmed; with
+    """Two micro-batches through StepExecutor.step (rows padded, so the graph is trimmed; with
     --checkpointing layer backward recomputes every layer) and an evaluation: the sums
     equal calibration.InputStats over a Runner with the same adapters, run on each row's
     counted tokens only."""
@@ -54,7 +54,7 @@ def test_training_forward_collects_what_calibration_does(small_model, checkpoint
     init_lora(params, targets, np.random.default_rng(0))
     params.data[...] += np.random.default_rng(1).normal(0, 0.05, params.size).astype(np.float32)
     B, T = 2, 64
-    g = Graph(cfg, FrozenBase(small_model), params, targets, B, T, checkpointing)
+    g = StepExecutor(cfg, FrozenBase(small_model), params, targets, B, T, checkpointing)
     rng = np.random.default_rng(2)
     stats, batches = TrainingStats(), []
     for last in ((20, 27), (40, 9)):

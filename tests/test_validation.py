@@ -26,7 +26,7 @@ from llamatune.models.weights import FrozenBase
 from llamatune.options import FinetuneOptions, ScratchOptions, build_options
 from llamatune.plot import read_metrics, smoothed
 from llamatune.train import checkpoint as ckpt
-from llamatune.train.graph import Graph
+from llamatune.train.step import StepExecutor
 from llamatune.train.lora import init_lora, lora_specs, lora_targets
 from llamatune.train.metrics import MetricsLog
 from llamatune.train.params import ParamBuffer, ParamSpec
@@ -86,8 +86,8 @@ def test_graph_loss_is_the_steps_forward_without_dropout_or_gradient(tmp_path, t
     inputs, tg = rng.integers(0, cfg.n_vocab, (2, 8)), rng.integers(0, cfg.n_vocab, (2, 8))
     tg[1, -3:] = -1
     w = (tg >= 0).astype(np.float32)
-    dropped = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
-    plain = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.0)
+    dropped = StepExecutor(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
+    plain = StepExecutor(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.0)
 
     loss = dropped.loss(inputs, tg, w)
     np.testing.assert_array_equal(params.grad, np.zeros_like(params.grad))     # no gradient at all
@@ -98,7 +98,7 @@ def test_graph_loss_is_the_steps_forward_without_dropout_or_gradient(tmp_path, t
     with_dropout = dropped.step(inputs, tg, w, key=(3,))                       # dropout is back for training
     grads = params.grad.copy()
     params.zero_grad()
-    fresh = Graph(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
+    fresh = StepExecutor(cfg, FrozenBase(model), params, targets, 2, 8, lora_dropout=0.3)
     assert with_dropout == fresh.step(inputs, tg, w, key=(3,)) != loss
     np.testing.assert_array_equal(params.grad, grads)
     packing = dict(positions=np.tile([0, 1, 2, 0, 1, 2, 3, 0], (2, 1)), segments=np.tile([0, 0, 0, 1, 1, 1, 1, 2], (2, 1)))
@@ -163,7 +163,7 @@ def test_packed_validation_scores_every_target_once_and_alone(tiny_model, batch)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(1))
     params.data[...] += np.random.default_rng(2).normal(0, 0.05, params.size).astype(np.float32)
-    graph = Graph(cfg, FrozenBase(model), params, targets, batch, 16)
+    executor = StepExecutor(cfg, FrozenBase(model), params, targets, batch, 16)
     o = FinetuneOptions(ctx=16, batch=batch)
     alone = Validator(samples, o, cfg.n_vocab, tok.bos_id, tok.eos_id)
     packed = Validator(samples, dataclasses.replace(o, pack=True), cfg.n_vocab, tok.bos_id, tok.eos_id)
@@ -176,16 +176,16 @@ def test_packed_validation_scores_every_target_once_and_alone(tiny_model, batch)
         """(targets, their losses) in row-major order: samples in order either way."""
         ids, losses = [], []
         for b in v.batches():
-            graph.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32), b.positions, b.segments)
+            executor.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32), b.positions, b.segments)
             scored = b.targets >= 0
             ids.append(b.targets[scored])
-            losses.append(graph.losses.reshape(batch, 16)[scored].copy())
+            losses.append(executor.losses.reshape(batch, 16)[scored].copy())
         return np.concatenate(ids), np.concatenate(losses)
 
     (ids_a, loss_a), (ids_p, loss_p) = per_target(alone), per_target(packed)
     np.testing.assert_array_equal(ids_p, ids_a)                                  # every target once, in order
     np.testing.assert_allclose(loss_p, loss_a, rtol=1e-5, atol=1e-6)             # each scored as if alone
-    assert packed.loss(graph) == pytest.approx(float(loss_a.astype(np.float64).sum()) / want, rel=1e-6)
+    assert packed.loss(executor) == pytest.approx(float(loss_a.astype(np.float64).sum()) / want, rel=1e-6)
     assert alone.describe() == f"11 samples of up to 16 tokens, {want} targets"
     assert packed.describe() == f"11 samples of up to 16 tokens in {packed.n_rows} rows, {want} targets"
 
@@ -389,12 +389,12 @@ def test_the_graph_is_released_before_the_plot(tmp_path, tiny_model, monkeypatch
     import weakref
     import llamatune.train.trainer as trainer
     graphs, alive = [], []
-    init = Graph.__init__
+    init = StepExecutor.__init__
 
     def keep(self, *args, **kwargs):
         init(self, *args, **kwargs)
         graphs.append(weakref.ref(self))
-    monkeypatch.setattr(Graph, "__init__", keep)
+    monkeypatch.setattr(StepExecutor, "__init__", keep)
     monkeypatch.setattr(trainer, "write_plot", lambda path, quiet: alive.extend(g() is not None for g in graphs))
     finetune(options(tmp_path, tiny_model, adam_iter=2, eval_every=1, plot=True), quiet=True)   # with validation
     gc.collect()

@@ -22,7 +22,7 @@ scratch buffer and kernel); its users differ only in what they hand it:
   - `infer.Runner` (perplexity, generate, chat): activations of one call, a KV cache
     (`kv` appends the step's keys and values and attends over the cache), runtime
     adapters (llama.cpp's --lora), the full logits;
-  - `train.graph.Graph`: activations it keeps for backward (per layer, or shared in
+  - `train.step.StepExecutor`: activations it keeps for backward (per layer, or shared in
     checkpointing mode `layer`), trainable adapters (dropout, the x A^T it keeps, the
     merge into a dequantized matrix), the loss head and the backward.
 Every product with a base weight goes through `base_product`: the one place where its
@@ -61,7 +61,7 @@ class Linears:
 
     def norm_weight(self, name: str) -> np.ndarray:
         """A norm weight as the forward uses it."""
-        return self.fw.base.vector(name)
+        return self.fw.weights.vector(name)
 
     def matrix(self, name: str, N: int) -> tuple[np.ndarray, bool]:
         """The matrix W (n_out, n_in) of a linear over N tokens, and whether the adapters'
@@ -95,12 +95,12 @@ class Forward:
     floats, with fused projections)."""
     segments = None
 
-    def __init__(self, cfg: ModelConfig, base, backend: Backend, policy: ComputePolicy = F32,
+    def __init__(self, cfg: ModelConfig, weights, backend: Backend, policy: ComputePolicy = F32,
                  parts: dict[str, type[Part]] | None = None):
         """`parts`: kind -> class of the layers' parts (models/parts.PARTS by default). A
         user with adapters sets `linears` (Linears: inference's runtime adapters; training's
         train.linear.LoraLinears)."""
-        self.cfg, self.base, self.backend, self.policy = cfg, base, backend, policy
+        self.cfg, self.weights, self.backend, self.policy = cfg, weights, backend, policy
         self.layer_parts = layer_parts(cfg, parts)          # (mixer, feed-forward) per layer
         self.xp, self.ops = backend.xp, backend.ops
         self.products = make_products(backend, policy)    # every product with a base weight
@@ -115,18 +115,18 @@ class Forward:
         products (N at least the policy's bf16_min_rows) dequantized straight to bf16 (half
         the bytes; products.py)."""
         if self.products.bf16_for(N):
-            return self.base.matrix_rows_bf16(name)
-        return self.base.matrix(name)
+            return self.weights.matrix_rows_bf16(name)
+        return self.weights.matrix(name)
 
     def weight_rows(self, name: str, lo: int, hi: int, N: int) -> np.ndarray:
         """Rows lo:hi of a base matrix (the output head's blocks), as `weight`."""
         if self.products.bf16_for(N):
-            return self.base.matrix_rows_bf16(name, lo, hi)
-        return self.base.matrix_rows(name, lo, hi)
+            return self.weights.matrix_rows_bf16(name, lo, hi)
+        return self.weights.matrix_rows(name, lo, hi)
 
     def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
         """Two (N, F) float32 buffers for the gate's inputs where the layer keeps them as
-        bf16 bits (training with bf16 products: train.graph.Graph)."""
+        bf16 bits (training with bf16 products: train.step.StepExecutor)."""
         raise NotImplementedError("only a training graph keeps g and u as bf16")
 
     def kv(self, i: int, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
@@ -170,7 +170,7 @@ class Forward:
         else:
             W, merged = linears.matrix(name, x.shape[0])
             self.base_product(y, x, W)
-        bias = self.base.vector(name.replace(".weight", ".bias"))
+        bias = self.weights.vector(name.replace(".weight", ".bias"))
         if bias is not None:
             y += bias
         if not carried:
@@ -183,7 +183,7 @@ class Forward:
         rounded as it is stored): bf16 products, no bias, and no adapter share to add
         after the product (the caller's matrices are separate, not one fused product)."""
         return (self.products.bf16_for(N)
-                and all(self.base.vector(n.replace(".weight", ".bias")) is None
+                and all(self.weights.vector(n.replace(".weight", ".bias")) is None
                         and (not self.linears.pairs(n) or self.linears.in_product(n, N)) for n in names))
 
     def fused_rows(self, width: int) -> np.ndarray:
@@ -199,7 +199,7 @@ class Forward:
     # ------------------------------------------------------------------ the forward
     def embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
         """x (N, C) = rows of token_embd for tokens (N,) on the device (+ adapters, scale)."""
-        self.base.embed(tokens, x)
+        self.weights.embed(tokens, x)
         for a, b, s in self.linears.pairs("token_embd.weight"):
             x += self.xp.matmul(s * a[tokens], b.T, out=self.linears.scratch(*x.shape))
         if self.embd_scale() is not None:

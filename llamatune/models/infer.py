@@ -92,7 +92,7 @@ class Runner(Forward):
         if not self.decoding:
             return None
         from ..kernels.qdot import QDOT_TYPES
-        t = self.base.tensors[name]
+        t = self.weights.tensors[name]
         if int(t.qtype) not in QDOT_TYPES:
             return None
         return QuantizedRows(t.raw_rows()[lo:hi], int(t.qtype))
@@ -128,7 +128,7 @@ class Runner(Forward):
 
     def head(self, x):
         """logits (N, V) = x W_out^T (+ runtime adapters), the head expanded in row blocks."""
-        V, R = self.cfg.n_vocab, self.base.head_rows
+        V, R = self.cfg.n_vocab, self.weights.head_rows
         if self.decoding and self.quantized_rows("output.weight", 0, None) is not None:
             R = V                                 # on its blocks: no scratch to fit, one product
         if self.observer is not None:
@@ -157,7 +157,7 @@ class Runner(Forward):
         context = (cache.context or cache.n_ctx) if cache is not None else T   # chooses rope factors
         self.ropes = []                               # one (cos, sin) per distinct layer rope
         for rope in cfg.rope_sets:
-            cos, sin = rope_cache(cfg, self.base, np.arange(n_past, n_past + T, dtype=np.int64), context, rope)
+            cos, sin = rope_cache(cfg, self.weights, np.arange(n_past, n_past + T, dtype=np.int64), context, rope)
             self.ropes.append((self.backend.to_device(cos), self.backend.to_device(sin)))
         self.cache, self.n_past = cache, n_past
         self.decoding = (self.quantized_decode and cache is not None and T == 1 and B <= self.QDOT_MAX_ROWS

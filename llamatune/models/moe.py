@@ -30,12 +30,12 @@ class ExpertWeights:
     e's (n_out, n_in) float32 matrix, dequantized when asked (valid until the next
     dequantization); `shape` is (E, n_out, n_in)."""
 
-    def __init__(self, base, name: str):
-        self.base, self.name = base, name
-        self.shape = base.expert_shape(name)
+    def __init__(self, weights, name: str):
+        self.weights, self.name = weights, name
+        self.shape = weights.expert_shape(name)
 
     def __getitem__(self, e: int) -> np.ndarray:
-        return self.base.expert_matrix(self.name, int(e))
+        return self.weights.expert_matrix(self.name, int(e))
 
 
 @dataclass
@@ -65,9 +65,9 @@ def expert_adapters(fw, i: int) -> dict[str, kmoe.ExpertLora]:
     return out
 
 
-def experts_of(base, i: int) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
+def experts_of(weights, i: int) -> tuple[ExpertWeights, ExpertWeights, ExpertWeights]:
     """Layer i's gate, up and down expert tensors."""
-    return tuple(ExpertWeights(base, f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
+    return tuple(ExpertWeights(weights, f"blk.{i}.{k}.weight") for k in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"))
 
 
 def route(logits: np.ndarray, k: int, normalize: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -89,5 +89,5 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int) -> MoeActs:
     logits = np.empty((xn.shape[0], cfg.n_expert), xn.dtype)
     fwd.linear(logits, xn, f"blk.{i}.ffn_gate_inp.weight")
     idx, w, probs = route(logits, cfg.n_expert_used, cfg.spec.expert_norm)
-    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.base, i), lora=expert_adapters(fwd, i))
+    rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.weights, i), lora=expert_adapters(fwd, i))
     return MoeActs(probs, idx, w, rows)

@@ -91,7 +91,7 @@ class DeltaNet:
 
     def params(self, fw, dtype) -> MixerParams:
         p = self.p
-        vec = {k: fw.base.vector(p + k) for k in ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias")}
+        vec = {k: fw.weights.vector(p + k) for k in ("ssm_conv1d.weight", "ssm_a", "ssm_dt.bias")}
         return MixerParams.of(vec, {"ssm_norm": fw.linears.norm_weight(p + "ssm_norm.weight")}, dtype)
 
     def project(self, fw, a: DeltaNetActs, xn) -> None:

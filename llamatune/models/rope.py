@@ -27,24 +27,24 @@ def context_size(n_ctx: int) -> int:
     return -(-n_ctx // CONTEXT_PAD) * CONTEXT_PAD
 
 
-def rope_factors(cfg, base, n_ctx: int) -> np.ndarray | None:
+def rope_factors(cfg, weights, n_ctx: int) -> np.ndarray | None:
     """The (n_rot/2,) f32 frequency factors for a context of n_ctx tokens, or None."""
-    if base.rope_freqs is not None:
-        return base.rope_freqs
-    if base.rope_long is None:
+    if weights.rope_freqs is not None:
+        return weights.rope_freqs
+    if weights.rope_long is None:
         return None
-    return base.rope_long if context_size(n_ctx) > cfg.n_ctx_orig_rope else base.rope_short
+    return weights.rope_long if context_size(n_ctx) > cfg.n_ctx_orig_rope else weights.rope_short
 
 
-def rope_cache(cfg, base, positions: np.ndarray, n_ctx: int,
+def rope_cache(cfg, weights, positions: np.ndarray, n_ctx: int,
                rope: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (len(positions), n_rot/2) f32 for int64 positions in a context of n_ctx tokens;
-    `base` holds the model's factor vectors (rope_freqs, rope_long, rope_short); `rope` is a
+    `weights` holds the model's factor vectors (rope_freqs, rope_long, rope_short); `rope` is a
     layer's (freq_base, freq_scale) (ModelConfig.rope_sets), by default the model's."""
     freq_base, freq_scale = rope or (cfg.rope_freq_base, cfg.rope_freq_scale)
     cos = np.empty((positions.shape[0], cfg.n_rot // 2), np.float32)
     sin = np.empty_like(cos)
-    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, rope_factors(cfg, base, n_ctx))
+    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, rope_factors(cfg, weights, n_ctx))
     if cfg.rope_attn_factor != 1.0:
         cos *= np.float32(cfg.rope_attn_factor)
         sin *= np.float32(cfg.rope_attn_factor)

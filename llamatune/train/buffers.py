@@ -99,7 +99,7 @@ def even_chunk(n: int, most: int) -> int:
 
 def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mode: str, head_rows: int,
                 trainable: bool, bf16_saved: bool = False) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every array a Graph allocates (it allocates exactly these);
+    """Name -> shape of every array a StepExecutor allocates (it allocates exactly these);
     `bf16_saved`: the parts' bf16_saved activations as bf16 bits (Bf16 shapes)."""
     mode = checkpointing_mode(mode)
     N, C, F, Cq = B * T, cfg.n_embd, cfg.n_ff, cfg.n_embd_q
@@ -214,7 +214,7 @@ def plan_bytes(plan: dict[str, tuple[int, ...]], itemsize: int = 4) -> int:
 
 def carve(plan: dict[str, tuple[int, ...]], arena: np.ndarray) -> dict[str, np.ndarray]:
     """Name -> view of `arena`, the plan's buffers laid end to end (the rope tables excepted:
-    their values are set per graph, see Graph)."""
+    their values are set per graph, see StepExecutor)."""
     buf, at = {}, 0
     for name, shape in plan.items():
         if name.startswith("rope_"):

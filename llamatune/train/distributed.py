@@ -199,7 +199,7 @@ class GradientSum:
     """Sums the micro-batch gradients and losses of one optimizer step in global
     micro-batch order, identically in one process and in K ranks.
 
-    Use:  for m, b in grads.mine(batches): grads.add(graph.step(..., key with m))
+    Use:  for m, b in grads.mine(batches): grads.add(executor.step(..., key with m))
           loss = grads.finish()   # params.grad holds the global gradient
     """
     world: World

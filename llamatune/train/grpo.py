@@ -16,12 +16,12 @@ and the step's loss is sum_i c_i sum_t l_it with the normalisation --loss-type:
     grpo                  c_i = 1 / (len_i * completions of the step)
     bnpo                  c_i = 1 / (completion tokens of its micro-batch * micro-batches)
     dr_grpo               c_i = 1 / (completions of the step * --max-completion-length)
-logp_t = -CE_t of the training graph, so the gradient is Graph.step's with per-token weights
+logp_t = -CE_t of the training graph, so the gradient is StepExecutor.step's with per-token weights
 w_t = -c_i dl/dlogp_t (the graph's gradient is linear in its weights, as for DPO):
     dl/dlogp = -A rho   where the unclipped term is the min (rho inside the clip range, or
                         rho A below the clipped term), else 0;  + beta (1 - exp(ref - logp)).
 At rho = 1 this is the weighted cross-entropy w_t = c_i A_i (- beta c_i (1 - exp(ref - logp))).
-One Graph.step per micro-batch: its `reweight` hook turns the forward's per-token
+One StepExecutor.step per micro-batch: its `reweight` hook turns the forward's per-token
 cross-entropies into these weights before the backward (preference.py does the same).
 Differences from TRL: logp is the model's (TRL divides the logits by --temperature
 first; the same at the default temperature 1); no --num-iterations > 1, no entropy mask,
@@ -276,12 +276,12 @@ class GRPO:
         return coefficients(self.loss_type, b.lengths, rows, tokens, b.n_targets, micro,
                             self.opts.max_completion_length)
 
-    def _reference(self, graph, b: GroupBatch) -> None:
+    def _reference(self, executor, b: GroupBatch) -> None:
         """b.ref_logp: the completions' log-probabilities under the base (adapter off)."""
         if self.beta == 0.0 or b.ref_logp is not None:
             return
-        with disabled_adapters(graph.lora.values()):
-            b.ref_logp = -token_losses(graph, b)
+        with disabled_adapters(executor.lora.values()):
+            b.ref_logp = -token_losses(executor, b)
 
     def terms(self, b: GroupBatch, logp: np.ndarray) -> TokenTerms:
         mask = b.targets >= 0
@@ -291,9 +291,9 @@ class GRPO:
     def _loss(self, b: GroupBatch, t: TokenTerms) -> float:
         return float((self._coefficients(b) * t.loss.sum(axis=1)).sum())
 
-    def micro_step(self, graph, b: GroupBatch, key: tuple) -> float:
+    def micro_step(self, executor, b: GroupBatch, key: tuple) -> float:
         """One micro-batch: the gradient of its share of the step's loss added to params.grad."""
-        self._reference(graph, b)
+        self._reference(executor, b)
         got = []
 
         def reweight(g, w):                 # g: the graph of the batch's columns up to its last target
@@ -303,21 +303,21 @@ class GRPO:
             got.append((logp, t))
             weights = -self._coefficients(b)[:, None] * t.dlogp
             return g.backend.to_device(np.ascontiguousarray(weights[:, :g.T]).reshape(-1).astype(g.tmp.dtype))
-        graph.reweight = reweight
+        executor.reweight = reweight
         try:
-            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key)
+            executor.step(b.inputs, b.targets, (b.targets >= 0).astype(executor.tmp.dtype), key)
         finally:
-            graph.reweight = None
+            executor.reweight = None
         logp, t = got[0]
         if b.old_logp is None:
             b.old_logp = logp                # detached: what later passes' ratios are taken against
         self._record(b, t)
         return self._loss(b, t)
 
-    def micro_loss(self, graph, b: GroupBatch, key: tuple) -> float:
+    def micro_loss(self, executor, b: GroupBatch, key: tuple) -> float:
         """This micro-batch's share of the loss with the current parameters, forward only."""
-        self._reference(graph, b)
-        return self._loss(b, self.terms(b, -token_losses(graph, b)))
+        self._reference(executor, b)
+        return self._loss(b, self.terms(b, -token_losses(executor, b)))
 
     def _record(self, b: GroupBatch, t: TokenTerms) -> None:
         mask = b.targets >= 0

@@ -25,11 +25,11 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
     """--pack needs whole-sequence samples and a graph with segment-aware attention.
     Without it (or --fill-with-next-samples for text samples), says so when samples
     fill less than half of --ctx on average: the rest of each window is padding, and
-    up to the longest sample of a micro-batch (Graph._trimmed) it is computed in every
+    up to the longest sample of a micro-batch (StepExecutor._trimmed) it is computed in every
     layer like a real token."""
     import inspect
 
-    from .graph import Graph
+    from .step import StepExecutor
     if not o.pack:
         if trains_pairs(o) or trains_prompts(o):     # preference pairs and prompts are never packed
             return
@@ -42,7 +42,7 @@ def check_packing(o: TrainOptions, samples: Samples) -> None:
         return
     if samples.mask is None:
         notice("--pack applies to conversations and rows; raw text already fills every window")
-    elif "segments" not in inspect.signature(Graph.step).parameters:
+    elif "segments" not in inspect.signature(StepExecutor.step).parameters:
         raise LlamatuneError("--pack: this build's attention cannot confine packed samples; train without --pack")
 
 

@@ -47,7 +47,7 @@ def requantizable(qtype) -> bool:
 
 
 class LoraLinears(Linears):
-    """The linears of a training graph `fw` (train.graph.Graph): `lora` its Lora per adapted
+    """The linears of a training graph `fw` (train.step.StepExecutor): `lora` its Lora per adapted
     weight (shared with the graph's trimmed twins), `xa` the (N, r) x A^T each keeps for
     backward, `dropout` on the adapters' input (masks drawn from the weight's name and
     `step_key`), the graph's scratch (tmp, head_tmp), products and policy."""
@@ -61,8 +61,8 @@ class LoraLinears(Linears):
         return self.fw.xp
 
     @property
-    def base(self):
-        return self.fw.base
+    def weights(self):
+        return self.fw.weights
 
     @property
     def policy(self):
@@ -83,7 +83,7 @@ class LoraLinears(Linears):
 
     def norm_weight(self, name: str) -> np.ndarray:
         """Effective norm weight: base (or parameter) + s·(B A)[0] when it has an adapter."""
-        w = self.base.vector(name).astype(self.fw.tmp.dtype, copy=False)
+        w = self.weights.vector(name).astype(self.fw.tmp.dtype, copy=False)
         t = self.adapter(name)
         if t is None:
             return w
@@ -98,10 +98,10 @@ class LoraLinears(Linears):
         share to dx). Either way the product is the same up to float rounding."""
         t = self.adapter(name)
         if t is not None and self.policy.merge_aware and self.requantizes(name):      # f32 W, whatever the products
-            return self.requantized(self.base.matrix(name), name, t), True
+            return self.requantized(self.weights.matrix(name), name, t), True
         W = self.fw.weight(name, N)
         merge = (t is not None and self.policy.merge_adapters and self.dropout <= 0 and N > max(W.shape)
-                 and W.dtype == self.fw.tmp.dtype and self.base.is_scratch(name))
+                 and W.dtype == self.fw.tmp.dtype and self.weights.is_scratch(name))
         if merge:
             W += self.xp.matmul(t.scale * t.b, t.a, out=self.scratch(*W.shape))
         return W, merge
@@ -135,7 +135,7 @@ class LoraLinears(Linears):
         t = self.lora[name]
         xa = self.xa[name]
         self.fw.lora_ops.lora_xa(xa, x, t.a)
-        W = self.base.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
+        W = self.weights.matrix_bf16_extended(name, cols=adapter_extension(t.rank))
         split_into(W, t.b, x.shape[1], "b")
         self.fw.products.adapted(y, x, W, np.multiply(xa, np.float32(t.scale), dtype=np.float32), trans_b=True)
 
@@ -144,20 +144,20 @@ class LoraLinears(Linears):
         """dA, dB +=; dx (=, or +=) [bf16(dy) | parts of s dy B] [bf16(W) ; parts of A]."""
         t = self.lora[name]
         dxa = self.fw.lora_ops.lora_grads(t.da, t.db, dy, x, self.xa[name], t.b, t.scale)
-        W = self.base.matrix_bf16_extended(name, rows=adapter_extension(t.rank))
+        W = self.weights.matrix_bf16_extended(name, rows=adapter_extension(t.rank))
         split_rows_into(W, t.a, dy.shape[1], "b")
         self.fw.products.adapted(dx, dy, W, dxa, trans_b=False, accumulate=accumulate)
 
     def requantizes(self, name: str) -> bool:
         """Whether merge-aware training requantizes weight `name` (see `requantizable`)."""
-        t = self.base.tensors.get(name)
+        t = self.weights.tensors.get(name)
         return t is not None and requantizable(t.qtype)
 
     def requantized(self, W: np.ndarray, name: str, t: Lora) -> np.ndarray:
         """deq(Q(W + s B A)) in the graph's dtype (into W itself when it is the float32
         scratch): export-lora's plain merge of the adapter as it stands."""
         host = self.fw.backend.to_host
-        qtype = self.base.tensors[name].qtype
+        qtype = self.weights.tensors[name].qtype
         merged = np.array(host(W), np.float32)                      # deq(W), as export-lora's _merge
         merged += np.float32(t.scale) * (host(t.b).astype(np.float32) @ host(t.a).astype(np.float32))
         Wq = dequantize(quantize(merged, qtype), qtype, merged.shape[1])
@@ -177,12 +177,12 @@ class LoraLinears(Linears):
 
     def weight_grad(self, name: str):
         """The gradient of a trained base weight (dense or full training); None when frozen."""
-        return self.base.grad(name) if self.base.trainable else None
+        return self.weights.grad(name) if self.weights.trainable else None
 
     def weight_grad_to_write(self, name: str):
         """(gradient of a trained base weight, whether a product may write it whole), or
         None when frozen (full finetuning clears its gradients lazily: params.zero_grad)."""
-        return self.base.grad_to_write(name) if self.base.trainable else None
+        return self.weights.grad_to_write(name) if self.weights.trainable else None
 
     def norm_grad(self, name: str, dw: np.ndarray) -> None:
         """Route a norm weight's gradient to its parameter or its adapter."""
@@ -214,7 +214,7 @@ class LoraLinears(Linears):
             else:
                 dW += self.xp.matmul(dy.T, x, out=self.head_scratch(*dW.shape))
         bias = name.replace(".weight", ".bias")
-        db = self.weight_grad(bias) if self.base.vector(bias) is not None else None
+        db = self.weight_grad(bias) if self.weights.vector(bias) is not None else None
         if db is not None:                                         # qwen2's q/k/v biases
             db[...] += dy.sum(axis=0)
         t = self.adapter(name)

@@ -148,14 +148,14 @@ def temporaries_bytes(cfg, B: int, T: int, dropout: float, device: bool = False)
 class Planner:
     """Estimates for one job at any (batch, ctx, mode); `runtime` measured once."""
 
-    def __init__(self, cfg, targets, base, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float,
+    def __init__(self, cfg, targets, weights, runtime: int, model_bytes: int, scratch_bytes: int, dropout: float,
                  device: bool = False, policy: ComputePolicy = F32):
-        self.cfg, self.targets, self.base, self.policy = cfg, targets, base, policy
+        self.cfg, self.targets, self.weights, self.policy = cfg, targets, weights, policy
         self.runtime, self.model_bytes, self.scratch_bytes, self.dropout = runtime, model_bytes, scratch_bytes, dropout
         self.device = device
 
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
-        plan = step_plan(self.cfg, self.targets, B, T, mode, self.base.head_rows, self.base.trainable,
+        plan = step_plan(self.cfg, self.targets, B, T, mode, self.weights.head_rows, self.weights.trainable,
                          self.policy, self.device, self.dropout)
         temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device) + plan.bf16_copies
         return Estimate(mode, self.runtime, self.model_bytes, self.dequantization_bytes(plan), plan.buffer_bytes,
@@ -166,10 +166,10 @@ class Planner:
         straight to bf16 (with the adapters' extension on the CPU), and the head kept whole."""
         scratch = self.scratch_bytes
         if scratch and self.policy.dtype == "bf16" and self.device:
-            scratch = self.base.model.dequantizer.nbytes_bf16
+            scratch = self.weights.model.dequantizer.nbytes_bf16
         if self.policy.host_bf16:
             if scratch:
-                scratch = self.base.model.dequantizer.nbytes_bf16_extended(plan.extension)
+                scratch = self.weights.model.dequantizer.nbytes_bf16_extended(plan.extension)
             scratch += plan.kept_head
         return scratch
 

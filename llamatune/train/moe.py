@@ -28,24 +28,24 @@ def router_backward(dlogits: np.ndarray, dw: np.ndarray, acts: MoeActs, normaliz
         kmoe.router_backward_ref(dlogits, dw, acts.idx, acts.w, acts.probs, normalize)
 
 
-def trained_expert_adapters(graph, i: int) -> dict[str, kmoe.ExpertLora]:
+def trained_expert_adapters(executor, i: int) -> dict[str, kmoe.ExpertLora]:
     """The training graph's adapters on layer i's experts with their gradients (da, db
     accumulated by the expert kernels' backward)."""
     out = {}
     for proj, kind in PROJECTIONS:
-        t = graph.linears.adapter(f"blk.{i}.{kind}.weight")
+        t = executor.linears.adapter(f"blk.{i}.{kind}.weight")
         if t is not None:
             out[proj] = kmoe.ExpertLora(t.a, t.b, t.scale, t.da, t.db)
     return out
 
 
-def moe_backward(graph, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts: MoeActs, i: int) -> None:
+def moe_backward(executor, dxn: np.ndarray, dout: np.ndarray, xn: np.ndarray, acts: MoeActs, i: int) -> None:
     """dxn (N, C) = dL/dxn of layer i's mixture of experts (overwritten), from dout (N, C) =
     dL/d(its output); xn the forward's input. `graph` is the training graph (its
     linears.backward takes the router's product and adapter)."""
     dw = np.empty_like(acts.w)
-    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(graph.base, i), acts.rows,
-                          lora=trained_expert_adapters(graph, i))
+    kmoe.moe_ffn_backward(dxn, dw, None, None, None, dout, xn, acts.w, *experts_of(executor.weights, i), acts.rows,
+                          lora=trained_expert_adapters(executor, i))
     dlogits = np.empty_like(acts.probs)
-    router_backward(dlogits, dw, acts, graph.cfg.spec.expert_norm)
-    graph.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)
+    router_backward(dlogits, dw, acts, executor.cfg.spec.expert_norm)
+    executor.linears.backward(dxn, dlogits, xn, f"blk.{i}.ffn_gate_inp.weight", accumulate=True)

@@ -31,16 +31,16 @@ def vocab(job) -> tuple[int, int, int]:
 
 
 def packing(b: Batch) -> dict:
-    """A packed batch's positions and segments for Graph.step (empty for unpacked rows)."""
+    """A packed batch's positions and segments for StepExecutor.step (empty for unpacked rows)."""
     return {k: v for k, v in (("positions", b.positions), ("segments", b.segments)) if v is not None}
 
 
-def token_losses(graph, b: Batch) -> np.ndarray:
+def token_losses(executor, b: Batch) -> np.ndarray:
     """(B, T) float64 cross-entropy of every target of batch b (0 elsewhere), forward only:
     the per-token log-probabilities (negated) the preference and GRPO objectives score."""
-    mask = (b.targets >= 0).astype(graph.tmp.dtype)
-    graph.loss(b.inputs, b.targets, mask, b.positions, b.segments)
-    return graph.backend.to_host(graph.losses).reshape(b.targets.shape).astype(np.float64)
+    mask = (b.targets >= 0).astype(executor.tmp.dtype)
+    executor.loss(b.inputs, b.targets, mask, b.positions, b.segments)
+    return executor.backend.to_host(executor.losses).reshape(b.targets.shape).astype(np.float64)
 
 
 class SFT:
@@ -66,19 +66,19 @@ class SFT:
     def begin_step(self, batches: list[Batch]) -> None:
         self.n_targets = sum(b.n_targets for b in batches)
 
-    def micro_loss(self, graph, b: Batch, key: tuple) -> float:
+    def micro_loss(self, executor, b: Batch, key: tuple) -> float:
         w = (b.targets >= 0).astype(np.float32) / np.float32(self.n_targets)
-        return graph.step(b.inputs, b.targets, w, key, **packing(b))
+        return executor.step(b.inputs, b.targets, w, key, **packing(b))
 
-    def micro_step(self, graph, b: Batch, key: tuple) -> float:
+    def micro_step(self, executor, b: Batch, key: tuple) -> float:
         if self.statistics is None:
-            return self.micro_loss(graph, b, key)
+            return self.micro_loss(executor, b, key)
         self.statistics.batch(b.targets)             # this forward's inputs are counted (statistics.py)
-        graph.observer = self.statistics
+        executor.observer = self.statistics
         try:
-            return self.micro_loss(graph, b, key)
+            return self.micro_loss(executor, b, key)
         finally:
-            graph.observer = None
+            executor.observer = None
 
     def end_step(self, world) -> dict[str, float]:
         return {}

@@ -4,7 +4,7 @@
         dL/d(its input x), its share added in place to the residual's (dx += dpart/dx^T dy);
         parameter gradients accumulated (+=) through g.linears (backward, norm_grad).
 
-`g` is the training graph (train/graph.py): the linears' backward, the norm weights'
+`g` is the training graph (train/step.py): the linears' backward, the norm weights'
 gradients, the scratch (dx2, dxn, dnorm and the gradients of `buffers.grad_scratch`)
 and the kernels. What checkpointing left unkept (the normed input, the gate's output)
 is recomputed here from what was. TRAIN_PARTS maps each kind to its trainable class;

@@ -10,14 +10,14 @@ logps/chosen, logps/rejected). They run on the training graph as it is:
   loss L(logp_c, logp_r) has the gradient
       dL/dtheta = sum_seq dL/dlogp_seq * dlogp_seq/dtheta
                 = sum_seq sum_t (-dL/dlogp_seq) * dCE_t/dtheta,
-  which is Graph.step's gradient with the per-token weights w_t = -dL/dlogp_seq (divided
+  which is StepExecutor.step's gradient with the per-token weights w_t = -dL/dlogp_seq (divided
   by the answer's length for means) on that answer's tokens: the graph's gradient is
-  linear in its weights. So one micro-batch is one Graph.step whose `reweight` hook
+  linear in its weights. So one micro-batch is one StepExecutor.step whose `reweight` hook
   runs between the forward and the backward:
       (1) the forward and the output head's per-token CE -> logp of every answer;
       (2) the pair losses and dL/dlogp in float64 (`dpo_loss`, `orpo_loss`);
       (3) the head again with those weights, and the backward.
-  Only the output head runs twice (on the answer tokens); evaluation is Graph.loss.
+  Only the output head runs twice (on the answer tokens); evaluation is StepExecutor.loss.
   DPO's reference log-probabilities come from the same frozen base with its adapters
   switched off (`lora.disabled_adapters`: each linear runs its base alone), once
   per pair, the first time the pair is trained on; the cache is part of the batcher's
@@ -207,7 +207,7 @@ class Preference:
         mask = b.targets >= 0
         return rows, ids[rows] // 2, np.stack([mask[rows].sum(axis=1), mask[rows + 1].sum(axis=1)], axis=1)
 
-    def _reference(self, graph, b: Batch, cache: np.ndarray, new: list | None) -> np.ndarray | None:
+    def _reference(self, executor, b: Batch, cache: np.ndarray, new: list | None) -> np.ndarray | None:
         """DPO: the reference log-probabilities of the batch's pairs (P, 2), from `cache`
         (n_pairs, 2) or, where it holds NaN, computed now with the adapter off (and listed in
         `new` as (pair, [chosen, rejected])). None for ORPO."""
@@ -216,8 +216,8 @@ class Preference:
         rows, pairs, length = self._layout(b)
         missing = np.isnan(cache[pairs]).any(axis=1)
         if missing.any():
-            with disabled_adapters(graph.lora.values()):
-                base = self._logp(token_losses(graph, b), rows, length)
+            with disabled_adapters(executor.lora.values()):
+                base = self._logp(token_losses(executor, b), rows, length)
             for k in np.flatnonzero(missing):
                 if np.isnan(cache[pairs[k]]).any():       # a pair twice in a batch: the first value
                     cache[pairs[k]] = base[k]
@@ -229,10 +229,10 @@ class Preference:
         rows, pairs, length = self._layout(b)
         return Scores(pairs, rows, self._logp(ce, rows, length), ref, length, ce[rows].sum(axis=1))
 
-    def score(self, graph, b: Batch, cache: np.ndarray, new: list | None = None) -> Scores:
+    def score(self, executor, b: Batch, cache: np.ndarray, new: list | None = None) -> Scores:
         """The batch's pairs scored by a forward pass (and the reference, see `_reference`)."""
-        ref = self._reference(graph, b, cache, new)
-        return self._scores(b, token_losses(graph, b), ref)
+        ref = self._reference(executor, b, cache, new)
+        return self._scores(b, token_losses(executor, b), ref)
 
     def terms(self, s: Scores) -> tuple[np.ndarray, np.ndarray]:
         """Per-pair losses (P,) and their derivatives with respect to s.logp, (P, 2)."""
@@ -255,13 +255,13 @@ class Preference:
             coef[s.rows] += 1.0 / n_chosen
         return coef[:, None] * (targets >= 0)
 
-    def step(self, graph, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int, key: tuple) -> float:
+    def step(self, executor, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int, key: tuple) -> float:
         """One micro-batch: the gradient of sum(pair losses) / n_pairs (ORPO: + sum(chosen
         CE) / n_chosen) added to params.grad; n_pairs, n_chosen: the pairs and chosen-answer
         tokens of the whole step. Returns this micro-batch's share of the step's loss.
-        One Graph.step: after its forward and the head's losses, `graph.reweight` turns
+        One StepExecutor.step: after its forward and the head's losses, `executor.reweight` turns
         them into the pair losses and the weights its backward then uses."""
-        ref = self._reference(graph, b, cache, self._new)
+        ref = self._reference(executor, b, cache, self._new)
         got = []
 
         def reweight(g, w):                 # g: the graph of the batch's columns up to its last target
@@ -271,11 +271,11 @@ class Preference:
             got.append((s, losses))
             weights = self.weights(s, d, b.targets[:, :g.T], n_pairs, n_chosen)
             return g.backend.to_device(weights.reshape(-1).astype(g.tmp.dtype))
-        graph.reweight = reweight
+        executor.reweight = reweight
         try:
-            graph.step(b.inputs, b.targets, (b.targets >= 0).astype(graph.tmp.dtype), key, **packing(b))
+            executor.step(b.inputs, b.targets, (b.targets >= 0).astype(executor.tmp.dtype), key, **packing(b))
         finally:
-            graph.reweight = None
+            executor.reweight = None
         s, losses = got[0]
         self._record(s, losses)
         return float(losses.sum() / n_pairs + (s.nll.sum() / n_chosen if self.method == "orpo" else 0.0))
@@ -291,11 +291,11 @@ class Preference:
     def begin_step(self, batches: list[Batch]) -> None:
         self._counts = self.counts(batches)            # pairs and chosen tokens of the step
 
-    def micro_step(self, graph, b: Batch, key: tuple) -> float:
-        return self.step(graph, b, self._batcher.reference, *self._counts, key)
+    def micro_step(self, executor, b: Batch, key: tuple) -> float:
+        return self.step(executor, b, self._batcher.reference, *self._counts, key)
 
-    def micro_loss(self, graph, b: Batch, key: tuple) -> float:
-        return self.loss(graph, b, self._batcher.reference, *self._counts)
+    def micro_loss(self, executor, b: Batch, key: tuple) -> float:
+        return self.loss(executor, b, self._batcher.reference, *self._counts)
 
     def end_step(self, world) -> dict[str, float]:
         return self.finish_step(world, self._batcher.reference)
@@ -313,9 +313,9 @@ class Preference:
             n_chosen += int((b.targets[rows] >= 0).sum())
         return n_pairs, n_chosen
 
-    def loss(self, graph, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int) -> float:
+    def loss(self, executor, b: Batch, cache: np.ndarray, n_pairs: int, n_chosen: int) -> float:
         """This micro-batch's share of the loss with the current parameters, forward only."""
-        s = self.score(graph, b, cache, self._new)
+        s = self.score(executor, b, cache, self._new)
         losses, _ = self.terms(s)
         return float(losses.sum() / n_pairs + (s.nll.sum() / n_chosen if self.method == "orpo" else 0.0))
 
@@ -373,13 +373,13 @@ class PairValidator(Validator):
     def describe(self) -> str:
         return f"{len(self.samples) // 2} pairs, {self.n_targets} answer tokens"
 
-    def loss(self, graph) -> float:
+    def loss(self, executor) -> float:
         p = self.objective
         batches = list(self.batches())
         n_pairs, n_chosen = p.counts(batches)
         rows = []
         for b in batches:
-            s = p.score(graph, b, self.reference)
+            s = p.score(executor, b, self.reference)
             rows.append(p.columns(s, p.terms(s)[0]))
         r = np.concatenate(rows)
         self.last_metrics = p.summary(r, "eval_")

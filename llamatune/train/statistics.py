@@ -15,7 +15,7 @@ unmasked turn) change nothing and are left out. Weights fed the same array (q, k
 gate and up) share one sum, as calibration.InputStats.
 
 What is seen: the forward of each training micro-batch, once. Backward's recompute
-(--checkpointing layer) and evaluations run with the observer off (graph.py). A step's
+(--checkpointing layer) and evaluations run with the observer off (step.py). A step's
 sums are kept apart until the guard accepts the step: the trainer then adds them
 (`commit`) or drops them (`discard`: a skipped step's activations may not be finite).
 A save made while a step is pending holds the sums of the steps before it, so every

@@ -38,7 +38,7 @@ from ..precision import ComputePolicy
 from ..precision import policy as compute_policy
 from . import checkpoint as ckpt
 from . import distributed
-from .graph import Graph, compile_kernels
+from .step import StepExecutor, compile_kernels
 from .guard import Guard
 from .lora import LoraTarget
 from .memory import (
@@ -62,7 +62,7 @@ class Job:
     kind: str                                   # ckpt.KIND_LORA or ckpt.KIND_FULL
     opts: TrainOptions
     cfg: ModelConfig
-    base: object                                # weights.FrozenBase, params.DenseWeights or full.FullWeights
+    weights: object                                # weights.FrozenBase, params.DenseWeights or full.FullWeights
     params: ParamBuffer
     targets: list[LoraTarget]
     samples: Samples
@@ -101,10 +101,10 @@ def memory_estimate(job: Job, backend, policy: ComputePolicy, quiet: bool) -> Es
     """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
     and refuse a run that does not fit with what would."""
     o = job.opts
-    compile_kernels(backend, o, {t.qtype for t in job.base.tensors.values()}, job.cfg)
+    compile_kernels(backend, o, {t.qtype for t in job.weights.tensors.values()}, job.cfg)
     device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
-    planner = Planner(job.cfg, job.targets, job.base, runtime, job.mapped_bytes, job.scratch_bytes,
+    planner = Planner(job.cfg, job.targets, job.weights, runtime, job.mapped_bytes, job.scratch_bytes,
                       getattr(o, "lora_dropout", 0.0), device=device, policy=policy)
     have = free_memory(backend)
     mode = o.checkpointing_mode()
@@ -171,7 +171,7 @@ def policy_of(job: Job, backend, requested: str) -> ComputePolicy:
     o = job.opts
     if getattr(o, "tf32", False) and requested == "auto":
         requested = "tf32"
-    args = (backend.name, job.base.trainable, getattr(o, "merge_aware", False), backend.capability)
+    args = (backend.name, job.weights.trainable, getattr(o, "merge_aware", False), backend.capability)
     try:
         return compute_policy(requested, *args)
     except LlamatuneError as e:
@@ -301,7 +301,7 @@ class Training:
     world: object                                   # distributed.World
     batcher: Batcher
     state: ckpt.TrainState
-    graph: Graph | None                             # None once the loop is over
+    executor: StepExecutor | None                             # None once the loop is over
     validator: Validator | None
     quiet: bool
     guard: Guard | None = None
@@ -356,7 +356,7 @@ def set_up(job: Job, quiet: bool) -> Training | TrainResult:
     est = memory_estimate(job, backend, policy, quiet)
     if o.dry_run:
         return TrainResult(state, [], [], 0.0, 0.0)
-    graph = Graph(job.cfg, job.base, job.params, job.targets, o.batch, o.ctx, est.mode,
+    executor = StepExecutor(job.cfg, job.weights, job.params, job.targets, o.batch, o.ctx, est.mode,
                   getattr(o, "lora_dropout", 0.0), backend=backend, policy=policy)
     validator = job.objective.validator(job)
     if validator is not None:
@@ -373,7 +373,7 @@ def set_up(job: Job, quiet: bool) -> Training | TrainResult:
     if validator is not None and validator.should_stop(state.validation):
         notice(f"stopped early at iteration {state.iteration} (--early-stop {o.early_stop}): nothing to do")
         return TrainResult(state, [], [], 0.0, 0.0)
-    return Training(job, world, batcher, state, graph, validator, quiet)
+    return Training(job, world, batcher, state, executor, validator, quiet)
 
 
 def train(t: Training) -> None:
@@ -401,7 +401,7 @@ def step(t: Training) -> bool:
     o, state, job, objective = t.job.opts, t.state, t.job, t.job.objective
     step = state.iteration
     t.metrics.begin_step()
-    job.params.zero_grad(lazy=job.base.lazy_grads)
+    job.params.zero_grad(lazy=job.weights.lazy_grads)
     data_state = t.batcher.state() if t.pending else None
     batches = [t.batcher.next_batch() for _ in range(o.grad_acc * t.world.size)]   # the global batch
     n_targets = sum(b.n_targets for b in batches)
@@ -409,7 +409,7 @@ def step(t: Training) -> bool:
         raise LlamatuneError("a training step has no loss targets (samples too short?)")
     objective.begin_step(batches)
     for micro, b in t.grads.mine(batches):         # this rank's micro-batches; micro: global index
-        t.grads.add(objective.micro_step(t.graph, b, (o.seed, step, micro)))
+        t.grads.add(objective.micro_step(t.executor, b, (o.seed, step, micro)))
     loss = t.grads.finish()                        # gradient and loss summed in global micro-batch order
     extra = objective.end_step(t.world)
     gnorm = gradient_norm(job.params)
@@ -470,7 +470,7 @@ def save(t: Training, tag: int | str, data_state: dict | None = None) -> list[Pa
     state.data_state = data_state if data_state is not None else t.batcher.state()
     out = ckpt.iteration_path(o.checkpoint_out, tag)
     ckpt.save(out, job.kind, job.cfg.arch, o, job.params, state, job.model_kvs, job.base_fingerprint,
-              job.checkpoint_extra(), t.graph.policy)
+              job.checkpoint_extra(), t.executor.policy)
     files = [out] + job.write_outputs(str(tag))
     if tag == "BEST":
         return files
@@ -491,7 +491,7 @@ def recomputed_loss(t: Training, batches: list) -> float:
     o, mine = t.job.opts, []
     t.job.objective.begin_step(batches)
     for micro, b in distributed.my_share(t.world, batches):     # each MPI rank its own micro-batches
-        mine.append(t.job.objective.micro_loss(t.graph, b, (o.seed, t.state.iteration - 1, micro)))
+        mine.append(t.job.objective.micro_loss(t.executor, b, (o.seed, t.state.iteration - 1, micro)))
     return distributed.sum_losses(t.world, mine)
 
 
@@ -514,7 +514,7 @@ def evaluate(t: Training) -> bool:
     """Validation loss now: logged, kept as the best (with --save-best, its outputs too).
     Returns True when --early-stop's patience has run out."""
     state, vs = t.state, t.state.validation
-    loss = t.validator.loss(t.graph)
+    loss = t.validator.loss(t.executor)
     improved = vs.record(state.iteration, loss)
     extra = t.validator.last_metrics                   # preference pairs: eval_rewards/... (TRL's)
     t.metrics.eval(state.iteration, loss, extra)
@@ -550,7 +550,7 @@ def finish(t: Training) -> TrainResult:
     30-40 MB: the end of a run needs no more than its steps)."""
     o, n = t.job.opts, len(t.losses)
     seconds = t.clock.seconds()
-    t.graph = None
+    t.executor = None
     gc.collect()
     if o.plot and t.world.is_root:
         write_plot(t.metrics.path, t.quiet)

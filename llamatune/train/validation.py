@@ -9,7 +9,7 @@ order, by the training Batcher's own row builder, stopping after the last piece;
 validation target is scored exactly once, in the same fixed batches at every evaluation.
 The reported loss is the mean over all targets (sum of per-token losses / number of
 targets), the token-weighted mean that HF Trainer's and mlx-lm's evaluation loops report;
-`Graph.loss` computes it without dropout and without touching gradients.
+`StepExecutor.loss` computes it without dropout and without touching gradients.
 
 `ValidationState` (best loss, its step, evaluations since, the last loss) is stored in
 the checkpoints, so a resumed run takes the same decisions as an uninterrupted one.
@@ -144,11 +144,11 @@ class Validator:
         while not batcher.exhausted():
             yield batcher.next_batch()
 
-    def loss(self, graph) -> float:
+    def loss(self, executor) -> float:
         """Mean loss over every validation target (forward only, no dropout)."""
         total = 0.0
         for b in self.batches():
-            total += graph.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32), b.positions, b.segments)
+            total += executor.loss(b.inputs, b.targets, (b.targets >= 0).astype(np.float32), b.positions, b.segments)
         return total / self.n_targets
 
     def restore(self, saved: ValidationState | None) -> ValidationState:

@@ -49,22 +49,22 @@ from .parts import TRAIN_PARTS
 TRIM_TOKENS = 32              # a micro-batch is cut after its last target, to a multiple of this
 
 
-class Graph(Forward):
+class StepExecutor(Forward):
     """Buffers for one (B, T) shape and the step that uses them: the blocks' forward
     (Forward) keeping activations, its linears' trainable side (`linears`:
     linear.LoraLinears), the loss head (`head`: head.LossHead) and the backward."""
 
-    def __init__(self, cfg: ModelConfig, base, params: ParamBuffer, targets: list[LoraTarget],
+    def __init__(self, cfg: ModelConfig, weights, params: ParamBuffer, targets: list[LoraTarget],
                  B: int, T: int, checkpointing: str = "selective", lora_dropout: float = 0.0,
-                 dtype=np.float32, backend: Backend | None = None, within: "Graph | None" = None,
+                 dtype=np.float32, backend: Backend | None = None, within: "StepExecutor | None" = None,
                  policy: ComputePolicy = F32):
         """`within`: a graph of the same batch and longer rows whose memory this one uses
         (its `_trimmed` views, for micro-batches whose last columns have no target).
         `policy`: the run's compute policy (precision.policy); bf16 products are a frozen
         base's (trained weights multiply in float32, or TF32 on a GPU: policy(trainable=True))."""
-        if policy.dtype == "bf16" and base.trainable:
+        if policy.dtype == "bf16" and weights.trainable:
             raise ValueError("bf16 products are for a frozen base: trained weights multiply in float32")
-        super().__init__(cfg, base, backend or cpu(), policy, TRAIN_PARTS)
+        super().__init__(cfg, weights, backend or cpu(), policy, TRAIN_PARTS)
         xp = self.xp
         self.params = params
         # one Lora per adapted weight, shared with the trimmed graphs (their `disabled` switch too)
@@ -73,8 +73,8 @@ class Graph(Forward):
         self.n_ctx = T if within is None else within.n_ctx   # the context the rope factors are for
         self.mode = checkpointing_mode(checkpointing)
         self.reweight = None                   # (graph, weights) -> a step's weights from its own losses (preference.py)
-        self.head_rows = base.head_rows
-        self.plan = step_plan(cfg, targets, B, T, self.mode, self.head_rows, base.trainable, policy,
+        self.head_rows = weights.head_rows
+        self.plan = step_plan(cfg, targets, B, T, self.mode, self.head_rows, weights.trainable, policy,
                               self.backend.name != "cpu", lora_dropout)
         # one arena holds every buffer but the rope tables (float64 only in tests); a
         # trimmed graph takes its buffers from the arena of the graph it is within and
@@ -82,7 +82,7 @@ class Graph(Forward):
         self.arena = xp.zeros(arena_size(self.plan.buffers), dtype) if within is None else within.arena
         assert self.arena.size >= arena_size(self.plan.buffers)
         buf = carve(self.plan.buffers, self.arena)
-        self._trimmed_graphs: dict[int, Graph] = {}
+        self._trimmed_executors: dict[int, StepExecutor] = {}
         self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
                        for i, parts in enumerate(self.layer_parts)]
         xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
@@ -102,24 +102,24 @@ class Graph(Forward):
         if cfg.final_softcap:
             self.dlogits = shared[self.chunk * V: 2 * self.chunk * V].reshape(self.chunk, V)
         if self.plan.kept_head and within is None:
-            base.keep_bf16("output.weight")                # the CPU's bf16: a frozen base (FrozenBase)
+            weights.keep_bf16("output.weight")                # the CPU's bf16: a frozen base (FrozenBase)
         self.tmp, self.dnorm, self.losses = buf["tmp"], buf["dnorm"], buf["losses"]
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
-        self._rope_tables(base, buf, T, dtype, within)
+        self._rope_tables(weights, buf, T, dtype, within)
         self.buffers = buf                             # name -> array, as planned
         self.ropes = self.rope_rows                    # the step's tables, per rope set
         self.segments = None
 
-    def _rope_tables(self, base, buf: dict, T: int, dtype, within: "Graph | None") -> None:
+    def _rope_tables(self, weights, buf: dict, T: int, dtype, within: "StepExecutor | None") -> None:
         """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
         graph's: the first rows of the graph it is within), and their f32 host copies."""
         xp, cfg = self.xp, self.cfg
         if within is None:                             # per rope set: f32 cache; 0..T-1 tables
             self.rope_host, self.rope_rows = [], []
             for j, rope in enumerate(cfg.rope_sets):
-                cos, sin = rope_cache(cfg, base, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
+                cos, sin = rope_cache(cfg, weights, np.arange(T, dtype=np.int64), T, rope)   # in f32, as llama.cpp
                 names = [k + (f".{j}" if j else "") for k in ("rope_cos", "rope_sin")]
                 buf |= {k: xp.zeros(self.plan.buffers[k], dtype) for k in names}
                 dcos, dsin = (buf[k] for k in names)
@@ -162,7 +162,7 @@ class Graph(Forward):
                 cos, sin = self.rope_host[j]
                 if positions.size and positions.max() >= cos.shape[0]:      # grow the cache
                     n = int(positions.max()) + 1
-                    cos, sin = rope_cache(self.cfg, self.base, np.arange(n, dtype=np.int64), self.n_ctx, rope)
+                    cos, sin = rope_cache(self.cfg, self.weights, np.arange(n, dtype=np.int64), self.n_ctx, rope)
                     self.rope_host[j] = (cos, sin)
                 self.ropes.append(tuple(self.backend.to_device(a.astype(dtype))
                                         for a in host_rope.rope_tables(cos, sin, positions)))
@@ -245,9 +245,9 @@ class Graph(Forward):
         T = min(self.T, -(-last // TRIM_TOKENS) * TRIM_TOKENS)
         if T == self.T:
             return run(self, inputs, targets, weights, positions, segments)
-        g = self._trimmed_graphs.get(T)
+        g = self._trimmed_executors.get(T)
         if g is None:
-            g = self._trimmed_graphs[T] = Graph(self.cfg, self.base, self.params,
+            g = self._trimmed_executors[T] = StepExecutor(self.cfg, self.weights, self.params,
                                                 [a.target for a in self.lora.values()], self.B, T, self.mode,
                                                 self.linears.dropout, self.tmp.dtype, self.backend, within=self,
                                                 policy=self.policy)
@@ -346,8 +346,8 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
     for n, a in random_weights(cfg, seed=0).items():
         params[n][...] = a
-    graph = Graph(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
-    graph.warm_up(packed=getattr(opts, "pack", False))
+    executor = StepExecutor(cfg, DenseWeights(params, tied=cfg.spec.tied), params, [], 2, 8, "none")
+    executor.warm_up(packed=getattr(opts, "pack", False))
     params.grad[...] = 1.0                                      # an update that uses every kernel
     optimizer_step(params, 0, opts)
     from gguf import GGML_QUANT_SIZES
