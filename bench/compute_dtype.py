@@ -5,7 +5,7 @@ For each run: the steady tokens/s (metrics.jsonl, the steps after the first), th
 after --steps steps, the last validation loss (with --val-data), the peak RSS. Then the
 ratios bf16 / f32 and, per round, how far bf16's loss is from f32's.
 
-    python bench/compute_dtype.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
+    python bench/compute_dtype.py --model qwen2.5-coder-0.5b-instruct.gguf \
         [--data shakespeare.txt] [--val-data FILE] [--ctx 256] [--batch 2] [--steps 8] \
         [--rounds 2] [--lr 1e-4] [--mode auto] [--extra=--pack] [--work /tmp/llamatune-dtype]
 

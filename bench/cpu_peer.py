@@ -10,10 +10,10 @@ and the process's peak RSS.
               (`model.to(torch.bfloat16)`), peft LoraConfig(r=8, lora_alpha=8), its
               gradient checkpointing, AdamW + clip_grad_norm_, torch.set_num_threads(2).
               It runs in its own venv (never a project dependency):
-                  python -m venv /work/venv-torch
-                  /work/venv-torch/bin/pip install torch==2.13.0 transformers peft
+                  python -m venv venv-torch
+                  venv-torch/bin/pip install torch==2.13.0 transformers peft
 
-    python bench/cpu_peer.py [--torch-python /work/venv-torch/bin/python] [--rounds 2] [--steps 3]
+    python bench/cpu_peer.py [--torch-python venv-torch/bin/python] [--rounds 2] [--steps 3]
 """
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def child(cmd: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--torch-python", default="/work/venv-torch/bin/python")
+    ap.add_argument("--torch-python", default="venv-torch/bin/python")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--mode", default="selective")

@@ -12,7 +12,7 @@ the base) on held-out text, and llamatune runs once more with SGD (the memory sa
 Last, what the memory estimate gives for a Qwen2.5-1.5B-shaped full finetune with
 --checkpointing layer, AdamW and SGD (train/full.state_bytes + buffers.buffer_plan).
 
-    python bench/full_finetune.py --model /tmp/qwen-f32.gguf --llama-bin /work/llamacpp/build/bin \
+    python bench/full_finetune.py --model /tmp/qwen-f32.gguf --llama-bin llama.cpp/build/bin \
         [--windows 23] [--ctx 256] [--lr 1e-5] [--rounds 1] [--work /tmp/full-bench]
 The F32 model: llama-quantize --allow-requantize qwen2.5-coder-0.5b-instruct.gguf OUT F32.
 """
@@ -131,7 +131,7 @@ def estimate_1_5b(runtime_gib: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, required=True, help="F32 GGUF (llama-quantize ... F32)")
-    ap.add_argument("--llama-bin", type=Path, default=Path("/work/llamacpp/build/bin"))
+    ap.add_argument("--llama-bin", type=Path, default=Path("llama.cpp/build/bin"))
     ap.add_argument("--windows", type=int, default=23)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-5)

@@ -62,7 +62,7 @@ def spread(xs: list[float]) -> str:
 def main() -> None:
     import tempfile
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=Path("/work/models/qwen2.5-coder-0.5b-instruct.gguf"))
+    ap.add_argument("--model", type=Path, default=Path("qwen2.5-coder-0.5b-instruct.gguf"))
     ap.add_argument("--prompts", type=int, default=2)
     ap.add_argument("--generations", type=int, default=4)
     ap.add_argument("--max-len", type=int, default=64)

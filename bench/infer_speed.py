@@ -13,8 +13,8 @@ llama-perplexity is timed the same way (two sizes, whole processes); llama-compl
 figure is its own `eval` tokens per second. --gen-only skips the perplexity runs,
 --f32-only the bf16 and dequantized-weights generation runs.
 
-    python bench/infer_speed.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
-        --llama-bin /work/llamacpp/build-avx512/bin [--ctx 512] [--rounds 2]
+    python bench/infer_speed.py --model qwen2.5-coder-0.5b-instruct.gguf \
+        --llama-bin llama.cpp/build/bin [--ctx 512] [--rounds 2]
 """
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def llama_gen(a) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, required=True)
-    ap.add_argument("--llama-bin", type=Path, default=Path("/work/llamacpp/build-avx512/bin"))
+    ap.add_argument("--llama-bin", type=Path, default=Path("llama.cpp/build/bin"))
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--small", type=int, default=2, help="windows of the short perplexity run")
     ap.add_argument("--large", type=int, default=8, help="windows of the long perplexity run")

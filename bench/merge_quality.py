@@ -28,7 +28,7 @@ The issue's full table on the real model (Q4_K_M as shipped, Q4_0 and Q8_0 made 
 llama-quantize): train the two adapters, then
   python bench/merge_quality.py --model qwen2.5-coder-0.5b-instruct.gguf --adapter run/adapter-LATEST.gguf \
       --merge-aware-adapter run-ma/adapter-LATEST.gguf --eval shakespeare-eval.txt \
-      --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 --llamacpp /work/llamacpp/build/bin
+      --calibration shakespeare.txt --types q4_k_m,q4_0,q8_0 --llamacpp llama.cpp/build/bin
 The merge-aware adapter is trained on one base type (its --model-base); its merge is
 scored on that type only (the others would merge it into a base it was not trained on:
 give the type with --merge-aware-type, default q4_k_m).

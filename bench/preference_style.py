@@ -15,9 +15,9 @@ pairs:
     pairs, the base alone and with the trained adapter at run time (--lora);
   * the run's own held-out reward accuracy and loss (metrics.jsonl, eval_ lines).
 
-    python bench/preference_style.py --model /work/models/qwen2.5-coder-0.5b-instruct.gguf \
+    python bench/preference_style.py --model qwen2.5-coder-0.5b-instruct.gguf \
         [--method dpo|orpo] [--form chat|text] [--steps 40] [--lr 2e-4] \
-        [--llama-bin /work/llamacpp/build/bin] [--workdir /tmp/llamatune-style]
+        [--llama-bin llama.cpp/build/bin] [--workdir /tmp/llamatune-style]
 """
 from __future__ import annotations
 

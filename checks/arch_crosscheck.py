@@ -19,7 +19,7 @@ Two parts, per architecture:
      --lora), and the greedy text of both tools for one prompt.
 
     python -m checks.arch_crosscheck [--arch qwen3,gemma,gemma2,gemma3] [--record]
-        [--llama-bin /work/llamacpp/build/bin] [--workdir /tmp/llamatune-arch-crosscheck]
+        [--llama-bin llama.cpp/build/bin] [--workdir /tmp/llamatune-arch-crosscheck]
         [--iters 120] [--threads 2]
 
 Exit status: 0 every check within tolerance, 1 some check failed, 2 aborted.
@@ -295,7 +295,7 @@ def main() -> int:
     ap.add_argument("--arch", default=",".join([*FAMILIES, "phi3"]))
     ap.add_argument("--record", action="store_true", help="part A: rewrite tests/fixtures/arch_llamacpp.json")
     ap.add_argument("--no-structured", action="store_true", help="skip part B")
-    ap.add_argument("--llama-bin", default="/work/llamacpp/build/bin")
+    ap.add_argument("--llama-bin", default="llama.cpp/build/bin")
     ap.add_argument("--workdir", default="/tmp/llamatune-arch-crosscheck")
     ap.add_argument("--iters", type=int, default=120, help="finetune steps that give the base its structure")
     ap.add_argument("--threads", type=int, default=2)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
 TRAIN_TEXT = SHARED / "data" / "shakespeare.txt"
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "llama.cpp"))
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 EOS = "<|endoftext|>"

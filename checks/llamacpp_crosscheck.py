@@ -28,8 +28,8 @@ exactly as it changes llamatune's:
         [--workdir /tmp/llamatune-crosscheck] [--iters 30] [--scratch-iters 20]
         [--reuse] [--threads 2] [--nice 10]
 
-Defaults: LLAMA_BIN_DIR /work/llamacpp/build/bin, BINDINGS_PYTHON
-/work/llamacpp/venv/bin/python. --reuse keeps trained adapters / scratch models already
+Defaults: LLAMA_BIN_DIR llama.cpp/build/bin, BINDINGS_PYTHON
+python3. --reuse keeps trained adapters / scratch models already
 in the workdir (training is the slow part); everything else is recomputed. Heavy
 commands run under `nice`, one at a time; every command's full output goes to
 WORKDIR/logs/. Exit status: 0 all checks OK, 1 some check failed, 2 aborted.
@@ -52,7 +52,7 @@ from pathlib import Path
 
 import numpy as np
 
-SHARED = Path("/work/shared")
+SHARED = Path(__file__).resolve().parents[2] / "shared"       # ../shared, beside the repository
 BASE = SHARED / "models" / "tiny-Q4_K_M.gguf"
 TRAIN = SHARED / "data" / "shakespeare.txt"
 EVAL = SHARED / "data" / "shakespeare-eval.txt"
@@ -711,8 +711,8 @@ def print_commands(c: Ctx) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("llama_bin", nargs="?", default="/work/llamacpp/build/bin", help="llama.cpp bin directory")
-    ap.add_argument("llama_python", nargs="?", default="/work/llamacpp/venv/bin/python",
+    ap.add_argument("llama_bin", nargs="?", default="llama.cpp/build/bin", help="llama.cpp bin directory")
+    ap.add_argument("llama_python", nargs="?", default="python3",
                     help="python with llama-cpp-python")
     ap.add_argument("--workdir", default="/tmp/llamatune-crosscheck")
     ap.add_argument("--iters", type=int, default=30, help="finetune steps per adapter")

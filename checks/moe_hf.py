@@ -38,7 +38,7 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 SHARED = HERE.parent.parent / "shared"
 TRAIN_TEXT = SHARED / "data" / "shakespeare.txt"
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "llama.cpp"))
 
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

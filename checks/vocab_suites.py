@@ -21,7 +21,7 @@ no suite uses: qwen35's vocabulary (gemma-4's for the SentencePiece-style ones) 
 written again with that name, and llama.cpp and llamatune tokenize the suite texts plus
 some digit, CJK and Hangul texts with it; the ids must agree.
 
-    python -m checks.vocab_suites [--llama-cpp /work/llamacpp] [--pre-tokenizers] [NAME ...]
+    python -m checks.vocab_suites [--llama-cpp llama.cpp] [--pre-tokenizers] [NAME ...]
 
 Exit status: 0 when every in-scope suite passes everything it could check, 1 otherwise.
 """
@@ -214,7 +214,7 @@ def check_pre_tokenizers(llama: LlamaCpp, models: Path, texts: list[str]) -> boo
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--llama-cpp", type=Path, default=Path("/work/llamacpp"),
+    ap.add_argument("--llama-cpp", type=Path, default=Path("llama.cpp"),
                     help="llama.cpp checkout with src/ (source tree) and build/bin (its build)")
     ap.add_argument("--pre-tokenizers", action="store_true",
                     help="check every pre-tokenizer name on a real vocabulary instead of the suites")

@@ -115,7 +115,7 @@ def test_checkpointing_modes_identical(written, dtype):
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
 
-TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python"))
+TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set"))
 REPO = Path(__file__).resolve().parents[1]
 HF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",

@@ -38,7 +38,7 @@ from llamatune.models.arch import NEOX
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
 
-TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python")
+TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set")
 SHAPE = dict(n_ff=16, n_expert=8, n_expert_used=2, n_ff_exp=16, sliding_window=4, swa_pattern=2,
              rope_freq_base=150000.0, rope_freq_scale=1 / 32, n_ctx_orig=4096, rope_ext_factor=1.0)
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")

@@ -194,7 +194,7 @@ def test_output_gate_and_q_gate_split_gradients():
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
 
-TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python"))
+TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set"))
 HERE = Path(__file__).resolve().parent
 
 

@@ -157,7 +157,7 @@ def test_finetune_defaults_adapt_the_shared_expert_and_the_experts(written, tmp_
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
 
-TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python"))
+TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set"))
 REPO = Path(__file__).resolve().parents[1]
 
 

