@@ -28,11 +28,8 @@ ones, as llama.cpp's are float32.
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
-
-import numpy as np
 
 from checks import hf_tiny
 
@@ -92,58 +89,9 @@ def load64(src: Path):
     return model
 
 
-def logits(src: Path, tokens: Path, out: Path) -> None:
-    import torch
-    torch.set_num_threads(1)
-    model = load64(src)
-    with torch.no_grad():
-        z = model(input_ids=torch.tensor(np.load(tokens), dtype=torch.long)).logits
-    np.save(out, z.numpy())
-
-
-def grads(src: Path, inp: Path, out: Path) -> None:
-    """The loss sum(w * CE(logits, targets)) of the batch in `inp` (npz: inputs, targets,
-    weights) and its gradient with respect to every weight matrix, HF names, float64."""
-    import torch
-    torch.set_num_threads(1)
-    model = load64(src)
-    a = np.load(inp)
-    z = model(input_ids=torch.tensor(a["inputs"], dtype=torch.long)).logits
-    targets = torch.tensor(a["targets"], dtype=torch.long)
-    ce = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1).clamp(min=0),
-                                           reduction="none")
-    loss = (ce * torch.tensor(a["weights"]).reshape(-1)).sum()
-    loss.backward()
-    res = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None and p.ndim == 2}
-    np.savez(out, loss=loss.detach().numpy(), **res)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("dir", type=Path)
-    b.add_argument("--steps", type=int, default=200)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--text", type=Path, default=hf_tiny.TRAIN_TEXT)
-    c = sub.add_parser("convert")
-    c.add_argument("dir", type=Path)
-    c.add_argument("out", type=Path)
-    c.add_argument("--outtype", default="f32")
-    c.add_argument("--llama-cpp", type=Path, default=hf_tiny.LLAMA_CPP)
-    for name in ("logits", "grads"):
-        s = sub.add_parser(name)
-        s.add_argument("dir", type=Path)
-        s.add_argument("inp", type=Path)
-        s.add_argument("out", type=Path)
-    a = ap.parse_args()
-    if a.cmd == "build":
-        a.dir.mkdir(parents=True, exist_ok=True)
-        build(a.dir, a.steps, a.seed, a.text)
-    elif a.cmd == "convert":
-        hf_tiny.convert(a.dir, a.out, a.outtype, a.llama_cpp, raw_config=True)
-    else:
-        (logits if a.cmd == "logits" else grads)(a.dir, a.inp, a.out)
+    hf_tiny.cli(__doc__, build, load64,
+                lambda d, out, outtype, llama_cpp: hf_tiny.convert(d, out, outtype, llama_cpp, raw_config=True))
 
 
 if __name__ == "__main__":

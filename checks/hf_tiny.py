@@ -111,3 +111,65 @@ def redo_float64(module, obj, replace: tuple[tuple[str, str], ...] = (("torch.fl
     ns = vars(module)
     exec(src, ns)  # noqa: S102
     return ns[obj.__name__]
+
+
+def logits64(model, tokens: Path, out: Path) -> None:
+    """The float64 model's logits (B, T, V) of the token rows in `tokens` (.npy), saved to `out`."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        z = model(input_ids=torch.tensor(np.load(tokens), dtype=torch.long)).logits
+    np.save(out, z.numpy())
+
+
+def grads64(model, inp: Path, out: Path) -> None:
+    """The loss sum(w * CE(logits, targets)) of the batch in `inp` (npz: inputs, targets,
+    weights) and its gradient with respect to every weight matrix (2-D, and 3-D experts),
+    HF names, float64."""
+    import numpy as np
+    import torch
+    torch.set_num_threads(1)
+    a = np.load(inp)
+    z = model(input_ids=torch.tensor(a["inputs"], dtype=torch.long)).logits
+    targets = torch.tensor(a["targets"], dtype=torch.long)
+    ce = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), targets.reshape(-1).clamp(min=0),
+                                           reduction="none")
+    loss = (ce * torch.tensor(a["weights"]).reshape(-1)).sum()
+    loss.backward()
+    res = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None and p.ndim >= 2}
+    np.savez(out, loss=loss.detach().numpy(), **res)
+
+
+def cli(doc: str, build, load64, convert) -> None:
+    """An oracle's command line: build DIR [--steps --seed --text], convert DIR OUT.gguf
+    [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)), logits DIR TOKENS OUT,
+    grads DIR BATCH OUT (of load64(DIR))."""
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build")
+    b.add_argument("dir", type=Path)
+    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--text", type=Path, default=TRAIN_TEXT)
+    c = sub.add_parser("convert")
+    c.add_argument("dir", type=Path)
+    c.add_argument("out", type=Path)
+    c.add_argument("--outtype", default="f32")
+    c.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP)
+    for name in ("logits", "grads"):
+        s = sub.add_parser(name)
+        s.add_argument("dir", type=Path)
+        s.add_argument("inp", type=Path)
+        s.add_argument("out", type=Path)
+    a = ap.parse_args()
+    if a.cmd == "build":
+        a.dir.mkdir(parents=True, exist_ok=True)
+        build(a.dir, a.steps, a.seed, a.text)
+        (a.dir / "oracle.json").write_text(json.dumps(dict(steps=a.steps, seed=a.seed)) + "\n")
+    elif a.cmd == "convert":
+        convert(a.dir, a.out, a.outtype, a.llama_cpp)
+    else:
+        (logits64 if a.cmd == "logits" else grads64)(load64(a.dir), a.inp, a.out)

@@ -89,11 +89,13 @@ def _clash(inp: Path, out: Out) -> bool:
 
 def _not_writable(folder: Path) -> str | None:
     """Why no file can be created in `folder` (None when one can): a real probe, so
-    permissions, read-only mounts and root's rights all count as they will when writing."""
+    permissions, read-only mounts and root's rights all count as they will when writing.
+    An unnamed file where the system has them (Linux's O_TMPFILE, which TemporaryFile
+    tries first): a process killed mid-probe (an MPI job aborted by another rank) leaves
+    no file behind."""
     try:
-        fd, name = tempfile.mkstemp(prefix=".llamatune-probe.", dir=folder)
-        os.close(fd)
-        os.unlink(name)
+        with tempfile.TemporaryFile(prefix=".llamatune-probe.", dir=folder):
+            pass
     except OSError as e:
         return f"directory {folder} is not writable ({e.strerror})"
     return None

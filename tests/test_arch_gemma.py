@@ -129,8 +129,10 @@ def test_hparams_as_llama_cpp_reads_them():
 
 
 def test_unsupported_hparams_are_refused_by_name():
-    with pytest.raises(LlamatuneError, match=r"m\.gguf: rope scaling type 'yarn' is not supported"):
-        ModelConfig.from_metadata(_md("gemma3", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 8.0}), "m.gguf")
+    with pytest.raises(LlamatuneError, match=r"m\.gguf: rope scaling type 'longrope' is not supported \(only linear "
+                                             r"and yarn\)"):
+        ModelConfig.from_metadata(_md("gemma3", **{"rope.scaling.type": "longrope", "rope.scaling.factor": 8.0}),
+                                  "m.gguf")
     with pytest.raises(LlamatuneError, match=r"m\.gguf: metadata key 'gemma2\.attention\.sliding_window_pattern' "
                                              r"is a per-layer array"):
         ModelConfig.from_metadata(_md("gemma2", **{"attention.sliding_window_pattern": [True, False]}), "m.gguf")

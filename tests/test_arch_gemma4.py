@@ -8,16 +8,11 @@ experts); the forward, decoding and training loss against the float64 reference
 full-attention layers alone), LoRA gradients by float64 finite differences."""
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from checks.arch_reference import Block
-from conftest import TEXT
+from hf_oracle import built_model, check_greedy_generation, check_short_lora, llama_ppl, oracle, our_ppl
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -115,53 +110,18 @@ def test_checkpointing_modes_identical(written, dtype):
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
 
-TORCH_PY = Path(os.environ.get("LLAMATUNE_TORCH_PYTHON", "LLAMATUNE_TORCH_PYTHON-not-set"))
-REPO = Path(__file__).resolve().parents[1]
 HF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
               "ffn_down": "mlp.down_proj"}
 
 
-def _bins() -> Path | None:
-    bins = os.environ.get("LLAMA_BIN_DIR")
-    return Path(bins) if bins and (Path(bins) / "llama-perplexity").exists() else None
-
-
 def _hf(cmd: str, *args) -> None:
-    subprocess.run([str(TORCH_PY), "-m", "checks.gemma4_hf", cmd, *map(str, args)], check=True, capture_output=True,
-                   cwd=REPO)
+    oracle("checks.gemma4_hf", cmd, *args)
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    if not TORCH_PY.exists():
-        pytest.skip(f"no interpreter with torch and transformers at {TORCH_PY} (LLAMATUNE_TORCH_PYTHON)")
-    if _bins() is None:
-        pytest.skip("llama.cpp's tools not found (LLAMA_BIN_DIR=<llama.cpp>/build/bin)")
-    d = tmp_path_factory.mktemp("gemma4hf")
-    _hf("build", d / "hf", "--steps", 200)
-    for outtype in ("f32", "q8_0"):
-        _hf("convert", d / "hf", d / f"{outtype}.gguf", "--outtype", outtype,
-            "--llama-cpp", _bins().resolve().parents[1])
-    data = REPO.parent / "shared" / "data" / "shakespeare.txt"
-    (d / "eval.txt").write_text(data.read_text(encoding="utf-8")[-6000:] if data.exists() else TEXT[:6000],
-                                encoding="utf-8")
-    return d
-
-
-def _llama_ppl(d: Path, model: Path, *extra) -> float:
-    out = subprocess.run([str(_bins() / "llama-perplexity"), "-m", str(model), "-f", str(d / "eval.txt"), "-c", "64",
-                          "-b", "64", "-nr", "-t", "2", *map(str, extra)], capture_output=True, text=True, check=True)
-    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr).group(1))
-
-
-def _our_ppl(model: Path, text: Path, *extra) -> float:
-    from typer.testing import CliRunner
-
-    from llamatune.cli.main import app
-    r = CliRunner().invoke(app, ["perplexity", "-m", str(model), "-f", str(text), "-c", "64", *map(str, extra)])
-    assert r.exit_code == 0, r.output
-    return float(re.search(r"Final estimate: PPL = ([0-9.]+)", r.output).group(1))
+    return built_model(tmp_path_factory, "checks.gemma4_hf")
 
 
 @pytest.mark.slow
@@ -185,7 +145,7 @@ def test_perplexity_equals_llama_perplexity_and_hf(hf_model, outtype):
     figure from its float64 logits of the same windows."""
     from checks.arch_reference import cross_entropy
     path = hf_model / f"{outtype}.gguf"
-    ours, theirs = _our_ppl(path, hf_model / "eval.txt"), _llama_ppl(hf_model, path)
+    ours, theirs = our_ppl(path, hf_model / "eval.txt"), llama_ppl(hf_model, path)
     assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
     model = Model(path)
     ids = model.tokenizer.encode((hf_model / "eval.txt").read_text(encoding="utf-8"))
@@ -229,32 +189,10 @@ def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
 
 @pytest.mark.slow
 def test_short_lora_lowers_perplexity_and_llama_cpp_agrees(hf_model, tmp_path):
-    from typer.testing import CliRunner
-
-    from llamatune.cli.main import app
-    base = hf_model / "q8_0.gguf"
-    r = CliRunner().invoke(app, [str(a) for a in (
-        "finetune", "--model-base", base, "--train-data", hf_model / "eval.txt", "--ctx", 64, "--batch", 4,
-        "--lora-r", 4, "--adam-iter", 40, "--adam-alpha", 3e-3, "--warmup", 2, "--save-every", 0,
-        "--checkpoint-out", tmp_path / "chk-ITERATION.gguf", "--lora-out", tmp_path / "adapter-ITERATION.gguf")])
-    assert r.exit_code == 0, r.output
-    adapter = tmp_path / "adapter-LATEST.gguf"
-    before, after = _our_ppl(base, hf_model / "eval.txt"), _our_ppl(base, hf_model / "eval.txt", "--lora", adapter)
-    assert after < 0.97 * before, (before, after)
-    theirs = _llama_ppl(hf_model, base, "--lora", adapter)
-    assert abs(after - theirs) <= 5e-3 * theirs, (after, theirs)
+    check_short_lora(hf_model, tmp_path)
 
 
 @pytest.mark.slow
 def test_greedy_generation_equals_llama_cpp(hf_model):
     """48 greedy tokens through the cache (the recurrent states / the sliding window) as llama-completion's."""
-    from typer.testing import CliRunner
-
-    from llamatune.cli.main import app
-    model = hf_model / "f32.gguf"
-    theirs = subprocess.run([str(_bins() / "llama-completion"), "-m", str(model), "-p", "First Citizen:", "-n", "48",
-                             "--temp", "0", "-nr", "-t", "2", "-no-cnv", "--no-warmup"], capture_output=True, text=True,
-                            check=True, timeout=300).stdout
-    r = CliRunner().invoke(app, ["generate", "-m", str(model), "-p", "First Citizen:", "-n", "48", "--temp", "0"])
-    assert r.exit_code == 0, r.output
-    assert r.stdout.strip() == theirs.strip()
+    check_greedy_generation(hf_model)
