@@ -18,9 +18,9 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def run_process(*args):
+def run_process(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "llamatune.cli.main", *map(str, args)],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
 def test_help_imports_nothing_heavy():
@@ -110,7 +110,7 @@ def test_bad_input_is_one_line_without_traceback(tiny_model, tmp_path, args, mat
         for k, v in sub.items():
             a = a.replace(k, v)
         argv.append(a)
-    p = run_process(*argv)
+    p = run_process(*argv, cwd=tmp_path)     # default outputs here, not where another test's run locks them
     usage = ("give exactly one", "FILE:SCALE", "missing option", "must be at least", "unknown option")
     assert p.returncode == (2 if any(u in match for u in usage) else 1), (p.stdout, p.stderr)
     assert "Traceback" not in p.stderr
