@@ -81,12 +81,12 @@ All gradients are overwritten.
 """
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 
 import numba
 import numpy as np
 from numba import njit
 
+from .cpuinfo import blas_one_thread
 from .vecmath import FASTMATH as _FASTMATH
 from .vecmath import expf as _exp
 from .vecmath import row_max as _row_max
@@ -278,19 +278,6 @@ def attention_options(dtype, HS, scale, softcap, window):
 
 
 _POOL = None
-_BLAS = None
-
-
-def _blas_one_thread():
-    """Context: BLAS at one thread (threadpoolctl; without it, a no-op)."""
-    global _BLAS
-    if _BLAS is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _BLAS = ThreadpoolController()
-        except ImportError:
-            _BLAS = False
-    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
 
 
 def _tiles(B, NKV, pair_floats):
@@ -315,7 +302,7 @@ def _run_items(work, n_items):
     numba.get_num_threads() workers (threads of one pool), BLAS at one thread."""
     global _POOL
     nw = max(1, min(numba.get_num_threads(), n_items))
-    with _blas_one_thread():
+    with blas_one_thread():
         if nw == 1:
             work(range(n_items))
             return

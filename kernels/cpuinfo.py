@@ -1,8 +1,26 @@
 """What the CPU multiplies natively, from /proc/cpuinfo (no numba, no library loaded:
-the thread policy reads it before OpenMP starts, llamatune/precision.py)."""
+the thread policy reads it before OpenMP starts, llamatune/precision.py), and a context
+that holds BLAS at one thread (threadpoolctl, loaded on first use)."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
+
+_BLAS = None
+
+
+def blas_one_thread():
+    """Context: BLAS at one thread (threadpoolctl; without it, a no-op): attention's
+    workers each run their own products, and export-lora's merged tensors' products are
+    many and small, where OpenBLAS's second thread costs more than it gives."""
+    global _BLAS
+    if _BLAS is None:
+        try:
+            from threadpoolctl import ThreadpoolController
+            _BLAS = ThreadpoolController()
+        except ImportError:
+            _BLAS = False
+    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
 
 
 def cpu_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> list[str]:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +61,7 @@ from ..formats.gguf_io import KV, GGUFFile, Tensor, TensorOut, kv, write_gguf
 from ..formats.imatrix import IMatrix, beside, check_against, read_imatrix, write_imatrix
 from ..formats.ollama import write_modelfile
 from ..kernels import dequant
+from ..kernels.cpuinfo import blas_one_thread
 from ..kernels.compensate import DAMP, inverse_cholesky, quantize_compensated
 from ..kernels.quantize import QUANTIZABLE, quantize
 from ..locks import hold
@@ -317,33 +317,16 @@ def _can_dequantize(t: Tensor) -> bool:
         return False
 
 
-_BLAS = None
-
-
-def _blas_one_thread():
-    """Context: BLAS at one thread (threadpoolctl; without it, a no-op). A merged
-    tensor's products are many and small (rank-r deltas, the factors of inputs of at
-    most --calibration-block columns, the sweep's column groups), where OpenBLAS's
-    second thread costs more than it gives: on 2 shared cores (load 8-13) the default
-    export of Qwen2.5-Coder-0.5B Q4_K_M took 91 s CPU, 312 s wall with 2 BLAS threads
-    and 43 s, 164 s with one (the same bytes: a thread count does not change a
-    product's sums)."""
-    global _BLAS
-    if _BLAS is None:
-        try:
-            from threadpoolctl import ThreadpoolController
-            _BLAS = ThreadpoolController()
-        except ImportError:
-            _BLAS = False
-    return _BLAS.limit(limits=1, user_api="blas") if _BLAS else nullcontext()
-
-
 def _merge(t: Tensor, deltas: list[Delta], qtype: QType, requant: "_Requant",
            survival: Survival | None = None) -> np.ndarray:
     """deq(W) + sum_i s_i · delta_i in f32 (rows, cols), encoded as `qtype`.
     Called by the writer when it reaches `t`: one tensor is in memory at a time.
-    `survival` measures what of the deltas the codes kept. BLAS runs at one thread."""
-    with _blas_one_thread():
+    `survival` measures what of the deltas the codes kept. BLAS runs at one thread: the
+    products are many and small (rank-r deltas, factors of at most --calibration-block
+    columns, the sweep's column groups); on 2 shared cores the default export of
+    Qwen2.5-Coder-0.5B Q4_K_M took 91 s CPU, 312 s wall with 2 BLAS threads and 43 s,
+    164 s with one, the same bytes."""
+    with blas_one_thread():
         return _merged(t, deltas, qtype, requant, survival)
 
 
