@@ -193,7 +193,7 @@ def write_qwen35(path: Path, shape: str, cfg) -> None:
     write_gguf(path, cfg.arch, kvs, tensors)
 
 
-def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> dict:
+def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32", expert_rank: int = R) -> dict:
     import llamatune  # noqa: F401  (first: threading policy before numpy loads)
     import numpy as np
     from llamatune.backend import cpu
@@ -211,8 +211,9 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32") -> 
     model = Model(path)
     cfg = model.config
     tied = model.weights.output is model.weights.token_embd
-    more = MORE_TARGETS.get(cfg.arch, ()) + (EXPERT_TARGETS if cfg.n_expert else ())
-    targets = lora_targets(cfg, {k: R for k in TARGETS + more}, float(R), tied=tied)
+    more = MORE_TARGETS.get(cfg.arch, ())
+    ranks = {k: R for k in TARGETS + more} | {k: expert_rank for k in EXPERT_TARGETS if cfg.n_expert and expert_rank}
+    targets = lora_targets(cfg, ranks, float(R), tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
@@ -263,13 +264,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="write and run only the first N layers (0: all)")
     ap.add_argument("--rounds", type=int, default=1, help="run the (shape, dtype) list this many times, "
                     "alternating (timings on a shared machine)")
+    ap.add_argument("--expert-rank", type=int, default=R, help="rank of the per-expert adapters of an MoE shape "
+                    "(0: none, as --no-lora-experts)")
     ap.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(run_one(Path(a.one[0]), int(a.one[1]), a.one[2], a.steps, a.one[3])))
+        print(json.dumps(run_one(Path(a.one[0]), int(a.one[1]), a.one[2], a.steps, a.one[3], a.expert_rank)))
         return
     a.workdir.mkdir(parents=True, exist_ok=True)
-    print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
+    print(f"batch 1, LoRA r {R} on {','.join(TARGETS)}, experts r {a.expert_rank}, mode {a.mode}; {os.cpu_count()} CPUs; GiB, seconds")
     print(f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}")
     print(f"{'shape':12} {'ctx':>5} {'dtype':4} {'estimate':>8} {'peak RSS':>8} {'est/peak':>8} {'s/step':>12} {'tok/s':>6} "
           f"{'GFLOP/s':>8} {'sgemm':>6} {'share':>6}")
@@ -287,7 +290,7 @@ def main() -> None:
 
 
 def report(a, shape: str, path: Path, ctx: int, dtype: str) -> None:
-    out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", str(path), str(ctx), a.mode,
+    out = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--expert-rank", str(a.expert_rank), "--one", str(path), str(ctx), a.mode,
                           dtype], capture_output=True, text=True)
     if out.returncode:
         print(f"{shape:12} {ctx:5} {dtype} failed: {out.stderr.strip().splitlines()[-1:]}", flush=True)
