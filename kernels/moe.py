@@ -496,7 +496,7 @@ def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, offsets, dw=None, row_
 
 
 def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=None, mm=expert_matmul, bias=None,
-                    gate=None):
+                    gate=None, output=True):
     """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
     ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
     chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
@@ -505,7 +505,10 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=Non
     are allocated). mm(out, a, W, trans_b): the per-expert product (expert_matmul, or
     the run's bf16 products with bf16 weights). gpt-oss's experts: bias {"gate" | "up" |
     "down": (E, n_out)} added to each projection (frozen), and gate = (forward, backward)
-    kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward."""
+    kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward.
+    output False (a recompute whose output nobody reads): what the backward reads alone,
+    without the down products (the down LoRA's x A^T only) and with out zeroed: w_down
+    is not read."""
     lora, bias = lora or {}, bias or {}
     gate_forward = swiglu_forward if gate is None else gate[0]
     N, k = idx.shape
@@ -520,8 +523,13 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=Non
     _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm, offsets, bias.get("gate"))
     _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm, offsets, bias.get("up"))
     gate_forward(b["h"], b["g"], b["u"])
-    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets, bias.get("down"))
-    _combine(out, b["ys"], w, pos)
+    if output:
+        _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets, bias.get("down"))
+        _combine(out, b["ys"], w, pos)
+    else:
+        if "down" in lora:
+            _lora_in(xa["down"], b["h"], lora["down"].a, offsets)
+        out[...] = 0
     return ExpertRows(order, offsets, pos, b["g"], b["u"], xa, {n: b[n] for n in SCRATCH})
 
 

@@ -126,6 +126,8 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     """out (N, C) = layer i's mixture of experts of xn (N, C) (overwritten), through the
     Forward `fwd` (its `linear` runs the router, with its bias where it has one; its base
     hands out the experts and their biases, its expert_buffers(i) the planned scratch).
+    While `fwd.recomputing` (a training step's recompute, whose output nobody reads) out
+    is zeroed and the down experts are neither dequantized nor multiplied.
     kept: the part's planned probs (N, E), w (N, k), g and u (N k, F), or None (allocated here)."""
     cfg = fwd.cfg
     kept = kept or {}
@@ -136,5 +138,5 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     buffers = fwd.expert_buffers(i) | {k: kept.get(k) for k in ("g", "u")}
     rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.weights, i, bf16), lora=expert_adapters(fwd, i),
                                 buffers=buffers, mm=mm, bias=expert_biases(fwd.weights, i, xn.dtype),
-                                gate=expert_gate(cfg))
+                                gate=expert_gate(cfg), output=not fwd.recomputing)
     return MoeActs(probs, idx, w, rows, probs.sum(axis=0))
