@@ -82,10 +82,11 @@ def expert_products(fwd, N: int):
     """(bf16, mm) of a mixture of experts over N tokens: whether its experts come
     dequantized to bf16, and the per-expert product mm(out, a, W, trans_b): the run's
     bf16 products (fwd.products: oneDNN, the dense layers' path) where the run multiplies
-    N rows in bf16 (over rows padded as kernels/moe.row_padded pads them), else
+    N rows in bf16 (over rows padded as kernels/moe.row_padded pads them, each
+    projection's rows rounded to bf16 once: Products.rounded), else
     kernels/moe.expert_matmul (float32)."""
     if fwd.products.dtype == "bf16" and fwd.products.bf16_for(N):
-        return True, kmoe.row_padded(fwd.products)
+        return True, kmoe.row_padded(fwd.products, operand=fwd.products.rounded)
     return False, kmoe.expert_matmul
 
 
