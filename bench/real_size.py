@@ -16,6 +16,14 @@ F32 norms, a dummy vocabulary.
                   llama-quantize leaves it); 3-D expert tensors
     qwen3-a3b-dense  its dense twin for speed: the same layers (qwen3's attention) with one
                   SwiGLU of ffn 8 * 768 = 6144, the same active parameters per token
+    gpt-oss-20b   24 layers, embd 2880, 64/8 heads of 64, 32 experts of ffn 2880, 4 active per
+                  token, vocab 201088, attention sinks, a sliding window of 128 on alternate
+                  layers, YaRN rope (factor 32 over 4096, base 150000), biases; as the released
+                  MXFP4 file (llama.cpp's converter at q8_0 over the MXFP4 checkpoint): experts
+                  MXFP4, the other matrices Q8_0, the router, biases, sinks and norms F32
+    gpt-oss-20b-dense  its dense twin for speed: a llama of the same attention shape (no sinks,
+                  biases or window) with one SwiGLU of ffn 4 * 2880 = 11520 (the same active
+                  parameters per token), the feed-forward MXFP4, the other matrices Q8_0
     qwen3.5-4b    32 layers, embd 2560, ffn 9216, vocab 248320, tied head, Q4_K_M; every 4th layer
                   gated full attention (16/4 heads of 256, output gate, partial rotary 64),
                   the others gated delta-net (16 q/k heads, 32 value heads of 128, conv 4);
@@ -62,6 +70,13 @@ SHAPES = {
                           n_expert=128, n_expert_used=8, n_ff_exp=768),
     "qwen3-a3b-dense": dict(arch="qwen3", n_vocab=151936, n_ctx_train=40960, n_embd=2048, n_layer=48, n_ff=6144,
                             n_head=32, n_head_kv=4, head_dim=128, n_rot=128, norm_eps=1e-6, rope_freq_base=1000000.0),
+    "gpt-oss-20b": dict(arch="gpt-oss", n_vocab=201088, n_ctx_train=131072, n_embd=2880, n_layer=24, n_ff=2880,
+                        n_head=64, n_head_kv=8, head_dim=64, n_rot=64, norm_eps=1e-5, rope_freq_base=150000.0,
+                        rope_freq_scale=1 / 32, rope_ext_factor=1.0, n_ctx_orig=4096, n_expert=32, n_expert_used=4,
+                        n_ff_exp=2880, sliding_window=128, swa_pattern=2),
+    "gpt-oss-20b-dense": dict(arch="llama", n_vocab=201088, n_ctx_train=131072, n_embd=2880, n_layer=24, n_ff=11520,
+                              n_head=64, n_head_kv=8, head_dim=64, n_rot=64, norm_eps=1e-5, rope_freq_base=150000.0,
+                              rope_freq_scale=1 / 32, rope_ext_factor=1.0, n_ctx_orig=4096),
     "qwen3.5-4b": dict(arch="qwen35", n_vocab=248320, n_ctx_train=262144, n_embd=2560, n_layer=32, n_ff=9216,
                        n_head=16, n_head_kv=4, head_dim=256, n_rot=64, norm_eps=1e-6, rope_freq_base=10000000.0,
                        ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
@@ -71,6 +86,7 @@ SHAPES = {
 EXPERT_TARGETS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 TIED = {"qwen2.5-1.5b", "qwen3.5-4b"}
 MIXED = {"qwen2.5-1.5b", "qwen3.5-4b"}               # Q4_K_M; the others all Q4_K
+MXFP4_MOE = {"gpt-oss-20b", "gpt-oss-20b-dense"}      # the feed-forward MXFP4, the other matrices Q8_0
 R = 8
 MORE_TARGETS = {"qwen35": ("attn_qkv", "attn_gate", "ssm_out")}   # the delta-net layers' in/out projections
 
@@ -104,6 +120,32 @@ def random_q6_k(shape: tuple[int, int], seed: int):
     return raw.reshape(rows, -1)
 
 
+def random_q8_0(shape: tuple[int, int], seed: int):
+    """(n_rows, row_bytes) uint8 Q8_0 blocks: w = d*q with q int8 uniform in [-127, 127]
+    (std about 73.6) and d chosen for std about 0.02."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+    block, size = GGML_QUANT_SIZES[QType.Q8_0]
+    rows, cols = shape
+    raw = np.empty((rows * cols // block, size), np.uint8)
+    raw[:, 2:] = np.random.default_rng(seed).integers(-127, 128, (raw.shape[0], block), dtype=np.int8).view(np.uint8)
+    raw[:, 0:2] = np.frombuffer(np.float16(0.02 / 73.6).tobytes(), np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def random_mxfp4(shape: tuple[int, int], seed: int):
+    """(n_rows, row_bytes) uint8 MXFP4 blocks (an E8M0 exponent byte, then 32 E2M1 nibbles)
+    of random nibbles: w = kvalue(q) * 2^(e - 128), kvalues +-{0, 1, 2, 3, 4, 6, 8, 12}
+    (std about 5.85 over uniform q); e = 120 gives std about 0.023."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
+    block, size = GGML_QUANT_SIZES[QType.MXFP4]
+    rows, cols = shape
+    raw = np.random.default_rng(seed).integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    raw[:, 0] = 120
+    return raw.reshape(rows, -1)
+
+
 def q4_k_m_type(name: str, n_layer: int):
     """llama.cpp's Q4_K_M choice for a matrix (llama_tensor_get_type): Q6_K for the
     output head (the embedding, when tied) and for attn_v / ffn_down of the first and
@@ -128,7 +170,8 @@ def shape_config(shape: str, layers: int = 0) -> dict:
 
 def model_path(workdir: Path, shape: str, layers: int) -> Path:
     cut = f"-{layers}l" if layers else ""
-    return workdir / f"random-{shape}{cut}.{'Q4_K_M' if shape in MIXED else 'Q4_K'}.gguf"
+    kind = "Q4_K_M" if shape in MIXED else "MXFP4_MOE" if shape in MXFP4_MOE else "Q4_K"
+    return workdir / f"random-{shape}{cut}.{kind}.gguf"
 
 
 def build(path: Path, shape: str, layers: int = 0) -> None:
@@ -142,6 +185,8 @@ def build(path: Path, shape: str, layers: int = 0) -> None:
     cfg = ModelConfig(**shape_config(shape, layers))
     if cfg.arch == "qwen35":
         return write_qwen35(path, shape, cfg)
+    if shape in MXFP4_MOE:
+        return write_mxfp4_moe(path, shape, cfg)
     tensors = []
     for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
@@ -190,6 +235,37 @@ def write_qwen35(path: Path, shape: str, cfg) -> None:
         tensors.append(TensorOut(name, s, q, lambda s=s, i=i, make=make: make(s, i)))
     kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
     kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 15)] + dummy_vocab(cfg.n_vocab)
+    write_gguf(path, cfg.arch, kvs, tensors)
+
+
+def write_mxfp4_moe(path: Path, shape: str, cfg) -> None:
+    """A random GGUF in the released gpt-oss MXFP4 file's types (llama.cpp's converter
+    with --outtype q8_0 over the MXFP4 checkpoint: file type MOSTLY_MXFP4_MOE): the expert
+    matrices (the dense twin: its feed-forward) MXFP4, the embedding, head and attention
+    matrices Q8_0; F32 the router (ffn_gate_inp, which the converter never quantizes),
+    every bias (the experts' 2-D ones too), the sinks and the norms. Norms 1, biases 0,
+    sinks 0 (a softmax's denominator one larger), router N(0, 0.02)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType as QType
+    from llamatune.formats.gguf_io import TensorOut, kv, write_gguf
+    from llamatune.models.writer import tensor_names
+
+    def f32(s, i, name):
+        if name.endswith("ffn_gate_inp.weight"):
+            return np.random.default_rng(i).normal(0.0, 0.02, s).astype(np.float32)
+        return np.full(s, 1.0 if name.endswith("norm.weight") else 0.0, np.float32)
+    tensors = []
+    for i, (name, s) in enumerate(tensor_names(cfg).items()):
+        if len(s) == 1 or name.endswith(".bias") or name.endswith("ffn_gate_inp.weight"):
+            tensors.append(TensorOut(name, s, QType.F32, lambda s=s, i=i, name=name: f32(s, i, name)))
+        elif len(s) == 3:                                     # experts (E, n_out, n_in): E * n_out rows
+            tensors.append(TensorOut(name, s, QType.MXFP4, lambda s=s, i=i: random_mxfp4((s[0] * s[1], s[2]), i)))
+        elif name.endswith(("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")):    # the dense twin's
+            tensors.append(TensorOut(name, s, QType.MXFP4, lambda s=s, i=i: random_mxfp4(s, i)))
+        else:
+            tensors.append(TensorOut(name, s, QType.Q8_0, lambda s=s, i=i: random_q8_0(s, i)))
+    kvs = [kv("general.type", "model"), kv("general.name", f"random {shape}")]
+    kvs += [kv(k, v) for k, v in cfg.metadata().items()] + [kv("general.file_type", 38)] + dummy_vocab(cfg.n_vocab)
     write_gguf(path, cfg.arch, kvs, tensors)
 
 

@@ -349,11 +349,13 @@ def _used(offsets):
 ROW_STEP = 16    # oneDNN's products over an expert's rows padded to a multiple of this
 
 
-def row_padded(mm, step: int = ROW_STEP):
+def row_padded(mm, step: int = ROW_STEP, operand=None):
     """mm(out, a, W, trans_b) over a's rows padded with zeros to a multiple of `step`:
     oneDNN builds (and keeps) a primitive per product shape, 0.6 MB each, and the
     experts' row counts are all different (80 shapes of (n, 2048) x (2048, 768) took 47
-    MB); padded, a layer's products take a handful of shapes."""
+    MB); padded, a layer's products take a handful of shapes. operand(x): x (all the
+    rows of a projection) as mm takes its `a` (bf16 products: rounded to bf16 once, not
+    once per expert), kept as the product's `operand` (`_operand`)."""
     def padded(out, a, W, trans_b):
         M = a.shape[0]
         Mp = -(-M // step) * step
@@ -365,7 +367,15 @@ def row_padded(mm, step: int = ROW_STEP):
         mm(op, ap, W, trans_b)
         out[...] = op[:M]
         return out
+    padded.operand = operand
     return padded
+
+
+def _operand(mm, x):
+    """x as the per-expert product mm takes its left operand: mm.operand(x) where mm has
+    one (row_padded), else x."""
+    prepare = getattr(mm, "operand", None)
+    return x if prepare is None else prepare(x)
 
 
 def _onednn_f32(out, a, W, trans_b):
@@ -459,11 +469,13 @@ def _lora_grads(da, db, dyb, dy, xs, xa, row_w, scale, offsets):
                     db[e, o, j] += f * xa[r, j]
 
 
-def _project(out, xs, w, lora, xa, used, mm, offsets, bias=None):
+def _project(out, xs, w, lora, xa, used, mm, offsets, bias=None, xs_mm=None):
     """out[a:b] = xs[a:b] w[e]^T (+ the LoRA's scale (xs A[e]^T) B[e]^T, xs A^T kept in xa)
-    (+ bias[e], the expert's bias (E, n_out): gpt-oss)."""
+    (+ bias[e], the expert's bias (E, n_out): gpt-oss). xs_mm: xs as mm takes it
+    (`_operand`; None: made here)."""
+    xs_mm = _operand(mm, xs) if xs_mm is None else xs_mm
     for e, a, b in used:
-        mm(out[a:b], xs[a:b], w[e], True)
+        mm(out[a:b], xs_mm[a:b], w[e], True)
     if lora is not None:
         _lora_in(xa, xs, lora.a, offsets)
         _lora_out(out, xa, lora.b, out.dtype.type(lora.scale), offsets)
@@ -476,11 +488,12 @@ def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, offsets, dw=None, row_
     """dxs[a:b] (=, or += when accumulate) dy w[e] (+ scale (dy B[e]) A[e]); the weight
     gradients take dy's rows times row_w (None: 1): dw[e] += dy^T xs where dw is given,
     the LoRA's da, db likewise."""
+    dy_mm = _operand(mm, dy)
     for e, a, b in used:
         if accumulate:
-            dxs[a:b] += mm(np.empty((b - a, dxs.shape[1]), dxs.dtype), dy[a:b], w[e], False)
+            dxs[a:b] += mm(np.empty((b - a, dxs.shape[1]), dxs.dtype), dy_mm[a:b], w[e], False)
         else:
-            mm(dxs[a:b], dy[a:b], w[e], False)
+            mm(dxs[a:b], dy_mm[a:b], w[e], False)
         if dw is not None:
             dw[e] += (dy[a:b] if row_w is None else dy[a:b] * row_w[a:b, None]).T @ xs[a:b]
     if lora is None:
@@ -496,7 +509,7 @@ def _project_backward(dxs, dy, xs, w, lora, xa, used, mm, offsets, dw=None, row_
 
 
 def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=None, mm=expert_matmul, bias=None,
-                    gate=None):
+                    gate=None, output=True):
     """moe_ffn_forward_ref's contract (float32, or float64 throughout); returns the
     ExpertRows backward reads. w_gate, w_up (E, F, C), w_down (E, C, F): only the experts
     chosen are read (each could be dequantized on demand). lora: {"gate" | "up" | "down":
@@ -505,7 +518,10 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=Non
     are allocated). mm(out, a, W, trans_b): the per-expert product (expert_matmul, or
     the run's bf16 products with bf16 weights). gpt-oss's experts: bias {"gate" | "up" |
     "down": (E, n_out)} added to each projection (frozen), and gate = (forward, backward)
-    kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward."""
+    kernels of another gate than SwiGLU (kernels/swiglu_oai.py), the same in the backward.
+    output False (a recompute whose output nobody reads): what the backward reads alone,
+    without the down products (the down LoRA's x A^T only) and with out zeroed: w_down
+    is not read."""
     lora, bias = lora or {}, bias or {}
     gate_forward = swiglu_forward if gate is None else gate[0]
     N, k = idx.shape
@@ -517,11 +533,17 @@ def moe_ffn_forward(out, x, idx, w, w_gate, w_up, w_down, lora=None, buffers=Non
           else np.empty((P, lo.a.shape[1]), dt) for name, lo in lora.items()}
     used = _used(offsets)
     _gather_pairs(b["xs"], x, order, k)
-    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm, offsets, bias.get("gate"))
-    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm, offsets, bias.get("up"))
+    xs_mm = _operand(mm, b["xs"])                               # the gate's and the up's operand
+    _project(b["g"], b["xs"], w_gate, lora.get("gate"), xa.get("gate"), used, mm, offsets, bias.get("gate"), xs_mm)
+    _project(b["u"], b["xs"], w_up, lora.get("up"), xa.get("up"), used, mm, offsets, bias.get("up"), xs_mm)
     gate_forward(b["h"], b["g"], b["u"])
-    _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets, bias.get("down"))
-    _combine(out, b["ys"], w, pos)
+    if output:
+        _project(b["ys"], b["h"], w_down, lora.get("down"), xa.get("down"), used, mm, offsets, bias.get("down"))
+        _combine(out, b["ys"], w, pos)
+    else:
+        if "down" in lora:
+            _lora_in(xa["down"], b["h"], lora["down"].a, offsets)
+        out[...] = 0
     return ExpertRows(order, offsets, pos, b["g"], b["u"], xa, {n: b[n] for n in SCRATCH})
 
 

@@ -133,3 +133,60 @@ def test_expert_lora_backward_fd():
     moe_ffn_backward(dx, dw, None, None, None, dout, x, w, wg, wu, wd, rows, lora)
     grads = {"x": dx, "w": dw, **{f"a_{n}": lo.da for n, lo in lora.items()}, **{f"b_{n}": lo.db for n, lo in lora.items()}}
     fd_check(loss, inputs, grads, **FD_TOL)
+
+
+class _NoExperts:
+    """A down tensor that must not be read (a recompute without output)."""
+    shape = (E, C, F)
+
+    def __getitem__(self, e):
+        raise AssertionError("the down experts were read")
+
+
+def test_forward_without_output_keeps_what_backward_reads():
+    """output=False (a recompute whose output nobody reads): out zeroed, the down experts
+    not read, and the backward from its rows gives the same gradients, bit for bit, as
+    from a forward with output."""
+    x, dout, idx, w, wg, wu, wd = _case(F32, seed=17)
+    grads = []
+    for output in (True, False):
+        lora = _loras(np.random.default_rng(18), F32)
+        out = np.full((N, C), np.nan, F32)
+        rows = moe_ffn_forward(out, x, idx, w, wg, wu, wd if output else _NoExperts(), lora, output=output)
+        if not output:
+            np.testing.assert_array_equal(out, 0)
+        dx, dw = np.zeros((N, C), F32), np.zeros((N, K), F32)
+        moe_ffn_backward(dx, dw, None, None, None, dout, x, w, wg, wu, wd, rows, lora)
+        grads.append([dx, dw] + [g for lo in lora.values() for g in (lo.da, lo.db)])
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_bf16_rows_rounded_once_equal_rounded_per_expert():
+    """bf16 products over each projection's rows rounded once (row_padded's operand:
+    Products.rounded) give the forward and backward of rounding each expert's rows apart,
+    bit for bit."""
+    from llamatune.kernels import bf16
+    from llamatune.kernels.moe import row_padded
+    from llamatune.models.products import Products
+    from llamatune.precision import policy
+    if not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    x, dout, idx, w, wg, wu, wd = _case(F32, seed=19)
+    experts = []
+    for a in (wg, wu, wd):
+        bits = np.empty(a.shape, np.uint16)
+        bf16.to_bf16(bits.reshape(-1, a.shape[-1]), a.reshape(-1, a.shape[-1]))
+        experts.append(bits)
+    got = []
+    for once in (False, True):
+        products = Products(np, policy("bf16"))
+        mm = row_padded(products, operand=products.rounded if once else None)
+        lora = _loras(np.random.default_rng(20), F32)
+        out = np.empty((N, C), F32)
+        rows = moe_ffn_forward(out, x, idx, w, *experts, lora, mm=mm)
+        dx, dw = np.zeros((N, C), F32), np.zeros((N, K), F32)
+        moe_ffn_backward(dx, dw, None, None, None, dout, x, w, *experts, rows, lora, mm=mm)
+        got.append([out, dx, dw] + [g for lo in lora.values() for g in (lo.da, lo.db)])
+    for a, b in zip(*got):
+        np.testing.assert_array_equal(a, b)

@@ -112,6 +112,7 @@ class Forward:
         self.lora_ops = policy.lora(self.ops.lora)        # the adapters' rank-r products
         self.attention = policy.attention(self.ops.attention)   # attention's kernels
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
+        self.recomputing = False  # a training step's recompute of a layer whose output nobody reads
         self.linears = Linears(self)                      # what each linear adds to its base product
 
     # ------------------------------------------------------------------ what a user supplies

@@ -82,10 +82,11 @@ def expert_products(fwd, N: int):
     """(bf16, mm) of a mixture of experts over N tokens: whether its experts come
     dequantized to bf16, and the per-expert product mm(out, a, W, trans_b): the run's
     bf16 products (fwd.products: oneDNN, the dense layers' path) where the run multiplies
-    N rows in bf16 (over rows padded as kernels/moe.row_padded pads them), else
+    N rows in bf16 (over rows padded as kernels/moe.row_padded pads them, each
+    projection's rows rounded to bf16 once: Products.rounded), else
     kernels/moe.expert_matmul (float32)."""
     if fwd.products.dtype == "bf16" and fwd.products.bf16_for(N):
-        return True, kmoe.row_padded(fwd.products)
+        return True, kmoe.row_padded(fwd.products, operand=fwd.products.rounded)
     return False, kmoe.expert_matmul
 
 
@@ -126,6 +127,8 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     """out (N, C) = layer i's mixture of experts of xn (N, C) (overwritten), through the
     Forward `fwd` (its `linear` runs the router, with its bias where it has one; its base
     hands out the experts and their biases, its expert_buffers(i) the planned scratch).
+    While `fwd.recomputing` (a training step's recompute, whose output nobody reads) out
+    is zeroed and the down experts are neither dequantized nor multiplied.
     kept: the part's planned probs (N, E), w (N, k), g and u (N k, F), or None (allocated here)."""
     cfg = fwd.cfg
     kept = kept or {}
@@ -136,5 +139,5 @@ def moe_forward(fwd, out: np.ndarray, xn: np.ndarray, i: int, kept: dict | None 
     buffers = fwd.expert_buffers(i) | {k: kept.get(k) for k in ("g", "u")}
     rows = kmoe.moe_ffn_forward(out, xn, idx, w, *experts_of(fwd.weights, i, bf16), lora=expert_adapters(fwd, i),
                                 buffers=buffers, mm=mm, bias=expert_biases(fwd.weights, i, xn.dtype),
-                                gate=expert_gate(cfg))
+                                gate=expert_gate(cfg), output=not fwd.recomputing)
     return MoeActs(probs, idx, w, rows, probs.sum(axis=0))

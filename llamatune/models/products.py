@@ -94,6 +94,13 @@ class Products:
         bf16.split_into(full, v, K, "a")
         bf16.gemm(out, full[:, :width], W, trans_b=trans_b, accumulate=accumulate)
 
+    def rounded(self, x: np.ndarray) -> np.ndarray:
+        """x rounded to bf16 bits into the kept operand buffer, for products that take it
+        as is (a uint16 `a`): the rows of a mixture of experts' projection, rounded once
+        and multiplied expert by expert (kernels/moe.py). Valid until the next product
+        that rounds its operand."""
+        return self._round(x, "a")
+
     def _f32(self, a: np.ndarray, W: np.ndarray) -> bool:
         return self.dtype == "f32" or (W.dtype != np.uint16 and a.dtype != np.uint16
                                        and not self.bf16_for(a.shape[0]))
@@ -172,7 +179,8 @@ def make_products(backend, policy: ComputePolicy = F32):
 def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool, extension: int = 0) -> int:
     """Bytes of the bf16 copies a training step of N tokens keeps (Products' buffers at
     their largest): an activation (N x the widest input, or the head's chunk x rows of
-    logit gradient) and a shared input (N x the widest normed input), each `extension`
+    logit gradient, or a mixture of experts' N k rows of its widest projection input:
+    `rounded`) and a shared input (N x the widest normed input), each `extension`
     columns wider where adapters ride in the products (`adapted`); and, where the head
     is not multiplied in column blocks (train/head.py `blocked_head`), the f32 block
     (chunk x rows) its logits are multiplied into before their copy. The weights come
@@ -181,6 +189,8 @@ def bf16_bytes(cfg, N: int, head_rows: int, chunk: int, blocked_head: bool, exte
     from .arch import layer_matrix_shapes
     mats = layer_matrix_shapes(cfg)
     widest = N * (max(cfg.n_embd, cfg.n_ff, cfg.n_embd_q, *(i for _, i in mats), *(o for o, _ in mats)) + extension)
+    if cfg.n_expert:                                  # a mixture of experts' rows, rounded whole (`rounded`)
+        widest = max(widest, N * cfg.n_expert_used * max(cfg.n_embd, cfg.n_ff_exp))
     shared = N * (cfg.n_embd + extension)
     if blocked_head:                                  # the head's gradient comes as bf16, its logits in place
         return 2 * (widest + shared)

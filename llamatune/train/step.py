@@ -306,7 +306,11 @@ class StepExecutor(Forward):
         loss = self.head.loss(tg, w) + self.router_aux(w)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
-                self.layer_forward(i, self.layers[i], self.dx2)                    # recompute; its output is not needed
+                self.recomputing = True                                           # recompute; its output is not needed
+                try:
+                    self.layer_forward(i, self.layers[i], self.dx2)
+                finally:
+                    self.recomputing = False
             self.layer_backward(i)
         self._embed_backward(tokens)
         self.params.settle()                                # lazily cleared gradients no product wrote
