@@ -70,13 +70,18 @@ def test_one_value_for_every_layer_is_accepted(written):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"gemma4.embedding_length_per_layer_input": 16}, r"gemma4 with per-layer embeddings"),
-    ({"gemma4.attention.shared_kv_layers": 2}, r"gemma4 with KV shared across layers"),
-    ({"gemma4.attention.key_length_swa": 4}, r"gemma4 with full-attention heads of 8 and sliding-window heads of 4"),
-    ({"gemma4.rope.dimension_count_swa": 4}, r"gemma4 with sliding-window layers rotating 4 of 8 dimensions"),
-    ({"gemma4.attention.head_count_kv": [2, 1, 2, 1]}, r"gemma4 with kv head counts \('gemma4\.attention\."
-                                                       r"head_count_kv' per layer\) is not supported yet$"),
-    ({"gemma4.feed_forward_length": [48, 48, 96, 96]}, r"gemma4 with feed-forward widths"),
+    ({"gemma4.attention.key_length_swa": 16, "gemma4.attention.value_length_swa": 16},
+     r"sliding-window heads of 16 rotating 0: the head size must be at most "
+                                              r"the full-attention one \(8\)"),
+    ({"gemma4.attention.value_length": 4}, r"gemma4 with value heads of another size than the key heads"),
+    ({"gemma4.attention.head_count_kv": [2, 1, 2]}, r"metadata key 'gemma4\.attention\.head_count_kv' must be a list "
+                                                    r"of 4 positive integers \(one per layer\)$"),
+    ({"gemma4.feed_forward_length": [48, 48, 0, 96]}, r"'gemma4\.feed_forward_length' must be a list of 4 positive"),
+    ({"gemma4.attention.head_count_kv": [2, 3, 2, 3]}, r"head_count 4 is not a multiple of head_count_kv 3"),
+    ({"gemma4.attention.shared_kv_layers": 4}, r"shared_kv_layers 4 must be below block_count 4"),
+    ({"gemma4.attention.shared_kv_layers": 3}, r"layer 1 shares keys and values, but no earlier layer of its kind"),
+    ({"gemma4.embedding_length_per_layer_input": -1}, r"'gemma4\.embedding_length_per_layer_input' is -1, expected "
+                                                      r"a count >= 0"),
     ({"gemma4.attention.sliding_window_pattern": [True, False, False, True]},
      r"gemma4's sliding-window layers \[1, 0, 0, 1\] have no period"),
     ({"gemma4.attention.sliding_window_pattern": [True]},
@@ -106,6 +111,96 @@ def test_checkpointing_modes_identical(written, dtype):
     from checks.arch_reference import all_ranks, check_modes_identical
     model = Model(written[1])
     check_modes_identical(model, all_ranks(model.config, tied=True), dtype, packed=dtype == np.float64)
+
+
+# --------------------------------------------------------------------------- beyond the core (E2B / E4B)
+
+# full-attention heads of 16 (rotating all 16 with rope_freqs), sliding-window ones of 8;
+# kv heads 2 / 1 per layer; feed-forward widths 48, 48, 96, 96 (use_double_wide_mlp); the
+# last two layers share layer 0's and layer 1's keys and values; per-layer inputs of 8
+E4B_LIKE = GEMMA4 | dict(n_ff=96, n_head_kv=2, head_dim=16, n_rot=16, head_dim_swa=8, n_rot_swa=8,
+                         n_head_kv_layers=(2, 1, 2, 1), n_ff_layers=(48, 48, 96, 96), n_kv_shared=2,
+                         n_embd_per_layer=8)
+SHARED = {"attn_k.weight", "attn_v.weight", "attn_k_norm.weight"}
+PER_LAYER = {"inp_gate.weight", "proj.weight", "post_norm.weight"}
+
+
+@pytest.fixture(scope="module")
+def written_e4b(tmp_path_factory, tiny_vocab):
+    """A tiny gemma4 with every feature of Gemma-4-E4B's text model, its head untied (an
+    adapter on token_embd reaches back through the per-layer embeddings' projection)."""
+    from checks.arch_reference import random_model_weights
+    from llamatune.models.writer import write_model
+    cfg = ModelConfig(arch="gemma4", **E4B_LIKE)
+    w = random_model_weights(cfg, seed=5)
+    w["rope_freqs.weight"] = np.array([1.0] * 2 + [1e30] * 6, np.float32)
+    for i in range(cfg.n_layer):
+        w[f"blk.{i}.layer_output_scale.weight"] = np.array([0.6 + 0.2 * i], np.float32)
+    path = tmp_path_factory.mktemp("gemma4e") / "gemma4-e4b-like.gguf"
+    write_model(path, cfg, w, tiny_vocab)
+    return cfg, path
+
+
+def test_e4b_metadata_and_tensors_as_llama_cpp_loads_them(written_e4b):
+    """Per-layer arrays, the sliding layers' head size, the shared-KV count and the per-layer
+    embeddings' width as llama.cpp's gemma4 loader reads them; the shared layers without
+    k/v tensors, each layer with its per-layer input's, the model with the three tables."""
+    cfg, path = written_e4b
+    model = Model(path)
+    md = model.file.metadata
+    assert model.config == cfg
+    assert md["gemma4.attention.head_count_kv"] == [2, 1, 2, 1] and md["gemma4.feed_forward_length"] == [48, 48, 96, 96]
+    assert (md["gemma4.attention.key_length"], md["gemma4.attention.key_length_swa"]) == (16, 8)
+    assert (md["gemma4.rope.dimension_count"], md["gemma4.rope.dimension_count_swa"]) == (16, 8)
+    assert md["gemma4.attention.shared_kv_layers"] == 2 and md["gemma4.embedding_length_per_layer_input"] == 8
+    assert [cfg.kv_source(i) for i in range(4)] == [0, 1, 0, 1] and cfg.kv_sources == (0, 1)
+    for i in range(4):
+        names = {n.removeprefix(f"blk.{i}.") for n in model.file.tensors if n.startswith(f"blk.{i}.")}
+        assert names == (LAYER - (SHARED if i >= 2 else set())) | PER_LAYER, i
+        at = cfg.layer(i)
+        assert model.file.tensors[f"blk.{i}.attn_q.weight"].shape == (4 * at.head_dim, 32)
+        assert model.file.tensors[f"blk.{i}.ffn_up.weight"].shape == (at.n_ff, 32)
+    assert {n: model.file.tensors[n].shape for n in ("per_layer_token_embd.weight", "per_layer_model_proj.weight",
+                                                     "per_layer_proj_norm.weight")} == {
+        "per_layer_token_embd.weight": (400, 32), "per_layer_model_proj.weight": (32, 32),
+        "per_layer_proj_norm.weight": (8,)}
+
+
+def test_e4b_decoding_and_greedy_generation_equal_the_full_forward(written_e4b):
+    """Through the cache (the shared layers read their sources' rows, past the window of 8):
+    the logits of one call over all tokens, and greedy tokens each the full forward's argmax."""
+    from llamatune.models.infer import KVCache, Runner
+    model = Model(written_e4b[1])
+    runner = Runner(model)
+    tokens = np.random.default_rng(0).integers(0, 400, (2, 14))
+    full = runner.forward(tokens)
+    cache = KVCache.empty(model, 2, 32)
+    steps = [runner.forward(tokens[:, :5], cache)] + [runner.forward(tokens[:, t:t + 1], cache) for t in range(5, 14)]
+    np.testing.assert_allclose(np.concatenate(steps, 1), full, rtol=0, atol=1e-5 * np.abs(full).max())
+    seq = list(tokens[0, :4])
+    cache = KVCache.empty(model, 1, 32)
+    logits = runner.forward(np.array([seq]), cache)[0, -1]
+    for _ in range(12):
+        seq.append(int(np.argmax(logits)))
+        logits = runner.forward(np.array([[seq[-1]]]), cache)[0, -1]
+    again = runner.forward(np.array([seq]))[0]
+    assert [int(t) for t in np.argmax(again[3:-1], axis=1)] == seq[4:]
+
+
+def test_e4b_lora_gradients_every_kind_by_finite_differences(written_e4b):
+    """Every adapter (q, k, v, output, the feed-forward of both widths, inp_gate, proj, the
+    norms, the head and token_embd through the per-layer projection) in float64, with
+    checkpointing mode layer (the shared keys and values kept, the rest recomputed)."""
+    from checks.arch_reference import all_ranks, check_lora_gradients
+    model = Model(written_e4b[1])
+    assert check_lora_gradients(model, all_ranks(model.config, tied=False), "layer") < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_e4b_checkpointing_modes_identical(written_e4b, dtype):
+    from checks.arch_reference import all_ranks, check_modes_identical
+    model = Model(written_e4b[1])
+    check_modes_identical(model, all_ranks(model.config, tied=False), dtype, packed=dtype == np.float64)
 
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
