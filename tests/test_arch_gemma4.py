@@ -291,3 +291,88 @@ def test_short_lora_lowers_perplexity_and_llama_cpp_agrees(hf_model, tmp_path):
 def test_greedy_generation_equals_llama_cpp(hf_model):
     """48 greedy tokens through the cache (the recurrent states / the sliding window) as llama-completion's."""
     check_greedy_generation(hf_model)
+
+
+# --------------------------------------------------------------------------- E4B's features against HF and llama.cpp (slow)
+
+HF_E4B_LINEARS = HF_LINEARS | {"inp_gate": "per_layer_input_gate", "proj": "per_layer_projection"}
+
+
+@pytest.fixture(scope="module")
+def hf_e4b(tmp_path_factory):
+    return built_model(tmp_path_factory, "checks.gemma4_e4b_hf")
+
+
+@pytest.mark.slow
+def test_e4b_hf_model_loads_and_its_logits_equal_hf_float64(hf_e4b):
+    from llamatune.models.infer import Runner
+    model = Model(hf_e4b / "f32.gguf")
+    cfg = model.config
+    assert (cfg.head_dim, cfg.head_dim_swa, cfg.n_rot, cfg.n_rot_swa) == (32, 16, 32, 16)
+    assert (cfg.n_head_kv_layers, cfg.n_ff_layers) == ((2, 1, 2, 1), (128, 128, 256, 256))
+    assert (cfg.n_kv_shared, cfg.n_embd_per_layer, cfg.kv_sources) == (2, 8, (0, 1))
+    np.testing.assert_array_equal(model.weights.rope_freqs, np.float32([1] * 4 + [1e30] * 12))
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, 40))           # past the window of 16
+    np.save(hf_e4b / "tokens.npy", tokens)
+    oracle("checks.gemma4_e4b_hf", "logits", hf_e4b / "hf", hf_e4b / "tokens.npy", hf_e4b / "logits.npy")
+    want = np.load(hf_e4b / "logits.npy")
+    np.testing.assert_allclose(Runner(model).forward(tokens), want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("outtype", ["f32", "q8_0"])
+def test_e4b_perplexity_equals_llama_perplexity_and_hf(hf_e4b, outtype):
+    from checks.arch_reference import cross_entropy
+    path = hf_e4b / f"{outtype}.gguf"
+    ours, theirs = our_ppl(path, hf_e4b / "eval.txt"), llama_ppl(hf_e4b, path)
+    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
+    model = Model(path)
+    ids = model.tokenizer.encode((hf_e4b / "eval.txt").read_text(encoding="utf-8"))
+    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
+    rows[:, 0] = model.tokenizer.bos_id
+    np.save(hf_e4b / "rows.npy", rows)
+    oracle("checks.gemma4_e4b_hf", "logits", hf_e4b / "hf", hf_e4b / "rows.npy", hf_e4b / "rows-logits.npy")
+    z = np.load(hf_e4b / "rows-logits.npy")
+    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
+    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+
+
+@pytest.mark.slow
+def test_e4b_loss_and_lora_gradients_equal_hf_autograd(hf_e4b):
+    """B = 0: dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd), on q, k, v, o, the
+    feed-forward of both widths and the per-layer inputs' inp_gate and proj; the shared
+    layers' gradients reach their sources' k and v."""
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    from llamatune.train.step import StepExecutor
+    model = Model(hf_e4b / "f32.gguf")
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.n_vocab, (2, 41))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    weights = np.full(targets.shape, 1 / targets.size)
+    np.savez(hf_e4b / "batch.npz", inputs=inputs, targets=targets, weights=weights)
+    oracle("checks.gemma4_e4b_hf", "grads", hf_e4b / "hf", hf_e4b / "batch.npz", hf_e4b / "grads.npz")
+    hf = np.load(hf_e4b / "grads.npz")
+    ts = lora_targets(cfg, {k: 4 for k in HF_E4B_LINEARS}, alpha=8.0, tied=True)
+    assert {t.weight for t in ts} >= {"blk.0.attn_k.weight", "blk.3.inp_gate.weight", "blk.3.ffn_up.weight"}
+    params = ParamBuffer(lora_specs(ts), np.float64)
+    init_lora(params, ts, rng)
+    for mode in ("none", "layer"):
+        params.zero_grad()
+        g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 40, mode, dtype=np.float64)
+        loss = g.step(inputs, targets, weights)
+        assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"])), mode
+        for t in ts:
+            G = hf[f"model.layers.{t.weight.split('.')[1]}.{HF_E4B_LINEARS[t.kind]}.weight"]
+            want = t.scale * G @ params[t.a].T
+            got = params.grad_of(t.b)
+            assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), (mode, t.weight)
+
+
+@pytest.mark.slow
+def test_e4b_greedy_generation_equals_llama_cpp(hf_e4b):
+    """48 greedy tokens through the cache (the shared layers reading their sources' keys and
+    values, the sliding window) as llama-completion's."""
+    check_greedy_generation(hf_e4b)

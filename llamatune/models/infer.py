@@ -199,6 +199,8 @@ class Runner(Forward):
             if start is None:
                 self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
             else:
+                if cfg.n_embd_per_layer:                  # gemma4: the layers' per-layer inputs
+                    self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
                 a.x[...] = start[1]
             for i in range(first, cfg.n_layer):
                 if at_layer is not None:

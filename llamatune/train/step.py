@@ -421,6 +421,9 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     # one layer of each kind)
     if like is not None and like.recurrent_layers:
         tiny["recurrent_layers"] = (True, False)
+    if like is not None and like.varies | bool(like.n_kv_shared or like.n_embd_per_layer):   # gemma4: one width,
+        tiny |= dict(head_dim_swa=0, n_rot_swa=0, n_head_kv_layers=(), n_ff_layers=(), n_kv_shared=0,  # its own
+                     n_embd_per_layer=8 if like.n_embd_per_layer else 0)                    # K/V, small inputs
     if like is not None and like.spec.moe:
         cfg = ModelConfig.new("llama", norm_eps=like.norm_eps, **tiny)
     else:

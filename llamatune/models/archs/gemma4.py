@@ -169,4 +169,5 @@ def model_tensors(cfg) -> dict:
 ARCH = Arch(name="gemma4", rope_mode=NEOX, activation="gelu", embd_scale=True,
             read_hparams=read_hparams, hparams_metadata=hparams_metadata, mixer="gemma4_attention",
             swa_rope_factors=False, vectors=("layer_output_scale.weight",), shapes=shapes, scratch=False,
-            layer=LAYER + PER_LAYER, layer_kinds=layer_kinds, model_tensors=model_tensors, parts=parts)
+            layer=LAYER + PER_LAYER, layer_kinds=layer_kinds, model_tensors=model_tensors, parts=parts,
+            peft_modules=Arch.peft_modules + (("inp_gate", "per_layer_input_gate"), ("proj", "per_layer_projection")))
