@@ -101,6 +101,8 @@ class ModelConfig:
     n_ff_layers: tuple[int, ...] = ()         # feed_forward_length per layer (): n_ff everywhere
     n_kv_shared: int = 0           # attention.shared_kv_layers: the last layers reuse an earlier layer's K/V
     n_embd_per_layer: int = 0      # embedding_length_per_layer_input: per-layer embeddings' width (0: none)
+    k_eq_v: bool = False           # attention_k_eq_v (gemma4 31B): the full-attention layers' values are their
+    #                                keys' projection (no attn_v; told by the tensors, not the metadata)
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
@@ -216,6 +218,10 @@ class ModelConfig:
                 return j
         raise LlamatuneError(f"layer {i} shares keys and values, but no earlier layer of its kind has its own")
 
+    def has_v(self, i: int) -> bool:
+        """Layer i projects values of its own (not the keys' projection: k_eq_v's full-attention layers)."""
+        return not (self.k_eq_v and not self.is_swa(i))
+
     @property
     def kv_sources(self) -> tuple[int, ...]:
         """The layers whose keys and values shared layers reuse."""
@@ -301,8 +307,10 @@ class ModelConfig:
         return cls(arch=arch, **(dict(get_arch(arch).defaults) | values))
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
-        """Build from a GGUF metadata dict; `source` (the file name) prefixes every error."""
+    def from_metadata(cls, md: dict[str, Any], source: str = "model", tensors=()) -> "ModelConfig":
+        """Build from a GGUF metadata dict; `source` (the file name) prefixes every error;
+        `tensors`: the file's tensor names, where a family tells a hyperparameter by them
+        (gemma4's attention_k_eq_v: no attn_v in its full-attention layers)."""
         arch = md.get("general.architecture")
         if arch is None:
             raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
@@ -336,7 +344,7 @@ class ModelConfig:
         # before the common keys are read, and give n_ff (qwen35moe: its shared expert's),
         # n_head_kv (gemma4) or n_layer (qwen35: block_count less its MTP layers)
         own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
-            count=count, number=number, source=source, arch=arch,
+            count=count, number=number, source=source, arch=arch, tensors=frozenset(tensors),
             raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")

@@ -254,7 +254,7 @@ class Model:
         self.file = path if isinstance(path, GGUFFile) else GGUFFile(path)     # (a file already read: kept)
         self.path = self.file.path
         check_is_model(self.file)
-        self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
+        self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path), self.file.tensors)
         self.weights = load_weights(self.file, self.config)
         check_finite(self.path, self._used_tensors(), allow_nonfinite)
         self.dequantizer = Dequantizer(self.weights)

@@ -237,8 +237,11 @@ class Gemma4Attention(Attention):
         self.source = cfg.kv_source(i)
         self.shares = self.source != i
         self.kept = ("k", "v") if i in cfg.kv_sources else ()
+        self.k_is_v = not cfg.has_v(i)         # attention_k_eq_v: v is k's projection (before k's norm)
         if self.shares:
             self.qkv = self.qkv[:1]
+        elif self.k_is_v:
+            self.qkv = self.qkv[:2]
 
     def act_shapes(self, B, T, keep_inputs):
         N, cfg = B * T, self.cfg
@@ -277,6 +280,8 @@ class Gemma4Attention(Attention):
         first position), kept for the layers that share them (Forward.kept_kv)."""
         cfg, ops = self.cfg, fw.ops
         self.project(fw, a.qp, a.kp, a.vp, xn)
+        if self.k_is_v:
+            a.vp[...] = a.kp
         HS = cfg.head_dim
         ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(fw.xp, a.vp.dtype),
                                     cfg.norm_eps)

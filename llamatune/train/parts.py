@@ -152,6 +152,8 @@ class Gemma4AttentionBackward(AttentionBackward, Gemma4Attention):
         dv = g.dv.copy()
         g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), g.xp.zeros(HS, dv.dtype), dv.reshape(-1, HS),
                                        a.vp.reshape(-1, HS), self.unit(g.xp, dv.dtype), a.rstd_v)
+        if self.k_is_v:                                       # v was k's projection: one gradient
+            g.dkp += g.dv
         self.project_backward(g, g.dqp, g.dkp, normed_input(self, g, a, x))
         input_norm_backward(self, g, a, x)
 

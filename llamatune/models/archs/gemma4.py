@@ -24,11 +24,11 @@ and what the released E2B / E4B text models add (llama.cpp's per-layer hparams):
     per_layer_token_embd (V, L P, frozen, read row by row), per_layer_model_proj (L P, C)
     and per_layer_proj_norm (P,) make each layer's input e_i (Forward.per_layer_embed), and
     each layer ends with the `per_layer_input` part (inp_gate, proj, post_norm).
-Refused in one line naming it: value heads of another size than the key heads, the
-mixture-of-experts block (26B-A4B: refused as a mixture of experts by config.py). Not
-supported yet: attention_k_eq_v (31B: the full-attention layers without attn_v, their
-values the keys' projection; the file then lacks blk.N.attn_v and the loader says so).
-Vision and audio towers are not read.
+And the larger models' attention_k_eq_v (31B): full-attention layers without attn_v,
+their values the keys' projection before its norm (ModelConfig.k_eq_v, told by the
+missing tensors as llama.cpp tells it). Refused in one line naming it: value heads of
+another size than the key heads, the mixture-of-experts block (26B-A4B: refused as a
+mixture of experts by config.py). Vision and audio towers are not read.
 
 The layer is the `gemma4_attention` part (models/parts.py: gemma3's attention with the
 value norm) and gemma3's feed-forward; Forward applies the layer output scale
@@ -112,6 +112,10 @@ def read_hparams(read) -> dict:
                 values[field] = tuple(counts)
     if read.raw("final_logit_softcapping"):
         values["final_softcap"] = read.number("final_logit_softcapping")
+    flags = read.raw("attention.sliding_window_pattern")
+    if any(f"blk.{i}.attn_k.weight" in read.tensors and f"blk.{i}.attn_v.weight" not in read.tensors
+           for i in range(n_layer) if not flags[i]):
+        values["k_eq_v"] = True       # llama.cpp: `Vcur = wv ? wv cur : Kcur` (use_alternative_attention)
     return values
 
 
@@ -141,6 +145,8 @@ def layer_kinds(cfg, i: int) -> tuple[str, ...]:
     """Layer i's tensors: a layer sharing an earlier one's keys and values has no attn_k,
     attn_v, attn_k_norm; with per-layer embeddings each layer adds inp_gate, proj, post_norm."""
     kinds = LAYER if cfg.has_kv(i) else tuple(k for k in LAYER if k not in KV_KINDS)
+    if not cfg.has_v(i):                                    # attention_k_eq_v: the keys' projection
+        kinds = tuple(k for k in kinds if k != "attn_v")
     return kinds + (PER_LAYER if cfg.n_embd_per_layer else ())
 
 
