@@ -28,6 +28,15 @@ F32 norms, a dummy vocabulary.
                   gated full attention (16/4 heads of 256, output gate, partial rotary 64),
                   the others gated delta-net (16 q/k heads, 32 value heads of 128, conv 4);
                   conv1d, ssm_a and dt bias in F32 as llama.cpp keeps them (write_qwen35)
+    gemma-4-e4b   Gemma-4-E4B's text model: 42 layers, embd 2560, ffn 10240, 8/2 heads, vocab
+                  262144, tied head; 5 sliding-window layers (window 512, heads of 256) to 1
+                  full-attention layer (heads of 512, a quarter rotated: rope_freqs); the last
+                  18 layers reuse the keys and values of layers 22 / 23; per-layer embeddings
+                  of 256 (a 262144 x 42*256 table); Q4_K_M as llama.cpp mixes it (Q6_K for the
+                  tied embedding, the per-layer table and attn_v / ffn_down of the layers that
+                  get more bits, counted over the 24 layers with attn_v; per_layer_model_proj
+                  left F16, as llama-quantize leaves it). `--layers N`: the first N layers with
+                  the last one full attention (HF forces it) and what sharing fits in N
 
 `--layers N` writes and runs the first N layers of a shape only (its own file): the
 MoE shape at 2-4 layers fits beside other work, the whole file (about 17 GB for
@@ -82,10 +91,15 @@ SHAPES = {
                        ssm_conv_kernel=4, ssm_state_size=128, ssm_group_count=16, ssm_time_step_rank=32,
                        ssm_inner_size=4096, recurrent_layers=tuple(i % 4 != 3 for i in range(32)),
                        full_attention_interval=4, rope_sections=(11, 11, 10, 0)),
+    "gemma-4-e4b": dict(arch="gemma4", n_vocab=262144, n_ctx_train=131072, n_embd=2560, n_layer=42, n_ff=10240,
+                        n_head=8, n_head_kv=2, head_dim=512, n_rot=512, head_dim_swa=256, n_rot_swa=256,
+                        norm_eps=1e-6, rope_freq_base=1000000.0, rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0,
+                        attn_scale=1.0, sliding_window=512, swa_pattern=6, final_softcap=30.0, n_kv_shared=18,
+                        n_embd_per_layer=256),
 }
 EXPERT_TARGETS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-TIED = {"qwen2.5-1.5b", "qwen3.5-4b"}
-MIXED = {"qwen2.5-1.5b", "qwen3.5-4b"}               # Q4_K_M; the others all Q4_K
+TIED = {"qwen2.5-1.5b", "qwen3.5-4b", "gemma-4-e4b"}
+MIXED = {"qwen2.5-1.5b", "qwen3.5-4b", "gemma-4-e4b"}               # Q4_K_M; the others all Q4_K
 MXFP4_MOE = {"gpt-oss-20b", "gpt-oss-20b-dense"}      # the feed-forward MXFP4, the other matrices Q8_0
 R = 8
 MORE_TARGETS = {"qwen35": ("attn_qkv", "attn_gate", "ssm_out")}   # the delta-net layers' in/out projections
@@ -146,16 +160,21 @@ def random_mxfp4(shape: tuple[int, int], seed: int):
     return raw.reshape(rows, -1)
 
 
-def q4_k_m_type(name: str, n_layer: int):
+def q4_k_m_type(name: str, n_layer: int, n_attn_v: int = 0):
     """llama.cpp's Q4_K_M choice for a matrix (llama_tensor_get_type): Q6_K for the
-    output head (the embedding, when tied) and for attn_v / ffn_down of the first and
-    last eighth of the layers and every third one between; Q4_K elsewhere."""
+    output head (the embeddings, when tied: gemma4's per-layer table too) and for attn_v /
+    ffn_down of the first and last eighth of the layers and every third one between
+    (attn_v counted over the `n_attn_v` layers that have one, all by default); Q4_K
+    elsewhere; gemma4's per_layer_model_proj as converted (F16: llama-quantize leaves it)."""
     from gguf import GGMLQuantizationType as QType
-    if name in ("output.weight", "token_embd.weight"):
+    if name in ("output.weight", "token_embd.weight", "per_layer_token_embd.weight"):
         return QType.Q6_K
+    if name == "per_layer_model_proj.weight":
+        return QType.F16
     if name.endswith(("attn_v.weight", "ffn_down.weight")):
         i = int(name.split(".")[1])
-        more = i < n_layer // 8 or i >= 7 * n_layer // 8 or (i - n_layer // 8) % 3 == 2
+        n = n_attn_v if n_attn_v and name.endswith("attn_v.weight") else n_layer
+        more = i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
         return QType.Q6_K if more else QType.Q4_K
     return QType.Q4_K
 
@@ -165,6 +184,10 @@ def shape_config(shape: str, layers: int = 0) -> dict:
     cut = {"n_layer": layers} if layers else {}
     if layers and "recurrent_layers" in SHAPES[shape]:          # qwen35: the kinds of the layers kept
         cut["recurrent_layers"] = SHAPES[shape]["recurrent_layers"][:layers]
+    if layers and SHAPES[shape]["arch"] == "gemma4":            # the last layer full attention; the
+        full = SHAPES[shape]                                    # shared ones that fit
+        cut |= {"swa_pattern": min(full["swa_pattern"], layers),
+                "n_kv_shared": max(0, full["n_kv_shared"] - (full["n_layer"] - layers))}
     return SHAPES[shape] | cut
 
 
@@ -188,6 +211,11 @@ def build(path: Path, shape: str, layers: int = 0) -> None:
     if shape in MXFP4_MOE:
         return write_mxfp4_moe(path, shape, cfg)
     tensors = []
+    if cfg.arch == "gemma4":                                  # the full-attention layers' proportional rope
+        quarter = cfg.n_rot // 8
+        tensors.append(TensorOut("rope_freqs.weight", (cfg.n_rot // 2,), QType.F32, lambda: np.float32(
+            [1.0] * quarter + [1e30] * (cfg.n_rot // 2 - quarter))))
+    n_attn_v = cfg.n_layer - cfg.n_kv_shared
     for i, (name, s) in enumerate(tensor_names(cfg, tied=shape in TIED).items()):
         if len(s) == 1:
             fill = 0.0 if name.endswith(".bias") else 1.0
@@ -198,7 +226,11 @@ def build(path: Path, shape: str, layers: int = 0) -> None:
         elif len(s) == 3:                                     # experts (E, n_out, n_in): E * n_out rows
             tensors.append(TensorOut(name, s, QType.Q4_K, lambda s=s, i=i: random_q4_k((s[0] * s[1], s[2]), i)))
         else:
-            q = q4_k_m_type(name, cfg.n_layer) if shape in MIXED else QType.Q4_K
+            q = q4_k_m_type(name, cfg.n_layer, n_attn_v) if shape in MIXED else QType.Q4_K
+            if q == QType.F16:
+                tensors.append(TensorOut(name, s, q, lambda s=s, i=i: np.random.default_rng(i).normal(
+                    0.0, 0.02, s).astype(np.float16)))
+                continue
             make = random_q6_k if q == QType.Q6_K else random_q4_k
             tensors.append(TensorOut(name, s, q, lambda s=s, i=i, make=make: make(s, i)))
     file_type = 15 if shape in MIXED else 14        # llama.cpp's MOSTLY_Q4_K_M / MOSTLY_Q4_K_S
@@ -321,11 +353,15 @@ def step_gflop(cfg: dict, ctx: int, mode: str) -> float:
     C, F, L, V = cfg["n_embd"], cfg["n_ff"], cfg["n_layer"], cfg["n_vocab"]
     if cfg.get("n_expert"):                                              # the experts a token uses, its router
         F = cfg["n_expert_used"] * cfg["n_ff_exp"] + cfg["n_expert"] / 3
-    Ckv = cfg["n_head_kv"] * cfg["head_dim"]
-    Cq = cfg["n_head"] * cfg["head_dim"]
+    head = cfg["head_dim"]
+    if cfg.get("head_dim_swa"):                                          # gemma4: the layers' mean head size
+        n = cfg["swa_pattern"]
+        head = ((n - 1) * cfg["head_dim_swa"] + cfg["head_dim"]) / n
+    Ckv = cfg["n_head_kv"] * head
+    Cq = cfg["n_head"] * head
     per_token = 2 * (2 * C * Cq + 2 * C * Ckv + 3 * C * F)              # one forward of a layer
     passes = 3 if mode == "layer" else 2
-    attn = 2 * 2 * cfg["n_head"] * ctx * ctx * cfg["head_dim"] / 2 * (passes + 1.5) * L
+    attn = 2 * 2 * cfg["n_head"] * ctx * ctx * head / 2 * (passes + 1.5) * L
     return (ctx * per_token * L * passes + attn + 2 * 2 * ctx * C * V) / 1e9
 
 

@@ -58,14 +58,15 @@ def _tokenizer(text: str, out: Path):
     return fast
 
 
-def build(out: Path, steps: int, seed: int, text_path: Path) -> None:
+def build(out: Path, steps: int, seed: int, text_path: Path, config: dict = CONFIG) -> None:
+    """The tokenizer and the model of `config` (this module's CONFIG; gemma4_e4b_hf's), trained."""
     import torch
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     text = text_path.read_text(encoding="utf-8")[:300_000]
     tok = _tokenizer(text, out)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**CONFIG)).float()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**config)).float()
     with torch.no_grad():
         for i, layer in enumerate(model.model.layers):
             layer.layer_scalar.fill_(0.6 + 0.15 * i)
@@ -73,7 +74,7 @@ def build(out: Path, steps: int, seed: int, text_path: Path) -> None:
     hf_tiny.train(model, torch.tensor(tok(text)["input_ids"]), steps, seed=seed, label="gemma4")
     model.save_pretrained(out)
     cfg = json.loads((out / "config.json").read_text())
-    cfg["global_head_dim"] = CONFIG["global_head_dim"]          # what the converter looks for
+    cfg["global_head_dim"] = config["global_head_dim"]          # what the converter looks for
     (out / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
 
 

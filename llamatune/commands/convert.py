@@ -149,7 +149,7 @@ def load_base(model_base: str | Path | None) -> Base | None:
     f = GGUFFile(model_base)
     if f.get("general.type") in ("adapter", "llamatune-checkpoint") or f.get("training.type"):
         raise LlamatuneError(f"{f.path}: --model-base must be a model, not {f.get('general.type') or 'a checkpoint'}")
-    return Base(f.path, f, ModelConfig.from_metadata(f.metadata, str(f.path)))
+    return Base(f.path, f, ModelConfig.from_metadata(f.metadata, str(f.path), f.tensors))
 
 
 def _need_base(base: Base | None, src: Source, why: str) -> Base:
@@ -388,7 +388,7 @@ def _convert(src: Source, output: Path, to: str, model_base: Path | None) -> str
                            str(src.file.get("general.name") or "llama"))
     else:   # llamatune-full -> model
         c = ckpt.load(src.path)
-        cfg = ModelConfig.from_metadata(c.file.metadata, str(src.path))
+        cfg = ModelConfig.from_metadata(c.file.metadata, str(src.path), c.file.tensors)
         frozen = _frozen_tensors(c, cfg, base)
         done = _model_from(c.file, cfg, output, str(c.file.get("general.name") or "llamatune"), frozen)
         if frozen:

@@ -105,12 +105,18 @@ class Arch:
     shapes: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
     vectors: tuple[str, ...] = ()
     # the parts of each layer (models/parts.py PARTS: their kinds): the mixer and the
-    # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids)
+    # feed-forward every layer has, or parts(cfg, i) -> (mixer, ffn) per layer (hybrids),
+    # or (mixer, ffn, post): a third part after the feed-forward (gemma4's per-layer input)
     mixer: str = "attention"
     ffn: str = "feed_forward"
     swa_rope_factors: bool = True     # the sliding-window layers' rope takes rope_freqs too (gemma4: only
     #                                   the full-attention layers', llama.cpp's layer.rope_freqs)
-    parts: Callable[[Any, int], tuple[str, str]] | None = None
+    parts: Callable[[Any, int], tuple[str, ...]] | None = None
+    # model-level tensors beyond token_embd / output / output_norm: model_tensors(cfg) ->
+    # {llama.cpp name: numpy shape} (gemma4's per-layer embeddings): names ending in
+    # "token_embd.weight" are read row by row as token_embd, "norm.weight" are vectors,
+    # the rest matrices
+    model_tensors: Callable[[Any], dict[str, tuple[int, ...]]] | None = None
 
     def __post_init__(self):
         if self.activation not in ACTIVATIONS:
@@ -202,9 +208,17 @@ def tensor_shape(cfg, kind: str) -> tuple[int, ...]:
     return shapes[kind]
 
 
+def model_tensor_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """The architecture's model-level tensors beyond token_embd / output / output_norm
+    (Arch.model_tensors), name -> numpy shape."""
+    return {} if cfg.spec.model_tensors is None else cfg.spec.model_tensors(cfg)
+
+
 def layer_matrix_shapes(cfg) -> list[tuple[int, ...]]:
-    """Shapes of the per-layer matrices of `cfg`'s architecture (buffer sizes)."""
-    return [tensor_shape(cfg, k) for k in cfg.spec.matrices]
+    """Shapes of the per-layer matrices of `cfg`'s architecture (buffer sizes: per-layer
+    widths are the widest layer's in `cfg`), and of its model-level matrices."""
+    return [tensor_shape(cfg, k) for k in cfg.spec.matrices] + [
+        s for n, s in model_tensor_shapes(cfg).items() if len(s) == 2 and not n.endswith("token_embd.weight")]
 
 
 def supported() -> list[str]:

@@ -6,7 +6,8 @@ here; what an architecture adds is read by its declaration (models/archs/<arch>.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -92,6 +93,16 @@ class ModelConfig:
     recurrent_layers: tuple[bool, ...] = ()   # per layer: a delta-net layer (else attention)
     full_attention_interval: int = 0          # attention.recurrent_layers absent: every n-th layer attends
     rope_sections: tuple[int, ...] = ()       # rope.dimension_sections (multi-rope; text: all one position)
+    # per-layer shapes (gemma4; llama.cpp's per-layer hparams arrays): the model-level head_dim,
+    # n_rot, n_head_kv and n_ff above are then the widest layer's (what shared buffers are sized by)
+    head_dim_swa: int = 0          # attention.key_length_swa: head size of the sliding-window layers (0: head_dim)
+    n_rot_swa: int = 0             # rope.dimension_count_swa: their rotated dimensions (0: n_rot)
+    n_head_kv_layers: tuple[int, ...] = ()    # attention.head_count_kv per layer (): n_head_kv everywhere
+    n_ff_layers: tuple[int, ...] = ()         # feed_forward_length per layer (): n_ff everywhere
+    n_kv_shared: int = 0           # attention.shared_kv_layers: the last layers reuse an earlier layer's K/V
+    n_embd_per_layer: int = 0      # embedding_length_per_layer_input: per-layer embeddings' width (0: none)
+    k_eq_v: bool = False           # attention_k_eq_v (gemma4 31B): the full-attention layers' values are their
+    #                                keys' projection (no attn_v; told by the tensors, not the metadata)
 
     def __post_init__(self):
         # llama.cpp holds these as float32: round them the same way, once
@@ -124,6 +135,27 @@ class ModelConfig:
             if not 0 <= getattr(self, name) <= MAX_COUNT:
                 raise LlamatuneError(f"model hyperparameter {name} = {getattr(self, name)} must be >= 0")
         self._check_experts()
+        self._check_layers()
+
+    def _check_layers(self) -> None:
+        for name in ("n_head_kv_layers", "n_ff_layers"):
+            values = getattr(self, name)
+            if values and (len(values) != self.n_layer or min(values) <= 0):
+                raise LlamatuneError(f"model hyperparameter {name} must hold {self.n_layer} positive counts, "
+                                     f"got {list(values)}")
+        if self.n_head_kv_layers and any(self.n_head % n for n in self.n_head_kv_layers):
+            raise LlamatuneError(f"head_count {self.n_head} is not a multiple of every layer's head_count_kv "
+                                 f"{list(self.n_head_kv_layers)}")
+        if not 0 <= self.head_dim_swa <= self.head_dim or self.n_rot_swa > (self.head_dim_swa or self.head_dim) \
+                or self.n_rot_swa % 2 or self.n_rot_swa < 0:
+            raise LlamatuneError(f"sliding-window heads of {self.head_dim_swa} rotating {self.n_rot_swa}: the head "
+                                 f"size must be at most the full-attention one ({self.head_dim}) and the rotated "
+                                 "dimensions even and at most it")
+        if not 0 <= self.n_kv_shared < self.n_layer or self.n_embd_per_layer < 0:
+            raise LlamatuneError(f"shared_kv_layers {self.n_kv_shared} must be below block_count {self.n_layer}, "
+                                 f"embedding_length_per_layer_input {self.n_embd_per_layer} at least 0")
+        for i in range(self.n_layer - self.n_kv_shared, self.n_layer):
+            self.kv_source(i)
 
     def _check_experts(self) -> None:
         if not self.spec.moe:
@@ -158,6 +190,43 @@ class ModelConfig:
         """Layer i is a gated delta-net layer (qwen35), not attention."""
         return bool(self.recurrent_layers) and self.recurrent_layers[i]
 
+    # ---- per-layer shapes (gemma4)
+    @property
+    def varies(self) -> bool:
+        """Layers differ in head size, kv heads or feed-forward width (`layer` gives each's)."""
+        return bool(self.head_dim_swa or self.n_rot_swa or self.n_head_kv_layers or self.n_ff_layers)
+
+    def layer(self, i: int) -> "ModelConfig":
+        """Layer i's config: the model's with layer i's head_dim, n_rot, n_head_kv and n_ff
+        (itself where no layer differs). Its per-layer fields are the model's: rope sets
+        and windows are asked of the model's config by layer index."""
+        return self if not self.varies else _layer_config(self, i)
+
+    def has_kv(self, i: int) -> bool:
+        """Layer i computes keys and values (llama.cpp hparams.has_kv): not one of the last
+        n_kv_shared layers, which reuse an earlier layer's."""
+        return i < self.n_layer - self.n_kv_shared
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends over: i itself, or for a shared
+        layer the last layer of its kind (sliding or not) that has its own (HF's
+        kv_sharing_modes; llama.cpp's reuse callback picks the same in the released models)."""
+        if self.has_kv(i):
+            return i
+        for j in reversed(range(self.n_layer - self.n_kv_shared)):
+            if self.is_swa(j) == self.is_swa(i):
+                return j
+        raise LlamatuneError(f"layer {i} shares keys and values, but no earlier layer of its kind has its own")
+
+    def has_v(self, i: int) -> bool:
+        """Layer i projects values of its own (not the keys' projection: k_eq_v's full-attention layers)."""
+        return not (self.k_eq_v and not self.is_swa(i))
+
+    @property
+    def kv_sources(self) -> tuple[int, ...]:
+        """The layers whose keys and values shared layers reuse."""
+        return tuple(sorted({self.kv_source(i) for i in range(self.n_layer) if not self.has_kv(i)}))
+
     def window(self, i: int) -> int:
         """Attention window of layer i (0: all earlier positions)."""
         return self.sliding_window if self.is_swa(i) else 0
@@ -181,11 +250,22 @@ class ModelConfig:
             return None
         return np.dtype(dtype).type(np.float32(1.0) / np.float32(self.logit_scale))
 
-    def rope_params(self, i: int) -> tuple[float, float]:
-        """(freq_base, freq_scale) of layer i: the sliding-window layers' own when the model has them."""
+    def rope_params(self, i: int) -> tuple:
+        """(freq_base, freq_scale) of layer i: the sliding-window layers' own when the model has them;
+        with n_rot per layer (n_rot_swa) also its rotated dimensions, (freq_base, freq_scale, n_rot)."""
         if self.is_swa(i):
-            return (self.rope_freq_base_swa or self.rope_freq_base, self.rope_freq_scale_swa or self.rope_freq_scale)
-        return self.rope_freq_base, self.rope_freq_scale
+            rope = (self.rope_freq_base_swa or self.rope_freq_base, self.rope_freq_scale_swa or self.rope_freq_scale)
+        else:
+            rope = self.rope_freq_base, self.rope_freq_scale
+        return rope + ((self.rope_rot_of(i),) if self.n_rot_swa else ())
+
+    def rope_rot_of(self, i: int) -> int:
+        """Layer i's rotated dimensions."""
+        return self.n_rot_swa if self.n_rot_swa and self.is_swa(i) else self.n_rot
+
+    def rope_rot(self, rope: tuple) -> int:
+        """The rotated dimensions of a rope set (one of rope_sets)."""
+        return rope[2] if len(rope) > 2 else self.n_rot
 
     @property
     def rope_sets(self) -> list[tuple[float, float]]:
@@ -227,8 +307,10 @@ class ModelConfig:
         return cls(arch=arch, **(dict(get_arch(arch).defaults) | values))
 
     @classmethod
-    def from_metadata(cls, md: dict[str, Any], source: str = "model") -> "ModelConfig":
-        """Build from a GGUF metadata dict; `source` (the file name) prefixes every error."""
+    def from_metadata(cls, md: dict[str, Any], source: str = "model", tensors=()) -> "ModelConfig":
+        """Build from a GGUF metadata dict; `source` (the file name) prefixes every error;
+        `tensors`: the file's tensor names, where a family tells a hyperparameter by them
+        (gemma4's attention_k_eq_v: no attn_v in its full-attention layers)."""
         arch = md.get("general.architecture")
         if arch is None:
             raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
@@ -262,7 +344,7 @@ class ModelConfig:
         # before the common keys are read, and give n_ff (qwen35moe: its shared expert's),
         # n_head_kv (gemma4) or n_layer (qwen35: block_count less its MTP layers)
         own = {} if spec.read_hparams is None else spec.read_hparams(SimpleNamespace(
-            count=count, number=number, source=source, arch=arch,
+            count=count, number=number, source=source, arch=arch, tensors=frozenset(tensors),
             raw=lambda key, default=None: md.get(f"{arch}.{key}", default)))
         n_embd = count("embedding_length")
         n_head = count("attention.head_count")
@@ -313,3 +395,13 @@ class ModelConfig:
         if self.spec.hparams_metadata is not None:
             md |= self.spec.hparams_metadata(self)
         return md
+
+
+@functools.cache
+def _layer_config(cfg: ModelConfig, i: int) -> ModelConfig:
+    """ModelConfig.layer, made once per (config, layer)."""
+    swa = cfg.is_swa(i)
+    return replace(cfg, head_dim=cfg.head_dim_swa if swa and cfg.head_dim_swa else cfg.head_dim,
+                   n_rot=cfg.rope_rot_of(i),
+                   n_head_kv=cfg.n_head_kv_layers[i] if cfg.n_head_kv_layers else cfg.n_head_kv,
+                   n_ff=cfg.n_ff_layers[i] if cfg.n_ff_layers else cfg.n_ff)

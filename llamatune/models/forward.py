@@ -41,6 +41,8 @@ from .parts import LayerActs, Part, layer_parts
 from .products import make_products
 
 OUTPUT_SCALE = "layer_output_scale.weight"
+PLE_TABLE, PLE_PROJ, PLE_NORM = ("per_layer_token_embd.weight", "per_layer_model_proj.weight",
+                                 "per_layer_proj_norm.weight")     # gemma4's per-layer embeddings
 
 
 class Linears:
@@ -114,6 +116,9 @@ class Forward:
         self.observer = None      # optional observer(name, x): every base matmul's input (calibration.py)
         self.recomputing = False  # a training step's recompute of a layer whose output nobody reads
         self.linears = Linears(self)                      # what each linear adds to its base product
+        self.kept_kv: dict[int, tuple] = {}               # layer -> (k, v, n_past) it made for the layers
+        #                                                   sharing them (gemma4's shared KV)
+        self.ple: dict[str, np.ndarray] = {}              # per-layer embeddings' buffers (ple_buffers)
 
     # ------------------------------------------------------------------ what a user supplies
     def weight(self, name: str, N: int) -> np.ndarray:
@@ -145,6 +150,19 @@ class Forward:
         """The keys and values layer i attends over, and the position of k's first row:
         the step's own (training); inference appends them to its cache."""
         return k, v, 0
+
+    def ple_buffers(self, N: int) -> dict[str, np.ndarray]:
+        """The per-layer embeddings' buffers for N tokens (gemma4): "inputs" (L, N, P) the
+        layers' inputs, "proj" (N, L P) the projection before its norm, "rstd" (N L,) its
+        norm's, "d" (L, N, P) scratch (training: the inputs' gradient). Made here for one
+        call; a training graph hands out its planned ones."""
+        L, P = self.cfg.n_layer, self.cfg.n_embd_per_layer
+        shapes = {"inputs": (L, N, P), "proj": (N, L * P), "rstd": (N * L,), "d": (L, N, P)}
+        return {k: self.xp.empty(s, np.float32) for k, s in shapes.items()}
+
+    def enter_layer(self, i: int) -> None:
+        """Before layer i runs (forward or backward): where layers differ in width (gemma4),
+        a user views its shared scratch at layer i's widths; nothing by default."""
 
     def recurrent_state(self, i: int):
         """Layer i's delta-net decoding state (models/deltanet_mixer.RecurrentState) to
@@ -216,14 +234,49 @@ class Forward:
             x += self.xp.matmul(s * a[tokens], b.T, out=self.linears.scratch(*x.shape))
         if self.embd_scale() is not None:
             x *= self.embd_scale()
+        if self.cfg.n_embd_per_layer:
+            self.per_layer_embed(tokens, x)
+
+    def per_layer_embed(self, tokens: np.ndarray, x0: np.ndarray) -> None:
+        """gemma4's per-layer inputs of the tokens into self.ple["inputs"] (L, N, P), as
+        llama.cpp's build_inp_per_layer and project_per_layer_inputs (f32 constants as its):
+            e = (RMSNorm((x0 W^T / sqrt(C)) per layer, per_layer_proj_norm)
+                 + per_layer_token_embd[tokens] sqrt(P)) / sqrt(2)
+        x0 (N, C): the scaled token embeddings; W = per_layer_model_proj (L P, C)."""
+        cfg, N = self.cfg, x0.shape[0]
+        L, P, dt = cfg.n_layer, cfg.n_embd_per_layer, x0.dtype.type
+        self.ple = b = self.ple_buffers(N)
+        proj = self.linear(b["proj"], x0, PLE_PROJ)
+        proj *= dt(np.float32(1) / np.sqrt(np.float32(cfg.n_embd)))
+        normed = b["inputs"].reshape(N * L, P)                 # (its memory, until the last line)
+        self.ops.rmsnorm.rmsnorm_forward(normed, b["rstd"], proj.reshape(N * L, P),
+                                         self.linears.norm_weight(PLE_NORM), cfg.norm_eps)
+        tok = b["d"].reshape(N, L * P)
+        self.weights.embed(tokens, tok, PLE_TABLE)
+        tok *= dt(np.sqrt(np.float32(P)))
+        tok += normed.reshape(N, L * P)
+        tok *= dt(np.float32(1) / np.sqrt(np.float32(2)))
+        b["inputs"][...] = tok.reshape(N, L, P).transpose(1, 0, 2)
+
+    def per_layer_input(self, i: int) -> np.ndarray:
+        """Layer i's per-layer input (N, P) (per_layer_embed)."""
+        return self.ple["inputs"][i]
 
     def layer_forward(self, i: int, a: LayerActs, x_out: np.ndarray) -> None:
         """x_out = layer i of a.x, filling the rest of `a`: its mixer, then its feed-forward
-        (models/parts.py), each adding its output to the residual stream."""
-        mixer, ffn = self.layer_parts[i]
+        (models/parts.py), then a third part where it has one (gemma4's per-layer input),
+        each adding its output to the residual stream."""
+        self.enter_layer(i)
+        mixer, ffn, *post = self.layer_parts[i]
         mixer.forward(self, a.mixer, a.x, None, a.x_mid)      # x_mid = mixer(x)
-        ffn.forward(self, a.ffn, a.x_mid, a.x, x_out)        # x_mid += x; x_out = ffn(x_mid)
-        x_out += a.x_mid
+        if post:
+            ffn.forward(self, a.ffn, a.x_mid, a.x, a.x_post)  # x_mid += x; x_post = ffn(x_mid)
+            a.x_post += a.x_mid
+            post[0].forward(self, a.post, a.x_post, None, x_out)
+            x_out += a.x_post
+        else:
+            ffn.forward(self, a.ffn, a.x_mid, a.x, x_out)    # x_mid += x; x_out = ffn(x_mid)
+            x_out += a.x_mid
         if self.output_scales[i] is not None:
             x_out *= self.output_scale(i, x_out.dtype)
 

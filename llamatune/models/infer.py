@@ -43,12 +43,14 @@ class KVCache:
     def empty(cls, model: Model, batch: int, n_ctx: int, backend: Backend | None = None,
               context: int = 0) -> "KVCache":
         c, xp = model.config, (backend or cpu()).xp
-        shape = (batch, n_ctx, c.n_head_kv, c.head_dim)
         attends = [not c.is_recurrent(i) for i in range(c.n_layer)]
+        # per layer (its own kv heads and head size: gemma4); none where a layer has no keys and
+        # values of its own (a delta-net layer, or one sharing an earlier layer's)
+        shapes = [(batch, n_ctx, c.layer(i).n_head_kv, c.layer(i).head_dim) if a and c.has_kv(i)
+                  else (batch, n_ctx, 0, 0) for i, a in enumerate(attends)]
         states = [None if a else RecurrentState.empty(MixerShape.of(c), batch) for a in attends]
-        return cls([xp.zeros(shape if a else (batch, n_ctx, 0, 0), np.float32) for a in attends],
-                   [xp.zeros(shape if a else (batch, n_ctx, 0, 0), np.float32) for a in attends], context=context,
-                   recurrent=states)
+        return cls([xp.zeros(s, np.float32) for s in shapes], [xp.zeros(s, np.float32) for s in shapes],
+                   context=context, recurrent=states)
 
     @property
     def n_ctx(self) -> int:
@@ -127,6 +129,26 @@ class Runner(Forward):
         c.v[i][:, n:n + T] = v
         return c.k[i][:, :n + T], c.v[i][:, :n + T], n
 
+    def layer_activations(self, B: int, T: int) -> list:
+        """Each layer's activations (LayerActs) for a call of (B, T) tokens: one set for every
+        layer of the same kinds and widths of parts, the residual stream x one for all; a
+        layer whose keys and values later layers reuse (gemma4) has a set of its own."""
+        sets, x = {}, self.xp.empty((B * T, self.cfg.n_embd), np.float32)
+        layers = []
+        for i, parts in enumerate(self.layer_parts):
+            shapes = layer_act_shapes(parts, B, T)
+            key = (tuple(shapes.items()), i if i in self.cfg.kv_sources else None)
+            if key not in sets:
+                sets[key] = {k: x if k == "x" else self.xp.empty(s, np.float32) for k, s in shapes.items()}
+            layers.append(layer_acts(parts, sets[key].get))
+        return layers
+
+    def enter_layer(self, i: int) -> None:
+        """The gate's output scratch h at layer i's width (layers of several widths: gemma4)."""
+        if self.cfg.varies:
+            F = self.cfg.layer(i).n_ff
+            self.h = self._h.reshape(-1)[: self._h.shape[0] * F].reshape(-1, F)
+
     def recurrent_state(self, i: int) -> RecurrentState | None:
         """Layer i's conv and delta state in the cache (a gated delta-net layer), None without a cache."""
         return None if self.cache is None else self.cache.recurrent[i]
@@ -167,19 +189,18 @@ class Runner(Forward):
         self.cache, self.n_past = cache, n_past
         self.decoding = (self.quantized_decode and cache is not None and T == 1 and B <= self.QDOT_MAX_ROWS
                          and self.backend.name == "cpu")
-        shapes = {}                                   # one set for every layer of a kind of parts
-        for parts in self.layer_parts:
-            shapes |= layer_act_shapes(parts, B, T)
-        acts = {k: xp.empty(s, np.float32) for k, s in shapes.items()}
-        layers = [layer_acts(parts, acts.get) for parts in self.layer_parts]
+        layers = self.layer_activations(B, T)
         a = layers[0]                                 # x is updated in place, the same in each
         self.xn, self.h = xp.empty((N, cfg.n_embd), np.float32), xp.empty((N, cfg.n_ff), np.float32)
+        self._h = self.h
         self.fused = xp.empty(N * fused_width(self.layer_parts), np.float32)
         try:
             first = 0 if start is None else start[0]
             if start is None:
                 self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
             else:
+                if cfg.n_embd_per_layer:                  # gemma4: the layers' per-layer inputs
+                    self.embed(self.backend.to_device(tokens.reshape(-1)), a.x)
                 a.x[...] = start[1]
             for i in range(first, cfg.n_layer):
                 if at_layer is not None:

@@ -21,7 +21,7 @@ from ..errors import LlamatuneError
 from ..formats.gguf_io import GGUFFile, Tensor
 from ..formats.tensors import check_finite, check_type
 from ..kernels import dequant
-from .arch import tensor_shape
+from .arch import model_tensor_shapes, tensor_shape
 from .config import ModelConfig
 
 
@@ -43,6 +43,10 @@ class BaseWeights:
     rope_freqs: np.ndarray | None  # (n_rot/2,) f32 Llama-3.1 frequency factors, or None
     rope_long: np.ndarray | None = None   # (n_rot/2,) f32 Phi-3 su/longrope factors above n_ctx_orig
     rope_short: np.ndarray | None = None  # (n_rot/2,) f32 ... and within it
+    # the architecture's model-level tensors (Arch.model_tensors: gemma4's per-layer embeddings)
+    tables: dict[str, Tensor] = field(default_factory=dict)         # read row by row, as token_embd
+    model_mats: dict[str, Tensor] = field(default_factory=dict)     # matrices
+    model_vectors: dict[str, np.ndarray] = field(default_factory=dict)   # norm weights, f32
 
     def all_matrices(self):
         """(name, Tensor) of every matrix that goes through a matmul, llama.cpp names."""
@@ -50,6 +54,8 @@ class BaseWeights:
         for i, layer in enumerate(self.layers):
             for kind, t in layer.mats.items():
                 yield f"blk.{i}.{kind}.weight", t
+        yield from self.model_mats.items()
+        yield from self.tables.items()
         yield "output.weight", self.output
 
     def all_experts(self):
@@ -88,13 +94,13 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
     spec = cfg.spec
     layers = []
     for i in range(cfg.n_layer):
-        p, kinds = f"blk.{i}.", spec.kinds(cfg, i)
+        p, kinds, at = f"blk.{i}.", spec.kinds(cfg, i), cfg.layer(i)     # at: layer i's shapes
         layers.append(Layer(
-            {k: _vector(f, f"{p}{k}.weight", tensor_shape(cfg, k)[0]) for k in spec.norms_of(kinds)},
-            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.matrices_of(kinds)},
-            {k: _vector(f, f"{p}{k}.bias", tensor_shape(cfg, k)[0]) for k in spec.biases_of(kinds)},
-            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(cfg, k)) for k in spec.experts},
-            {k: _small(f, p + k, tensor_shape(cfg, k)) for k in kinds if k in spec.vectors}))
+            {k: _vector(f, f"{p}{k}.weight", tensor_shape(at, k)[0]) for k in spec.norms_of(kinds)},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(at, k)) for k in spec.matrices_of(kinds)},
+            {k: _vector(f, f"{p}{k}.bias", tensor_shape(at, k)[0]) for k in spec.biases_of(kinds)},
+            {k: _matrix(f, f"{p}{k}.weight", tensor_shape(at, k)) for k in spec.experts},
+            {k: _small(f, p + k, tensor_shape(at, k)) for k in kinds if k in spec.vectors}))
     token_embd = _matrix(f, "token_embd.weight", tensor_shape(cfg, "token_embd"))
     has_output = "output.weight" in f and not spec.tied          # gemma, gemma2: always token_embd
     output = _matrix(f, "output.weight", tensor_shape(cfg, "output")) if has_output else token_embd
@@ -102,8 +108,13 @@ def load_weights(f: GGUFFile, cfg: ModelConfig) -> BaseWeights:
     if (factors["rope_factors_long"] is None) != (factors["rope_factors_short"] is None):
         raise LlamatuneError(f"{f.path}: has only one of rope_factors_long.weight and rope_factors_short.weight "
                              "(su/longrope scaling needs both)")
+    extra = model_tensor_shapes(cfg)
     return BaseWeights(token_embd, output, _vector(f, "output_norm.weight", cfg.n_embd), layers,
-                       factors["rope_freqs"], factors["rope_factors_long"], factors["rope_factors_short"])
+                       factors["rope_freqs"], factors["rope_factors_long"], factors["rope_factors_short"],
+                       {n: _matrix(f, n, s) for n, s in extra.items() if n.endswith("token_embd.weight")},
+                       {n: _matrix(f, n, s) for n, s in extra.items() if len(s) == 2
+                        and not n.endswith("token_embd.weight")},
+                       {n: _vector(f, n, s[0]) for n, s in extra.items() if len(s) == 1})
 
 
 class Dequantizer:
@@ -121,7 +132,7 @@ class Dequantizer:
     run uses one scratch or the other, and an untouched one takes no memory."""
 
     def __init__(self, weights: BaseWeights):
-        vocab = {id(weights.token_embd), id(weights.output)}
+        vocab = {id(weights.token_embd), id(weights.output)} | {id(t) for t in weights.tables.values()}
         layer_max = max((t.n_rows * t.n_cols for _, t in weights.all_matrices() if id(t) not in vocab), default=0)
         layer_max = max([layer_max] + [t.shape[1] * t.n_cols for _, t in weights.all_experts()])   # one expert
         head = weights.output
@@ -243,7 +254,7 @@ class Model:
         self.file = path if isinstance(path, GGUFFile) else GGUFFile(path)     # (a file already read: kept)
         self.path = self.file.path
         check_is_model(self.file)
-        self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path))
+        self.config = ModelConfig.from_metadata(self.file.metadata, str(self.path), self.file.tensors)
         self.weights = load_weights(self.file, self.config)
         check_finite(self.path, self._used_tensors(), allow_nonfinite)
         self.dequantizer = Dequantizer(self.weights)

@@ -78,6 +78,8 @@ class LayerActs:
     x_mid: np.ndarray    # (N, C) the mixer's output, then (plus x) the feed-forward's input
     mixer: Any           # the mixer part's Acts
     ffn: Any             # the feed-forward part's Acts
+    post: Any = None     # a third part's Acts (gemma4's per-layer input), None without
+    x_post: np.ndarray | None = None   # (N, C) the feed-forward's output, then (plus x_mid) the third part's input
 
 
 class Part:
@@ -86,8 +88,11 @@ class Part:
     Acts: type = Acts            # the record of its activations
     bf16_saved: tuple[str, ...] = ()   # activations kept as bf16 bits with bf16 products (train/buffers.py)
 
+    kept: tuple[str, ...] = ()   # activations kept per layer in checkpointing mode "layer" too (what
+    #                              later layers read: the keys and values a shared-KV layer reuses)
+
     def __init__(self, cfg: ModelConfig, i: int):
-        self.cfg, self.i, p = cfg, i, f"blk.{i}."
+        self.cfg, self.i, p = cfg.layer(i), i, f"blk.{i}."     # cfg: layer i's shapes (ModelConfig.layer)
         self.p = p
         self.residual_scale = cfg.residual_scale    # granite: the output times this before the residual add
 
@@ -220,23 +225,63 @@ class Gemma4AttentionActs(AttentionActs):
 class Gemma4Attention(Attention):
     """gemma4's attention: gemma3's (per-head q/k norms, rope, sandwich norm) with the values
     RMS-normed per head without a weight (llama.cpp's ggml_rms_norm of Vcur); its scale
-    (1) and its layers' rope come from the config."""
+    (1) and its layers' rope come from the config. A layer sharing KV (the last
+    n_kv_shared, llama.cpp's !has_kv) projects, norms and rotates q alone and attends
+    over the keys and values its source layer made (ModelConfig.kv_source), which that
+    layer keeps for it (`kept`, Forward.kept_kv)."""
     kind, Acts = "gemma4_attention", Gemma4AttentionActs
+    KV_ACTS = ("k", "v", "kp", "rstd_k", "vp", "rstd_v")     # what a layer sharing KV has none of
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.source = cfg.kv_source(i)
+        self.shares = self.source != i
+        self.kept = ("k", "v") if i in cfg.kv_sources else ()
+        self.k_is_v = not cfg.has_v(i)         # attention_k_eq_v: v is k's projection (before k's norm)
+        if self.shares:
+            self.qkv = self.qkv[:1]
+        elif self.k_is_v:
+            self.qkv = self.qkv[:2]
 
     def act_shapes(self, B, T, keep_inputs):
         N, cfg = B * T, self.cfg
-        return super().act_shapes(B, T, keep_inputs) | {"vp": (N, cfg.n_embd_kv), "rstd_v": (N * cfg.n_head_kv,)}
+        shapes = super().act_shapes(B, T, keep_inputs) | {"vp": (N, cfg.n_embd_kv), "rstd_v": (N * cfg.n_head_kv,)}
+        return {k: s for k, s in shapes.items() if not (self.shares and k in self.KV_ACTS)}
 
     def unit(self, xp, dtype) -> np.ndarray:
         """The value norm's weight: ones (head_dim,) on the device (xp: numpy or cupy)."""
         return xp.ones(self.cfg.head_dim, dtype)
+
+    def q_heads(self, a) -> np.ndarray:
+        """q as (B, T, NH, HS)."""
+        B, T, cfg = a.lse.shape[0], a.lse.shape[2], self.cfg
+        return a.q.reshape(B, T, cfg.n_head, cfg.head_dim)
 
     def forward(self, fw, a: Gemma4AttentionActs, x, residual, y) -> None:
         cfg, ops = self.cfg, fw.ops
         cos, sin = fw.ropes[self.rope_set]
         xn = fw.xn if a.xn is None else a.xn
         self.input_norm(fw, xn, a.rstd, x, residual, self.norm)
+        if self.shares:
+            q4 = self.q_heads(a)
+            fw.linear(a.qp, xn, self.qkv[0])
+            HS, wq = cfg.head_dim, fw.linears.norm_weight(self.qk_norms[0])
+            ops.rmsnorm.rmsnorm_forward(a.q.reshape(-1, HS), a.rstd_q, a.qp.reshape(-1, HS), wq, cfg.norm_eps)
+            ops.rope.rope_forward(q4, q4, cos, sin, cfg.n_rot, cfg.rope_mode)
+            k_all, v_all, n_past = fw.kept_kv[self.source]
+        else:
+            q4, k_all, v_all, n_past = self.own_kv(fw, a, xn, cos, sin)
+        fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
+                                       segments=fw.segments, **self.options)
+        self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+
+    def own_kv(self, fw, a: Gemma4AttentionActs, xn, cos, sin):
+        """q, k, v projected, normed and rotated; (q4, the keys and values to attend over, their
+        first position), kept for the layers that share them (Forward.kept_kv)."""
+        cfg, ops = self.cfg, fw.ops
         self.project(fw, a.qp, a.kp, a.vp, xn)
+        if self.k_is_v:
+            a.vp[...] = a.kp
         HS = cfg.head_dim
         ops.rmsnorm.rmsnorm_forward(a.v.reshape(-1, HS), a.rstd_v, a.vp.reshape(-1, HS), self.unit(fw.xp, a.vp.dtype),
                                     cfg.norm_eps)
@@ -244,10 +289,41 @@ class Gemma4Attention(Attention):
         wq, wk = (fw.linears.norm_weight(n) for n in self.qk_norms)
         ops.fused.qk_norm_rope_forward(q4, a.rstd_q, a.qp.reshape(q4.shape), wq, k4, a.rstd_k,
                                        a.kp.reshape(k4.shape), wk, cos, sin, cfg.norm_eps, cfg.n_rot, cfg.rope_mode)
-        k_all, v_all, n_past = fw.kv(self.i, k4, a.v.reshape(k4.shape))
-        fw.attention.attention_forward(a.att.reshape(q4.shape), a.lse, q4, k_all, v_all, n_past,
-                                       segments=fw.segments, **self.options)
-        self.output(fw, y, a.att, self.out, self.post_norm, a.o, a.rstd_o)
+        kv = fw.kv(self.i, k4, a.v.reshape(k4.shape))
+        if self.kept:
+            fw.kept_kv[self.i] = kv
+        return (q4,) + kv
+
+
+@dataclass
+class PerLayerInputActs(Acts):
+    gate: np.ndarray     # (N, P) x W_gate^T, before gelu
+    t: np.ndarray        # (N, P) gelu(gate) * the layer's per-layer input
+    o: np.ndarray        # (N, C) t W_proj^T, before its norm
+    rstd_o: np.ndarray   # (N,)
+
+
+class PerLayerInput(Part):
+    """gemma4's per-layer input, after the feed-forward (llama.cpp's gemma4 graph, "per-layer
+    embedding"): y = RMSNorm((gelu(x W_gate^T) * e_i) W_proj^T, post_norm), with e_i (N, P)
+    layer i's per-layer input (Forward.per_layer_input) and W_gate = inp_gate (P, C),
+    W_proj = proj (C, P)."""
+    kind, Acts = "per_layer_input", PerLayerInputActs
+
+    def __init__(self, cfg: ModelConfig, i: int):
+        super().__init__(cfg, i)
+        self.gate, self.proj, self.post_norm = (self.p + k for k in ("inp_gate.weight", "proj.weight",
+                                                                     "post_norm.weight"))
+
+    def act_shapes(self, B, T, keep_inputs):
+        N, P = B * T, self.cfg.n_embd_per_layer
+        return {"gate": (N, P), "t": (N, P), "o": (N, self.cfg.n_embd), "rstd_o": (N,)}
+
+    def forward(self, fw, a: PerLayerInputActs, x, residual, y) -> None:
+        fw.linear(a.gate, x, self.gate)
+        fw.ops.geglu.geglu_forward(a.t, a.gate, fw.per_layer_input(self.i))
+        fw.linear(a.o, a.t, self.proj)
+        fw.ops.rmsnorm.rmsnorm_forward(y, a.rstd_o, a.o, fw.linears.norm_weight(self.post_norm), self.cfg.norm_eps)
 
 
 class FeedForward(Part):
@@ -446,12 +522,13 @@ class MoePostNorm(MoeFeedForward):
 
 PARTS: dict[str, type[Part]] = {c.kind: c for c in (Attention, FeedForward, MoeFeedForward, FeedForwardPost,
                                                     DeltaNet, GatedAttention, SinkAttention, MoePostNorm,
-                                                    MoeSharedFeedForward, Gemma4Attention)}   # kind -> forward class
+                                                    MoeSharedFeedForward, Gemma4Attention,
+                                                    PerLayerInput)}   # kind -> forward class
 
 
-def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, Part]]:
-    """(mixer, feed-forward) of every layer, made from `classes` (kind -> class: PARTS, or
-    train/parts.py's with their backward)."""
+def layer_parts(cfg: ModelConfig, classes: dict[str, type[Part]] | None = None) -> list[tuple[Part, ...]]:
+    """(mixer, feed-forward[, post]) of every layer, made from `classes` (kind -> class: PARTS,
+    or train/parts.py's with their backward)."""
     classes = PARTS if classes is None else classes
     layers = []
     for i in range(cfg.n_layer):
@@ -468,7 +545,7 @@ def layer_act_shapes(parts: tuple[Part, ...], B: int, T: int, keep_inputs: bool 
     """Name -> shape of one layer's activations: its stream ("x", "x_mid") and each
     part's as "<kind>.<name>"."""
     N, C = B * T, parts[0].cfg.n_embd
-    shapes = {"x": (N, C), "x_mid": (N, C)}
+    shapes = {"x": (N, C), "x_mid": (N, C)} | ({"x_post": (N, C)} if len(parts) > 2 else {})
     for part in parts:
         shapes |= {f"{part.kind}.{k}": s for k, s in part.act_shapes(B, T, keep_inputs).items()}
     return shapes
@@ -476,8 +553,9 @@ def layer_act_shapes(parts: tuple[Part, ...], B: int, T: int, keep_inputs: bool 
 
 def layer_acts(parts: tuple[Part, ...], get) -> LayerActs:
     """One layer's activations from `get(name)` (names as layer_act_shapes; None where absent)."""
-    mixer, ffn = (part.Acts.of(lambda k, kind=part.kind: get(f"{kind}.{k}")) for part in parts)
-    return LayerActs(get("x"), get("x_mid"), mixer, ffn)
+    acts = [part.Acts.of(lambda k, kind=part.kind: get(f"{kind}.{k}")) for part in parts]
+    post = (acts[2], get("x_post")) if len(parts) > 2 else (None, None)
+    return LayerActs(get("x"), get("x_mid"), acts[0], acts[1], *post)
 
 
 def fused_width(layers: list[tuple[Part, ...]]) -> int:

@@ -41,20 +41,21 @@ def rope_cache(cfg, weights, positions: np.ndarray, n_ctx: int,
                rope: tuple[float, float] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin (len(positions), n_rot/2) f32 for int64 positions in a context of n_ctx tokens;
     `weights` holds the model's factor vectors (rope_freqs, rope_long, rope_short); `rope` is a
-    layer's (freq_base, freq_scale) (ModelConfig.rope_sets), by default the model's."""
-    freq_base, freq_scale = rope or (cfg.rope_freq_base, cfg.rope_freq_scale)
-    cos = np.empty((positions.shape[0], cfg.n_rot // 2), np.float32)
+    layer's (freq_base, freq_scale[, n_rot]) (ModelConfig.rope_sets), by default the model's."""
+    freq_base, freq_scale = (rope or (cfg.rope_freq_base, cfg.rope_freq_scale))[:2]
+    n_rot = cfg.n_rot if rope is None else cfg.rope_rot(rope)     # gemma4: the set's own
+    cos = np.empty((positions.shape[0], n_rot // 2), np.float32)
     sin = np.empty_like(cos)
     factors = rope_factors(cfg, weights, n_ctx)
     if not cfg.spec.swa_rope_factors and rope is not None and rope not in [
             cfg.rope_params(i) for i in range(cfg.n_layer) if not cfg.is_swa(i)]:
         factors = None        # gemma4: rope_freqs is the full-attention layers' alone
     if cfg.rope_ext_factor:
-        rope_yarn.rope_cache_yarn(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, cfg.n_ctx_orig_rope,
+        rope_yarn.rope_cache_yarn(cos, sin, positions, n_rot, freq_base, freq_scale, cfg.n_ctx_orig_rope,
                                   cfg.rope_ext_factor, rope_yarn.attn_factor(freq_scale, cfg.rope_attn_factor),
                                   factors)
         return cos, sin
-    host_rope.rope_cache(cos, sin, positions, cfg.n_rot, freq_base, freq_scale, factors)
+    host_rope.rope_cache(cos, sin, positions, n_rot, freq_base, freq_scale, factors)
     if cfg.rope_attn_factor != 1.0:
         cos *= np.float32(cfg.rope_attn_factor)
         sin *= np.float32(cfg.rope_attn_factor)

@@ -33,7 +33,7 @@ class FrozenBase:
         if self.experts and self.backend.name != "cpu":
             raise LlamatuneError(f"{model.path}: a mixture of experts ({model.config.arch}) runs on the CPU only "
                                  "so far: use --device cpu")
-        vectors = {"output_norm.weight": w.output_norm}
+        vectors = {"output_norm.weight": w.output_norm} | w.model_vectors
         for i, layer in enumerate(w.layers):
             for k, v in layer.norms.items():
                 vectors[f"blk.{i}.{k}.weight"] = v
@@ -155,18 +155,19 @@ class FrozenBase:
     def vector(self, name: str):
         return self.vectors.get(name)
 
-    def embed(self, ids, out) -> None:
-        """out[i] = token_embd[ids[i]] (ids on the device), dequantizing only those rows."""
-        t = self.tensors["token_embd.weight"]
+    def embed(self, ids, out, name: str = "token_embd.weight") -> None:
+        """out[i] = token_embd[ids[i]] (ids on the device), dequantizing only those rows
+        (`name`: another table read so, gemma4's per_layer_token_embd)."""
+        t = self.tensors[name]
         if self.backend.name == "cpu":
             if out.dtype == np.float32:
                 self.model.dequantizer.rows(t, ids, out)
             else:                                 # float64 gradient tests
                 out[...] = self.model.dequantizer.rows(t, ids, np.empty(out.shape, np.float32))
         elif t.qtype == QType.F32:
-            out[...] = self._device_raw("token_embd.weight")[ids]
+            out[...] = self._device_raw(name)[ids]
         elif t.qtype in self.backend.ops.dequant.CUDA_TYPES:
-            self.backend.ops.dequant.dequantize_rows_into(self._device_raw("token_embd.weight"), t.qtype, ids, out)
+            self.backend.ops.dequant.dequantize_rows_into(self._device_raw(name), t.qtype, ids, out)
         else:
             host = self.model.dequantizer.rows(t, self.backend.to_host(ids), np.empty(out.shape, np.float32))
             out[...] = self.backend.to_device(host)

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as QType
 from ..console import notice
 from ..errors import LlamatuneError
 from ..formats.gguf_io import KV, GGUFFile, TensorOut, kv, write_gguf
-from .arch import tensor_shape
+from .arch import model_tensor_shapes, tensor_shape
 from .config import ModelConfig
 from .model import ROPE_FACTORS
 
@@ -46,10 +46,11 @@ def tensor_names(cfg: ModelConfig, tied: bool = False) -> dict[str, tuple[int, .
                                          "output_norm.weight": (cfg.n_embd,)}
     if not tied:
         names["output.weight"] = tensor_shape(cfg, "output")
+    names |= model_tensor_shapes(cfg)
     for i in range(cfg.n_layer):
         kinds = cfg.spec.kinds(cfg, i)
         for kind, name in zip(kinds + cfg.spec.experts, cfg.spec.layer_tensors(i, kinds)):
-            names[name] = tensor_shape(cfg, kind)
+            names[name] = tensor_shape(cfg.layer(i), kind)
     return names
 
 

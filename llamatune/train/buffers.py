@@ -108,16 +108,26 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     layers = layer_parts(cfg)
     held = {f"{part.kind}.{k}" for parts in layers for part in parts for k in part.bf16_saved} if bf16_saved else ()
     for i, parts in enumerate(layers):
+        kept = {f"{part.kind}.{k}" for part in parts for k in getattr(part, "kept", ())}   # read by later layers
         for k, shape in layer_act_shapes(parts, B, T, keep_inputs=mode == "none").items():
             if k in held:
                 shape = Bf16(shape)
-            plan[f"blk.{i}.{k}" if mode != "layer" or k == "x" else f"layer.{k}"] = shape
+            if mode != "layer" or k == "x" or k in kept:
+                plan[f"blk.{i}.{k}"] = shape
+            else:                       # one set for every layer: the largest where widths differ (flat)
+                plan[f"layer.{k}"] = widest(plan.get(f"layer.{k}"), shape)
     plan |= {"x_final": (N, C), "rstd_f": (N,)}                     # output of the last layer, its norm
     for t in targets:                                              # x A^T of each adapter (shared per kind
         if has_xa(cfg, t.kind):                                    # in layer mode: recomputed with the layer)
             plan[f"xa.{t.kind}.{t.rank}" if mode == "layer" else f"xa.{t.weight}"] = (N, t.rank)
     if cfg.n_expert:
         plan |= expert_plan(cfg, targets, N, mode)
+    for src in cfg.kv_sources:                                     # gemma4: the gradients shared-KV
+        Ckv = cfg.layer(src).n_embd_kv                             # layers send their source
+        plan |= {f"kv_grad.{src}.k": (N, Ckv), f"kv_grad.{src}.v": (N, Ckv)}
+    if cfg.n_embd_per_layer:                                       # gemma4's per-layer embeddings
+        L, P = cfg.n_layer, cfg.n_embd_per_layer
+        plan |= {"ple.inputs": (L, N, P), "ple.proj": (N, L * P), "ple.rstd": (N * L,), "ple.d": (L, N, P)}
     room = sum(n * m for n, m in grad_scratch(cfg, N, mode).values())
     per_token = head_floats(cfg)
     chunk = head_chunk(N, per_token, room)
@@ -125,13 +135,13 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     plan |= {"xn": (N, C), "dx": (N, C), "dxn": (N, C),
              "grads_logits": (max(room, chunk * per_token),),        # grad_scratch, or the head's chunk
              "tmp": (N * max(C, F, Cq, *(max(s) for s in mats)),), "dnorm": (max(C, 2 * cfg.head_dim),), "losses": (N,),
-             "rope_cos": (T, cfg.n_rot // 2), "rope_sin": (T, cfg.n_rot // 2)}
+             "rope_cos": (T, rope_half(cfg, 0)), "rope_sin": (T, rope_half(cfg, 0))}
     if cfg.spec.qk_norm_full:                                      # olmo2: its q/k norms' weight gradient
         plan["dnorm_qk"] = (Cq,)
     if fused_width(layers):                                        # a fused product, or its gradient,
         plan["fused"] = (N * fused_width(layers),)                 # before it is split / after it is joined
     for j in range(1, len(cfg.rope_sets)):                         # layers with another rope base
-        plan |= {f"rope_cos.{j}": (T, cfg.n_rot // 2), f"rope_sin.{j}": (T, cfg.n_rot // 2)}
+        plan |= {f"rope_cos.{j}": (T, rope_half(cfg, j)), f"rope_sin.{j}": (T, rope_half(cfg, j))}
     if cfg.spec.qk_norm:
         plan |= {"dqp": (N, Cq), "dkp": (N, cfg.n_embd_kv)}
     head_tmp = 0                                                   # products added to a block in the head
@@ -142,6 +152,27 @@ def buffer_plan(cfg: ModelConfig, targets: list[LoraTarget], B: int, T: int, mod
     if head_tmp:
         plan["head_tmp"] = (head_tmp,)
     return plan
+
+
+def rope_half(cfg: ModelConfig, j: int) -> int:
+    """Columns of rope set j's cos / sin tables: half its rotated dimensions."""
+    return cfg.rope_rot(cfg.rope_sets[j]) // 2
+
+
+def widest(planned: tuple[int, ...] | None, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of a buffer every layer uses: `shape` where all layers have it, else one
+    flat buffer of the most elements (shared_view gives each layer its shape of it)."""
+    if planned is None or planned == shape:
+        return shape
+    n = max(int(np.prod(planned)), int(np.prod(shape)))
+    return Bf16((n,)) if isinstance(shape, Bf16) else (n,)
+
+
+def shared_view(buffer, shape):
+    """A layer's view of a buffer every layer uses (None: none), at its own `shape`."""
+    if buffer is None or shape is None or buffer.shape == tuple(shape):
+        return buffer
+    return buffer.reshape(-1)[: int(np.prod(shape))].reshape(shape)
 
 
 def expert_plan(cfg: ModelConfig, targets: list[LoraTarget], N: int, mode: str) -> dict[str, tuple[int, ...]]:

@@ -100,7 +100,7 @@ def lora_targets(cfg: ModelConfig, ranks: dict[str, int], alpha: float, tied: bo
         ("output.weight", "output", tensor_shape(cfg, "output")),
     ]
     for i in range(cfg.n_layer):                                   # the architecture's layer tensors, file order
-        names += [(f"blk.{i}.{k}.weight", k, tensor_shape(cfg, k)) for k in cfg.spec.kinds(cfg, i) + cfg.spec.experts
+        names += [(f"blk.{i}.{k}.weight", k, tensor_shape(cfg.layer(i), k)) for k in cfg.spec.kinds(cfg, i) + cfg.spec.experts
                   if "." not in k and k not in cfg.spec.vectors]
     targets = []
     for weight, kind, shape in names:

@@ -156,8 +156,8 @@ class DenseWeights:
     def vector(self, name: str):
         return self.params[name] if name in self.params else None
 
-    def embed(self, ids, out) -> None:
-        out[...] = self.params["token_embd.weight"][ids]
+    def embed(self, ids, out, name: str = "token_embd.weight") -> None:
+        out[...] = self.params[name][ids]
 
     def grad(self, name: str):
         return self.params.grad_of(self._name(name))

@@ -18,7 +18,8 @@ from ..models.deltanet_mixer import MixerGrads, MixerShape, mixer_backward, mixe
 from ..models.gated_attention import join_q_gate, output_gate_backward
 from ..models.parts import (Attention, AttentionActs, FeedForward, FeedForwardActs, FeedForwardPost,
                             Gemma4Attention, Gemma4AttentionActs, MoeFeedForward, MoeFeedForwardActs,
-                            MoePostNorm, MoeSharedActs, MoeSharedFeedForward, Part, SinkAttention, shared_gate)
+                            MoePostNorm, MoeSharedActs, MoeSharedFeedForward, Part, PerLayerInput,
+                            PerLayerInputActs, SinkAttention, shared_gate)
 from ..models.qwen35_parts import DeltaNet, DeltaNetActs, GatedAttention, GatedAttentionActs
 from .moe import moe_backward
 
@@ -131,18 +132,68 @@ class AttentionBackward(Attention):
 
 class Gemma4AttentionBackward(AttentionBackward, Gemma4Attention):
     def backward(self, g, a: Gemma4AttentionActs, x: np.ndarray) -> None:
-        """AttentionBackward's, with g.dv taken back through the values' unit-weight norm."""
+        """AttentionBackward's, with g.dv taken back through the values' unit-weight norm;
+        the gradients of the keys and values the layers sharing them sent (g.kv_grads)
+        added to the layer's own. A layer sharing KV sends its there and goes back
+        through q alone."""
         g.linears.backward(g.datt, g.post_norm_backward(output_grad(self, g), a.o, a.rstd_o, self.post_norm), a.att,
                            self.out, accumulate=False)
+        if self.shares:
+            self.shared_backward(g, a, x)
+            return
         dq4, dk4 = core_attention_backward(self, g, a)
+        if self.kept:                                         # what the sharing layers sent
+            dk, dv = g.kv_grads[self.i]
+            g.dk += dk
+            g.dv += dv
         cos, sin = g.ropes[self.rope_set]
         self.qk_norm_rope_backward(g, dq4, dk4, a, cos, sin)
         HS = self.cfg.head_dim
         dv = g.dv.copy()
         g.ops.rmsnorm.rmsnorm_backward(g.dv.reshape(-1, HS), g.xp.zeros(HS, dv.dtype), dv.reshape(-1, HS),
                                        a.vp.reshape(-1, HS), self.unit(g.xp, dv.dtype), a.rstd_v)
+        if self.k_is_v:                                       # v was k's projection: one gradient
+            g.dkp += g.dv
         self.project_backward(g, g.dqp, g.dkp, normed_input(self, g, a, x))
         input_norm_backward(self, g, a, x)
+
+    def shared_backward(self, g, a: Gemma4AttentionActs, x: np.ndarray) -> None:
+        """From g.datt: dq through the attention over the source layer's keys and values
+        (their gradients added to g.kv_grads[source]), rope, q's norm and its projection."""
+        k_all, v_all, _ = g.kept_kv[self.source]
+        q4 = self.q_heads(a)
+        dq4, dk4, dv4 = g.dq.reshape(q4.shape), g.dk.reshape(k_all.shape), g.dv.reshape(v_all.shape)
+        g.attention.attention_backward(dq4, dk4, dv4, g.datt.reshape(q4.shape), q4, k_all, v_all,
+                                       a.att.reshape(q4.shape), a.lse, segments=g.segments, **self.options)
+        dk, dv = g.kv_grads[self.source]
+        dk += g.dk
+        dv += g.dv
+        cos, sin = g.ropes[self.rope_set]
+        cfg, HS, name = self.cfg, self.cfg.head_dim, self.qk_norms[0]
+        g.ops.rope.rope_backward(dq4, dq4, cos, sin, cfg.n_rot, cfg.rope_mode)
+        dw = g.dnorm[:HS]
+        dw.fill(0.0)
+        dqp = g.dqp.reshape(-1, HS)
+        g.ops.rmsnorm.rmsnorm_backward(dqp, dw, g.dq.reshape(-1, HS), a.qp.reshape(-1, HS),
+                                       g.linears.norm_weight(name), a.rstd_q)
+        if g.norm_trained(name):
+            g.linears.norm_grad(name, dw)
+        g.linears.backward(g.dxn, g.dqp, normed_input(self, g, a, x), self.qkv[0], accumulate=False)
+        input_norm_backward(self, g, a, x)
+
+
+class PerLayerInputBackward(PerLayerInput):
+    def backward(self, g, a: PerLayerInputActs, x: np.ndarray) -> None:
+        """dy = g.dx back through the post norm, proj, the gelu gate (the per-layer input's
+        gradient into g.ple["d"][i], summed up by StepExecutor.per_layer_embed_backward) and
+        inp_gate, added to g.dx. Scratch: g.dg and g.du (the feed-forward's, free until its
+        backward, which runs next)."""
+        N, P = x.shape[0], self.cfg.n_embd_per_layer
+        do = g.post_norm_backward(g.dx, a.o, a.rstd_o, self.post_norm)
+        dt, dgate = (s.reshape(-1)[:N * P].reshape(N, P) for s in (g.dg, g.du))
+        g.linears.backward(dt, do, a.t, self.proj, accumulate=False)
+        g.ops.geglu.geglu_backward(dgate, g.ple["d"][self.i], dt, a.gate, g.per_layer_input(self.i))
+        g.linears.backward(g.dx, dgate, x, self.gate, accumulate=True)
 
 
 class FeedForwardBackward(FeedForward):
@@ -263,4 +314,5 @@ TRAIN_PARTS: dict[str, type[Part]] = {c.kind: c for c in (AttentionBackward, Fee
                                                           MoeFeedForwardBackward, FeedForwardPostBackward,
                                                           DeltaNetBackward, GatedAttentionBackward,
                                                           SinkAttentionBackward, MoePostNormBackward,
-                                                          MoeSharedFeedForwardBackward, Gemma4AttentionBackward)}
+                                                          MoeSharedFeedForwardBackward, Gemma4AttentionBackward,
+                                                          PerLayerInputBackward)}

@@ -36,12 +36,13 @@ from ..kernels import attention as host_attention
 from ..kernels import rope as host_rope
 from ..kernels.moe import SCRATCH
 from ..models.config import ModelConfig
-from ..models.forward import Forward
+from ..models.forward import PLE_NORM, PLE_PROJ, Forward
 from ..models.moe import PROJECTIONS
-from ..models.parts import MoeFeedForwardActs, layer_acts
+from ..models.parts import MoeFeedForwardActs, layer_act_shapes, layer_acts
 from ..models.rope import rope_cache
 from ..precision import F32, ComputePolicy
-from .buffers import arena_size, carve, checkpointing_mode, grad_scratch, has_xa, plan_bytes, step_plan
+from .buffers import (arena_size, carve, checkpointing_mode, grad_scratch, has_xa, plan_bytes, shared_view,
+                      step_plan)
 from .head import LossHead
 from .linear import LoraLinears
 from .lora import Lora, LoraTarget
@@ -88,7 +89,8 @@ class StepExecutor(Forward):
         assert self.arena.size >= arena_size(self.plan.buffers)
         buf = carve(self.plan.buffers, self.arena)
         self._trimmed_executors: dict[int, StepExecutor] = {}
-        self.layers = [layer_acts(parts, lambda k, i=i: buf.get(f"blk.{i}.{k}", buf.get(f"layer.{k}")))
+        self.layers = [layer_acts(parts, lambda k, i=i, shapes=layer_act_shapes(parts, B, T, self.mode == "none"):
+                                  buf.get(f"blk.{i}.{k}", shared_view(buf.get(f"layer.{k}"), shapes.get(k))))
                        for i, parts in enumerate(self.layer_parts)]
         xa = {t.weight: buf[f"xa.{t.kind}.{t.rank}" if self.mode == "layer" else f"xa.{t.weight}"]
               for t in targets if has_xa(cfg, t.kind)}
@@ -98,8 +100,10 @@ class StepExecutor(Forward):
         # scratch, reused by every layer
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
         shared, at = buf["grads_logits"], 0
+        self._flat = {}                                # name -> the whole of a scratch (enter_layer)
         for name, (n, m) in grad_scratch(cfg, self.N, self.mode).items():   # views of the shared buffer
             setattr(self, name, shared[at: at + n * m].reshape(n, m))
+            self._flat[name] = shared[at: at + n * m]
             at += n * m
         self.chunk, V = self.plan.chunk, cfg.n_vocab                        # the head's, in that room
         self.logits = shared[: self.chunk * V].reshape(self.chunk, V)
@@ -112,6 +116,11 @@ class StepExecutor(Forward):
         self.head_tmp = buf.get("head_tmp")
         self.fused = buf.get("fused")
         self.dqp, self.dkp = buf.get("dqp"), buf.get("dkp")
+        self._flat |= {k: buf[k].reshape(-1) for k in ("dqp", "dkp") if k in buf}
+        # gemma4: the gradients of the keys and values that shared-KV layers reuse, per source
+        self.kv_grads = {s: (buf[f"kv_grad.{s}.k"], buf[f"kv_grad.{s}.v"]) for s in cfg.kv_sources}
+        if cfg.n_embd_per_layer:
+            self.ple = {k: buf[f"ple.{k}"] for k in ("inputs", "proj", "rstd", "d")}
         self._rope_tables(weights, buf, T, dtype, within)
         self.buffers = buf                             # name -> array, as planned
         self.ropes = self.rope_rows                    # the step's tables, per rope set
@@ -136,6 +145,20 @@ class StepExecutor(Forward):
             self.rope_host = within.rope_host
             self.rope_rows = [(c[:T], s[:T]) for c, s in within.rope_rows]
             buf |= {k: v[:T] for k, v in within.buffers.items() if k.startswith("rope_")}
+
+    def ple_buffers(self, N: int) -> dict:
+        return self.ple                                # planned (buffers.buffer_plan)
+
+    def enter_layer(self, i: int) -> None:
+        """Where layers differ in width (gemma4): the backward's scratch viewed at layer i's."""
+        if not self.cfg.varies:
+            return
+        at, N = self.cfg.layer(i), self.N
+        widths = {name: m for name, (_, m) in grad_scratch(at, N, self.mode).items()}
+        widths |= {"dqp": at.n_embd_q, "dkp": at.n_embd_kv}
+        for name, m in widths.items():
+            if name in self._flat:
+                setattr(self, name, self._flat[name][: N * m].reshape(N, m))
 
     def gate_scratch(self) -> tuple[np.ndarray, np.ndarray]:
         """The gate's float32 inputs before the layer keeps them as bf16: the backward's
@@ -196,10 +219,13 @@ class StepExecutor(Forward):
     def layer_backward(self, i: int) -> None:
         """In: self.dx = dL/d(layer output). Out: self.dx = dL/d(layer input): the parts'
         backward in reverse (train/parts.py), each adding its share to the residual's."""
-        mixer, ffn = self.layer_parts[i]
+        self.enter_layer(i)
+        mixer, ffn, *post = self.layer_parts[i]
         a = self.layers[i]
         if self.output_scales[i] is not None:               # gemma4: the output was scaled
             self.dx *= self.output_scale(i, self.dx.dtype)
+        if post:
+            post[0].backward(self, a.post, a.x_post)
         ffn.backward(self, a.ffn, a.x_mid)
         mixer.backward(self, a.mixer, a.x)
 
@@ -214,6 +240,23 @@ class StepExecutor(Forward):
         self.ops.rmsnorm.rmsnorm_backward(self.dx2, self.dnorm, dy, y_in, w, rstd)
         self.linears.norm_grad(name, self.dnorm)
         return self.dx2
+
+    def per_layer_embed_backward(self) -> None:
+        """self.dx += dL/dx0 through the per-layer embeddings' projection (Forward.per_layer_embed),
+        from the layers' inputs' gradient self.ple["d"] (L, N, P); the token table stays frozen
+        (no gradient), as does per_layer_proj_norm unless trained."""
+        cfg, b, N = self.cfg, self.ple, self.N
+        L, P, dt = cfg.n_layer, cfg.n_embd_per_layer, self.dx.dtype.type
+        dsum = b["inputs"].reshape(N, L, P)                 # free now: the layers are done
+        dsum[...] = b["d"].transpose(1, 0, 2)
+        dsum *= dt(np.float32(1) / np.sqrt(np.float32(2)))
+        dproj, dw = b["d"].reshape(N * L, P), self.xp.zeros(P, self.dx.dtype)
+        self.ops.rmsnorm.rmsnorm_backward(dproj, dw, dsum.reshape(N * L, P), b["proj"].reshape(N * L, P),
+                                          self.linears.norm_weight(PLE_NORM), b["rstd"])
+        if self.norm_trained(PLE_NORM):
+            self.linears.norm_grad(PLE_NORM, dw)
+        dproj *= dt(np.float32(1) / np.sqrt(np.float32(cfg.n_embd)))
+        self.linears.backward(self.dx, dproj.reshape(N, L * P), self.layers[0].x, PLE_PROJ, accumulate=True)
 
     def _embed_backward(self, tokens: np.ndarray) -> None:
         dx = self.dx
@@ -304,6 +347,9 @@ class StepExecutor(Forward):
             self.head.loss(tg, w, backward=False)
             w = self.reweight(self, w)
         loss = self.head.loss(tg, w) + self.router_aux(w)
+        for dk, dv in self.kv_grads.values():               # gemma4: sent by the shared-KV layers
+            dk.fill(0.0)
+            dv.fill(0.0)
         for i in reversed(range(self.cfg.n_layer)):
             if self.mode == "layer" and i + 1 < self.cfg.n_layer:   # the last layer's are still there
                 self.recomputing = True                                           # recompute; its output is not needed
@@ -312,6 +358,8 @@ class StepExecutor(Forward):
                 finally:
                     self.recomputing = False
             self.layer_backward(i)
+        if self.cfg.n_embd_per_layer:
+            self.per_layer_embed_backward()
         self._embed_backward(tokens)
         self.params.settle()                                # lazily cleared gradients no product wrote
         return loss
@@ -377,6 +425,9 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
     # one layer of each kind)
     if like is not None and like.recurrent_layers:
         tiny["recurrent_layers"] = (True, False)
+    if like is not None and like.varies | bool(like.n_kv_shared or like.n_embd_per_layer):   # gemma4: one width,
+        tiny |= dict(head_dim_swa=0, n_rot_swa=0, n_head_kv_layers=(), n_ff_layers=(), n_kv_shared=0,  # its own
+                     n_embd_per_layer=8 if like.n_embd_per_layer else 0)                    # K/V, small inputs
     if like is not None and like.spec.moe:
         cfg = ModelConfig.new("llama", norm_eps=like.norm_eps, **tiny)
     else:
