@@ -3,9 +3,8 @@ trained on the text, a short AdamW training of a tiny model so that no weight ke
 initial value, llama.cpp's convert_hf_to_gguf.py with the trained vocabulary's
 pre-tokenizer named, and HF's own source re-executed with its float32 casts made float64.
 
-Imported by the torch side of checks/qwen35moe_hf.py and checks/gemma4_hf.py (run under
-a Python with torch and transformers, never a dependency of the project); it imports
-nothing of llamatune.
+Imported by the torch side of the checks/*_hf.py oracles (run under a Python with torch
+and transformers, never a dependency of the project); it imports nothing of llamatune.
 
 The converter names a byte-level BPE by the hash of a fixed text's tokens; a vocabulary
 trained here has no known hash, so the converter runs with that lookup answering the
@@ -46,12 +45,14 @@ def train_tokenizer(text: str, out: Path, vocab_size: int = 512, specials: tuple
     return fast
 
 
-def train(model, ids, steps: int, ctx: int = 64, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+def train(model, ids, steps: int, ctx: int = 64, batch: int = 8, lr: float = 3e-3, seed: int | None = 0,
           label: str = "") -> None:
-    """`steps` AdamW steps on random windows of `ids` (a 1-D token tensor), ctx tokens each."""
+    """`steps` AdamW steps on `batch` random windows of `ids` (a 1-D token tensor), ctx
+    tokens each, drawn by a generator seeded `seed` (None: torch's global generator, left
+    where the model's initialisation left it)."""
     import torch
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
     for step in range(steps):
         starts = torch.randint(0, len(ids) - ctx - 1, (batch,), generator=gen)
         rows = torch.stack([ids[s:s + ctx] for s in starts])
