@@ -142,17 +142,17 @@ def grads64(model, inp: Path, out: Path) -> None:
     np.savez(out, loss=loss.detach().numpy(), **res)
 
 
-def cli(doc: str, build, load64, convert) -> None:
-    """An oracle's command line: build DIR [--steps --seed --text], convert DIR OUT.gguf
-    [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)), logits DIR TOKENS OUT,
-    grads DIR BATCH OUT (of load64(DIR))."""
+def cli(doc: str, build, load64, convert, steps: int = 200) -> None:
+    """An oracle's command line: build DIR [--steps (default `steps`) --seed --text],
+    convert DIR OUT.gguf [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)),
+    logits DIR TOKENS OUT, grads DIR BATCH OUT (of load64(DIR))."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
-    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--steps", type=int, default=steps)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--text", type=Path, default=TRAIN_TEXT)
     c = sub.add_parser("convert")
