@@ -27,8 +27,6 @@ and interleaved in gate_up_proj: HF's expert forward with those terms added).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import subprocess
 import sys
@@ -204,23 +202,8 @@ def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dic
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--hf-side":
-        moe_hf.hf_side(sys.argv[2:], _make_hf, _logits, _grads)
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["make", "logits"])
-    ap.add_argument("paths", nargs="+")
-    ap.add_argument("--torch-python", required=True)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--llama-bin", type=Path, default=moe_hf.LLAMA_CPP / "build" / "bin")
-    a = ap.parse_args(argv)
-    if a.what == "make":
-        print(json.dumps({k: str(v) for k, v in make(Path(a.paths[0]), a.torch_python, a.steps,
-                                                    a.llama_bin).items()}))
-    else:
-        d, ids, out = map(Path, a.paths)
-        np.savez(out, logits=hf_logits(a.torch_python, d / "hf", np.load(ids), out.parent))
-    return 0
+    return moe_hf.command_line(argv, __doc__, lambda argv: moe_hf.hf_side(argv, _make_hf, _logits, _grads), make,
+                               hf_logits, llama_bin=True)
 
 
 if __name__ == "__main__":

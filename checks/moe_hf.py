@@ -233,22 +233,32 @@ def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dic
     return {"loss": float(out.pop("loss"))} | {n.replace(".lora_", ".weight.lora_"): a for n, a in out.items()}
 
 
-def main(argv=None) -> int:
+def command_line(argv, doc: str, side, make, hf_logits, llama_bin: bool = False) -> int:
+    """An oracle's command line: `--hf-side COMMAND ...` (under the torch Python: side's
+    commands), `make DIR` (its paths printed as JSON) or `logits DIR IDS.npy OUT.npz`,
+    with --torch-python, --steps and, where `llama_bin`, --llama-bin (make's 4th argument)."""
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--hf-side":
-        hf_side(sys.argv[2:], _make_hf, _logits, _grads)
+        side(sys.argv[2:])
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("what", choices=["make", "logits"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--torch-python", required=True)
     ap.add_argument("--steps", type=int, default=300)
+    if llama_bin:
+        ap.add_argument("--llama-bin", type=Path, default=LLAMA_CPP / "build" / "bin")
     a = ap.parse_args(argv)
     if a.what == "make":
-        print(json.dumps({k: str(v) for k, v in make(Path(a.paths[0]), a.torch_python, a.steps).items()}))
+        paths = make(Path(a.paths[0]), a.torch_python, a.steps, *([a.llama_bin] if llama_bin else []))
+        print(json.dumps({k: str(v) for k, v in paths.items()}))
     else:
         d, ids, out = map(Path, a.paths)
         np.savez(out, logits=hf_logits(a.torch_python, d / "hf", np.load(ids), out.parent))
     return 0
+
+
+def main(argv=None) -> int:
+    return command_line(argv, __doc__, lambda argv: hf_side(argv, _make_hf, _logits, _grads), make, hf_logits)
 
 
 if __name__ == "__main__":
