@@ -155,19 +155,15 @@ def main() -> int:
     b.add_argument("--data", type=Path, required=True)
     b.add_argument("--steps", type=int, default=300)
     b.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_DIR", ".")))
-    for what in ("logits", "grads"):
-        s = sub.add_parser(what)
-        s.add_argument("hf", type=Path)
-        s.add_argument("inp", type=Path)
-        s.add_argument("out", type=Path)
+    hf_tiny.add_model_commands(sub)
     args = p.parse_args()
     if args.what == "build":
         args.out.mkdir(parents=True, exist_ok=True)
         build(args.family, args.out, args.data, args.steps, args.llama_cpp.resolve())
     elif args.what == "logits":
-        logits(args.hf, args.inp, args.out)
+        logits(args.dir, args.inp, args.out)
     else:
-        grads(args.hf, args.inp, args.out)
+        grads(args.dir, args.inp, args.out)
     return 0
 
 

@@ -142,6 +142,15 @@ def grads64(model, inp: Path, out: Path) -> None:
     np.savez(out, loss=loss.detach().numpy(), **res)
 
 
+def add_model_commands(sub, names: tuple[str, ...] = ("logits", "grads")) -> None:
+    """The commands NAME DIR INP OUT of an oracle's command line (`sub`: its subparsers):
+    a model folder, an input file, an output file."""
+    for name in names:
+        s = sub.add_parser(name)
+        for arg in ("dir", "inp", "out"):
+            s.add_argument(arg, type=Path)
+
+
 def cli(doc: str, build, load64, convert, steps: int = 200) -> None:
     """An oracle's command line: build DIR [--steps (default `steps`) --seed --text],
     convert DIR OUT.gguf [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)),
@@ -160,11 +169,7 @@ def cli(doc: str, build, load64, convert, steps: int = 200) -> None:
     c.add_argument("out", type=Path)
     c.add_argument("--outtype", default="f32")
     c.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP)
-    for name in ("logits", "grads"):
-        s = sub.add_parser(name)
-        s.add_argument("dir", type=Path)
-        s.add_argument("inp", type=Path)
-        s.add_argument("out", type=Path)
+    add_model_commands(sub)
     a = ap.parse_args()
     if a.cmd == "build":
         a.dir.mkdir(parents=True, exist_ok=True)
