@@ -2,10 +2,12 @@
 and BLAS thread counts are set before they load; collect the JSON rows it prints."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 
 def rows_per_thread_count(script: str, threads: str, args: list[str]) -> list[dict]:
@@ -21,6 +23,47 @@ def rows_per_thread_count(script: str, threads: str, args: list[str]) -> list[di
             sys.exit(res.stderr)
         rows += json.loads(res.stdout.strip().splitlines()[-1])
     return rows
+
+
+def per_type_parser(doc: str, types: str, threads: str, repeat: int) -> argparse.ArgumentParser:
+    """The command line of a benchmark timed per GGML type in one child per thread count:
+    --threads, --repeat, --types (comma-separated), --json and the children's
+    --threads-child; a script adds its own options."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--threads", default=threads, help="comma-separated thread counts")
+    ap.add_argument("--repeat", type=int, default=repeat)
+    ap.add_argument("--types", default=types, help="comma-separated GGML type names")
+    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
+    return ap
+
+
+def per_type_main(script: str, args, child, title: str, columns: list[tuple[str, str, int]]) -> None:
+    """A per_type_parser benchmark's run (args.types a list): child(args) in a child
+    (--threads-child); else the children's rows (rows_per_thread_count), one JSON object
+    each with --json, or under `title` a table of `columns` (key, header, width)."""
+    if args.threads_child:
+        child(args)
+        return
+    rows = rows_per_thread_count(script, args.threads, ["--types", ",".join(args.types), "--repeat", str(args.repeat)])
+    if printed_as_json(rows, args.json):
+        return
+    print(title)
+    print(" ".join(f"{header:>{width}}" for _, header, width in columns))
+    for r in rows:
+        print(" ".join(f"{r[key]:>{width}}" for key, _, width in columns))
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """The least time of `repeat` calls of fn after one (compilation, warm-up): the least
+    disturbed by other processes on a shared machine."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def printed_as_json(rows: list[dict], as_json: bool) -> bool:

@@ -20,11 +20,10 @@ for (launch included); GB/s counts the quantized bytes read and the float32 writ
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
-from children import printed_as_json, rows_per_thread_count
+from children import best_seconds, per_type_main, per_type_parser
 
 ROWS, COLS = 1536, 512
 TYPES = "F16,BF16,Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,MXFP4,IQ4_NL,IQ4_XS"
@@ -64,12 +63,7 @@ def child(args) -> None:
     rows = []
     for name in args.types:
         data, qtype = data_of(name, x), int(T[name])
-        dequantize_into(data, qtype, out)  # compile / warm up
-        best = float("inf")
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            dequantize_into(data, qtype, out)
-            best = min(best, time.perf_counter() - t0)
+        best = best_seconds(lambda: dequantize_into(data, qtype, out), args.repeat)
         rows.append(dict(threads=args.threads_child, type=name, us=round(best * 1e6, 1),
                          gweights_per_s=round(ROWS * COLS / best / 1e9, 2)))
     print(json.dumps(rows))
@@ -110,13 +104,8 @@ def cuda_rows(args) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
-    ap.add_argument("--repeat", type=int, default=300)
-    ap.add_argument("--types", default=TYPES, help="comma-separated GGML type names")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
+    ap = per_type_parser(__doc__, TYPES, threads="1,2", repeat=300)
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.types = args.types.split(",")
     if args.device == "cuda":
@@ -127,17 +116,8 @@ def main() -> None:
             print(json.dumps(r) if args.json else
                   f"{r['type']:>5} {r['us']:>8} {r['us_waited']:>10} {r['gb_per_s']:>7}")
         return
-    if args.threads_child:
-        child(args)
-        return
-    rows = rows_per_thread_count(__file__, args.threads, ["--types", ",".join(args.types),
-                                                          "--repeat", str(args.repeat)])
-    if printed_as_json(rows, args.json):
-        return
-    print(f"dequantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}")
-    print(f"{'threads':>7} {'type':>5} {'us':>8} {'Gw/s':>7}")
-    for r in rows:
-        print(f"{r['threads']:>7} {r['type']:>5} {r['us']:>8} {r['gweights_per_s']:>7}")
+    per_type_main(__file__, args, child, f"dequantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}",
+                  [("threads", "threads", 7), ("type", "type", 5), ("us", "us", 8), ("gweights_per_s", "Gw/s", 7)])
 
 
 if __name__ == "__main__":

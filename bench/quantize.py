@@ -12,25 +12,13 @@ warm-up (compilation excluded): the least disturbed by other processes on a shar
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
-from children import printed_as_json, rows_per_thread_count
+from children import best_seconds, per_type_main, per_type_parser
 
 ROWS, COLS = 1536, 512
 TYPES = "Q4_0,Q4_1,Q5_0,Q5_1,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K"
 K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-
-
-def best_seconds(fn, repeat: int) -> float:
-    fn()                                   # compile / warm up
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def child(args) -> None:
@@ -58,25 +46,11 @@ def child(args) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="1", help="comma-separated thread counts")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--types", default=TYPES, help="comma-separated GGML type names")
-    ap.add_argument("--json", action="store_true", help="print one JSON object per row")
-    ap.add_argument("--threads-child", type=int, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = per_type_parser(__doc__, TYPES, threads="1", repeat=5).parse_args()
     args.types = args.types.split(",")
-    if args.threads_child:
-        child(args)
-        return
-    rows = rows_per_thread_count(__file__, args.threads, ["--types", ",".join(args.types),
-                                                          "--repeat", str(args.repeat)])
-    if printed_as_json(rows, args.json):
-        return
-    print(f"quantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}")
-    print(f"{'threads':>7} {'type':>5} {'kind':>8} {'ms':>8} {'Mw/s':>7}")
-    for r in rows:
-        print(f"{r['threads']:>7} {r['type']:>5} {r['kind']:>8} {r['ms']:>8} {r['mweights_per_s']:>7}")
+    per_type_main(__file__, args, child, f"quantize a ({ROWS}, {COLS}) matrix; best of {args.repeat}",
+                  [("threads", "threads", 7), ("type", "type", 5), ("kind", "kind", 8), ("ms", "ms", 8),
+                   ("mweights_per_s", "Mw/s", 7)])
 
 
 if __name__ == "__main__":

@@ -27,11 +27,11 @@ rotary tables stay HF's float32 ones.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from checks import hf_tiny
 
 FAMILIES = ("olmo2", "smollm3", "granite")
 VOCAB = 512
@@ -82,37 +82,10 @@ def build(family: str, out: Path, data: Path, steps: int, llama_cpp: Path) -> No
     ids = torch.tensor(tok.backend_tokenizer.encode(text).ids)
     print(f"{family}: {len(ids)} training tokens", flush=True)
     model = tf.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        starts = torch.randint(0, len(ids) - 65, (16,), generator=gen)
-        rows = torch.stack([ids[s:s + 65] for s in starts])
-        loss = model(input_ids=rows[:, :-1], labels=rows[:, :-1]).loss   # HF shifts the labels itself
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"{family} step {step}: loss {loss.item():.4f}", flush=True)
+    hf_tiny.train(model, ids, steps, batch=16, seed=1, label=family)
     model.save_pretrained(hf)
-    for outtype in ("f32", "q8_0"):
-        convert(hf, out / f"{family}-{outtype.upper()}.gguf", outtype, llama_cpp)
-
-
-CONVERT = """
-import sys
-sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
-sys.path[:0] = [{cpp!r}, {gguf_py!r}]
-import conversion.base as base
-base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"   # a tokenizer trained here has no known hash
-import convert_hf_to_gguf
-convert_hf_to_gguf.main()
-"""
-
-
-def convert(hf: Path, out: Path, outtype: str, llama_cpp: Path) -> None:
-    code = CONVERT.format(cpp=str(llama_cpp), gguf_py=str(llama_cpp / "gguf-py"))
-    subprocess.run([sys.executable, "-c", code, str(hf), "--outfile", str(out), "--outtype", outtype],
-                   check=True, cwd=llama_cpp, stdout=subprocess.DEVNULL)
+    for outtype in ("f32", "q8_0"):     # the tokenizer is GPT-2's kind (see the module's docstring)
+        hf_tiny.convert(hf, out / f"{family}-{outtype.upper()}.gguf", outtype, llama_cpp, pre="gpt-2")
 
 
 def float64_model(hf: Path):
@@ -182,19 +155,15 @@ def main() -> int:
     b.add_argument("--data", type=Path, required=True)
     b.add_argument("--steps", type=int, default=300)
     b.add_argument("--llama-cpp", type=Path, default=Path(os.environ.get("LLAMA_CPP_DIR", ".")))
-    for what in ("logits", "grads"):
-        s = sub.add_parser(what)
-        s.add_argument("hf", type=Path)
-        s.add_argument("inp", type=Path)
-        s.add_argument("out", type=Path)
+    hf_tiny.add_model_commands(sub)
     args = p.parse_args()
     if args.what == "build":
         args.out.mkdir(parents=True, exist_ok=True)
         build(args.family, args.out, args.data, args.steps, args.llama_cpp.resolve())
     elif args.what == "logits":
-        logits(args.hf, args.inp, args.out)
+        logits(args.dir, args.inp, args.out)
     else:
-        grads(args.hf, args.inp, args.out)
+        grads(args.dir, args.inp, args.out)
     return 0
 
 

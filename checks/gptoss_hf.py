@@ -1,7 +1,8 @@
 """A tiny gpt-oss made by Hugging Face transformers, its GGUF files made by llama.cpp's own
 converter (F32, Q8_0) and quantizer (MXFP4_MOE), and HF's float64 logits (and autograd
 gradients) on given ids: the oracle of the gpt-oss tests and checks (checks/moe_hf.py
-does the same for qwen3moe and lends its tokenizer, converter and runner).
+does the same for qwen3moe and lends its runner, its commands and its PEFT gradients;
+checks/hf_tiny.py the tokenizer, the training and the converter).
 
     python -m checks.gptoss_hf make DIR --torch-python PATH [--steps 300]
     python -m checks.gptoss_hf logits DIR IDS.npy OUT.npz --torch-python PATH
@@ -26,8 +27,6 @@ and interleaved in gate_up_proj: HF's expert forward with those terms added).
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import subprocess
 import sys
@@ -36,9 +35,10 @@ from pathlib import Path
 import numpy as np
 
 if __package__:
-    from .moe_hf import HF_MODULES, LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
+    from . import hf_tiny, moe_hf
 else:                                          # run as a script under the torch Python
-    from moe_hf import HF_MODULES, LLAMA_CPP, TRAIN_TEXT, _convert, _tokenizer, hf_run
+    import hf_tiny
+    import moe_hf
 
 ARCH = "gpt-oss"
 ROPE = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
@@ -57,8 +57,8 @@ def _make_hf(out: Path, steps: int) -> None:
     from transformers import GptOssConfig, GptOssForCausalLM
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    text = TRAIN_TEXT.read_text(encoding="utf-8")
-    tok = _tokenizer(out, text, CONFIG["vocab_size"])
+    text = moe_hf.TRAIN_TEXT.read_text(encoding="utf-8")
+    tok = hf_tiny.train_tokenizer(text, out, CONFIG["vocab_size"])
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
     model = GptOssForCausalLM(GptOssConfig(**CONFIG))
     with torch.no_grad():                     # norms off 1 and biases off 0 so that every weight matters
@@ -67,17 +67,7 @@ def _make_hf(out: Path, steps: int) -> None:
                 p.add_(0.2 * torch.randn_like(p))
             elif "bias" in n or n.endswith("sinks"):
                 p.copy_(0.3 * torch.randn_like(p))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    ctx, batch = 64, 8
-    for step in range(steps):
-        starts = torch.randint(0, len(ids) - ctx - 1, (batch,))
-        x = torch.stack([ids[s:s + ctx + 1] for s in starts])
-        loss = model(input_ids=x[:, :-1], labels=x[:, :-1].clone()).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    hf_tiny.train(model, ids, steps, seed=None, label=ARCH)   # windows from the seeded global generator
     model.save_pretrained(out)
 
 
@@ -129,10 +119,7 @@ def _logits(model_dir: Path, ids_path: Path, out: Path, peft_dir: str = "") -> N
     if peft_dir:                                  # a PEFT adapter on top (llamatune's convert-checkpoint --to peft)
         from peft import PeftModel
         model = PeftModel.from_pretrained(model, peft_dir).to(torch.float64)
-    ids = torch.from_numpy(np.load(ids_path))
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits
-    np.savez(out, logits=logits.numpy())
+    moe_hf.save_logits(model, ids_path, out)
 
 
 EXPERT_KINDS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
@@ -162,55 +149,23 @@ def _experts_with_lora(self, hidden_states, router_indices=None, routing_weights
     return out
 
 
-def _grads(model_dir: Path, inp: Path, out: Path) -> None:
-    """Loss (mean cross-entropy of ids[:, 1:] after ids[:, :-1]) and the autograd gradients
-    of the LoRA pairs given (alpha / r scaling, no dropout): inp holds ids, alpha, r and
-    `blk.I.KIND.lora_a` / `.lora_b` arrays in llama.cpp's layout."""
+def _expert_pair(model, layer: int, kind: str, a, b, scale: float):
+    """Layer `layer`'s expert LoRA pair of `kind` (A (E, r, n_in), B (E, n_out, r)) as
+    leaf tensors in its experts' `lora` (read by `_experts_with_lora`)."""
     import torch
-    from peft import LoraConfig, get_peft_model
+    pair = [torch.tensor(a, requires_grad=True), torch.tensor(b, requires_grad=True)]
+    experts = model.base_model.model.model.layers[layer].mlp.experts
+    experts.lora = getattr(experts, "lora", {}) | {EXPERT_KINDS[kind]: pair}
+    experts.lora_scale = scale
+    return pair
+
+
+def _grads(model_dir: Path, inp: Path, out: Path) -> None:
+    """moe_hf.save_lora_grads of the LoRA pairs given: attention's by PEFT, the experts' as
+    `_experts_with_lora` applies them."""
     from transformers.models.gpt_oss import modeling_gpt_oss as m
     m.GptOssExperts.forward = _experts_with_lora
-    d = dict(np.load(inp))
-    r, alpha = int(d.pop("r")), float(d.pop("alpha"))
-    ids = torch.from_numpy(d.pop("ids"))
-    model = get_peft_model(_load(model_dir), LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=sorted({m.split(".")[-1] for m in HF_MODULES.values()})))
-    params = dict(model.named_parameters())
-    layers = model.base_model.model.model.layers
-    ours = {}
-    for name in sorted({n.rsplit(".", 1)[0] for n in d}):                 # blk.I.KIND
-        _, i, kind = name.split(".")
-        if kind in EXPERT_KINDS:
-            pair = [torch.tensor(d[f"{name}.{side}"], requires_grad=True) for side in ("lora_a", "lora_b")]
-            experts = layers[int(i)].mlp.experts
-            experts.lora = getattr(experts, "lora", {}) | {EXPERT_KINDS[kind]: pair}
-            experts.lora_scale = alpha / r
-            ours |= {f"{name}.lora_a": pair[0], f"{name}.lora_b": pair[1]}
-            continue
-        hf = f"base_model.model.model.layers.{i}.{HF_MODULES[kind]}"
-        for side, key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
-            p = params[f"{hf}.{key}.default.weight"]
-            with torch.no_grad():
-                p.copy_(torch.from_numpy(d[f"{name}.{side}"]))
-            ours[f"{name}.{side}"] = p
-    logits = model(input_ids=ids[:, :-1]).logits
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-    loss.backward()
-    np.savez(out, loss=loss.item(), **{n: p.grad.numpy() for n, p in ours.items()})
-
-
-def _hf_side(argv: list[str]) -> None:
-    what, *args = argv
-    if what == "make":
-        _make_hf(Path(args[0]), int(args[1]))
-    elif what == "convert":
-        _convert(Path(args[0]), Path(args[1]), args[2])
-    elif what == "logits":
-        _logits(Path(args[0]), Path(args[1]), Path(args[2]), *args[3:])
-    elif what == "grads":
-        _grads(Path(args[0]), Path(args[1]), Path(args[2]))
-    else:
-        raise SystemExit(f"unknown hf-side command {what}")
+    moe_hf.save_lora_grads(_load(model_dir), inp, out, _expert_pair)
 
 
 # --------------------------------------------------------------------------- this side
@@ -226,13 +181,7 @@ def make(work: Path, torch_python: str, steps: int = 300, llama_bin: Path | None
     """The HF model (work/hf) and its GGUF files: F32 and Q8_0 by llama.cpp's converter,
     MXFP4_MOE by llama-quantize (when `llama_bin` is given); reused where they exist.
     Returns {"hf", "f32", "q8_0"[, "mxfp4"]} paths."""
-    work.mkdir(parents=True, exist_ok=True)
-    paths = {"hf": work / "hf", "f32": work / f"{ARCH}-f32.gguf", "q8_0": work / f"{ARCH}-q8_0.gguf"}
-    if not (paths["hf"] / "config.json").exists():
-        hf_run(torch_python, "make", paths["hf"], steps, script=__file__)
-    for outtype in ("f32", "q8_0"):
-        if not paths[outtype].exists():
-            hf_run(torch_python, "convert", paths["hf"], paths[outtype], outtype, script=__file__)
+    paths = moe_hf.make(work, torch_python, steps, ARCH, script=__file__)
     if llama_bin is not None:
         paths["mxfp4"] = work / f"{ARCH}-mxfp4.gguf"
         if not paths["mxfp4"].exists():
@@ -242,41 +191,19 @@ def make(work: Path, torch_python: str, steps: int = 300, llama_bin: Path | None
 
 def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path, peft_dir: Path | None = None) -> np.ndarray:
     """HF's float64 logits (B, T, V) on ids (B, T), with the PEFT adapter `peft_dir` where given."""
-    np.save(work / "ids.npy", np.asarray(ids, np.int64))
-    hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz", *([peft_dir] if peft_dir else []),
-           script=__file__)
-    return np.load(work / "logits.npz")["logits"]
+    return moe_hf.hf_logits(torch_python, model_dir, ids, work, peft_dir, script=__file__)
 
 
 def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dict[str, np.ndarray], r: int,
                   alpha: float, work: Path) -> dict[str, np.ndarray]:
     """HF's float64 loss ("loss") and the gradients of the LoRA pairs `lora` (names
     `blk.I.KIND.weight.lora_a` / `.lora_b`; attention and expert kinds) on ids (B, T + 1)."""
-    np.savez(work / "grads-in.npz", ids=np.asarray(ids, np.int64), r=r, alpha=alpha,
-             **{n.replace(".weight.", "."): a for n, a in lora.items()})
-    hf_run(torch_python, "grads", model_dir, work / "grads-in.npz", work / "grads.npz", script=__file__)
-    out = dict(np.load(work / "grads.npz"))
-    return {"loss": float(out.pop("loss"))} | {n.replace(".lora_", ".weight.lora_"): a for n, a in out.items()}
+    return moe_hf.hf_lora_grads(torch_python, model_dir, ids, lora, r, alpha, work, script=__file__)
 
 
 def main(argv=None) -> int:
-    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--hf-side":
-        _hf_side(sys.argv[2:])
-        return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["make", "logits"])
-    ap.add_argument("paths", nargs="+")
-    ap.add_argument("--torch-python", required=True)
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--llama-bin", type=Path, default=LLAMA_CPP / "build" / "bin")
-    a = ap.parse_args(argv)
-    if a.what == "make":
-        print(json.dumps({k: str(v) for k, v in make(Path(a.paths[0]), a.torch_python, a.steps,
-                                                    a.llama_bin).items()}))
-    else:
-        d, ids, out = map(Path, a.paths)
-        np.savez(out, logits=hf_logits(a.torch_python, d / "hf", np.load(ids), out.parent))
-    return 0
+    return moe_hf.command_line(argv, __doc__, lambda argv: moe_hf.hf_side(argv, _make_hf, _logits, _grads), make,
+                               hf_logits, llama_bin=True)
 
 
 if __name__ == "__main__":

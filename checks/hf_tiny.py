@@ -3,9 +3,8 @@ trained on the text, a short AdamW training of a tiny model so that no weight ke
 initial value, llama.cpp's convert_hf_to_gguf.py with the trained vocabulary's
 pre-tokenizer named, and HF's own source re-executed with its float32 casts made float64.
 
-Imported by the torch side of checks/qwen35moe_hf.py and checks/gemma4_hf.py (run under
-a Python with torch and transformers, never a dependency of the project); it imports
-nothing of llamatune.
+Imported by the torch side of the checks/*_hf.py oracles (run under a Python with torch
+and transformers, never a dependency of the project); it imports nothing of llamatune.
 
 The converter names a byte-level BPE by the hash of a fixed text's tokens; a vocabulary
 trained here has no known hash, so the converter runs with that lookup answering the
@@ -46,12 +45,14 @@ def train_tokenizer(text: str, out: Path, vocab_size: int = 512, specials: tuple
     return fast
 
 
-def train(model, ids, steps: int, ctx: int = 64, batch: int = 8, lr: float = 3e-3, seed: int = 0,
+def train(model, ids, steps: int, ctx: int = 64, batch: int = 8, lr: float = 3e-3, seed: int | None = 0,
           label: str = "") -> None:
-    """`steps` AdamW steps on random windows of `ids` (a 1-D token tensor), ctx tokens each."""
+    """`steps` AdamW steps on `batch` random windows of `ids` (a 1-D token tensor), ctx
+    tokens each, drawn by a generator seeded `seed` (None: torch's global generator, left
+    where the model's initialisation left it)."""
     import torch
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    gen = torch.Generator().manual_seed(seed)
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
     for step in range(steps):
         starts = torch.randint(0, len(ids) - ctx - 1, (batch,), generator=gen)
         rows = torch.stack([ids[s:s + ctx] for s in starts])
@@ -141,17 +142,26 @@ def grads64(model, inp: Path, out: Path) -> None:
     np.savez(out, loss=loss.detach().numpy(), **res)
 
 
-def cli(doc: str, build, load64, convert) -> None:
-    """An oracle's command line: build DIR [--steps --seed --text], convert DIR OUT.gguf
-    [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)), logits DIR TOKENS OUT,
-    grads DIR BATCH OUT (of load64(DIR))."""
+def add_model_commands(sub, names: tuple[str, ...] = ("logits", "grads")) -> None:
+    """The commands NAME DIR INP OUT of an oracle's command line (`sub`: its subparsers):
+    a model folder, an input file, an output file."""
+    for name in names:
+        s = sub.add_parser(name)
+        for arg in ("dir", "inp", "out"):
+            s.add_argument(arg, type=Path)
+
+
+def cli(doc: str, build, load64, convert, steps: int = 200) -> None:
+    """An oracle's command line: build DIR [--steps (default `steps`) --seed --text],
+    convert DIR OUT.gguf [--outtype --llama-cpp] (convert(dir, out, outtype, llama_cpp)),
+    logits DIR TOKENS OUT, grads DIR BATCH OUT (of load64(DIR))."""
     import argparse
     import json
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("dir", type=Path)
-    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--steps", type=int, default=steps)
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--text", type=Path, default=TRAIN_TEXT)
     c = sub.add_parser("convert")
@@ -159,11 +169,7 @@ def cli(doc: str, build, load64, convert) -> None:
     c.add_argument("out", type=Path)
     c.add_argument("--outtype", default="f32")
     c.add_argument("--llama-cpp", type=Path, default=LLAMA_CPP)
-    for name in ("logits", "grads"):
-        s = sub.add_parser(name)
-        s.add_argument("dir", type=Path)
-        s.add_argument("inp", type=Path)
-        s.add_argument("out", type=Path)
+    add_model_commands(sub)
     a = ap.parse_args()
     if a.cmd == "build":
         a.dir.mkdir(parents=True, exist_ok=True)

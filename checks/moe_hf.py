@@ -35,10 +35,12 @@ from pathlib import Path
 
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
-SHARED = HERE.parent.parent / "shared"
-TRAIN_TEXT = SHARED / "data" / "shakespeare.txt"
-LLAMA_CPP = Path(os.environ.get("LLAMA_CPP_DIR", "llama.cpp"))
+if __package__:
+    from . import hf_tiny
+else:                                          # run as a script under the torch Python
+    import hf_tiny
+
+LLAMA_CPP, TRAIN_TEXT = hf_tiny.LLAMA_CPP, hf_tiny.TRAIN_TEXT
 
 CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -46,52 +48,20 @@ CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_interme
               mlp_only_layers=[], tie_word_embeddings=False, max_position_embeddings=256,
               rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, rms_norm_eps=1e-6,
               router_aux_loss_coef=0.0, bos_token_id=None, eos_token_id=0, pad_token_id=None)
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 # --------------------------------------------------------------------------- the torch side
-def _tokenizer(out: Path, text: str, vocab_size: int = CONFIG["vocab_size"]):
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([text], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
-    fast.save_pretrained(out)
-    return fast
-
-
 def _make_hf(out: Path, steps: int) -> None:
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     torch.manual_seed(0)
     torch.set_num_threads(1)                  # tiny products: threads would only wait on each other
     text = TRAIN_TEXT.read_text(encoding="utf-8")
-    tok = _tokenizer(out, text)
+    tok = hf_tiny.train_tokenizer(text, out, CONFIG["vocab_size"])
     ids = torch.tensor(tok(text)["input_ids"], dtype=torch.long)
-    cfg = Qwen3MoeConfig(**CONFIG)
-    model = Qwen3MoeForCausalLM(cfg)
-    with torch.no_grad():                     # norms off 1 so that every weight matters
-        for n, p in model.named_parameters():
-            if n.endswith("norm.weight"):
-                p.add_(0.2 * torch.randn_like(p))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    ctx, batch = 64, 8
-    for step in range(steps):
-        starts = torch.randint(0, len(ids) - ctx - 1, (batch,))
-        x = torch.stack([ids[s:s + ctx + 1] for s in starts])
-        loss = model(input_ids=x[:, :-1], labels=x[:, :-1].clone()).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step}: loss {loss.item():.4f}", flush=True)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+    hf_tiny.perturb_norms(model, 0.2)         # norms off 1 so that every weight matters
+    hf_tiny.train(model, ids, steps, seed=None, label="qwen3moe")   # windows from the seeded global generator
     model.save_pretrained(out)
 
 
@@ -134,44 +104,54 @@ def _float64_throughout():
     exec(src.replace(", dtype=torch.float32)", ")"), m.__dict__)
 
 
-def _logits(model_dir: Path, ids_path: Path, out: Path) -> None:
+def _load(model_dir: Path):
     import torch
     from transformers import Qwen3MoeForCausalLM
     torch.set_num_threads(1)
     _float64_throughout()
-    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
-                                                experts_implementation="eager")
+    return Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
+                                               experts_implementation="eager")
+
+
+def save_logits(model, ids_path: Path, out: Path) -> None:
+    """The model's logits (B, T, V) on the ids (B, T) in `ids_path` (.npy), saved as `logits` in `out`."""
+    import torch
     ids = torch.from_numpy(np.load(ids_path))
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     np.savez(out, logits=logits.numpy())
 
 
+def _logits(model_dir: Path, ids_path: Path, out: Path) -> None:
+    save_logits(_load(model_dir), ids_path, out)
+
+
 HF_MODULES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
               "attn_output": "self_attn.o_proj"}
 
 
-def _grads(model_dir: Path, inp: Path, out: Path) -> None:
+def save_lora_grads(model, inp: Path, out: Path, other_pair=None) -> None:
     """Loss (mean cross-entropy of ids[:, 1:] after ids[:, :-1]) and the autograd gradients
-    of LoRA pairs on attention (PEFT, scaling alpha / r, no dropout) whose values are given:
-    inp holds ids, alpha, r and `blk.I.KIND.lora_a` / `.lora_b` arrays in llama.cpp's
-    layout (A (r, n_in), B (n_out, r): PEFT's lora_A / lora_B weights)."""
+    of the LoRA pairs whose values are given (scaling alpha / r, no dropout), saved in `out`:
+    inp holds ids, alpha, r and `blk.I.KIND.lora_a` / `.lora_b` arrays in llama.cpp's layout
+    (A (r, n_in), B (n_out, r): PEFT's lora_A / lora_B weights). Attention's pairs are
+    PEFT's on `model`; other_pair(peft_model, layer, kind, A, B, alpha / r) puts any other
+    kind's pair in place and returns its (A, B) tensors (gpt-oss's experts)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3MoeForCausalLM
-    torch.set_num_threads(1)
-    _float64_throughout()
     d = dict(np.load(inp))
     r, alpha = int(d.pop("r")), float(d.pop("alpha"))
     ids = torch.from_numpy(d.pop("ids"))
-    model = Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="eager",
-                                                experts_implementation="eager")
     model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0,
                                              target_modules=sorted({m.split(".")[-1] for m in HF_MODULES.values()})))
     params = dict(model.named_parameters())
     ours = {}
-    for name in {n.rsplit(".", 1)[0] for n in d}:                 # blk.I.KIND
+    for name in sorted({n.rsplit(".", 1)[0] for n in d}):                 # blk.I.KIND
         _, i, kind = name.split(".")
+        if kind not in HF_MODULES:
+            pair = other_pair(model, int(i), kind, d[f"{name}.lora_a"], d[f"{name}.lora_b"], alpha / r)
+            ours |= {f"{name}.lora_a": pair[0], f"{name}.lora_b": pair[1]}
+            continue
         hf = f"base_model.model.model.layers.{i}.{HF_MODULES[kind]}"
         for side, key in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
             p = params[f"{hf}.{key}.default.weight"]
@@ -184,25 +164,23 @@ def _grads(model_dir: Path, inp: Path, out: Path) -> None:
     np.savez(out, loss=loss.item(), **{n: p.grad.numpy() for n, p in ours.items()})
 
 
-def _convert(model_dir: Path, out: Path, outtype: str) -> None:
-    """llama.cpp's convert_hf_to_gguf.py on model_dir, the BPE pre-tokenizer named qwen2."""
-    import runpy
-    from conversion import base              # (PYTHONPATH: the llama.cpp folder and its gguf-py, hf_run)
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "qwen2"
-    sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out), "--outtype", outtype]
-    runpy.run_path(str(LLAMA_CPP / "convert_hf_to_gguf.py"), run_name="__main__")
+def _grads(model_dir: Path, inp: Path, out: Path) -> None:
+    """save_lora_grads of LoRA pairs on attention."""
+    save_lora_grads(_load(model_dir), inp, out)
 
 
-def _hf_side(argv: list[str]) -> None:
+def hf_side(argv: list[str], make_hf, logits, grads) -> None:
+    """The torch side's commands: make DIR STEPS (make_hf), convert DIR OUT OUTTYPE,
+    logits DIR IDS OUT [EXTRA...], grads DIR IN OUT."""
     what, *args = argv
     if what == "make":
-        _make_hf(Path(args[0]), int(args[1]))
+        make_hf(Path(args[0]), int(args[1]))
     elif what == "convert":
-        _convert(Path(args[0]), Path(args[1]), args[2])
+        hf_tiny.convert(Path(args[0]), Path(args[1]), args[2])
     elif what == "logits":
-        _logits(Path(args[0]), Path(args[1]), Path(args[2]))
+        logits(Path(args[0]), Path(args[1]), Path(args[2]), *args[3:])
     elif what == "grads":
-        _grads(Path(args[0]), Path(args[1]), Path(args[2]))
+        grads(Path(args[0]), Path(args[1]), Path(args[2]))
     else:
         raise SystemExit(f"unknown hf-side command {what}")
 
@@ -218,53 +196,69 @@ def hf_run(torch_python: str, *args, script: str = __file__) -> None:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
 
-def make(work: Path, torch_python: str, steps: int = 300) -> dict[str, Path]:
-    """The HF model (work/hf) and its GGUF files by llama.cpp's converter (F32, Q8_0); reused
-    where they exist. Returns {"hf", "f32", "q8_0"} paths."""
+def make(work: Path, torch_python: str, steps: int = 300, arch: str = "qwen3moe",
+         script: str = __file__) -> dict[str, Path]:
+    """The HF model (work/hf) of `script`'s oracle and its GGUF files by llama.cpp's converter
+    (F32, Q8_0: work/ARCH-f32.gguf, ...); reused where they exist. Returns {"hf", "f32",
+    "q8_0"} paths."""
     work.mkdir(parents=True, exist_ok=True)
-    paths = {"hf": work / "hf", "f32": work / "qwen3moe-f32.gguf", "q8_0": work / "qwen3moe-q8_0.gguf"}
+    paths = {"hf": work / "hf", "f32": work / f"{arch}-f32.gguf", "q8_0": work / f"{arch}-q8_0.gguf"}
     if not (paths["hf"] / "config.json").exists():
-        hf_run(torch_python, "make", paths["hf"], steps)
+        hf_run(torch_python, "make", paths["hf"], steps, script=script)
     for outtype in ("f32", "q8_0"):
         if not paths[outtype].exists():
-            hf_run(torch_python, "convert", paths["hf"], paths[outtype], outtype)
+            hf_run(torch_python, "convert", paths["hf"], paths[outtype], outtype, script=script)
     return paths
 
 
-def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path) -> np.ndarray:
-    """HF's float64 logits (B, T, V) on ids (B, T)."""
+def hf_logits(torch_python: str, model_dir: Path, ids: np.ndarray, work: Path, peft_dir: Path | None = None,
+              script: str = __file__) -> np.ndarray:
+    """HF's float64 logits (B, T, V) on ids (B, T), with the PEFT adapter `peft_dir` where
+    given (gpt-oss's oracle)."""
     np.save(work / "ids.npy", np.asarray(ids, np.int64))
-    hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz")
+    hf_run(torch_python, "logits", model_dir, work / "ids.npy", work / "logits.npz", *([peft_dir] if peft_dir else []),
+           script=script)
     return np.load(work / "logits.npz")["logits"]
 
 
 def hf_lora_grads(torch_python: str, model_dir: Path, ids: np.ndarray, lora: dict[str, np.ndarray], r: int,
-                  alpha: float, work: Path) -> dict[str, np.ndarray]:
+                  alpha: float, work: Path, script: str = __file__) -> dict[str, np.ndarray]:
     """HF's float64 loss ("loss") and the gradients of the LoRA pairs `lora` (names
-    `blk.I.KIND.weight.lora_a` / `.lora_b`, attention kinds) on ids (B, T + 1)."""
+    `blk.I.KIND.weight.lora_a` / `.lora_b`: attention kinds, and the experts' with gpt-oss's
+    oracle) on ids (B, T + 1)."""
     np.savez(work / "grads-in.npz", ids=np.asarray(ids, np.int64), r=r, alpha=alpha,
              **{n.replace(".weight.", "."): a for n, a in lora.items()})
-    hf_run(torch_python, "grads", model_dir, work / "grads-in.npz", work / "grads.npz")
+    hf_run(torch_python, "grads", model_dir, work / "grads-in.npz", work / "grads.npz", script=script)
     out = dict(np.load(work / "grads.npz"))
     return {"loss": float(out.pop("loss"))} | {n.replace(".lora_", ".weight.lora_"): a for n, a in out.items()}
 
 
-def main(argv=None) -> int:
+def command_line(argv, doc: str, side, make, hf_logits, llama_bin: bool = False) -> int:
+    """An oracle's command line: `--hf-side COMMAND ...` (under the torch Python: side's
+    commands), `make DIR` (its paths printed as JSON) or `logits DIR IDS.npy OUT.npz`,
+    with --torch-python, --steps and, where `llama_bin`, --llama-bin (make's 4th argument)."""
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--hf-side":
-        _hf_side(sys.argv[2:])
+        side(sys.argv[2:])
         return 0
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("what", choices=["make", "logits"])
     ap.add_argument("paths", nargs="+")
     ap.add_argument("--torch-python", required=True)
     ap.add_argument("--steps", type=int, default=300)
+    if llama_bin:
+        ap.add_argument("--llama-bin", type=Path, default=LLAMA_CPP / "build" / "bin")
     a = ap.parse_args(argv)
     if a.what == "make":
-        print(json.dumps({k: str(v) for k, v in make(Path(a.paths[0]), a.torch_python, a.steps).items()}))
+        paths = make(Path(a.paths[0]), a.torch_python, a.steps, *([a.llama_bin] if llama_bin else []))
+        print(json.dumps({k: str(v) for k, v in paths.items()}))
     else:
         d, ids, out = map(Path, a.paths)
         np.savez(out, logits=hf_logits(a.torch_python, d / "hf", np.load(ids), out.parent))
     return 0
+
+
+def main(argv=None) -> int:
+    return command_line(argv, __doc__, lambda argv: hf_side(argv, _make_hf, _logits, _grads), make, hf_logits)
 
 
 if __name__ == "__main__":

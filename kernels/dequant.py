@@ -21,7 +21,11 @@ one kernel ``_deq_<type>(data, rows, gather, out)``: a ``prange`` loop over
 output rows (source row ``rows[i]`` when gathering, else ``i``) around a plain
 loop over the row's blocks. (One kernel per type rather than a generic driver
 closing over a row function: numba's on-disk cache misses closures over
-dispatchers in every new process.) The inner loops index with unsigned integers
+dispatchers in every new process.) What several types decode alike is one helper
+inlined into each kernel (numba's `inline="always"`, before LLVM sees the loop): a
+block's leading f16 scale (`_d_block`), Q5_0/Q5_1's 5-bit pairs (`_q5_pair`), Q4_K/Q5_K's
+scale pairs (`_k4_pair_scales`), where Q2_K/Q3_K's 2-bit quants lie (`_q2_place`), the
+codebook types' 16-byte loop (`_put_codes`). The inner loops index with unsigned integers
 and take the bytes' bit fields in int32, which lets LLVM vectorize them: Q4_K
 went from 0.57 to 0.06 ns a weight on two threads. Q5_K and Q6_K walk their
 sub-blocks as ggml does (constant shifts over 32 bytes), Q8_0 reads its bytes as
@@ -234,6 +238,21 @@ def _f16(src, o):
 
 
 @njit(cache=True, inline="always")
+def _u32(src, o):
+    """Little-endian uint32 at byte offset o, as int64."""
+    return _u16(src, o) | (_u16(src, o + 2) << 16)
+
+
+@njit(cache=True, inline="always")
+def _d_block(src, b, size):
+    """Block b of a row of 32-value blocks of `size` bytes that open with their scale
+    d (f16) and go on with their quants (Q8_0, Q4_0, IQ4_NL): (d, the quants' byte
+    offset, the block's first value)."""
+    o = size * b
+    return _f16(src, o), _U(o + 2), _U(32 * b)
+
+
+@njit(cache=True, inline="always")
 def _src_row(rows, gather, i):
     """Source row of output row i: rows[i] when gathering, else i."""
     return rows[i] if gather else np.int64(i)
@@ -260,9 +279,7 @@ def _deq_f32(data, rows, gather, out, n_cols):
     for i in prange(out.shape[0]):
         src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         for j in range(dst.shape[0]):
-            o = 4 * j
-            bits = _u16(src, o) | (_u16(src, o + 2) << 16)
-            _put(dst, j, _bits_to_f32(bits))  # bit copy, NaN payloads kept
+            _put(dst, j, _bits_to_f32(_u32(src, 4 * j)))  # bit copy, NaN payloads kept
 
 
 @njit(cache=True, parallel=True)
@@ -294,9 +311,7 @@ def _deq_q8_0(data, rows, gather, out, n_cols):
         s8 = src.view(np.int8)
         n32 = _n32(dst)
         for b in range(dst.shape[0] // 32):
-            o = 34 * b
-            d = _f16(src, o)
-            qs, y = _U(o + 2), _U(32 * b)
+            d, qs, y = _d_block(src, b, 34)
             for j in range(n32):
                 _put(dst, y + j, np.float32(s8[qs + j]) * d)
 
@@ -308,9 +323,7 @@ def _deq_q4_0(data, rows, gather, out, n_cols):
         src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
-            o = 18 * b
-            d = _f16(src, o)
-            qs, y = _U(o + 2), _U(32 * b)
+            d, qs, y = _d_block(src, b, 18)
             for j in range(n16):
                 q = np.int32(src[qs + j])
                 _put(dst, y + j, d * _small_int_to_f32((q & 0xF) - 8))
@@ -334,6 +347,15 @@ def _deq_q4_1(data, rows, gather, out, n_cols):
                 _put(dst, y + j + _U(16), d * _small_int_to_f32(q >> 4) + m)
 
 
+@njit(cache=True, inline="always")
+def _q5_pair(src, qs, qh, j):
+    """5-bit values j and j + 16 of a Q5_0 / Q5_1 block: the low and high nibble of
+    byte qs + j, with bits j and j + 16 of the 32-bit qh as their 5th bits."""
+    q = np.int32(src[qs + _U(j)])
+    return (_field(q, 0, 0xF) | (_field(qh, j, 1) << 4),
+            _field(q, 4, 0xF) | (_field(qh, j + 16, 1) << 4))
+
+
 @njit(cache=True, parallel=True)
 def _deq_q5_0(data, rows, gather, out, n_cols):
     # block_q5_0 (22 B): d(f16) qh[4](u32 LE, bit j = 5th bit of value j) qs[16];
@@ -343,12 +365,9 @@ def _deq_q5_0(data, rows, gather, out, n_cols):
         for b in range(dst.shape[0] // 32):
             o = 22 * b
             d = _f16(src, o)
-            qh = _u16(src, o + 2) | (_u16(src, o + 4) << 16)
-            qs, y = _U(o + 6), _U(32 * b)
+            qh, qs, y = _u32(src, o + 2), _U(o + 6), _U(32 * b)
             for j in range(16):
-                q = np.int32(src[qs + _U(j)])
-                q0 = _field(q, 0, 0xF) | (_field(qh, j, 1) << 4)
-                q1 = _field(q, 4, 0xF) | (_field(qh, j + 16, 1) << 4)
+                q0, q1 = _q5_pair(src, qs, qh, j)
                 _put(dst, y + _U(j), d * _small_int_to_f32(q0 - 16))
                 _put(dst, y + _U(j + 16), d * _small_int_to_f32(q1 - 16))
 
@@ -362,17 +381,22 @@ def _deq_q5_1(data, rows, gather, out, n_cols):
             o = 24 * b
             d = _f16(src, o)
             m = _f16(src, o + 2)
-            qh = _u16(src, o + 4) | (_u16(src, o + 6) << 16)
-            qs, y = _U(o + 8), _U(32 * b)
+            qh, qs, y = _u32(src, o + 4), _U(o + 8), _U(32 * b)
             for j in range(16):
-                q = np.int32(src[qs + _U(j)])
-                q0 = _field(q, 0, 0xF) | (_field(qh, j, 1) << 4)
-                q1 = _field(q, 4, 0xF) | (_field(qh, j + 16, 1) << 4)
+                q0, q1 = _q5_pair(src, qs, qh, j)
                 _put(dst, y + _U(j), d * _small_int_to_f32(q0) + m)
                 _put(dst, y + _U(j + 16), d * _small_int_to_f32(q1) + m)
 
 
 # ---------------------------------------------------- 256-value K-quants
+@njit(cache=True, inline="always")
+def _q2_place(sb):
+    """Where the 2-bit quants of 16-value sub-block sb of a Q2_K / Q3_K super-block
+    lie: (byte offset in qs[64], shift). Value i = 16 sb + k is bits 2j..2j+1 of
+    qs[32h + l] with h = i >> 7, j = (i >> 5) & 3, l = i & 31."""
+    return 32 * (sb >> 3) + 16 * (sb & 1), np.int32(2 * ((sb >> 1) & 3))
+
+
 @njit(cache=True, parallel=True)
 def _deq_q2_k(data, rows, gather, out, n_cols):
     # block_q2_K (84 B): scales[16] (lo nibble: scale, hi: min) qs[64] d(f16) dmin(f16).
@@ -389,8 +413,8 @@ def _deq_q2_k(data, rows, gather, out, n_cols):
                 s = np.int64(src[o + sb])
                 dl = d * np.float32(s & 0xF)
                 ml = dmin * np.float32(s >> 4)
-                qs = _U(o + 16 + 32 * (sb >> 3) + 16 * (sb & 1))
-                shift = np.int32(2 * ((sb >> 1) & 3))
+                at, shift = _q2_place(sb)
+                qs = _U(o + 16 + at)
                 y = _U(QK_K * b + 16 * sb)
                 for k in range(n16):
                     q = _field(src[qs + k], shift, 3)
@@ -416,10 +440,9 @@ def _deq_q3_k(data, rows, gather, out, n_cols):
                 lo = (lo & 0xF) if sb < 8 else (lo >> 4)
                 hi = (np.int64(src[sc + 8 + (sb & 3)]) >> (2 * (sb >> 2))) & 3
                 dl = d * np.float32((lo | (hi << 4)) - 32)
-                l0 = 16 * (sb & 1)
-                qs = _U(o + 32 + 32 * (sb >> 3) + l0)
-                hm = _U(o + l0)
-                shift = np.int32(2 * ((sb >> 1) & 3))
+                at, shift = _q2_place(sb)
+                qs = _U(o + 32 + at)
+                hm = _U(o + 16 * (sb & 1))
                 hbit = np.int32(sb >> 1)  # == i >> 5 for the values of this sub-block
                 y = _U(QK_K * b + 16 * sb)
                 for k in range(n16):
@@ -443,6 +466,17 @@ def _scale_min_k4(src, sc, j):
     return s, m
 
 
+@njit(cache=True, inline="always")
+def _k4_pair_scales(src, sc, d, dmin, pair):
+    """(d*sc, dmin*m) of sub-blocks 2 pair and 2 pair + 1 of a Q4_K / Q5_K
+    super-block, whose 12 bytes of scales lie at byte offset sc; each product
+    rounded to f32 as gguf-py does."""
+    s0, m0 = _scale_min_k4(src, sc, 2 * pair)
+    s1, m1 = _scale_min_k4(src, sc, 2 * pair + 1)
+    return (d * np.float32(s0), dmin * np.float32(m0),
+            d * np.float32(s1), dmin * np.float32(m1))
+
+
 @njit(cache=True, parallel=True)
 def _deq_q4_k(data, rows, gather, out, n_cols):
     # block_q4_K (144 B): d(f16) dmin(f16) scales[12] qs[128].
@@ -455,10 +489,7 @@ def _deq_q4_k(data, rows, gather, out, n_cols):
             d = _f16(src, o)
             dmin = _f16(src, o + 2)
             for pair in range(4):  # sub-blocks 2 pair (low nibbles), 2 pair + 1 (high)
-                s0, m0 = _scale_min_k4(src, o + 4, 2 * pair)
-                s1, m1 = _scale_min_k4(src, o + 4, 2 * pair + 1)
-                dl0, ml0 = d * np.float32(s0), dmin * np.float32(m0)
-                dl1, ml1 = d * np.float32(s1), dmin * np.float32(m1)
+                dl0, ml0, dl1, ml1 = _k4_pair_scales(src, o + 4, d, dmin, pair)
                 qs = _U(o + 16 + 32 * pair)
                 y = _U(QK_K * b + 64 * pair)
                 for l in range(_U(32)):
@@ -480,10 +511,7 @@ def _deq_q5_k(data, rows, gather, out, n_cols):
             dmin = _f16(src, o + 2)
             qh = _U(o + 16)
             for pair in range(4):
-                s0, m0 = _scale_min_k4(src, o + 4, 2 * pair)
-                s1, m1 = _scale_min_k4(src, o + 4, 2 * pair + 1)
-                dl0, ml0 = d * np.float32(s0), dmin * np.float32(m0)
-                dl1, ml1 = d * np.float32(s1), dmin * np.float32(m1)
+                dl0, ml0, dl1, ml1 = _k4_pair_scales(src, o + 4, d, dmin, pair)
                 h0, h1 = np.int32(2 * pair), np.int32(2 * pair + 1)
                 qs = _U(o + 48 + 32 * pair)
                 y = _U(QK_K * b + 64 * pair)
@@ -544,6 +572,17 @@ def _e8m0_half(e):
     return _bits_to_f32(np.uint32(0x00200000) << e if e < 2 else (e - np.uint32(1)) << np.uint32(23))
 
 
+@njit(cache=True, inline="always")
+def _put_codes(dst, y, src, qs, n16, kv, d):
+    """The 32 values of 16 bytes of 4-bit codes at byte offset qs, under the scale d:
+    dst[y + j] = d * kv[qs[j] & 15], dst[y + j + 16] = d * kv[qs[j] >> 4] (j < n16 = 16).
+    (d * kv and kv * d are the same float: MXFP4's kv * d in gguf-py.)"""
+    for j in range(n16):
+        q = np.uint32(src[qs + j])
+        _put(dst, y + j, d * kv[q & np.uint32(0xF)])
+        _put(dst, y + j + _U(16), d * kv[q >> np.uint32(4)])
+
+
 @njit(cache=True, parallel=True)
 def _deq_mxfp4(data, rows, gather, out, n_cols):
     # block_mxfp4 (17 B): e(E8M0) qs[16];  d = 2^(e-128),
@@ -553,12 +592,7 @@ def _deq_mxfp4(data, rows, gather, out, n_cols):
         n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
             o = 17 * b
-            d = _e8m0_half(src[o])
-            qs, y = _U(o + 1), _U(32 * b)
-            for j in range(n16):
-                q = np.uint32(src[qs + j])
-                _put(dst, y + j, _KV_MXFP4[q & np.uint32(0xF)] * d)
-                _put(dst, y + j + _U(16), _KV_MXFP4[q >> np.uint32(4)] * d)
+            _put_codes(dst, _U(32 * b), src, _U(o + 1), n16, _KV_MXFP4, _e8m0_half(src[o]))
 
 
 @njit(cache=True, parallel=True)
@@ -568,13 +602,8 @@ def _deq_iq4_nl(data, rows, gather, out, n_cols):
         src, dst = data[_src_row(rows, gather, i)], out[i, :n_cols]
         n16 = _n16(dst)
         for b in range(dst.shape[0] // 32):
-            o = 18 * b
-            d = _f16(src, o)
-            qs, y = _U(o + 2), _U(32 * b)
-            for j in range(n16):
-                q = np.uint32(src[qs + j])
-                _put(dst, y + j, d * _KV_IQ4NL[q & np.uint32(0xF)])
-                _put(dst, y + j + _U(16), d * _KV_IQ4NL[q >> np.uint32(4)])
+            d, qs, y = _d_block(src, b, 18)
+            _put_codes(dst, y, src, qs, n16, _KV_IQ4NL, d)
 
 
 @njit(cache=True, parallel=True)
@@ -592,11 +621,7 @@ def _deq_iq4_xs(data, rows, gather, out, n_cols):
             for s in range(8):
                 ls = ((np.int64(src[o + 4 + (s >> 1)]) >> (4 * (s & 1))) & 0xF) | (((sh >> (2 * s)) & 3) << 4)
                 dl = d * np.float32(ls - 32)
-                qs, y = _U(o + 8 + 16 * s), _U(QK_K * b + 32 * s)
-                for j in range(n16):
-                    q = np.uint32(src[qs + j])
-                    _put(dst, y + j, dl * _KV_IQ4NL[q & np.uint32(0xF)])
-                    _put(dst, y + j + _U(16), dl * _KV_IQ4NL[q >> np.uint32(4)])
+                _put_codes(dst, _U(QK_K * b + 32 * s), src, _U(o + 8 + 16 * s), n16, _KV_IQ4NL, dl)
 
 
 # ------------------------------------------------------------ dispatch

@@ -2,7 +2,9 @@
 interpreter (LLAMATUNE_TORCH_PYTHON), llama.cpp's tools (LLAMA_BIN_DIR), a tiny model
 made by HF and converted by llama.cpp through a checks/*_hf.py oracle, and perplexity as
 llama-perplexity and as llamatune's CLI report it. Tests skip with the reason when the
-interpreter or the tools are absent."""
+interpreter or the tools are absent. The checks the oracle tests share: logits, perplexity
+against llama-perplexity's and HF's, the loss and LoRA gradients against HF's autograd, a
+short LoRA that llama-perplexity --lora scores as llamatune does, greedy generation."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import TEXT
@@ -63,6 +66,79 @@ def our_ppl(model: Path, text: Path, *extra) -> float:
     r = CliRunner().invoke(app, ["perplexity", "-m", str(model), "-f", str(text), "-c", "64", *map(str, extra)])
     assert r.exit_code == 0, r.output
     return float(re.search(PPL_RE, r.output).group(1))
+
+
+def hf_logits(d: Path, module: str, tokens: np.ndarray, name: str = "tokens") -> np.ndarray:
+    """The oracle's float64 logits (B, T, V) of the token rows (B, T) by its model d/hf
+    (d/NAME.npy and d/NAME-logits.npy its files)."""
+    np.save(d / f"{name}.npy", tokens)
+    oracle(module, "logits", d / "hf", d / f"{name}.npy", d / f"{name}-logits.npy")
+    return np.load(d / f"{name}-logits.npy")
+
+
+def check_logits(d: Path, module: str, n_tokens: int, tol: float) -> None:
+    """llamatune's float32 logits of 2 random rows of n_tokens by d/f32.gguf equal the
+    oracle's float64 ones to tol times their largest magnitude."""
+    from llamatune.models.infer import Runner
+    from llamatune.models.model import Model
+    model = Model(d / "f32.gguf")
+    tokens = np.random.default_rng(0).integers(0, model.config.n_vocab, (2, n_tokens))
+    want = hf_logits(d, module, tokens)
+    np.testing.assert_allclose(Runner(model).forward(tokens), want, rtol=0, atol=tol * np.abs(want).max())
+
+
+def check_perplexity(d: Path, module: str, outtype: str, bos: bool = False) -> None:
+    """llamatune's perplexity of d/eval.txt with d/OUTTYPE.gguf equals llama-perplexity's
+    (windows of 64 tokens, the second half scored) and HF's from its float64 logits of the
+    same windows (the F32 file's weights; BOS first where `bos`, as llama-perplexity puts
+    it), each to 0.1 %."""
+    from checks.arch_reference import cross_entropy
+    from llamatune.models.model import Model
+    path = d / f"{outtype}.gguf"
+    ours, theirs = our_ppl(path, d / "eval.txt"), llama_ppl(d, path)
+    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
+    model = Model(path)
+    ids = model.tokenizer.encode((d / "eval.txt").read_text(encoding="utf-8"))
+    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
+    if bos:
+        rows[:, 0] = model.tokenizer.bos_id
+    z = hf_logits(d, module, rows, "rows")
+    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
+    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+
+
+def check_lora_gradients_against_hf(d: Path, module: str, ranks: dict[str, int], n_tokens: int, tied: bool,
+                                    hf_weight_grad) -> list:
+    """B = 0: the adapted model is HF's, so the float64 training graph's loss of 2 random rows
+    of n_tokens equals HF's (the oracle's `grads`) and dL/dB = s dL/dW A^T (per expert for the
+    experts) with HF's dL/dW, each to 1e-6 relative. hf_weight_grad(grads, layer, kind, cfg):
+    HF's dL/dW of that weight in the GGUF's layout. Returns the LoRA targets."""
+    from llamatune.models.model import Model
+    from llamatune.models.weights import FrozenBase
+    from llamatune.train.lora import init_lora, lora_specs, lora_targets
+    from llamatune.train.params import ParamBuffer
+    from llamatune.train.step import StepExecutor
+    model = Model(d / "f32.gguf")
+    cfg = model.config
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.n_vocab, (2, n_tokens + 1))
+    inputs, targets = ids[:, :-1], ids[:, 1:]
+    weights = np.full(targets.shape, 1 / targets.size)
+    np.savez(d / "batch.npz", inputs=inputs, targets=targets, weights=weights)
+    oracle(module, "grads", d / "hf", d / "batch.npz", d / "grads.npz")
+    hf = np.load(d / "grads.npz")
+    ts = lora_targets(cfg, ranks, alpha=8.0, tied=tied)
+    params = ParamBuffer(lora_specs(ts), np.float64)
+    init_lora(params, ts, rng)
+    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, n_tokens, "none", dtype=np.float64)
+    loss = g.step(inputs, targets, weights)
+    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
+    for t in ts:
+        G = hf_weight_grad(hf, int(t.weight.split(".")[1]), t.kind, cfg)
+        want = t.scale * G @ np.swapaxes(params[t.a], -1, -2)
+        got = params.grad_of(t.b)
+        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
+    return ts
 
 
 def check_short_lora(d: Path, tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from checks.arch_reference import Block
-from hf_oracle import built_model, check_greedy_generation, check_short_lora, llama_ppl, oracle, our_ppl
+from hf_oracle import (built_model, check_greedy_generation, check_logits, check_lora_gradients_against_hf,
+                       check_perplexity, check_short_lora)
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -223,27 +224,21 @@ HF_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
               "ffn_down": "mlp.down_proj"}
 
 
-def _hf(cmd: str, *args) -> None:
-    oracle("checks.gemma4_hf", cmd, *args)
+ORACLE = "checks.gemma4_hf"
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return built_model(tmp_path_factory, "checks.gemma4_hf")
+    return built_model(tmp_path_factory, ORACLE)
 
 
 @pytest.mark.slow
 def test_hf_model_loads_and_its_logits_equal_hf_float64(hf_model):
-    from llamatune.models.infer import Runner
     model = Model(hf_model / "f32.gguf")
     cfg = model.config
     assert (cfg.swa_pattern, cfg.sliding_window, cfg.attn_scale, cfg.final_softcap) == (4, 16, 1.0, 30.0)
     np.testing.assert_array_equal(model.weights.rope_freqs, np.float32([1, 1] + [1e30] * 6))   # a quarter turns
-    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, 40))           # past the window of 16
-    np.save(hf_model / "tokens.npy", tokens)
-    _hf("logits", hf_model / "hf", hf_model / "tokens.npy", hf_model / "logits.npy")
-    want = np.load(hf_model / "logits.npy")
-    np.testing.assert_allclose(Runner(model).forward(tokens), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    check_logits(hf_model, ORACLE, 40, 1e-5)                                       # past the window of 16
 
 
 @pytest.mark.slow
@@ -251,48 +246,14 @@ def test_hf_model_loads_and_its_logits_equal_hf_float64(hf_model):
 def test_perplexity_equals_llama_perplexity_and_hf(hf_model, outtype):
     """llama-perplexity's windows (64 tokens, BOS first, the second half scored); HF's
     figure from its float64 logits of the same windows."""
-    from checks.arch_reference import cross_entropy
-    path = hf_model / f"{outtype}.gguf"
-    ours, theirs = our_ppl(path, hf_model / "eval.txt"), llama_ppl(hf_model, path)
-    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
-    model = Model(path)
-    ids = model.tokenizer.encode((hf_model / "eval.txt").read_text(encoding="utf-8"))
-    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
-    rows[:, 0] = model.tokenizer.bos_id
-    np.save(hf_model / "rows.npy", rows)
-    _hf("logits", hf_model / "hf", hf_model / "rows.npy", hf_model / "rows-logits.npy")
-    z = np.load(hf_model / "rows-logits.npy")
-    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
-    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+    check_perplexity(hf_model, ORACLE, outtype, bos=True)
 
 
 @pytest.mark.slow
 def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     """B = 0: the adapted model is HF's, and dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.step import StepExecutor
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
-    model = Model(hf_model / "f32.gguf")
-    cfg = model.config
-    rng = np.random.default_rng(4)
-    ids = rng.integers(0, cfg.n_vocab, (2, 41))
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    weights = np.full(targets.shape, 1 / targets.size)
-    np.savez(hf_model / "batch.npz", inputs=inputs, targets=targets, weights=weights)
-    _hf("grads", hf_model / "hf", hf_model / "batch.npz", hf_model / "grads.npz")
-    hf = np.load(hf_model / "grads.npz")
-    ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=True)
-    params = ParamBuffer(lora_specs(ts), np.float64)
-    init_lora(params, ts, rng)
-    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 40, "none", dtype=np.float64)
-    loss = g.step(inputs, targets, weights)
-    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
-    for t in ts:
-        G = hf[f"model.layers.{t.weight.split('.')[1]}.{HF_LINEARS[t.kind]}.weight"]
-        want = t.scale * G @ params[t.a].T
-        got = params.grad_of(t.b)
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
+    check_lora_gradients_against_hf(hf_model, ORACLE, {k: 4 for k in HF_LINEARS}, 40, True,
+                                    lambda hf, i, kind, cfg: hf[f"model.layers.{i}.{HF_LINEARS[kind]}.weight"])
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ import pytest
 
 from conftest import TEXT
 from fdcheck import fd_check
+from hf_oracle import check_lora_gradients_against_hf
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.deltanet_mixer import (MixerGrads, MixerParams, MixerShape, RecurrentState, mixer_backward,
@@ -290,36 +291,18 @@ def _tiled(grad, kind, axis, cfg):
     return np.moveaxis(np.concatenate([g[:lead], v]), 0, axis)
 
 
+def _hf_weight_grad(hf, i: int, kind: str, cfg) -> np.ndarray:
+    """HF's dL/dW of layer i's `kind` in the GGUF's layout (value heads tiled as the converter writes them)."""
+    module, axis = HF_LINEARS[kind]
+    return _tiled(hf[f"model.layers.{i}.{module}.weight"], kind, axis, cfg)
+
+
 @pytest.mark.slow
 def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
-    """B = 0: the adapted model is HF's, dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd)."""
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.step import StepExecutor
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
-    model = Model(hf_model / "f32.gguf")
-    cfg = model.config
-    rng = np.random.default_rng(4)
-    ids = rng.integers(0, cfg.n_vocab, (2, 71))                  # a chunk of the rule and a partial one
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    weights = np.full(targets.shape, 1 / targets.size)
-    np.savez(hf_model / "batch.npz", inputs=inputs, targets=targets, weights=weights)
-    subprocess.run([str(TORCH_PY), str(HERE.parent / "checks" / "qwen35_hf.py"), "grads", str(hf_model / "hf"),
-                    str(hf_model / "batch.npz"), str(hf_model / "grads.npz")], check=True, capture_output=True)
-    hf = np.load(hf_model / "grads.npz")
-    ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS}, alpha=8.0, tied=False)
-    params = ParamBuffer(lora_specs(ts), np.float64)
-    init_lora(params, ts, rng)
-    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
-    loss = g.step(inputs, targets, weights)
-    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
-    for t in ts:
-        i, kind = int(t.weight.split(".")[1]), t.kind
-        module, axis = HF_LINEARS[kind]
-        G = _tiled(hf[f"model.layers.{i}.{module}.weight"], kind, axis, cfg)
-        want = t.scale * G @ params[t.a].T
-        got = params.grad_of(t.b)
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
+    """B = 0: the adapted model is HF's, dL/dB = s dL/dW A^T with HF's dL/dW (float64 autograd);
+    70 tokens: a chunk of the rule and a partial one."""
+    check_lora_gradients_against_hf(hf_model, "checks.qwen35_hf", {k: 4 for k in HF_LINEARS}, 70, False,
+                                    _hf_weight_grad)
 
 
 def test_delta_net_on_a_gpu_is_refused_in_one_line(written):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import TEXT
-from hf_oracle import built_model, check_greedy_generation, check_short_lora, llama_ppl, oracle, our_ppl
+from hf_oracle import (built_model, check_greedy_generation, check_logits, check_lora_gradients_against_hf,
+                       check_perplexity, check_short_lora)
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -153,24 +154,17 @@ def test_finetune_defaults_adapt_the_shared_expert_and_the_experts(written, tmp_
 
 # --------------------------------------------------------------------------- HF and llama.cpp (slow)
 
-def _hf(cmd: str, *args) -> None:
-    oracle("checks.qwen35moe_hf", cmd, *args)
+ORACLE = "checks.qwen35moe_hf"
 
 
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    return built_model(tmp_path_factory, "checks.qwen35moe_hf")
+    return built_model(tmp_path_factory, ORACLE)
 
 
 @pytest.mark.slow
 def test_logits_equal_hf_float64(hf_model):
-    from llamatune.models.infer import Runner
-    model = Model(hf_model / "f32.gguf")
-    tokens = np.random.default_rng(0).integers(0, model.config.n_vocab, (2, 70))
-    np.save(hf_model / "tokens.npy", tokens)
-    _hf("logits", hf_model / "hf", hf_model / "tokens.npy", hf_model / "logits.npy")
-    want = np.load(hf_model / "logits.npy")
-    np.testing.assert_allclose(Runner(model).forward(tokens), want, rtol=0, atol=2e-5 * np.abs(want).max())
+    check_logits(hf_model, ORACLE, 70, 2e-5)
 
 
 @pytest.mark.slow
@@ -178,18 +172,7 @@ def test_logits_equal_hf_float64(hf_model):
 def test_perplexity_equals_llama_perplexity_and_hf(hf_model, outtype):
     """llama-perplexity's windows (64 tokens, the second half scored); HF's figure from its
     float64 logits of the same windows (the F32 file's weights)."""
-    from checks.arch_reference import cross_entropy
-    path = hf_model / f"{outtype}.gguf"
-    ours, theirs = our_ppl(path, hf_model / "eval.txt"), llama_ppl(hf_model, path)
-    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
-    model = Model(path)
-    ids = model.tokenizer.encode((hf_model / "eval.txt").read_text(encoding="utf-8"))
-    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
-    np.save(hf_model / "rows.npy", rows)
-    _hf("logits", hf_model / "hf", hf_model / "rows.npy", hf_model / "rows-logits.npy")
-    z = np.load(hf_model / "rows-logits.npy")
-    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
-    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+    check_perplexity(hf_model, ORACLE, outtype)
 
 
 HF_LINEARS = {"attn_qkv": ("linear_attn.in_proj_qkv", 0), "attn_gate": ("linear_attn.in_proj_z", 0),
@@ -220,31 +203,9 @@ def _hf_weight_grad(hf, i: int, kind: str, cfg) -> np.ndarray:
 def test_loss_and_lora_gradients_equal_hf_autograd(hf_model):
     """B = 0: the adapted model is HF's, and dL/dB = s dL/dW A^T (per expert for the
     experts) with HF's dL/dW by float64 autograd."""
-    from llamatune.models.weights import FrozenBase
-    from llamatune.train.step import StepExecutor
-    from llamatune.train.lora import init_lora, lora_specs, lora_targets
-    from llamatune.train.params import ParamBuffer
-    model = Model(hf_model / "f32.gguf")
-    cfg = model.config
-    rng = np.random.default_rng(4)
-    ids = rng.integers(0, cfg.n_vocab, (2, 71))
-    inputs, targets = ids[:, :-1], ids[:, 1:]
-    weights = np.full(targets.shape, 1 / targets.size)
-    np.savez(hf_model / "batch.npz", inputs=inputs, targets=targets, weights=weights)
-    _hf("grads", hf_model / "hf", hf_model / "batch.npz", hf_model / "grads.npz")
-    hf = np.load(hf_model / "grads.npz")
-    ts = lora_targets(cfg, {k: 4 for k in HF_LINEARS} | {k: 2 for k in EXPERT_RANKS}, alpha=8.0, tied=False)
-    params = ParamBuffer(lora_specs(ts), np.float64)
-    init_lora(params, ts, rng)
-    g = StepExecutor(cfg, FrozenBase(model), params, ts, 2, 70, "none", dtype=np.float64)
-    loss = g.step(inputs, targets, weights)
-    assert abs(loss - float(hf["loss"])) <= 1e-6 * abs(float(hf["loss"]))
+    ts = check_lora_gradients_against_hf(hf_model, ORACLE, {k: 4 for k in HF_LINEARS} | EXPERT_RANKS, 70, False,
+                                         _hf_weight_grad)
     assert {t.kind for t in ts} == set(HF_LINEARS) | set(EXPERT_RANKS)
-    for t in ts:
-        G = _hf_weight_grad(hf, int(t.weight.split(".")[1]), t.kind, cfg)
-        want = t.scale * G @ np.swapaxes(params[t.a], -1, -2)
-        got = params.grad_of(t.b)
-        assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), t.weight
 
 
 @pytest.mark.slow
