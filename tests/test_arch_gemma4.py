@@ -18,7 +18,7 @@ import pytest
 
 from checks.arch_reference import Block
 from hf_oracle import (built_model, check_greedy_generation, check_logits, check_lora_gradients_against_hf,
-                       check_perplexity, check_short_lora)
+                       check_perplexity, check_short_lora, llama_ppl, oracle, our_ppl)
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
