@@ -171,7 +171,7 @@ class Planner:
         worker its own, for the largest tile; the kernels the policy picks:
         kernels/attention.py or attention_bf16.py `scratch_bytes`); on a GPU they are in
         `temporaries_bytes`. Freed after each call, they stay in the process (the workers'
-        malloc arenas keep them), so they count at the peak. None without attention layers."""
+        malloc arenas keep them), so they count at the peak. 0 without attention layers."""
         cfg = self.cfg
         if self.device or all(cfg.is_recurrent(i) for i in range(cfg.n_layer)):
             return 0
