@@ -326,7 +326,7 @@ def run_one(path: Path, ctx: int, mode: str, steps: int, dtype: str = "f32", exp
     init_lora(params, targets, np.random.default_rng(0))
     opts = FinetuneOptions(warmup=1)
     base = FrozenBase(model)
-    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg)
+    compile_kernels(cpu(), opts, {t.qtype for t in base.tensors.values()}, cfg, policy(dtype))
     planner = Planner(cfg, targets, base, measure_runtime(params, model.path), model.path.stat().st_size,
                       model.dequantizer.nbytes, 0.0, policy=policy(dtype))
     est = planner.estimate(1, ctx, mode)

@@ -301,7 +301,7 @@ def _run_items(work, n_items):
     """work(items) for the work items 0..n_items-1, dealt round-robin to
     numba.get_num_threads() workers (threads of one pool), BLAS at one thread."""
     global _POOL
-    nw = max(1, min(numba.get_num_threads(), n_items))
+    nw = _workers(n_items)
     with blas_one_thread():
         if nw == 1:
             work(range(n_items))
@@ -310,6 +310,26 @@ def _run_items(work, n_items):
             _POOL = ThreadPoolExecutor(numba.config.NUMBA_NUM_THREADS, "llamatune-attention")
         for f in [_POOL.submit(work, range(w, n_items, nw)) for w in range(nw)]:
             f.result()
+
+
+def _workers(n_items):
+    """How many workers _run_items runs for n_items work items."""
+    return max(1, min(numba.get_num_threads(), n_items))
+
+
+def scratch_bytes(B, T, NH, NKV, HS, softcap=0.0, itemsize=4):
+    """Bytes a training step's attention_forward or attention_backward (n_past 0, S = T)
+    holds in its workers' buffers at once, the larger of the two: each worker allocates
+    its `work` buffers for the largest tile (counted here as `work` sizes them) and
+    _run_items runs min(threads, tiles) workers (at the bench shape, B 8 x T 256, 8/4
+    heads of 64, 2 threads: 6 MiB). The memory estimate's share of attention on the CPU."""
+    G, QB = NH // NKV, min(T, _QBLOCK)
+    tiles = _tiles(B, NKV, G * QB * T)
+    nk = tiles[0][1].stop
+    forward = nk * G * QB * T                                         # scratch
+    backward = ((3 if softcap > 0 else 2) * nk * G * QB * T           # scores
+                + nk * G * QB * HS + nk * T * HS + 2 * QB * nk * G * HS)   # rows_copy, kv_part, od_rows
+    return itemsize * _workers(len(tiles)) * max(forward, backward)
 
 
 def _heads(a, G):

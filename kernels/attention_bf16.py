@@ -165,6 +165,24 @@ def _float32_path(q, T, softcap) -> bool:
     return q.dtype != np.float32 or T < MIN_ROWS or softcap > 0
 
 
+def scratch_bytes(B, T, NH, NKV, HS, softcap=0.0):
+    """attention.scratch_bytes for these kernels: the bytes of the `work` buffers of
+    attention_forward or attention_backward (n_past 0, S = T), the larger, times the
+    workers that run (a training step's float32 queries; fewer than MIN_ROWS or capped
+    scores: the float32 kernels' figure). At the bench shape (B 8 x T 256, 8/4 heads
+    of 64, 2 threads): 9.5 MiB."""
+    if T < MIN_ROWS or softcap > 0:
+        return f32.scratch_bytes(B, T, NH, NKV, HS, softcap)
+    G, QB = NH // NKV, min(T, f32._QBLOCK)
+    tiles = f32._tiles(B, NKV, G * QB * T)
+    most = tiles[0][1].stop
+    rows, kv, scores = most * G * QB * HS, most * T * HS, most * G * QB * T
+    forward = 4 * rows + 6 * kv + 6 * scores + 4 * rows               # qh; kh, vh; scores, p16; o
+    backward = (4 * rows + 4 * kv + 4 * rows + 4 * kv                 # qh, doh; kh, vh; q32; k32
+                + 8 * scores + 4 * scores + 4 * rows + 8 * kv + 4 * most * G * QB)  # scores, dps; p16, ds16; dqh; dkv; d
+    return f32._workers(len(tiles)) * max(forward, backward)
+
+
 def attention_forward(out, lse, q, k, v, n_past, segments=None, *, scale=None, softcap=0.0,
                       window=0):
     """attention.attention_forward with bf16 products (same arguments and contract)."""

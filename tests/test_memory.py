@@ -217,23 +217,31 @@ def test_resident_bytes_counts_touched_pages_and_the_model_file(model):
     assert resident_bytes(model.path.parent / "elsewhere.gguf")[1] == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
-def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch):
+@pytest.mark.parametrize("arch,dtype", [("llama", "f32"), ("gemma2", "f32"), ("llama", "bf16")])
+def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch, dtype):
     """After compile_kernels, a LoRA step and an evaluation on a quantized model (packed
-    rows, read-only memory-mapped weights; gemma2: GeGLU, soft-caps, post norms) add no
-    numba specialization: nothing is compiled or loaded after the runtime was measured."""
+    rows, read-only memory-mapped weights; gemma2: GeGLU, soft-caps, post norms; bf16:
+    the CPU's bf16 products, attention and oneDNN adapter kernels) add no numba
+    specialization: nothing is compiled or loaded after the runtime was measured."""
     from gguf import GGMLQuantizationType as QType
     from numba.core.registry import CPUDispatcher
     from conftest import write_tiny_model
+    from llamatune import precision
     from llamatune.backend import cpu
+    from llamatune.kernels import attention_bf16, bf16, dequant, lora
     from llamatune.train.step import compile_kernels
+    if dtype == "bf16" and not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    policy = precision.policy(dtype)
     family = dict(attn_softcap=1.5, final_softcap=2.5, sliding_window=3, swa_pattern=2) if arch == "gemma2" else {}
     m = Model(write_tiny_model(tmp_path / "q.gguf", tiny_vocab, QType.Q8_0, arch=arch, n_layer=3, **family))
     backend = cpu()
-    compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config)
+    compile_kernels(backend, FinetuneOptions(pack=True), {t.qtype for t in FrozenBase(m).tensors.values()}, m.config,
+                    policy)
+    modules = dict(vars(backend.ops), bf16=bf16, attention_bf16=attention_bf16, dequant_bf16=dequant, lora=lora)
 
     def signatures():
-        return {(op, name): len(k.signatures) for op, mod in vars(backend.ops).items()
+        return {(op, name): len(k.signatures) for op, mod in modules.items()
                 for name, k in vars(mod).items() if isinstance(k, CPUDispatcher)}
     before = signatures()
     cfg = m.config
@@ -242,19 +250,61 @@ def test_the_warm_up_compiles_every_kernel_a_run_uses(tmp_path, tiny_vocab, arch
                            2.0, tied=tied)
     params = ParamBuffer(lora_specs(targets))
     init_lora(params, targets, np.random.default_rng(0))
-    g = StepExecutor(cfg, FrozenBase(m), params, targets, 2, 8, "layer")
-    ids = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, 8))
-    w = np.full((2, 8), 1 / 16, np.float32)
-    positions, segments = np.tile(np.r_[0:4, 0:4], (2, 1)), np.tile(np.r_[[0] * 4, [1] * 4], (2, 1)).astype(np.int32)
+    T = 8 if dtype == "f32" else 16                   # bf16: attention_bf16's least rows
+    g = StepExecutor(cfg, FrozenBase(m), params, targets, 2, T, "layer", policy=policy)
+    ids = np.random.default_rng(1).integers(0, cfg.n_vocab, (2, T))
+    w = np.full((2, T), 1 / (2 * T), np.float32)
+    half = T // 2
+    positions = np.tile(np.r_[0:half, 0:half], (2, 1))
+    segments = np.tile(np.r_[[0] * half, [1] * half], (2, 1)).astype(np.int32)
     g.step(ids, ids, w, (0, 1, 0), positions, segments)
     g.loss(ids, ids, w)
     assert signatures() == before
     assert sum(before.values()) > 10
 
 
+@pytest.mark.parametrize("kernels", ["attention", "attention_bf16"])
+@pytest.mark.parametrize("shape", [(8, 256, 8, 4, 64), (2, 128, 14, 2, 64), (3, 40, 6, 2, 16)])
+def test_attention_scratch_is_what_its_workers_allocate(kernels, shape, monkeypatch):
+    """scratch_bytes (the estimate's attention term) is what attention_forward or
+    attention_backward allocates in its workers, the larger of the two: one worker here,
+    so tracemalloc's peak of each call is its buffers plus some Python objects (tiles,
+    blocks: under 128 KiB)."""
+    import importlib
+    import tracemalloc
+    import numba
+    from llamatune.kernels import bf16
+    if kernels == "attention_bf16" and not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    mod = importlib.import_module(f"llamatune.kernels.{kernels}")
+    B, T, NH, NKV, HS = shape
+    rng = np.random.default_rng(0)
+    q, dout = (rng.standard_normal((B, T, NH, HS), dtype=np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((B, T, NKV, HS), dtype=np.float32) for _ in range(2))
+    out, dq, dk, dv = np.empty_like(q), np.empty_like(q), np.empty_like(k), np.empty_like(v)
+    lse = np.empty((B, NH, T), np.float32)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        peaks = []
+        for call in (lambda: mod.attention_forward(out, lse, q, k, v, 0),
+                     lambda: mod.attention_backward(dq, dk, dv, dout, q, k, v, out, lse)):
+            call()                                    # compiled first
+            tracemalloc.start()
+            call()
+            peaks.append(tracemalloc.get_traced_memory()[1])
+            tracemalloc.stop()
+        est = mod.scratch_bytes(B, T, NH, NKV, HS)
+    finally:
+        numba.set_num_threads(threads)
+    assert est <= max(peaks) <= est + (128 << 10)
+
+
 def test_gpu_estimate_adds_the_attention_buffers(model):
     """On a GPU the temporaries are the attention's working buffers (scratch_floats),
-    and the line says GPU memory; the host estimate has none without dropout."""
+    and the line says GPU memory; the host's are its own kernels' (scratch_bytes)
+    without dropout."""
+    from llamatune.kernels import attention
     from llamatune.kernels.cuda.attention import scratch_floats
     host = planner(model)
     gpu = Planner(host.cfg, host.targets, host.weights, 100 << 20, model.path.stat().st_size,
@@ -262,9 +312,9 @@ def test_gpu_estimate_adds_the_attention_buffers(model):
     cfg = model.config
     for mode in ("none", "selective", "layer"):
         h, g = host.estimate(4, 64, mode), gpu.estimate(4, 64, mode)
-        assert h.temporaries == 0
+        assert h.temporaries == attention.scratch_bytes(4, 64, cfg.n_head, cfg.n_head_kv, cfg.head_dim) > 0
         assert g.temporaries == 4 * scratch_floats(4, 64, cfg.n_head, cfg.n_head_kv, cfg.head_dim) > 0
-        assert g.total == h.total + g.temporaries
+        assert g.total == h.total - h.temporaries + g.temporaries
     assert "of GPU memory" in gpu.estimate(4, 64, "layer").describe()
     assert "of GPU memory" not in host.estimate(4, 64, "layer").describe()
 

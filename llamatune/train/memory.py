@@ -11,7 +11,7 @@ The estimate adds up, for a (batch, ctx, mode):
   - graph: every buffer the training graph allocates, from `buffers.step_plan`, the
     same plan the graph allocates from (and the bf16 copies and kept head it plans).
   - temporaries: arrays numpy creates inside a step (dropout masks and the inputs
-    they multiply).
+    they multiply; attention's working buffers, `attention_bytes`).
 On a GPU (`Planner(device=True)`) the same sum is of GPU memory: runtime is what
 CuPy's pool holds when training starts (the parameters, gradients and moments, the
 norm vectors), model the base model's bytes (uploaded in their stored form), and
@@ -161,9 +161,23 @@ class Planner:
     def estimate(self, B: int, T: int, mode: str) -> Estimate:
         plan = step_plan(self.cfg, self.targets, B, T, mode, self.weights.head_rows, self.weights.trainable,
                          self.policy, self.device, self.dropout)
-        temporaries = temporaries_bytes(self.cfg, B, T, self.dropout, self.device) + plan.bf16_copies
+        temporaries = (temporaries_bytes(self.cfg, B, T, self.dropout, self.device) + plan.bf16_copies
+                       + self.attention_bytes(B, T))
         return Estimate(mode, self.runtime, self.model_bytes, self.dequantization_bytes(plan), plan.buffer_bytes,
                         temporaries, self.device)
+
+    def attention_bytes(self, B: int, T: int) -> int:
+        """On the CPU, the working buffers attention's workers allocate in a step (each
+        worker its own, for the largest tile; the kernels the policy picks:
+        kernels/attention.py or attention_bf16.py `scratch_bytes`); on a GPU they are in
+        `temporaries_bytes`. Freed after each call, they stay in the process (the workers'
+        malloc arenas keep them), so they count at the peak. 0 without attention layers."""
+        cfg = self.cfg
+        if self.device or all(cfg.is_recurrent(i) for i in range(cfg.n_layer)):
+            return 0
+        from ..kernels import attention
+        kernels = self.policy.attention(attention)
+        return kernels.scratch_bytes(B, T, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.attn_softcap)
 
     def dequantization_bytes(self, plan: StepPlan) -> int:
         """The dequantization scratch: float32, or with bf16 products the weights dequantized

@@ -404,34 +404,38 @@ class StepExecutor(Forward):
         return tokens, tg, w
 
 
-def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
-    """Run every training kernel once on a tiny model (compiling it or loading it from
-    numba's disk cache) so that the runtime measured afterwards includes them. numba
-    compiles a kernel apart for each array layout it sees, and the attention's slices
-    are contiguous or not depending on the heads per KV head: the tiny model has the
-    grouping of `like` (the run's ModelConfig), with one KV head when that has one, and
-    its family and hyperparameters (activation, soft-caps, norms, windows)."""
-    from ..models.config import ModelConfig
-    from ..models.writer import random_weights, tensor_names
-    from .optimizer import optimizer_step
-    from .params import DenseWeights, ParamBuffer, ParamSpec
-    if backend.name != "cpu":
-        return
+def tiny_config(like: ModelConfig | None, n_ctx: int = 8, n_vocab: int = 64) -> ModelConfig:
+    """A tiny model of `like`'s grouping (with one KV head when that has one), family and
+    hyperparameters (activation, soft-caps, norms, windows): a mixture of experts gives a
+    dense llama of its grouping (its router and expert kernels compile on their first
+    use), a hybrid one layer of each kind, gemma4 one width with its own K/V and small
+    per-layer inputs. numba compiles a kernel apart for each array
+    layout it sees, and the attention's slices are contiguous or not depending on the
+    heads per KV head."""
     kv, group = (1, 2) if like is None else (min(2, like.n_head_kv), like.n_head // like.n_head_kv)
-    tiny = dict(n_vocab=64, n_ctx_train=8, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
+    tiny = dict(n_vocab=n_vocab, n_ctx_train=n_ctx, n_embd=32, n_layer=2, n_ff=64, n_head=kv * group, n_head_kv=kv,
                 head_dim=16, n_rot=16)
-    # the run's family (a mixture of experts: a dense llama of its grouping, the dense weights
-    # have no experts; its router and expert kernels compile on their first use; a hybrid:
-    # one layer of each kind)
     if like is not None and like.recurrent_layers:
         tiny["recurrent_layers"] = (True, False)
     if like is not None and like.varies | bool(like.n_kv_shared or like.n_embd_per_layer):   # gemma4: one width,
         tiny |= dict(head_dim_swa=0, n_rot_swa=0, n_head_kv_layers=(), n_ff_layers=(), n_kv_shared=0,  # its own
                      n_embd_per_layer=8 if like.n_embd_per_layer else 0)                    # K/V, small inputs
     if like is not None and like.spec.moe:
-        cfg = ModelConfig.new("llama", norm_eps=like.norm_eps, **tiny)
-    else:
-        cfg = ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)
+        return ModelConfig.new("llama", norm_eps=like.norm_eps, **tiny)
+    return ModelConfig.new("llama", **tiny) if like is None else replace(like, **tiny)
+
+
+def compile_kernels(backend, opts, qtypes=(), like=None, policy: ComputePolicy = F32) -> None:
+    """Run every training kernel once on a tiny model (`tiny_config` of `like`, the run's
+    ModelConfig), compiling it or loading it from numba's disk cache, so that the runtime
+    measured afterwards includes them; with the CPU's bf16 products also those of
+    `policy` (`compile_bf16_kernels`)."""
+    from ..models.writer import random_weights, tensor_names
+    from .optimizer import optimizer_step
+    from .params import DenseWeights, ParamBuffer, ParamSpec
+    if backend.name != "cpu":
+        return
+    cfg = tiny_config(like)
     params = ParamBuffer([ParamSpec(n, s) for n, s in tensor_names(cfg).items()])
     for n, a in random_weights(cfg, seed=0).items():
         params[n][...] = a
@@ -450,3 +454,36 @@ def compile_kernels(backend, opts, qtypes=(), like=None) -> None:
         raw = np.zeros((1, size), np.uint8)
         raw.flags.writeable = False                             # as the memory-mapped model: numba compiles
         dequant.dequantize_into(raw, q, np.empty((1, block), np.float32))   # read-only arrays apart
+        if policy.host_bf16:
+            dequant.dequantize_into(raw, q, np.empty((1, block), np.uint16))
+    if policy.host_bf16:
+        compile_bf16_kernels(like, policy, packed=getattr(opts, "pack", False))
+
+
+def compile_bf16_kernels(like: ModelConfig | None, policy: ComputePolicy, packed: bool = False) -> None:
+    """A step and an evaluation of a tiny frozen Q8_0 model (`tiny_config`, 2 x 16 tokens:
+    the bf16 products' and attention's least rows; a head of several row blocks) with
+    adapters on every layer matrix, then also on the head, under `policy`'s bf16 products:
+    what the first bf16 step brings besides its buffers becomes part of the runtime
+    measured afterwards: oneDNN's library pages, engine and streams,
+    its first primitives, and the numba kernels of the bf16 layout (conversions,
+    dequantization to bf16, attention_bf16). Measured at the bench shape (Q8_0, ctx 256 x
+    8, layer): about 14 MiB, which the estimate missed before."""
+    import tempfile
+    from pathlib import Path
+
+    from ..models.model import Model
+    from ..models.weights import FrozenBase
+    from ..models.writer import parse_outtype, random_weights, write_model
+    from .lora import init_lora, lora_specs, lora_targets
+    cfg = tiny_config(like, n_ctx=16, n_vocab=256)                  # the head in several row blocks
+    kinds = {kind for i in range(cfg.n_layer) for kind in cfg.spec.kinds(cfg, i)}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "tiny.gguf"
+        write_model(path, cfg, random_weights(cfg, seed=0), [], parse_outtype("q8_0"))
+        model = Model(path)
+        for head in (set(), set() if cfg.spec.tied else {"output", "token_embd"}):   # the head frozen (kept), adapted
+            targets = lora_targets(cfg, {k: 4 for k in kinds | head}, 4.0, tied=cfg.spec.tied)
+            params = ParamBuffer(lora_specs(targets))
+            init_lora(params, targets, np.random.default_rng(0))
+            StepExecutor(cfg, FrozenBase(model), params, targets, 2, 16, "none", policy=policy).warm_up(packed)

@@ -101,7 +101,7 @@ def memory_estimate(job: Job, backend, policy: ComputePolicy, quiet: bool) -> Es
     """Choose the checkpointing mode (auto: the fastest that fits), say it in one line,
     and refuse a run that does not fit with what would."""
     o = job.opts
-    compile_kernels(backend, o, {t.qtype for t in job.weights.tensors.values()}, job.cfg)
+    compile_kernels(backend, o, {t.qtype for t in job.weights.tensors.values()}, job.cfg, policy)
     device = backend.gpu
     runtime = device_runtime_bytes(backend) if device else measure_runtime(job.params, job.model_path)
     planner = Planner(job.cfg, job.targets, job.weights, runtime, job.mapped_bytes, job.scratch_bytes,
