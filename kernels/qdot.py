@@ -35,8 +35,12 @@ emitted by intrinsics (`_legacy_rows`, `_lanes256`): written as loops, numba's
 type's row dot is one intrinsic per type (`_legacy_rows`), its loop over blocks in the
 IR with the float lanes in registers: each block unpacked in registers to 32 unsigned
 bytes (the type's bias taken out by the lanes' start, `_lane_offsets`), multiplied with
-one activation row or eight (vpdpbusd where the CPU has VNNI). K-quant rows are
-unpacked once into int8 scratch with their scales, then multiplied with each row.
+one activation row or eight (vpdpbusd where the CPU has VNNI). With one activation row
+(a decode step), a Q4_K/Q5_K/Q6_K row's dot is one intrinsic too (`_k_row`): each
+super-block unpacked in registers, the activation's chunks permuted once per call so
+that 8-bit products (vpmaddubsw) and their scaled pairs (vpmaddwd) land in the generic
+order's eight aux32 lanes. Otherwise K-quant rows are unpacked once into int8 scratch
+with their scales, then multiplied with each activation row (`_lanes256`).
 """
 from __future__ import annotations
 
@@ -654,6 +658,193 @@ def _dot_k(data, code, xq, xd, xbs, out, w, dw, mw, sc, sc8, mn, aux, lanes):
                 out[g, n] = sumf
 
 
+# ------------------------------------------------------------ K-quant rows, one activation row
+_AVX2 = _host_has("avx2")          # `_madd_ubs`, `_madd_wd`: vpmaddubsw, vpmaddwd
+
+
+def _perm_index(p: int) -> int:
+    """`_PERM`: the value of a 32-value chunk at byte p of its permuted order, so that
+    vpmaddubsw's pairs hold two values of one 16-value group (one scale) whose indices
+    agree mod 8, and vpmaddwd's pairs then the two groups' pairs of that residue: lane
+    r of the int32 result is the generic dot's aux32[r] share of the chunk."""
+    lane, k = divmod(p, 16)
+    return 16 * ((k // 2) % 2) + 8 * (k % 2) + 4 * lane + k // 4
+
+
+_PERM = [_perm_index(p) for p in range(32)]
+_PERM_NP = np.array(_PERM, np.int64)
+
+
+def _madd_ubs(builder, a, b):
+    """<16 x i16>: a_2i b_2i + a_2i+1 b_2i+1, a <32 x i8> unsigned, b signed (vpmaddubsw;
+    its saturation is never reached here: |sum| <= 2 x 63 x 128)."""
+    i16x16 = ir.VectorType(ir.IntType(16), 16)
+    if _AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [a.type, b.type]),
+                                            "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [a, b])
+    p = builder.mul(builder.zext(a, ir.VectorType(ir.IntType(16), 32)), builder.sext(b, ir.VectorType(ir.IntType(16), 32)))
+    return builder.add(builder.shuffle_vector(p, p, _idx(range(0, 32, 2))), builder.shuffle_vector(p, p, _idx(range(1, 32, 2))))
+
+
+def _madd_wd(builder, a, b):
+    """<8 x i32>: a_2i b_2i + a_2i+1 b_2i+1 of two <16 x i16> (vpmaddwd). Exact."""
+    v8 = ir.VectorType(_I32, 8)
+    if _AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [a.type, b.type]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [a, b])
+    p = builder.mul(builder.sext(a, ir.VectorType(_I32, 16)), builder.sext(b, ir.VectorType(_I32, 16)))
+    return builder.add(builder.shuffle_vector(p, p, _idx(range(0, 16, 2))), builder.shuffle_vector(p, p, _idx(range(1, 16, 2))))
+
+
+# per type: super-block bytes, its d's byte, its quants' byte
+_KROW = {Q4_K: (144, 0, 16), Q5_K: (176, 0, 48), Q6_K: (210, 208, 0)}
+
+
+def _k_chunks(builder, row, o, code):
+    """The eight 32-value chunks of the super-block at byte o of weight row `row` (i8*),
+    each <32 x i8> in `_PERM`'s order: Q4_K/Q5_K's values (0..31), Q6_K's + 32 (0..63)."""
+    i8x32 = ir.VectorType(_I8, 32)
+    k = lambda v: ir.Constant(i8x32, [v] * 32)
+    load = lambda off: builder.shuffle_vector(
+        builder.load(_at(builder, row, builder.add(o, ir.Constant(o.type, off)), i8x32), align=1),
+        ir.Constant(i8x32, None), _idx(_PERM))
+    chunks = []
+    if code == Q6_K:
+        for h in range(2):
+            a, b, hb = load(64 * h), load(64 * h + 32), load(128 + 32 * h)
+            chunks += [builder.or_(builder.and_(a, k(15)), builder.shl(builder.and_(hb, k(3)), k(4))),
+                       builder.or_(builder.and_(b, k(15)), builder.and_(builder.shl(hb, k(2)), k(0x30))),
+                       builder.or_(builder.lshr(a, k(4)), builder.and_(hb, k(0x30))),
+                       builder.or_(builder.lshr(b, k(4)), builder.and_(builder.lshr(hb, k(2)), k(0x30)))]
+        return chunks
+    qs = _KROW[code][2]
+    hb = load(16) if code == Q5_K else None
+    for p in range(4):
+        q = load(qs + 32 * p)
+        lo, hi = builder.and_(q, k(15)), builder.lshr(q, k(4))
+        if hb is not None:
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(hb, k(2 * p)), k(1)), k(4)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(hb, k(2 * p + 1)), k(1)), k(4)))
+        chunks += [lo, hi]
+    return chunks
+
+
+def _k_row(code: int):
+    """An intrinsic f(src, nb, xp, xd, xbs, sc, mn, res): res[0] = the dot of weight row
+    src (nb super-blocks of Q4_K, Q5_K or Q6_K) with one q8_K activation row in the
+    generic order of ggml_vec_dot_<type>_q8_K (as `_dot_k`): xp (K) int8 its quants in
+    `_PERM`'s order chunk by chunk, xd (nb) float32 its scales, xbs (K/16) int32 its
+    bsums; sc, mn (K/32) int32 the row's 6-bit scales and mins (Q4_K/Q5_K,
+    `_k4_scales`). The chunks unpacked in registers, their products in 8-bit lanes
+    (vpmaddubsw), times the scales and summed to the eight aux32 lanes (vpmaddwd); the
+    loop over super-blocks in the IR."""
+    size, d_at, _ = _KROW[code]
+
+    def typer(typingctx, src, nb, xp, xd, xbs, sc, mn, res):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(xp)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = lambda i: context.make_array(sig.args[i])(context, builder, args[i]).data
+            row, xp_p, xd_p, xbs_p, sc_p, mn_p, res_p = (data(i) for i in (0, 2, 3, 4, 5, 6, 7))
+            row = builder.bitcast(row, _I8.as_pointer())
+            f32, i64, i16 = ir.FloatType(), ir.IntType(64), ir.IntType(16)
+            f8, v8, i16x16 = ir.VectorType(f32, 8), ir.VectorType(_I32, 8), ir.VectorType(i16, 16)
+            c64 = lambda v: ir.Constant(i64, v)
+            sums = cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * 8))
+            sumf = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+            with cgutils.for_range(builder, args[1]) as loop:
+                b = loop.index
+                o = builder.mul(b, c64(size))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH))))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH + 64))))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH + 128))))
+                aux = ir.Constant(v8, [0] * 8)
+                for c, w in enumerate(_k_chunks(builder, row, o, code)):
+                    x = builder.load(_at(builder, xp_p, builder.add(builder.mul(b, c64(256)), c64(32 * c)),
+                                         ir.VectorType(_I8, 32)), align=1)
+                    p = _madd_ubs(builder, w, x)
+                    if code == Q6_K:              # the values' + 32 taken out: - 32 (x_a + x_b)
+                        p = builder.sub(p, _madd_ubs(builder, ir.Constant(w.type, [32] * 32), x))
+                        two = builder.load(_at(builder, row, builder.add(o, c64(192 + 2 * c)), ir.VectorType(_I8, 2)),
+                                           align=1)
+                        s = builder.shuffle_vector(builder.sext(two, ir.VectorType(i16, 2)), ir.Constant(
+                            ir.VectorType(i16, 2), None), _idx([0, 1] * 8))
+                    else:
+                        one = builder.trunc(builder.load(cgutils.gep(builder, sc_p, builder.add(
+                            builder.mul(b, c64(8)), c64(c)))), i16)
+                        s = _splat(builder, one, i16x16)
+                    aux = builder.add(aux, _madd_wd(builder, p, s))
+                yd = builder.load(cgutils.gep(builder, xd_p, b))
+                dx = _half(builder, builder.load(_at(builder, row, builder.add(o, c64(d_at)), i16), align=1))
+                d = builder.fmul(dx, yd)
+                builder.store(builder.fadd(builder.load(sums), builder.fmul(_splat(builder, d, f8),
+                                                                             builder.sitofp(aux, f8))), sums)
+                if code != Q6_K:                  # sumf -= (dmin * y.d) * sum_j bsums[j] mins[j]
+                    bs = builder.load(_at(builder, xbs_p, builder.mul(b, c64(16)), ir.VectorType(_I32, 16)), align=4)
+                    mins = builder.load(_at(builder, mn_p, builder.mul(b, c64(8)), v8), align=4)
+                    m16 = builder.shuffle_vector(mins, ir.Constant(v8, None), _idx([j // 2 for j in range(16)]))
+                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                        _I32, [ir.VectorType(_I32, 16)]), "llvm.vector.reduce.add.v16i32")
+                    sumi = builder.sitofp(builder.call(fn, [builder.mul(bs, m16)]), f32)
+                    dmin = _half(builder, builder.load(_at(builder, row, builder.add(o, c64(2)), i16), align=1))
+                    builder.store(builder.fsub(builder.load(sumf), builder.fmul(builder.fmul(dmin, yd), sumi)), sumf)
+            r, s8 = builder.load(sumf), builder.load(sums)
+            for lane in range(8):
+                r = builder.fadd(r, builder.extract_element(s8, ir.Constant(_I32, lane)))
+            builder.store(r, res_p)
+            return context.get_dummy_value()
+
+        return types.none(src, types.intp, xp, xd, xbs, sc, mn, res), codegen
+    return intrinsic(typer)
+
+
+_k1_q4_k, _k1_q5_k, _k1_q6_k = _k_row(Q4_K), _k_row(Q5_K), _k_row(Q6_K)
+
+
+@njit(cache=True)
+def _permute_chunks(xq, xp):
+    """xp = row 0 of xq with each 32-value chunk in `_PERM`'s order."""
+    perm = _PERM_NP
+    for c in range(xq.shape[1] // 32):
+        for p in range(32):
+            xp[32 * c + p] = xq[0, 32 * c + perm[p]]
+
+
+@njit(cache=True, inline="always")
+def _k4_scales(src, nb, size, sc, mn):
+    """sc[8 b + c], mn[8 b + c]: the 6-bit scale and min of chunk c of super-block b of a
+    Q4_K/Q5_K row (`size` bytes a super-block)."""
+    for b in range(nb):
+        for c in range(8):
+            sc[8 * b + c], mn[8 * b + c] = _scale_min_k4(src, size * b + 4, c)
+
+
+@njit(cache=True, parallel=True)
+def _dot_k1(data, code, xp, xd, xbs, out, sc, mn, res):
+    """out[0, n] = vec_dot(W row n, x row 0) for Q4_K, Q5_K, Q6_K (`_k_row`). Scratch per
+    chunk of rows: sc, mn (K/32) int32, res (1) float32."""
+    N, K = data.shape[0], xp.shape[0]
+    nb = K // QK_K
+    chunks = res.shape[0]
+    per = (N + chunks - 1) // chunks
+    for c in prange(chunks):
+        scc, mnc, rc = sc[c], mn[c], res[c]
+        for n in range(c * per, min(N, c * per + per)):
+            src = data[n]
+            if code == Q6_K:
+                _k1_q6_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            elif code == Q4_K:
+                _k4_scales(src, nb, 144, scc, mnc)
+                _k1_q4_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            else:
+                _k4_scales(src, nb, 176, scc, mnc)
+                _k1_q5_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            out[0, n] = rc[0]
+
+
 _SIZES = {q: (T(q).name, *GGML_QUANT_SIZES[T(q)]) for q in QDOT_TYPES}   # name, block size, block bytes
 
 
@@ -700,6 +891,12 @@ def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> N
         return
     xq = quantize_rows(x, ACTIVATION[qtype])
     nb = K // QK_K
+    if G == 1 and qtype in _KROW:                      # a decode step: rows unpacked in registers
+        xp = np.empty(K, np.int8)
+        _permute_chunks(xq.qs, xp)
+        _dot_k1(data, qtype, xp, xq.d[0], xq.bsums[0], out, np.empty((chunks, K // 32), np.int32),
+                np.empty((chunks, K // 32), np.int32), np.empty((chunks, 1), F32))
+        return
     _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, np.empty((chunks, K), np.int8), np.empty((chunks, nb), F32), np.empty((chunks, nb), F32),
            np.empty((chunks, K // 16), np.int32), np.empty((chunks, K // 2), np.int32),
            np.empty((chunks, K // 16), np.int32),

@@ -107,11 +107,24 @@ def test_qdot_bit_exact(qtype, G):
     assert_bits(out, qdot_ref(x, data, qtype))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_qdot_one_row_special_rows(qtype):
+    """A decode step's one-row kernels (their own code: `_legacy_rows` with one row,
+    `_k_row`) on each special row: zeros, ties, negative maxima, tiny and large values."""
+    K = 768
+    data = random_tensor(qtype, 19, K, seed=7)
+    x = activations(6, K, seed=11)
+    for g in range(6):
+        out = np.full((1, 19), np.nan, F32)
+        qdot_into(out, x[g:g + 1], data, qtype)
+        assert_bits(out, qdot_ref(x[g:g + 1], data, qtype))
+
+
 @pytest.mark.parametrize("qtype", TYPES[:5], ids=lambda t: t.name)
 @pytest.mark.parametrize("G", [1, 9])
 def test_qdot_bit_exact_partial_groups(qtype, G):
-    """K of 13 blocks (the one-row kernel's eight-block group and five single blocks; the
-    bench model's 896 is 3 x 8 + 4) and G = 9 (a second group of eight rows, padded)."""
+    """K of 13 blocks (an odd count; the bench model's 896 is 28) and G = 9 (a second
+    group of eight rows, padded)."""
     K = 32 * 13
     data = random_tensor(qtype, 21, K, seed=5)
     x = activations(G, K, seed=G + 3)
@@ -242,9 +255,9 @@ def test_argument_checks():
 
 @pytest.mark.slow
 def test_portable_products_bit_exact(tmp_path):
-    """The kernels compiled without vpmaddwd, vpdpbusd and F16C (numba told of a generic
-    CPU: `_pairs`', `_lanes8`'s and `_half`'s portable forms) give the reference's bits
-    too, one row and eight."""
+    """The kernels compiled without vpmaddwd, vpdpbusd, vpmaddubsw and F16C (numba told
+    of a generic CPU: `_pairs`', `_lanes8`'s, `_madd_ubs`', `_madd_wd`'s and `_half`'s
+    portable forms) give the reference's bits too, one row and eight."""
     import os
     import subprocess
     import sys
@@ -252,11 +265,11 @@ def test_portable_products_bit_exact(tmp_path):
             "from op_helpers import random_tensor\n"
             "from llamatune.kernels import qdot\n"
             "from llamatune.kernels.qdot_ref import qdot_ref\n"
-            "assert not (qdot._PMADDWD or qdot._VNNI or qdot._F16C)\n"
-            "for t in (2, 3, 6, 8):\n"
+            "assert not (qdot._PMADDWD or qdot._VNNI or qdot._AVX2 or qdot._F16C)\n"
+            "for t in (2, 3, 6, 8, 12, 13, 14):\n"
             "    for G in (1, 8):\n"
-            "        d = random_tensor(t, 9, 32 * 13, seed=t)\n"
-            "        x = np.random.default_rng(G).standard_normal((G, 32 * 13)).astype(np.float32)\n"
+            "        d = random_tensor(t, 9, 256 * 3, seed=t)\n"
+            "        x = np.random.default_rng(G).standard_normal((G, 256 * 3)).astype(np.float32)\n"
             "        out = np.empty((G, 9), np.float32)\n"
             "        qdot.qdot_into(out, x, d, t)\n"
             "        assert np.array_equal(out.view(np.int32), qdot_ref(x, d, t).view(np.int32)), (t, G)\n"
