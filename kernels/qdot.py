@@ -5,36 +5,42 @@ blocks (no dequantized copy).
 Each row of x is quantized once per call to the activation blocks the weight type's
 dot takes (ggml-cpu's `vec_dot_type`): q8_0 for Q4_0/Q5_0/Q8_0, q8_1 for Q4_1/Q5_1,
 q8_K for the K-quants (`quantize_row_q8_0_ref`, `quantize_row_q8_1_ref`,
-`quantize_row_q8_K_ref` in ggml-quants.c); each output is then one
-`ggml_vec_dot_<type>_q8_<x>_generic` (ggml-cpu/quants.c) of a row of x with a row of
-W. kernels/qdot_ref.py holds the numpy references; the kernels here give their bits.
+`quantize_row_q8_K_ref` in ggml-quants.c); each output is then one dot of a row of x
+with a row of W: for the 32-value types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in the float
+order of ggml's x86 kernels (`ggml_vec_dot_<type>_q8_<x>` in ggml-cpu/arch/x86/quants.c,
+AVX2), for the K-quants in the order of `ggml_vec_dot_<type>_q8_K_generic`
+(ggml-cpu/quants.c). kernels/qdot_ref.py holds the numpy references; the kernels here
+give their bits.
 
-Exactness. A dot is an integer part and a float part. The integer part (the block's
-sums of int8 x small-int products, times the 4- to 8-bit sub-block scales, and the
-q8_K bsums times the mins) is computed here in float32 on integer values: every
-product and partial sum is an integer below 2^24 in magnitude (the largest, Q6_K's
-lane sums, is at most 32 x 128 x 127 x 32 = 16,646,144 < 16,777,216), so float32 holds
-it exactly in any order, and those loops may regroup and fuse (`fastmath`) to
-vectorize. The float part (the scales' products, `sumf += ...` per block, the
-K-quants' eight float lanes `sums[l] += d * aux32[l]` and their final sum) runs in
-the generic C order with no fused multiply-add, as the reference. The result equals
-the reference bit for bit; llama.cpp's own x86 kernels (AVX2/AVX512) regroup these
-float sums and round q8_0 activations to nearest even rather than away from zero, so
-they differ from the generic order in the last bits.
+Exactness. A dot is an integer part and a float part. The integer part is exact in any
+order: the 32-value types' lanes of four products (int32); the K-quants' sums of int8 x
+small-int products times the 4- to 8-bit sub-block scales, and the q8_K bsums times the
+mins, computed in float32 on integer values, every product and partial sum an integer
+below 2^24 in magnitude (the largest, Q6_K's lane sums, is at most 32 x 128 x 127 x 32 =
+16,646,144 < 16,777,216), so those loops may regroup and fuse (`fastmath`) to vectorize.
+The float part runs in the reference's order with no fused multiply-add: for a
+32-value type, eight float lanes acc[l] += (d_x*d_y) * lane[l] block after block, lane l
+the int32 sum of values 4l..4l+3 (vpdpbusd's lanes), then ggml's hsum_float_8 (Q4_1 and
+Q5_1 add the blocks' m_x*s_y summed in order); for a K-quant, the generic C's eight
+float lanes `sums[l] += d * aux32[l]` and their final sum. The result equals the
+reference bit for bit. llama.cpp itself fuses the x86 kernels' multiply-adds and rounds
+q8_0 activations to nearest even rather than away from zero, so it differs from these
+in the last bits.
 
 Layout: one kernel per family (`_dot_legacy`: 32-value blocks, `_dot_k`: 256-value
-super-blocks) switching on the GGML type id per block; a `prange` over chunks of
-output rows, each chunk with its own scratch (the wrapper's: the kernels never
-allocate). The integer sums are LLVM vector IR emitted by intrinsics (`_dot32`,
-`_dot_nibbles`, `_lanes256`): written as loops, numba's 32-value sums were unrolled to
-scalar code (0.42 against 0.06 ns a product). Legacy blocks are unpacked in registers;
-with one activation row (a decode step), eight consecutive blocks of a weight row have
-their integer sums reduced together (`_block_sums8`, one shuffle tree instead of eight
-reductions) and their float steps then run in order, the scales read where they lie
-(the CPU's f16 conversion); with several activation rows, each block is multiplied with
-eight rows at a time whose sums are reduced together and whose float steps run side by
-side (`_dot32_x8`). K-quant rows are unpacked once into int8 scratch with their scales,
-then multiplied with each row.
+super-blocks); a `prange` over chunks of output rows, each chunk with its own scratch
+(the wrapper's: the kernels never allocate). The integer sums are LLVM vector IR
+emitted by intrinsics (`_legacy_rows`, `_lanes256`): written as loops, numba's
+32-value sums were unrolled to scalar code (0.42 against 0.06 ns a product). A 32-value
+type's row dot is one intrinsic per type (`_legacy_rows`), its loop over blocks in the
+IR with the float lanes in registers: each block unpacked in registers to 32 unsigned
+bytes (the type's bias taken out by the lanes' start, `_lane_offsets`), multiplied with
+one activation row or eight (vpdpbusd where the CPU has VNNI). With one activation row
+(a decode step), a Q4_K/Q5_K/Q6_K row's dot is one intrinsic too (`_k_row`): each
+super-block unpacked in registers, the activation's chunks permuted once per call so
+that 8-bit products (vpmaddubsw) and their scaled pairs (vpmaddwd) land in the generic
+order's eight aux32 lanes. Otherwise K-quant rows are unpacked once into int8 scratch
+with their scales, then multiplied with each activation row (`_lanes256`).
 """
 from __future__ import annotations
 
@@ -175,22 +181,8 @@ def quantize_rows(x: np.ndarray, kind: str) -> QuantizedRows:
 _I8, _I32 = ir.IntType(8), ir.IntType(32)
 
 
-def _reduce_add(builder, v, n: int):
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [ir.VectorType(_I32, n)]),
-                                        f"llvm.vector.reduce.add.v{n}i32")
-    return builder.call(fn, [v])
-
-
 def _int8_arrays(*arrays) -> bool:
     return all(isinstance(a, types.Array) and a.dtype == types.int8 for a in arrays)
-
-
-def _load_i16(context, builder, aty, arr, off):
-    """32 int8 values at flat offset `off` of C-contiguous array `arr`, sign-extended to
-    <32 x i16> (one unaligned load)."""
-    a = context.make_array(aty)(context, builder, arr)
-    ptr = builder.bitcast(cgutils.gep(builder, a.data, off), ir.VectorType(_I8, 32).as_pointer())
-    return builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
 
 
 def _host_has(feature: str) -> bool:
@@ -204,7 +196,7 @@ def _host_has(feature: str) -> bool:
 
 
 _PMADDWD = _host_has("avx512bw")   # `_pairs` calls vpmaddwd (LLVM does not make it of the portable form)
-_F16C = _host_has("f16c")          # `_f16_at` converts with vcvtph2ps (else dequant._f16's integer steps)
+_F16C = _host_has("f16c")          # `_half` converts with vcvtph2ps (else integer steps)
 
 
 def _pairs(builder, a, b):
@@ -223,58 +215,7 @@ def _pairs(builder, a, b):
                        builder.shuffle_vector(p, p, idx(list(range(1, 32, 2)))))
 
 
-def _madd_sum(builder, a, b):
-    """sum_i a_i b_i in int32 of two <32 x i16> vectors (`_pairs`, then one 16-lane
-    reduction). Exact."""
-    return _reduce_add(builder, _pairs(builder, a, b), 16)
-
-
-@intrinsic
-def _dot32(typingctx, w, wo, x, xo):
-    """sum_{i<32} w[wo + i] x[xo + i] in int32 (w, x int8, C-contiguous, flat offsets):
-    one 32-value block's integer dot in vector registers, the `sumi` of ggml's legacy
-    dots (LLVM's vectorizer leaves the loop form as scalar code once it is unrolled)."""
-    if not _int8_arrays(w, x):
-        return None
-
-    def codegen(context, builder, sig, args):
-        return _madd_sum(builder, _load_i16(context, builder, sig.args[0], args[0], args[1]),
-                         _load_i16(context, builder, sig.args[2], args[2], args[3]))
-
-    return types.int32(w, wo, x, xo), codegen
-
-
-@intrinsic
-def _f16_hw(typingctx, src, o):
-    """The IEEE half at byte offset o of uint8 array src, as float32 (exact): F16C's
-    vcvtph2ps (without F16C LLVM calls a runtime function numba does not link)."""
-    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), ir.HalfType().as_pointer())
-        return builder.fpext(builder.load(ptr, align=1), ir.FloatType())
-
-    return types.float32(src, o), codegen
-
-
-_f16_at = _f16_hw if _F16C else _f16
-
-
-@intrinsic
-def _u32_at(typingctx, src, o):
-    """The little-endian uint32 at byte offset o of uint8 array src, as int64 (a Q5
-    block's fifth bits: one unaligned load)."""
-    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
-        return None
-
-    def codegen(context, builder, sig, args):
-        a = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), _I32.as_pointer())
-        return builder.zext(builder.load(ptr, align=1), ir.IntType(64))
-
-    return types.int64(src, o), codegen
+_VNNI = (_host_has("avx512vnni") and _host_has("avx512vl")) or _host_has("avxvnni")   # `_lanes8`: vpdpbusd
 
 
 def _splat(builder, value, vtype):
@@ -283,145 +224,238 @@ def _splat(builder, value, vtype):
                                                                               [0] * vtype.count))
 
 
-def _nibble_values(context, builder, sig, args):
-    """The 32 values of a Q4_0/Q4_1/Q5_0/Q5_1 block as <32 x i16> (in 16-bit lanes, 32 to
-    a 512-bit register): args[0] the row (uint8), args[1] the quants' offset, args[2] the
-    32 fifth bits (0 for the 4-bit types), args[3] the bias."""
-    i16 = ir.IntType(16)
-    v16, v32 = ir.VectorType(i16, 16), ir.VectorType(i16, 32)
-    a = context.make_array(sig.args[0])(context, builder, args[0])
-    ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), ir.VectorType(_I8, 16).as_pointer())
-    q = builder.zext(builder.load(ptr, align=1), v16)
-    lo = builder.and_(q, ir.Constant(v16, [15] * 16))
-    hi = builder.lshr(q, ir.Constant(v16, [4] * 16))
-    v = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
-    qh = builder.trunc(args[2], _I32)
-    pair = builder.insert_element(ir.Constant(ir.VectorType(i16, 2), None), builder.trunc(qh, i16),
-                                  ir.Constant(_I32, 0))
-    pair = builder.insert_element(pair, builder.trunc(builder.lshr(qh, ir.Constant(_I32, 16)), i16),
-                                  ir.Constant(_I32, 1))
-    halves = builder.shuffle_vector(pair, ir.Constant(ir.VectorType(i16, 2), None),
-                                    ir.Constant(ir.VectorType(_I32, 32), [0] * 16 + [1] * 16))
-    bit = builder.and_(halves, ir.Constant(v32, [1 << (i % 16) for i in range(32)]))
-    h = builder.select(builder.icmp_unsigned("!=", bit, ir.Constant(v32, [0] * 32)),
-                       ir.Constant(v32, [16] * 32), ir.Constant(v32, [0] * 32))
-    return builder.sub(builder.or_(v, h), _splat(builder, builder.trunc(args[3], i16), v32))
+def _idx(values):
+    return ir.Constant(ir.VectorType(_I32, len(values)), list(values))
 
 
-def _sums_x8(context, builder, v, xty, x, xo, K, sty, sums):
-    """sums[g] = sum_i v_i x[xo + g K + i], g < 8: one block's values v (<32 x i16>) with
-    eight activation rows; the eight sums reduced together (`_merge8`). Exact."""
-    parts = [_pairs(builder, v, _load_i16(context, builder, xty, x,
-                                          builder.add(xo, builder.mul(K, ir.Constant(K.type, g)))))
-             for g in range(8)]
-    _merge8(context, builder, parts, sty, sums)
+def _at(builder, ptr, off, ty):
+    """A pointer to a `ty` at element offset `off` of the array data pointer `ptr`."""
+    return builder.bitcast(cgutils.gep(builder, ptr, off), ty.as_pointer())
 
 
-def _merge8(context, builder, parts, sty, sums):
-    """sums[j] = the sum of the 16 lanes of parts[j] (eight <16 x i32>), j < 8: pairs of
-    vectors merged level by level (15 shuffles of pairs instead of 8 full reductions),
-    stored as one <8 x i32>. Exact."""
-    idx = lambda v_: ir.Constant(ir.VectorType(_I32, len(v_)), v_)
-    width = 16                     # lanes each row's partial sums fill in a merged vector
-    while len(parts) > 1:
-        merged = []
-        for a_, b_ in zip(parts[::2], parts[1::2]):
-            h = width // 2         # each row: its lanes' first half + second half
-            lo = [i for blk in range(0, 16, width) for i in range(blk, blk + h)]
-            hi = [i + h for i in lo]
-            first = builder.shuffle_vector(a_, b_, idx(lo + [16 + i for i in lo]))
-            second = builder.shuffle_vector(a_, b_, idx(hi + [16 + i for i in hi]))
-            merged.append(builder.add(first, second))
-        parts, width = merged, width // 2
-    out = context.make_array(sty)(context, builder, sums)
-    total = builder.add(builder.shuffle_vector(parts[0], parts[0], idx(list(range(0, 16, 2)))),
-                        builder.shuffle_vector(parts[0], parts[0], idx(list(range(1, 16, 2)))))
-    builder.store(total, builder.bitcast(out.data, ir.VectorType(_I32, 8).as_pointer()), align=4)
+def _half(builder, bits):
+    """The IEEE half with bits `bits` (i16) as float32, exact: vcvtph2ps where the CPU has
+    F16C, else integer steps (without F16C LLVM calls a runtime function numba does not
+    link): the magnitude's bits moved to a float's place and scaled by 2^112 (exact for
+    normals and subnormals), an inf/NaN's exponent set, the sign or'ed in."""
+    f32 = ir.FloatType()
+    if _F16C:
+        return builder.fpext(builder.bitcast(bits, ir.HalfType()), f32)
+    c = lambda v: ir.Constant(_I32, v)
+    u = builder.zext(bits, _I32)
+    f = builder.fmul(builder.bitcast(builder.shl(builder.and_(u, c(0x7FFF)), c(13)), f32), ir.Constant(f32, 2.0 ** 112))
+    fb = builder.bitcast(f, _I32)
+    infnan = builder.icmp_unsigned("==", builder.and_(u, c(0x7C00)), c(0x7C00))
+    fb = builder.select(infnan, builder.or_(fb, c(0x7F800000)), fb)
+    return builder.bitcast(builder.or_(fb, builder.shl(builder.and_(u, c(0x8000)), c(16))), f32)
 
 
-def _block_sums8(size: int, qs: int, qh: int, bias: int):
-    """An intrinsic f(src, o, x, xo, sums): sums[j] = the integer dot of the 32-value block
-    at byte offset o + j size of weight row src with x[xo + 32 j:], j < 8: eight
-    consecutive blocks of one row, reduced together (`_merge8`). The block layout: quants
-    at byte qs of each block (bias subtracted; qs past 2 with qh < 0 and bias 0: Q8_0's
-    int8 quants), its 32 fifth bits at byte qh (qh < 0: none)."""
-    def typer(typingctx, src, o, x, xo, sums):
-        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(x)):
-            return None
-
-        def codegen(context, builder, sig, args):
-            parts = []
-            for j in range(8):
-                off = builder.add(args[1], ir.Constant(args[1].type, size * j))
-                at = lambda k: builder.add(off, ir.Constant(off.type, k))
-                if size == 34:                        # Q8_0: the int8 quants as they lie
-                    w = _load_i16(context, builder, sig.args[0], args[0], at(qs))
-                else:
-                    if qh >= 0:
-                        a = context.make_array(sig.args[0])(context, builder, args[0])
-                        ptr = builder.bitcast(cgutils.gep(builder, a.data, at(qh)), _I32.as_pointer())
-                        bits = builder.zext(builder.load(ptr, align=1), ir.IntType(64))
-                    else:
-                        bits = ir.Constant(ir.IntType(64), 0)
-                    w = _nibble_values(context, builder, sig, [args[0], at(qs), bits, ir.Constant(ir.IntType(64), bias)])
-                xoff = builder.add(args[3], ir.Constant(args[3].type, 32 * j))
-                parts.append(_pairs(builder, w, _load_i16(context, builder, sig.args[2], args[2], xoff)))
-            _merge8(context, builder, parts, sig.args[4], args[4])
-            return context.get_dummy_value()
-
-        return types.none(src, o, x, xo, sums), codegen
-    return intrinsic(typer)
+def _lanes8(builder, init, w, x):
+    """<8 x i32>: init + the sums of four consecutive products w_i x_i, lane l of values
+    4l..4l+3 (w <32 x i8> read unsigned, x <32 x i8> signed): vpdpbusd where the CPU has
+    VNNI, else `_pairs` and adjacent pairs added. Exact (|w x| <= 255 x 128)."""
+    v8 = ir.VectorType(_I32, 8)
+    if _VNNI:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [v8, v8, v8]),
+                                            "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(fn, [init, builder.bitcast(w, v8), builder.bitcast(x, v8)])
+    i16x32 = ir.VectorType(ir.IntType(16), 32)
+    p = _pairs(builder, builder.zext(w, i16x32), builder.sext(x, i16x32))
+    four = builder.add(builder.shuffle_vector(p, p, _idx(range(0, 16, 2))),
+                       builder.shuffle_vector(p, p, _idx(range(1, 16, 2))))
+    return builder.add(init, four)
 
 
-_sums8_q8_0, _sums8_q4_0, _sums8_q4_1 = _block_sums8(34, 2, -1, 0), _block_sums8(18, 2, -1, 8), _block_sums8(20, 4, -1, 0)
-_sums8_q5_0, _sums8_q5_1 = _block_sums8(22, 6, 2, 16), _block_sums8(24, 8, 4, 0)
+def _block_values(builder, row, o, size: int, qs: int, qh: int):
+    """The 32 values of the legacy block at byte offset o of weight row `row` (i8*) as
+    <32 x i8> read unsigned, before the type's bias (`_LEGACY`): Q8_0's quants + 128 (xor
+    0x80), else the low nibbles of its 16 quant bytes then the high ones, value i's fifth
+    bit (bit i of the uint32 at byte qh) adding 16."""
+    i8x16, i8x32 = ir.VectorType(_I8, 16), ir.VectorType(_I8, 32)
+    at = lambda k: builder.add(o, ir.Constant(o.type, k))
+    if size == 34:
+        w = builder.load(_at(builder, row, at(qs), i8x32), align=1)
+        return builder.xor(w, ir.Constant(i8x32, [0x80] * 32))
+    q = builder.load(_at(builder, row, at(qs), i8x16), align=1)
+    lo = builder.and_(q, ir.Constant(i8x16, [15] * 16))
+    hi = builder.lshr(q, ir.Constant(i8x16, [4] * 16))
+    w = builder.shuffle_vector(lo, hi, _idx(range(32)))
+    if qh < 0:
+        return w
+    bits = builder.bitcast(builder.load(_at(builder, row, at(qh), _I32), align=1), ir.VectorType(ir.IntType(1), 32))
+    return builder.or_(w, builder.select(bits, ir.Constant(i8x32, [16] * 32), ir.Constant(i8x32, [0] * 32)))
+
+
+_PREFETCH = 2048   # bytes: the weight rows are read from memory this far ahead (`_prefetch`)
+
+
+def _prefetch(builder, ptr):
+    """Ask for the cache line at ptr (i8*), for reading, kept in all levels: a decode
+    step's weights stream from memory, which the hardware's prefetcher alone left at half
+    speed (Q5_0 4864 x 896, 60 matrices in turn, one thread: 141 -> 80 ps a weight)."""
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32,
+                                                                                       _I32]), "llvm.prefetch.p0")
+    builder.call(fn, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
 
 @intrinsic
-def _dot_nibbles_x8(typingctx, src, qs, qh, bias, x, xo, K, sums):
-    """`_dot_nibbles` of one block with eight activation rows (x[xo + g K:], g < 8) into
-    sums[:8] (int32)."""
-    if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(x)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        v = _nibble_values(context, builder, sig, args)
-        _sums_x8(context, builder, v, sig.args[4], args[4], args[5], args[6], sig.args[7], args[7])
-        return context.get_dummy_value()
-
-    return types.none(src, qs, qh, bias, x, xo, K, sums), codegen
-
-
-@intrinsic
-def _dot32_x8(typingctx, w, wo, x, xo, K, sums):
-    """`_dot32` of one block with eight activation rows (x[xo + g K:], g < 8) into sums[:8]."""
-    if not _int8_arrays(w, x):
+def _prefetch_at(typingctx, src, o):
+    """`_prefetch` of byte o of uint8 array src (past its end is harmless: a prefetch does
+    not fault)."""
+    if not (isinstance(src, types.Array) and src.dtype == types.uint8):
         return None
 
     def codegen(context, builder, sig, args):
         a = context.make_array(sig.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(cgutils.gep(builder, a.data, args[1]), ir.VectorType(_I8, 32).as_pointer())
-        v = builder.sext(builder.load(ptr, align=1), ir.VectorType(ir.IntType(16), 32))
-        _sums_x8(context, builder, v, sig.args[2], args[2], args[3], args[4], sig.args[5], args[5])
+        _prefetch(builder, builder.bitcast(cgutils.gep(builder, a.data, args[1]), _I8.as_pointer()))
         return context.get_dummy_value()
 
-    return types.none(w, wo, x, xo, K, sums), codegen
+    return types.none(src, types.intp), codegen
 
 
-@intrinsic
-def _dot_nibbles(typingctx, src, qs, qh, bias, x, xo):
-    """sum_{i<32} v_i x[xo + i] in int32 for a Q4_0/Q4_1/Q5_0/Q5_1 block unpacked in
-    registers: v_i = (src[qs + i] & 15 | bit i of qh << 4) - bias for i < 16, (src[qs + i
-    - 16] >> 4 | bit i of qh << 4) - bias above (qh 0 for the 4-bit types): the block's
-    `sumi` with no unpacked copy."""
-    if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(x)):
-        return None
+def _hsum8(builder, v):
+    """ggml's hsum_float_8 (arch/x86/quants.c): ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7))."""
+    t = builder.fadd(builder.shuffle_vector(v, v, _idx(range(4))), builder.shuffle_vector(v, v, _idx(range(4, 8))))
+    u = builder.fadd(builder.shuffle_vector(t, t, _idx(range(2))), builder.shuffle_vector(t, t, _idx(range(2, 4))))
+    return builder.fadd(builder.extract_element(u, ir.Constant(_I32, 0)), builder.extract_element(u, ir.Constant(_I32, 1)))
 
-    def codegen(context, builder, sig, args):
-        v = _nibble_values(context, builder, sig, args)
-        return _madd_sum(builder, v, _load_i16(context, builder, sig.args[4], args[4], args[5]))
 
-    return types.int32(src, qs, qh, bias, x, xo), codegen
+# per type: block bytes, quants' byte, fifth bits' byte (-1: none), bias, whether it has a min
+_LEGACY = {Q8_0: (34, 2, -1, 128, False), Q4_0: (18, 2, -1, 8, False), Q4_1: (20, 4, -1, 0, True),
+           Q5_0: (22, 6, 2, 16, False), Q5_1: (24, 8, 4, 0, True)}
+
+
+def _legacy_rows(code: int, rows: int):
+    """An intrinsic f(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res): res[g] = the dot of
+    weight row src (nb blocks of type `code`) with activation row g0 + g, g < rows, in
+    ggml's x86 order (the module docstring): xq (Gp, K) int8 (row g0 at flat offset xo),
+    xoff (Gp, 8 nb) int32 each lane's four activations times -bias, xd, xs (nb, Gp)
+    float32 the rows' q8 scales and q8_1 sums. The loop over blocks is in the IR, the
+    accumulators in registers."""
+    size, qs, qh, bias, has_min = _LEGACY[code]
+
+    def typer(typingctx, src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(xq)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            src_, nb_, xq_, xo_, K_, xoff_, xd_, xs_, g0_, Gp_, res_ = args
+            data = lambda i: context.make_array(sig.args[i])(context, builder, args[i]).data
+            row, xq_p, xoff_p, xd_p, xs_p, res_p = (data(i) for i in (0, 2, 5, 6, 7, 10))
+            row = builder.bitcast(row, _I8.as_pointer())
+            f32, i64 = ir.FloatType(), ir.IntType(64)
+            f8, v8 = ir.VectorType(f32, 8), ir.VectorType(_I32, 8)
+            c64 = lambda v: ir.Constant(i64, v)
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * 8)) for _ in range(rows)]
+            summs = [cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0)) for _ in range(rows if has_min else 0)]
+            with cgutils.for_range(builder, nb_) as loop:
+                b = loop.index
+                o = builder.mul(b, c64(size))
+                w = _block_values(builder, row, o, size, qs, qh)
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH))))
+                dx = _half(builder, builder.load(_at(builder, row, o, ir.IntType(16)), align=1))
+                m = _half(builder, builder.load(_at(builder, row, builder.add(o, c64(2)), ir.IntType(16)),
+                                                align=1)) if has_min else None
+                yo = builder.add(builder.mul(b, Gp_), g0_)
+                for g in range(rows):
+                    gx = builder.add(builder.add(xo_, builder.mul(K_, c64(g))), builder.mul(b, c64(32)))
+                    x = builder.load(_at(builder, xq_p, gx, ir.VectorType(_I8, 32)), align=1)
+                    init = ir.Constant(v8, [0] * 8)
+                    if bias:
+                        lo = builder.add(builder.mul(builder.add(g0_, c64(g)), builder.mul(nb_, c64(8))),
+                                         builder.mul(b, c64(8)))
+                        init = builder.load(_at(builder, xoff_p, lo, v8), align=4)
+                    lanes = builder.sitofp(_lanes8(builder, init, w, x), f8)
+                    yg = builder.add(yo, c64(g))
+                    d = builder.fmul(dx, builder.load(cgutils.gep(builder, xd_p, yg)))
+                    builder.store(builder.fadd(builder.load(accs[g]), builder.fmul(_splat(builder, d, f8), lanes)),
+                                  accs[g])
+                    if has_min:
+                        ms = builder.fmul(m, builder.load(cgutils.gep(builder, xs_p, yg)))
+                        builder.store(builder.fadd(builder.load(summs[g]), ms), summs[g])
+            for g in range(rows):
+                r = _hsum8(builder, builder.load(accs[g]))
+                if has_min:
+                    r = builder.fadd(r, builder.load(summs[g]))
+                builder.store(r, cgutils.gep(builder, res_p, c64(g)))
+            return context.get_dummy_value()
+
+        i = types.intp
+        return types.none(src, i, xq, i, i, xoff, xd, xs, i, i, res), codegen
+    return intrinsic(typer)
+
+
+_x1_q8_0, _x1_q4_0, _x1_q4_1, _x1_q5_0, _x1_q5_1 = (_legacy_rows(c, 1) for c in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1))
+_x8_q8_0, _x8_q4_0, _x8_q4_1, _x8_q5_0, _x8_q5_1 = (_legacy_rows(c, 8) for c in (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1))
+
+
+@njit(cache=True, inline="always")
+def _legacy_dot1(code, src, nb, xq, xoff, xd, xs, Gp, res):
+    """res[0] = the dot of weight row src with activation row 0 (`_legacy_rows`)."""
+    if code == Q8_0:
+        _x1_q8_0(src, nb, xq, 0, 0, xoff, xd, xs, 0, Gp, res)
+    elif code == Q5_0:
+        _x1_q5_0(src, nb, xq, 0, 0, xoff, xd, xs, 0, Gp, res)
+    elif code == Q4_0:
+        _x1_q4_0(src, nb, xq, 0, 0, xoff, xd, xs, 0, Gp, res)
+    elif code == Q4_1:
+        _x1_q4_1(src, nb, xq, 0, 0, xoff, xd, xs, 0, Gp, res)
+    else:
+        _x1_q5_1(src, nb, xq, 0, 0, xoff, xd, xs, 0, Gp, res)
+
+
+@njit(cache=True, inline="always")
+def _legacy_dot8(code, src, nb, xq, K, xoff, xd, xs, g0, Gp, res):
+    """res[:8] = the dots of weight row src with activation rows g0..g0+7 (`_legacy_rows`)."""
+    xo = g0 * K
+    if code == Q8_0:
+        _x8_q8_0(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res)
+    elif code == Q5_0:
+        _x8_q5_0(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res)
+    elif code == Q4_0:
+        _x8_q4_0(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res)
+    elif code == Q4_1:
+        _x8_q4_1(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res)
+    else:
+        _x8_q5_1(src, nb, xq, xo, K, xoff, xd, xs, g0, Gp, res)
+
+
+@njit(cache=True, inline="always")
+def _lane_offsets(xq, bias, xoff):
+    """xoff[g, l] = -bias x (the sum of activations 4l..4l+3 of row g): the lanes' start,
+    so that a block's unsigned values (`_block_values`) give the biased ones' dots."""
+    for g in range(xoff.shape[0]):
+        for i in range(xoff.shape[1]):
+            t = np.int32(xq[g, 4 * i]) + np.int32(xq[g, 4 * i + 1]) + np.int32(xq[g, 4 * i + 2]) \
+                + np.int32(xq[g, 4 * i + 3])
+            xoff[g, i] = -bias * t
+
+
+@njit(cache=True, parallel=True)
+def _dot_legacy(data, code, bias, xq, xoff, xd, xs, out, res):
+    """out[g, n] = vec_dot(W row n, x row g) for a 32-value type in ggml's x86 order
+    (`_legacy_rows`; xq padded to a multiple of 8 rows when there are several; xd, xs
+    transposed: (K/32, rows)). Scratch: xoff (rows, K/8) int32 (filled here, `_lane_offsets`),
+    res (chunks, 8) float32 each chunk's dots of one weight row."""
+    N, K, G, Gp = data.shape[0], xq.shape[1], out.shape[0], xq.shape[0]
+    nb = K // 32
+    if bias:
+        _lane_offsets(xq, bias, xoff)
+    chunks = res.shape[0]
+    per = (N + chunks - 1) // chunks
+    for c in prange(chunks):
+        rc = res[c]
+        for n in range(c * per, min(N, c * per + per)):
+            src = data[n]
+            if G == 1:
+                _legacy_dot1(code, src, nb, xq, xoff, xd, xs, Gp, rc)
+                out[0, n] = rc[0]
+                continue
+            for g0 in range(0, Gp, 8):
+                _legacy_dot8(code, src, nb, xq, K, xoff, xd, xs, g0, Gp, rc)
+                for g in range(min(8, G - g0)):
+                    out[g0 + g, n] = rc[g]
+
 
 
 def _load_ext(context, builder, aty, arr, off, n: int, src_bits: int, bits: int, signed=True):
@@ -482,23 +516,6 @@ def _hidden(w, n):
     """n, as a number LLVM cannot see (w holds at least n values): a loop of a constant
     trip count is unrolled to scalar code before the vectorizer runs (dequant's _n16)."""
     return _U(min(n, w.shape[0]))
-
-
-@njit(cache=True, inline="always")
-def _legacy_block(code, src, b):
-    """Block b of a 32-value type: (d, m, offset of its quants, its 5th bits qh, bias)
-    (m 0 where the type has none; qh 0 for the 4-bit types)."""
-    if code == Q8_0:
-        return _f16(src, 34 * b), F32(0), 34 * b + 2, 0, 0
-    if code == Q4_0:
-        return _f16(src, 18 * b), F32(0), 18 * b + 2, 0, 8
-    if code == Q4_1:
-        return _f16(src, 20 * b), _f16(src, 20 * b + 2), 20 * b + 4, 0, 0
-    size, off, bias = (22, 2, 16) if code == Q5_0 else (24, 4, 0)
-    o = size * b
-    qh = np.int64(src[o + off]) | (np.int64(src[o + off + 1]) << 8) \
-        | (np.int64(src[o + off + 2]) << 16) | (np.int64(src[o + off + 3]) << 24)
-    return _f16(src, o), (_f16(src, o + 2) if code == Q5_1 else F32(0)), o + off + 4, qh, bias
 
 
 @njit(cache=True, inline="always")
@@ -591,163 +608,6 @@ def _unpack_q6(src, b, w, sc):
 
 
 # ------------------------------------------------------------ products
-@njit(cache=True, inline="always")
-def _legacy_step(code, sumf, sumi, dx, yd, mx, sy):
-    """sumf after one block of ggml_vec_dot_<type>_q8_0/q8_1 (generic order)."""
-    si = F32(sumi)                                    # exact: |sumi| < 2^19
-    if code == Q4_0:
-        return sumf + (si * dx) * yd                  # sumi*d_x*d_y
-    if code == Q8_0:
-        return sumf + si * (dx * yd)                  # sumi*(d_x*d_y)
-    if code == Q5_0:
-        return sumf + (dx * yd) * si                  # (d_x*d_y)*sumi
-    return sumf + ((dx * yd) * si + mx * sy)          # Q4_1, Q5_1: + m_x*s_y
-
-
-def _float_steps8(order: str):
-    """An intrinsic f(ac, g0, sums, dx, mx, yd, ys, yo): `_legacy_step` of eight activation
-    rows side by side, ac[g0 + i] = that row's sumf after the block, i < 8, as one
-    <8 x float> (each lane its own row's generic order; no fused multiply-add): sums
-    the block's eight int32 dots, dx, mx its scale and min, yd, ys the rows' q8 scales
-    and sums (flat offset yo). order: q4_0 (sumi*d_x)*d_y, q8_0 sumi*(d_x*d_y), q5_0
-    (d_x*d_y)*sumi, _1 (d_x*d_y)*sumi + m_x*s_y."""
-    def typer(typingctx, ac, g0, sums, dx, mx, yd, ys, yo):
-        def codegen(context, builder, sig, args):
-            f8 = ir.VectorType(ir.FloatType(), 8)
-
-            def vec(aty, arr, off, ty):
-                a = context.make_array(aty)(context, builder, arr)
-                return builder.bitcast(cgutils.gep(builder, a.data, off), ty.as_pointer())
-            acc_ptr = vec(sig.args[0], args[0], args[1], f8)
-            si = builder.sitofp(builder.load(vec(sig.args[2], args[2], ir.Constant(ir.IntType(64), 0),
-                                                 ir.VectorType(_I32, 8)), align=4), f8)
-            d = _splat(builder, args[3], f8)
-            y = builder.load(vec(sig.args[5], args[5], args[7], f8), align=4)
-            if order == "q4_0":
-                step = builder.fmul(builder.fmul(si, d), y)
-            elif order == "q8_0":
-                step = builder.fmul(si, builder.fmul(d, y))
-            else:
-                step = builder.fmul(builder.fmul(d, y), si)
-            if order == "_1":
-                m = _splat(builder, args[4], f8)
-                step = builder.fadd(step, builder.fmul(m, builder.load(vec(sig.args[6], args[6], args[7], f8),
-                                                                      align=4)))
-            builder.store(builder.fadd(builder.load(acc_ptr, align=4), step), acc_ptr, align=4)
-            return context.get_dummy_value()
-
-        return types.none(ac, g0, sums, dx, mx, yd, ys, yo), codegen
-    return intrinsic(typer)
-
-
-_steps8_q4_0, _steps8_q8_0, _steps8_q5_0, _steps8_q_1 = (_float_steps8(o) for o in ("q4_0", "q8_0", "q5_0", "_1"))
-
-
-@njit(cache=True, inline="always")
-def _block_sums(code, src, b, xq, sums):
-    """sums[:8] = the integer dots of blocks b..b+7 of weight row src with activation row 0."""
-    if code == Q8_0:
-        _sums8_q8_0(src, 34 * b, xq, 32 * b, sums)
-    elif code == Q5_0:
-        _sums8_q5_0(src, 22 * b, xq, 32 * b, sums)
-    elif code == Q4_0:
-        _sums8_q4_0(src, 18 * b, xq, 32 * b, sums)
-    elif code == Q4_1:
-        _sums8_q4_1(src, 20 * b, xq, 32 * b, sums)
-    else:
-        _sums8_q5_1(src, 24 * b, xq, 32 * b, sums)
-
-
-@njit(cache=True, inline="always")
-def _legacy_sum_step(code, sumf, sumi, src, b, xd, xs):
-    """sumf after block b of weight row src with activation row 0, its integer dot sumi
-    given: the block's scales read where they lie, then `_legacy_step`."""
-    size = 34 if code == Q8_0 else 18 if code == Q4_0 else 22 if code == Q5_0 else 20 if code == Q4_1 else 24
-    o = size * b
-    if code == Q4_1 or code == Q5_1:
-        return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], _f16_at(src, o + 2), xs[b, 0])
-    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], F32(0), F32(0))
-
-
-@njit(cache=True, inline="always")
-def _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs):
-    """sumf after block b of weight row src (s8: its int8 view) with activation row 0:
-    the block's scales and fifth bits read where they lie (no scratch), then
-    `_legacy_step`."""
-    sy, m, qh = F32(0), F32(0), 0
-    if code == Q8_0:
-        o = 34 * b
-        return _legacy_step(code, sumf, _dot32(s8, o + 2, xq, 32 * b), _f16_at(src, o), xd[b, 0], m, sy)
-    if code == Q4_0:
-        o, qs, bias = 18 * b, 18 * b + 2, 8
-    elif code == Q5_0:
-        o, qs, bias = 22 * b, 22 * b + 6, 16
-        qh = _u32_at(src, o + 2)
-    elif code == Q4_1:
-        o, qs, bias = 20 * b, 20 * b + 4, 0
-        m, sy = _f16_at(src, o + 2), xs[b, 0]
-    else:                                             # Q5_1
-        o, qs, bias = 24 * b, 24 * b + 8, 0
-        m, sy = _f16_at(src, o + 2), xs[b, 0]
-        qh = _u32_at(src, o + 4)
-    sumi = _dot_nibbles(src, qs, qh, bias, xq, 32 * b)
-    return _legacy_step(code, sumf, sumi, _f16_at(src, o), xd[b, 0], m, sy)
-
-
-@njit(cache=True, parallel=True)
-def _dot_legacy(data, code, xq, xd, xs, out, dm, blocks, acc, sums):
-    """out[g, n] = vec_dot(W row n, x row g) for a 32-value type: sumf += per block in
-    the generic order of ggml_vec_dot_<type>_q8_0/q8_1. The blocks' quants are
-    multiplied where they lie (Q8_0) or unpacked in registers (`_dot_nibbles`); with
-    several rows of x, eight at a time (xq padded to a multiple of 8 rows; xd, xs
-    transposed: (K/32, rows), so that the eight rows' float steps are one vector). Scratch per
-    chunk of rows: dm (K/32, 2) float32 each block's d and m, blocks (K/32, 3) int64 its
-    quants' offset, 5th bits and bias, acc (G padded) float32, sums (8) int32."""
-    N, K, G = data.shape[0], xq.shape[1], out.shape[0]
-    nb = K // 32
-    chunks = blocks.shape[0]
-    per = (N + chunks - 1) // chunks
-    for c in prange(chunks):
-        dmc, bc, ac, sc = dm[c], blocks[c], acc[c], sums[c]
-        for n in range(c * per, min(N, c * per + per)):
-            src = data[n]
-            s8 = src.view(np.int8)
-            if G == 1:
-                sumf = F32(0)
-                b = 0
-                while b + 8 <= nb:                    # eight blocks' integer sums at once
-                    _block_sums(code, src, b, xq, sc)
-                    for j in range(8):
-                        sumf = _legacy_sum_step(code, sumf, sc[j], src, b + j, xd, xs)
-                    b += 8
-                while b < nb:
-                    sumf = _legacy_block_step(code, sumf, src, s8, b, xq, xd, xs)
-                    b += 1
-                out[0, n] = sumf
-                continue
-            for b in range(nb):
-                dmc[b, 0], dmc[b, 1], bc[b, 0], bc[b, 1], bc[b, 2] = _legacy_block(code, src, b)
-            ac[:] = 0
-            for b in range(nb):
-                dx, mx = dmc[b, 0], dmc[b, 1]
-                for g0 in range(0, ac.shape[0], 8):
-                    if code == Q8_0:
-                        _dot32_x8(s8, bc[b, 0], xq, g0 * K + 32 * b, K, sc)
-                    else:
-                        _dot_nibbles_x8(src, bc[b, 0], bc[b, 1], bc[b, 2], xq, g0 * K + 32 * b, K, sc)
-                    # the eight rows' steps side by side (each row's own order), one branch per block
-                    if code == Q4_0:
-                        _steps8_q4_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
-                    elif code == Q8_0:
-                        _steps8_q8_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
-                    elif code == Q5_0:
-                        _steps8_q5_0(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
-                    else:
-                        _steps8_q_1(ac, g0, sc, dx, mx, xd, xs, b * xd.shape[1] + g0)
-            for g in range(G):
-                out[g, n] = ac[g]
-
-
 @njit(cache=True, parallel=True)
 def _dot_k(data, code, xq, xd, xbs, out, w, dw, mw, sc, sc8, mn, aux, lanes):
     """out[g, n] = vec_dot(W row n, x row g) for a K-quant, in the generic order of
@@ -765,6 +625,8 @@ def _dot_k(data, code, xq, xd, xbs, out, w, dw, mw, sc, sc8, mn, aux, lanes):
         wc, dc, mc, scc, s8c, mnc, xc, lc = w[c], dw[c], mw[c], sc[c], sc8[c], mn[c], aux[c], lanes[c]
         for n in range(c * per, min(N, c * per + per)):
             src = data[n]
+            for o in range(0, src.shape[0], 64):
+                _prefetch_at(src, o + _PREFETCH)
             for b in range(nb):
                 if code == Q6_K:
                     dc[b], mc[b] = _unpack_q6(src, b, wc, scc)
@@ -794,6 +656,193 @@ def _dot_k(data, code, xq, xd, xbs, out, w, dw, mw, sc, sc8, mn, aux, lanes):
                     for l in range(8):
                         sumf += lc[l]
                 out[g, n] = sumf
+
+
+# ------------------------------------------------------------ K-quant rows, one activation row
+_AVX2 = _host_has("avx2")          # `_madd_ubs`, `_madd_wd`: vpmaddubsw, vpmaddwd
+
+
+def _perm_index(p: int) -> int:
+    """`_PERM`: the value of a 32-value chunk at byte p of its permuted order, so that
+    vpmaddubsw's pairs hold two values of one 16-value group (one scale) whose indices
+    agree mod 8, and vpmaddwd's pairs then the two groups' pairs of that residue: lane
+    r of the int32 result is the generic dot's aux32[r] share of the chunk."""
+    lane, k = divmod(p, 16)
+    return 16 * ((k // 2) % 2) + 8 * (k % 2) + 4 * lane + k // 4
+
+
+_PERM = [_perm_index(p) for p in range(32)]
+_PERM_NP = np.array(_PERM, np.int64)
+
+
+def _madd_ubs(builder, a, b):
+    """<16 x i16>: a_2i b_2i + a_2i+1 b_2i+1, a <32 x i8> unsigned, b signed (vpmaddubsw;
+    its saturation is never reached here: |sum| <= 2 x 63 x 128)."""
+    i16x16 = ir.VectorType(ir.IntType(16), 16)
+    if _AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i16x16, [a.type, b.type]),
+                                            "llvm.x86.avx2.pmadd.ub.sw")
+        return builder.call(fn, [a, b])
+    p = builder.mul(builder.zext(a, ir.VectorType(ir.IntType(16), 32)), builder.sext(b, ir.VectorType(ir.IntType(16), 32)))
+    return builder.add(builder.shuffle_vector(p, p, _idx(range(0, 32, 2))), builder.shuffle_vector(p, p, _idx(range(1, 32, 2))))
+
+
+def _madd_wd(builder, a, b):
+    """<8 x i32>: a_2i b_2i + a_2i+1 b_2i+1 of two <16 x i16> (vpmaddwd). Exact."""
+    v8 = ir.VectorType(_I32, 8)
+    if _AVX2:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8, [a.type, b.type]),
+                                            "llvm.x86.avx2.pmadd.wd")
+        return builder.call(fn, [a, b])
+    p = builder.mul(builder.sext(a, ir.VectorType(_I32, 16)), builder.sext(b, ir.VectorType(_I32, 16)))
+    return builder.add(builder.shuffle_vector(p, p, _idx(range(0, 16, 2))), builder.shuffle_vector(p, p, _idx(range(1, 16, 2))))
+
+
+# per type: super-block bytes, its d's byte, its quants' byte
+_KROW = {Q4_K: (144, 0, 16), Q5_K: (176, 0, 48), Q6_K: (210, 208, 0)}
+
+
+def _k_chunks(builder, row, o, code):
+    """The eight 32-value chunks of the super-block at byte o of weight row `row` (i8*),
+    each <32 x i8> in `_PERM`'s order: Q4_K/Q5_K's values (0..31), Q6_K's + 32 (0..63)."""
+    i8x32 = ir.VectorType(_I8, 32)
+    k = lambda v: ir.Constant(i8x32, [v] * 32)
+    load = lambda off: builder.shuffle_vector(
+        builder.load(_at(builder, row, builder.add(o, ir.Constant(o.type, off)), i8x32), align=1),
+        ir.Constant(i8x32, None), _idx(_PERM))
+    chunks = []
+    if code == Q6_K:
+        for h in range(2):
+            a, b, hb = load(64 * h), load(64 * h + 32), load(128 + 32 * h)
+            chunks += [builder.or_(builder.and_(a, k(15)), builder.shl(builder.and_(hb, k(3)), k(4))),
+                       builder.or_(builder.and_(b, k(15)), builder.and_(builder.shl(hb, k(2)), k(0x30))),
+                       builder.or_(builder.lshr(a, k(4)), builder.and_(hb, k(0x30))),
+                       builder.or_(builder.lshr(b, k(4)), builder.and_(builder.lshr(hb, k(2)), k(0x30)))]
+        return chunks
+    qs = _KROW[code][2]
+    hb = load(16) if code == Q5_K else None
+    for p in range(4):
+        q = load(qs + 32 * p)
+        lo, hi = builder.and_(q, k(15)), builder.lshr(q, k(4))
+        if hb is not None:
+            lo = builder.or_(lo, builder.shl(builder.and_(builder.lshr(hb, k(2 * p)), k(1)), k(4)))
+            hi = builder.or_(hi, builder.shl(builder.and_(builder.lshr(hb, k(2 * p + 1)), k(1)), k(4)))
+        chunks += [lo, hi]
+    return chunks
+
+
+def _k_row(code: int):
+    """An intrinsic f(src, nb, xp, xd, xbs, sc, mn, res): res[0] = the dot of weight row
+    src (nb super-blocks of Q4_K, Q5_K or Q6_K) with one q8_K activation row in the
+    generic order of ggml_vec_dot_<type>_q8_K (as `_dot_k`): xp (K) int8 its quants in
+    `_PERM`'s order chunk by chunk, xd (nb) float32 its scales, xbs (K/16) int32 its
+    bsums; sc, mn (K/32) int32 the row's 6-bit scales and mins (Q4_K/Q5_K,
+    `_k4_scales`). The chunks unpacked in registers, their products in 8-bit lanes
+    (vpmaddubsw), times the scales and summed to the eight aux32 lanes (vpmaddwd); the
+    loop over super-blocks in the IR."""
+    size, d_at, _ = _KROW[code]
+
+    def typer(typingctx, src, nb, xp, xd, xbs, sc, mn, res):
+        if not (isinstance(src, types.Array) and src.dtype == types.uint8 and _int8_arrays(xp)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            data = lambda i: context.make_array(sig.args[i])(context, builder, args[i]).data
+            row, xp_p, xd_p, xbs_p, sc_p, mn_p, res_p = (data(i) for i in (0, 2, 3, 4, 5, 6, 7))
+            row = builder.bitcast(row, _I8.as_pointer())
+            f32, i64, i16 = ir.FloatType(), ir.IntType(64), ir.IntType(16)
+            f8, v8, i16x16 = ir.VectorType(f32, 8), ir.VectorType(_I32, 8), ir.VectorType(i16, 16)
+            c64 = lambda v: ir.Constant(i64, v)
+            sums = cgutils.alloca_once_value(builder, ir.Constant(f8, [0.0] * 8))
+            sumf = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+            with cgutils.for_range(builder, args[1]) as loop:
+                b = loop.index
+                o = builder.mul(b, c64(size))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH))))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH + 64))))
+                _prefetch(builder, cgutils.gep(builder, row, builder.add(o, c64(_PREFETCH + 128))))
+                aux = ir.Constant(v8, [0] * 8)
+                for c, w in enumerate(_k_chunks(builder, row, o, code)):
+                    x = builder.load(_at(builder, xp_p, builder.add(builder.mul(b, c64(256)), c64(32 * c)),
+                                         ir.VectorType(_I8, 32)), align=1)
+                    p = _madd_ubs(builder, w, x)
+                    if code == Q6_K:              # the values' + 32 taken out: - 32 (x_a + x_b)
+                        p = builder.sub(p, _madd_ubs(builder, ir.Constant(w.type, [32] * 32), x))
+                        two = builder.load(_at(builder, row, builder.add(o, c64(192 + 2 * c)), ir.VectorType(_I8, 2)),
+                                           align=1)
+                        s = builder.shuffle_vector(builder.sext(two, ir.VectorType(i16, 2)), ir.Constant(
+                            ir.VectorType(i16, 2), None), _idx([0, 1] * 8))
+                    else:
+                        one = builder.trunc(builder.load(cgutils.gep(builder, sc_p, builder.add(
+                            builder.mul(b, c64(8)), c64(c)))), i16)
+                        s = _splat(builder, one, i16x16)
+                    aux = builder.add(aux, _madd_wd(builder, p, s))
+                yd = builder.load(cgutils.gep(builder, xd_p, b))
+                dx = _half(builder, builder.load(_at(builder, row, builder.add(o, c64(d_at)), i16), align=1))
+                d = builder.fmul(dx, yd)
+                builder.store(builder.fadd(builder.load(sums), builder.fmul(_splat(builder, d, f8),
+                                                                             builder.sitofp(aux, f8))), sums)
+                if code != Q6_K:                  # sumf -= (dmin * y.d) * sum_j bsums[j] mins[j]
+                    bs = builder.load(_at(builder, xbs_p, builder.mul(b, c64(16)), ir.VectorType(_I32, 16)), align=4)
+                    mins = builder.load(_at(builder, mn_p, builder.mul(b, c64(8)), v8), align=4)
+                    m16 = builder.shuffle_vector(mins, ir.Constant(v8, None), _idx([j // 2 for j in range(16)]))
+                    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                        _I32, [ir.VectorType(_I32, 16)]), "llvm.vector.reduce.add.v16i32")
+                    sumi = builder.sitofp(builder.call(fn, [builder.mul(bs, m16)]), f32)
+                    dmin = _half(builder, builder.load(_at(builder, row, builder.add(o, c64(2)), i16), align=1))
+                    builder.store(builder.fsub(builder.load(sumf), builder.fmul(builder.fmul(dmin, yd), sumi)), sumf)
+            r, s8 = builder.load(sumf), builder.load(sums)
+            for lane in range(8):
+                r = builder.fadd(r, builder.extract_element(s8, ir.Constant(_I32, lane)))
+            builder.store(r, res_p)
+            return context.get_dummy_value()
+
+        return types.none(src, types.intp, xp, xd, xbs, sc, mn, res), codegen
+    return intrinsic(typer)
+
+
+_k1_q4_k, _k1_q5_k, _k1_q6_k = _k_row(Q4_K), _k_row(Q5_K), _k_row(Q6_K)
+
+
+@njit(cache=True)
+def _permute_chunks(xq, xp):
+    """xp = row 0 of xq with each 32-value chunk in `_PERM`'s order."""
+    perm = _PERM_NP
+    for c in range(xq.shape[1] // 32):
+        for p in range(32):
+            xp[32 * c + p] = xq[0, 32 * c + perm[p]]
+
+
+@njit(cache=True, inline="always")
+def _k4_scales(src, nb, size, sc, mn):
+    """sc[8 b + c], mn[8 b + c]: the 6-bit scale and min of chunk c of super-block b of a
+    Q4_K/Q5_K row (`size` bytes a super-block)."""
+    for b in range(nb):
+        for c in range(8):
+            sc[8 * b + c], mn[8 * b + c] = _scale_min_k4(src, size * b + 4, c)
+
+
+@njit(cache=True, parallel=True)
+def _dot_k1(data, code, xp, xd, xbs, out, sc, mn, res):
+    """out[0, n] = vec_dot(W row n, x row 0) for Q4_K, Q5_K, Q6_K (`_k_row`). Scratch per
+    chunk of rows: sc, mn (K/32) int32, res (1) float32."""
+    N, K = data.shape[0], xp.shape[0]
+    nb = K // QK_K
+    chunks = res.shape[0]
+    per = (N + chunks - 1) // chunks
+    for c in prange(chunks):
+        scc, mnc, rc = sc[c], mn[c], res[c]
+        for n in range(c * per, min(N, c * per + per)):
+            src = data[n]
+            if code == Q6_K:
+                _k1_q6_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            elif code == Q4_K:
+                _k4_scales(src, nb, 144, scc, mnc)
+                _k1_q4_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            else:
+                _k4_scales(src, nb, 176, scc, mnc)
+                _k1_q5_k(src, nb, xp, xd, xbs, scc, mnc, rc)
+            out[0, n] = rc[0]
 
 
 _SIZES = {q: (T(q).name, *GGML_QUANT_SIZES[T(q)]) for q in QDOT_TYPES}   # name, block size, block bytes
@@ -836,13 +885,18 @@ def qdot_into(out: np.ndarray, x: np.ndarray, data: np.ndarray, qtype: int) -> N
         if padded != G:
             x = np.concatenate([x, np.zeros((padded - G, K), F32)])
         xq = quantize_rows(x, ACTIVATION[qtype])
-        _dot_legacy(data, qtype, xq.qs, np.ascontiguousarray(xq.d.T), np.ascontiguousarray(xq.s.T), out,
-                    np.empty((chunks, K // 32, 2), F32),
-                    np.empty((chunks, K // 32, 3), np.int64), np.empty((chunks, padded), F32),
-                    np.empty((chunks, 8), np.int32))
+        bias = _LEGACY[qtype][3]
+        _dot_legacy(data, qtype, bias, xq.qs, np.empty((padded, K // 4 if bias else 0), np.int32),
+                    np.ascontiguousarray(xq.d.T), np.ascontiguousarray(xq.s.T), out, np.empty((chunks, 8), F32))
         return
     xq = quantize_rows(x, ACTIVATION[qtype])
     nb = K // QK_K
+    if G == 1 and qtype in _KROW:                      # a decode step: rows unpacked in registers
+        xp = np.empty(K, np.int8)
+        _permute_chunks(xq.qs, xp)
+        _dot_k1(data, qtype, xp, xq.d[0], xq.bsums[0], out, np.empty((chunks, K // 32), np.int32),
+                np.empty((chunks, K // 32), np.int32), np.empty((chunks, 1), F32))
+        return
     _dot_k(data, qtype, xq.qs, xq.d, xq.bsums, out, np.empty((chunks, K), np.int8), np.empty((chunks, nb), F32), np.empty((chunks, nb), F32),
            np.empty((chunks, K // 16), np.int32), np.empty((chunks, K // 2), np.int32),
            np.empty((chunks, K // 16), np.int32),

@@ -1,15 +1,18 @@
 """numpy references of kernels/qdot.py: activation rows quantized per block and their
-dot products with quantized weight rows, in llama.cpp's generic C order.
+dot products with quantized weight rows, in the float order of llama.cpp's x86 kernels
+(32-value types) or of its generic C (K-quants).
 
 Mirrors, statement for statement where floats are involved:
     quantize_row_q8_0_ref, quantize_row_q8_1_ref, quantize_row_q8_K_ref   (ggml-quants.c)
-    ggml_vec_dot_<type>_q8_<x>_generic                                   (ggml-cpu/quants.c)
+    ggml_vec_dot_<type>_q8_<x> (AVX2, no fused multiply-add) for Q4_0, Q4_1, Q5_0, Q5_1,
+        Q8_0                                                 (ggml-cpu/arch/x86/quants.c)
+    ggml_vec_dot_<type>_q8_K_generic for Q2_K..Q6_K                  (ggml-cpu/quants.c)
 The integer parts of a dot (sums of int8 x small-int products, times 6-bit scales) are
 exact, so they are computed here in int64 in any order; every float operation (the
-block scales' products, the per-block accumulation `sumf += ...`, the K-quants' eight
-float lanes `sums[l] += d * aux32[l]` and their final sum) is done in float32, one
-numpy op per C operation, in the C order, with no fused multiply-add: the oracle the
-numba kernels are compared with bit for bit. (ggml's C compiler may contract `a*b + c`
+block scales' products, the 32-value types' eight float lanes across blocks and their
+sum, the K-quants' eight float lanes `sums[l] += d * aux32[l]` and their final sum) is
+done in float32, one numpy op per C operation, in the C order, with no fused
+multiply-add: the oracle the numba kernels are compared with bit for bit. (ggml's C compiler may contract `a*b + c`
 into an FMA; kernels/dequant.py's docstring says the same of its oracle.)
 
 Quantized activations are returned as `QuantizedRows` of plain arrays rather than
@@ -171,23 +174,29 @@ def unpack_k(data: np.ndarray, qtype: int):
 
 # ------------------------------------------------------------ dot products
 def _legacy_dot_ref(xq: QuantizedRows, data: np.ndarray, qtype: int) -> np.ndarray:
-    """ggml_vec_dot_{q4_0,q5_0,q8_0}_q8_0 / {q4_1,q5_1}_q8_1 (generic), every pair of rows."""
+    """ggml_vec_dot_{q4_0,q5_0,q8_0}_q8_0 / {q4_1,q5_1}_q8_1 in the order of ggml's x86
+    kernels (arch/x86/quants.c, AVX2), every pair of rows: each block's products summed
+    four consecutive values to a lane (eight int32 lanes, `mul_sum_i8_pairs_float`), the
+    lanes accumulated across blocks in eight float lanes acc[l] += (d_x*d_y) * lane[l]
+    (a multiply and an add: no fused multiply-add), then hsum_float_8(acc) = ((acc0 +
+    acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)); Q4_1/Q5_1 add summs, the
+    blocks' m_x*s_y summed in order."""
     w, dx, mx = unpack_legacy(data, qtype)
     G, nb = xq.d.shape
     N = w.shape[0]
-    sumi = np.einsum("gbj,nbj->gnb", xq.qs.astype(np.int64).reshape(G, nb, 32), w).astype(F32)  # exact
-    sumf = np.zeros((G, N), F32)
+    lanes = np.einsum("gblj,nblj->gnbl", xq.qs.astype(np.int64).reshape(G, nb, 8, 4),
+                      w.reshape(N, nb, 8, 4)).astype(F32)                         # exact
+    acc = np.zeros((G, N, 8), F32)
+    summs = np.zeros((G, N), F32)
     for b in range(nb):
-        si, xd, yd = sumi[:, :, b], dx[None, :, b], xq.d[:, None, b]
-        if qtype == T.Q4_0:
-            sumf += (si * xd) * yd                                  # sumi*d_x*d_y
-        elif qtype == T.Q8_0:
-            sumf += si * (xd * yd)                                  # sumi*(d_x*d_y)
-        elif qtype == T.Q5_0:
-            sumf += (xd * yd) * si                                  # (d_x*d_y)*sumi
-        else:                                                       # Q4_1, Q5_1
-            sumf += (xd * yd) * si + mx[None, :, b] * xq.s[:, None, b]
-    return sumf
+        d = dx[None, :, b] * xq.d[:, None, b]                          # d_x*d_y
+        acc += d[..., None] * lanes[:, :, b]
+        if mx is not None:
+            summs += mx[None, :, b] * xq.s[:, None, b]                 # summs += m_x*s_y
+    t = acc[..., :4] + acc[..., 4:]
+    u = t[..., :2] + t[..., 2:]
+    sumf = u[..., 0] + u[..., 1]
+    return sumf + summs if mx is not None else sumf
 
 
 def _k_dot_ref(xq: QuantizedRows, data: np.ndarray, qtype: int) -> np.ndarray:

@@ -2,10 +2,10 @@
 multiplied with quantized weight rows as llama.cpp's CPU backend does. The numba kernels
 bit for bit against the numpy references for every type, G = 1..16 rows, special rows
 (zeros, ties, negative maxima, tiny and large values); q8_0 against gguf's quantizer;
-the references' float order against literal transliterations of ggml's generic C for
-the bench model's types; the references' value against the float64 product of gguf's
-dequantized operands; a column block as `out`; the reference models' tensors; the
-argument checks."""
+the references' float order against literal transliterations of ggml's C for the bench
+model's types (the 32-value types: its x86 kernels; the K-quants: its generic code); the
+references' value against the float64 product of gguf's dequantized operands; a column
+block as `out`; the reference models' tensors; the argument checks."""
 from pathlib import Path
 
 import gguf
@@ -107,11 +107,24 @@ def test_qdot_bit_exact(qtype, G):
     assert_bits(out, qdot_ref(x, data, qtype))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_qdot_one_row_special_rows(qtype):
+    """A decode step's one-row kernels (their own code: `_legacy_rows` with one row,
+    `_k_row`) on each special row: zeros, ties, negative maxima, tiny and large values."""
+    K = 768
+    data = random_tensor(qtype, 19, K, seed=7)
+    x = activations(6, K, seed=11)
+    for g in range(6):
+        out = np.full((1, 19), np.nan, F32)
+        qdot_into(out, x[g:g + 1], data, qtype)
+        assert_bits(out, qdot_ref(x[g:g + 1], data, qtype))
+
+
 @pytest.mark.parametrize("qtype", TYPES[:5], ids=lambda t: t.name)
 @pytest.mark.parametrize("G", [1, 9])
 def test_qdot_bit_exact_partial_groups(qtype, G):
-    """K of 13 blocks (the one-row kernel's eight-block group and five single blocks; the
-    bench model's 896 is 3 x 8 + 4) and G = 9 (a second group of eight rows, padded)."""
+    """K of 13 blocks (an odd count; the bench model's 896 is 28) and G = 9 (a second
+    group of eight rows, padded)."""
     K = 32 * 13
     data = random_tensor(qtype, 21, K, seed=5)
     x = activations(G, K, seed=G + 3)
@@ -137,17 +150,19 @@ def test_ref_is_the_dequantized_product(qtype):
 
 
 def _c_q5_0(xq, data):
-    """ggml_vec_dot_q5_0_q8_0_generic, statement for statement (one row pair)."""
+    """ggml_vec_dot_q5_0_q8_0's AVX2 kernel (arch/x86/quants.c), step for step with a
+    multiply and an add for its fused multiply-add (one row pair): eight lanes of four
+    consecutive products, accumulated per block in float lanes, then hsum_float_8."""
     w, dx, _ = unpack_legacy(data[None], T.Q5_0)
-    sumf = F32(0)
+    acc = [F32(0)] * 8
     for ib in range(w.shape[1]):
-        sumi0 = sumi1 = 0
-        for j in range(16):
-            sumi0 += int(w[0, ib, j]) * int(xq.qs[0, 32 * ib + j])
-            sumi1 += int(w[0, ib, j + 16]) * int(xq.qs[0, 32 * ib + j + 16])
-        sumi = sumi0 + sumi1
-        sumf = F32(sumf + F32(dx[0, ib] * xq.d[0, ib]) * F32(sumi))
-    return sumf
+        d = F32(dx[0, ib] * xq.d[0, ib])
+        for lane in range(8):
+            q = sum(int(w[0, ib, 4 * lane + j]) * int(xq.qs[0, 32 * ib + 4 * lane + j]) for j in range(4))
+            acc[lane] = F32(acc[lane] + F32(d * F32(q)))
+    res = [F32(acc[i] + acc[i + 4]) for i in range(4)]               # _mm256_extractf128_ps + add
+    res = [F32(res[0] + res[2]), F32(res[1] + res[3])]               # + _mm_movehl_ps
+    return F32(res[0] + res[1])                                      # + _mm_movehdup_ps
 
 
 def _c_q4_k(xq, data):
@@ -175,7 +190,8 @@ def _c_q4_k(xq, data):
 
 
 @pytest.mark.parametrize("qtype,c_dot", [(T.Q5_0, _c_q5_0), (T.Q4_K, _c_q4_k)], ids=["Q5_0", "Q4_K"])
-def test_ref_order_is_ggml_generic(qtype, c_dot):
+def test_ref_order_is_ggmls(qtype, c_dot):
+    """Q5_0 in the order of ggml's x86 kernel, Q4_K in its generic C order."""
     K = 768
     data = random_tensor(qtype, 4, K, seed=3)
     x = activations(2, K, seed=4)
@@ -239,8 +255,9 @@ def test_argument_checks():
 
 @pytest.mark.slow
 def test_portable_products_bit_exact(tmp_path):
-    """The kernels compiled without vpmaddwd (numba told of a generic CPU: `_pairs`'
-    portable form) give the reference's bits too, one row and eight."""
+    """The kernels compiled without vpmaddwd, vpdpbusd, vpmaddubsw and F16C (numba told
+    of a generic CPU: `_pairs`', `_lanes8`'s, `_madd_ubs`', `_madd_wd`'s and `_half`'s
+    portable forms) give the reference's bits too, one row and eight."""
     import os
     import subprocess
     import sys
@@ -248,11 +265,11 @@ def test_portable_products_bit_exact(tmp_path):
             "from op_helpers import random_tensor\n"
             "from llamatune.kernels import qdot\n"
             "from llamatune.kernels.qdot_ref import qdot_ref\n"
-            "assert not qdot._PMADDWD\n"
-            "for t in (2, 6, 8):\n"
+            "assert not (qdot._PMADDWD or qdot._VNNI or qdot._AVX2 or qdot._F16C)\n"
+            "for t in (2, 3, 6, 8, 12, 13, 14):\n"
             "    for G in (1, 8):\n"
-            "        d = random_tensor(t, 9, 32 * 13, seed=t)\n"
-            "        x = np.random.default_rng(G).standard_normal((G, 32 * 13)).astype(np.float32)\n"
+            "        d = random_tensor(t, 9, 256 * 3, seed=t)\n"
+            "        x = np.random.default_rng(G).standard_normal((G, 256 * 3)).astype(np.float32)\n"
             "        out = np.empty((G, 9), np.float32)\n"
             "        qdot.qdot_into(out, x, d, t)\n"
             "        assert np.array_equal(out.view(np.int32), qdot_ref(x, d, t).view(np.int32)), (t, G)\n"
