@@ -356,3 +356,22 @@ def test_gpu_bf16_estimate_is_the_f32_one_with_bf16_copies(model):
         assert b.scratch == model.dequantizer.nbytes_bf16 == a.scratch // 2
         chunk = head_chunk(256, head_floats(cfg), sum(n * m for n, m in grad_scratch(cfg, 256, mode).values()))
         assert b.temporaries - a.temporaries == gpu_bf16_bytes(cfg, 256, chunk, host.weights.head_rows) > 2 * 256 * cfg.n_ff
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma4"])
+def test_the_bf16_warm_up_model_of_a_five_to_one_window_pattern_loads(arch):
+    """Gemma 3 / 4 slide on five layers of six: the warm-up's 2-layer model keeps one sliding
+    layer and one full (gemma4's loader refuses windows without a period), and the bf16
+    warm-up runs on it."""
+    from llamatune import precision
+    from llamatune.kernels import bf16
+    from llamatune.models.config import ModelConfig
+    from llamatune.train.step import compile_bf16_kernels, tiny_config
+    like = ModelConfig.new(arch, n_vocab=400, n_ctx_train=64, n_embd=32, n_layer=6, n_ff=48, n_head=4, n_head_kv=2,
+                           head_dim=8, n_rot=8, norm_eps=1e-6, sliding_window=8, swa_pattern=6, rope_freq_base=1e6,
+                           rope_freq_base_swa=10000.0, rope_freq_scale_swa=1.0, final_softcap=30.0)
+    tiny = tiny_config(like)
+    assert [tiny.is_swa(i) for i in range(tiny.n_layer)] == [True, False]
+    if not (bf16.cpu_bf16_flags() and bf16.available()):
+        pytest.skip("this CPU has no native bf16 or oneDNN is not installed")
+    compile_bf16_kernels(like, precision.policy("bf16"))
