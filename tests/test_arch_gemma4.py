@@ -18,7 +18,7 @@ import pytest
 
 from checks.arch_reference import Block
 from hf_oracle import (built_model, check_greedy_generation, check_logits, check_lora_gradients_against_hf,
-                       check_perplexity, check_short_lora, llama_ppl, oracle, our_ppl)
+                       check_perplexity, check_short_lora, oracle)
 from llamatune.errors import LlamatuneError
 from llamatune.models.config import ModelConfig
 from llamatune.models.model import Model
@@ -302,20 +302,8 @@ def test_e4b_hf_model_loads_and_its_logits_equal_hf_float64(hf_e4b):
 @pytest.mark.slow
 @pytest.mark.parametrize("outtype", ["f32", "q8_0"])
 def test_e4b_perplexity_equals_llama_perplexity_and_hf(hf_e4b, outtype):
-    from checks.arch_reference import cross_entropy
     module, d = hf_e4b
-    path = d / f"{outtype}.gguf"
-    ours, theirs = our_ppl(path, d / "eval.txt"), llama_ppl(d, path)
-    assert abs(ours - theirs) <= 1e-3 * theirs, (ours, theirs)
-    model = Model(path)
-    ids = model.tokenizer.encode((d / "eval.txt").read_text(encoding="utf-8"))
-    rows = np.array([ids[c * 64:(c + 1) * 64] for c in range(len(ids) // 64)])
-    rows[:, 0] = model.tokenizer.bos_id
-    np.save(d / "rows.npy", rows)
-    oracle(module, "logits", d / "hf", d / "rows.npy", d / "rows-logits.npy")
-    z = np.load(d / "rows-logits.npy")
-    hf = float(np.exp(np.mean(np.concatenate([cross_entropy(z[r, 32:-1], rows[r, 33:]) for r in range(len(rows))]))))
-    assert abs(ours - hf) <= 1e-3 * hf, (ours, hf)
+    check_perplexity(d, module, outtype, bos=True)
 
 
 @pytest.mark.slow
