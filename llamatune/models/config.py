@@ -46,6 +46,23 @@ def _tokens_count(md: dict[str, Any], arch: str, source: str) -> int:
     return len(tokens)
 
 
+def _architecture(md: dict[str, Any], source: str):
+    """The file's `general.architecture` and its declared family (ArchSpec); a family we do
+    not know, or a mixture of experts of a family that has none, is refused naming `source`."""
+    arch = md.get("general.architecture")
+    if arch is None:
+        raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
+    if not isinstance(arch, str):
+        raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
+                             "expected a string")
+    n_experts = check_int(md.get(f"{arch}.expert_count", 0), 0, MAX_COUNT, f"{source}: metadata key '{arch}.expert_count'")
+    try:
+        check_dense(arch, n_experts)
+        return arch, get_arch(arch)
+    except LlamatuneError as e:
+        raise LlamatuneError(f"{source}: {e}") from None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     arch: str
@@ -311,18 +328,7 @@ class ModelConfig:
         """Build from a GGUF metadata dict; `source` (the file name) prefixes every error;
         `tensors`: the file's tensor names, where a family tells a hyperparameter by them
         (gemma4's attention_k_eq_v: no attn_v in its full-attention layers)."""
-        arch = md.get("general.architecture")
-        if arch is None:
-            raise LlamatuneError(f"{source}: missing required metadata key 'general.architecture'")
-        if not isinstance(arch, str):
-            raise LlamatuneError(f"{source}: metadata key 'general.architecture' is {describe(arch)}, "
-                                 "expected a string")
-        n_experts = check_int(md.get(f"{arch}.expert_count", 0), 0, MAX_COUNT, f"{source}: metadata key '{arch}.expert_count'")
-        try:
-            check_dense(arch, n_experts)
-            spec = get_arch(arch)
-        except LlamatuneError as e:
-            raise LlamatuneError(f"{source}: {e}") from None
+        arch, spec = _architecture(md, source)
 
         def count(key: str, default: Any = None) -> int:
             """A positive integer hyperparameter `{arch}.key` (llama.cpp holds them as int32)."""

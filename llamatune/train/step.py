@@ -97,7 +97,16 @@ class StepExecutor(Forward):
         self.linears = LoraLinears(self, self.lora, xa, lora_dropout)   # each linear's trainable side
         self.head = LossHead(self)                                     # final norm, logits, loss, gradient
         self.x_final, self.rstd_f = buf["x_final"], buf["rstd_f"]
-        # scratch, reused by every layer
+        self._scratch_views(buf, weights, within)
+        self._rope_tables(weights, buf, T, dtype, within)
+        self.buffers = buf                             # name -> array, as planned
+        self.ropes = self.rope_rows                    # the step's tables, per rope set
+        self.segments = None
+
+    def _scratch_views(self, buf: dict, weights, within: "StepExecutor | None") -> None:
+        """The scratch every layer reuses, the head's chunk of logits, and the family's own
+        buffers, as views of the planned `buf`."""
+        cfg = self.cfg
         self.xn, self.dx, self.dxn, self.h = buf["xn"], buf["dx"], buf["dxn"], None
         shared, at = buf["grads_logits"], 0
         self._flat = {}                                # name -> the whole of a scratch (enter_layer)
@@ -121,10 +130,6 @@ class StepExecutor(Forward):
         self.kv_grads = {s: (buf[f"kv_grad.{s}.k"], buf[f"kv_grad.{s}.v"]) for s in cfg.kv_sources}
         if cfg.n_embd_per_layer:
             self.ple = {k: buf[f"ple.{k}"] for k in ("inputs", "proj", "rstd", "d")}
-        self._rope_tables(weights, buf, T, dtype, within)
-        self.buffers = buf                             # name -> array, as planned
-        self.ropes = self.rope_rows                    # the step's tables, per rope set
-        self.segments = None
 
     def _rope_tables(self, weights, buf: dict, T: int, dtype, within: "StepExecutor | None") -> None:
         """Each rope set's cos and sin tables for positions 0..T-1, added to `buf` (a trimmed
