@@ -424,7 +424,7 @@ def tiny_config(like: ModelConfig | None, n_ctx: int = 8, n_vocab: int = 64) -> 
         tiny["recurrent_layers"] = (True, False)
     if like is not None and like.swa_pattern > 2:                 # one sliding layer, one full
         tiny["swa_pattern"] = 2
-    if like is not None and like.varies | bool(like.n_kv_shared or like.n_embd_per_layer):   # gemma4: one width,
+    if like is not None and (like.varies or like.n_kv_shared or like.n_embd_per_layer):      # gemma4: one width,
         tiny |= dict(head_dim_swa=0, n_rot_swa=0, n_head_kv_layers=(), n_ff_layers=(), n_kv_shared=0,  # its own
                      n_embd_per_layer=8 if like.n_embd_per_layer else 0)                    # K/V, small inputs
     if like is not None and like.spec.moe:
